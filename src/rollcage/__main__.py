@@ -1,0 +1,5 @@
+"""``python -m rollcage``."""
+
+from rollcage.cli import main
+
+main()

@@ -1,0 +1,13 @@
+"""`rollcage run`: not built yet (see the open issues)."""
+
+from __future__ import annotations
+
+import typer
+
+__all__ = ["command"]
+
+
+def command() -> None:
+    """Not built yet."""
+    typer.echo("rollcage run: not built yet; see the open issues", err=True)
+    raise typer.Exit(2)

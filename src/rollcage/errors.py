@@ -1,0 +1,121 @@
+"""One exception hierarchy for everything rollcage raises.
+
+The split that matters most is *whose fault* a failure is: the infrastructure's
+(worth retrying the rollout, never trained on) or the request's/agent's (final).
+Every error carries a ``kind`` that says which, so the worker can publish it as
+``RunnerError.kind`` without guessing::
+
+    RollcageError
+    ├── ConfigError (ValueError)                 bad input, dataset row, config, CLI use   [fatal]
+    │   └── ControllerOnlyFieldError             controller state aimed at the sandbox      [fatal]
+    ├── DurableWriteError (OSError)              publishing or appending to disk failed     [transient]
+    ├── JournalCorruptError (ValueError)         a checkpoint journal is damaged mid-file   [fatal]
+    ├── ModelError                               the model endpoint                         [see below]
+    │   ├── TransientModelError                  connection, timeout, 408/409/429/5xx       [transient]
+    │   │   └── ModelTimeoutError (TimeoutError) no answer within the deadline              [transient]
+    │   └── FatalModelError                      400/401/404, context length, bad body      [fatal]
+    ├── ToolError                                a tool or the Python executor              [fatal]
+    │   ├── ToolTimeoutError (TimeoutError)      a call ran past its timeout                [fatal]
+    │   ├── ExecutorError                        the executor died or cannot start          [fatal]
+    │   └── ResourceUnavailableError             a resource endpoint cannot be reached      [transient]
+    ├── SandboxError                             bubblewrap missing or failing              [transient]
+    └── SupervisorError                          the supervisor could not do its job        [transient]
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+__all__ = [
+    "ConfigError",
+    "ControllerOnlyFieldError",
+    "DurableWriteError",
+    "ErrorKind",
+    "ExecutorError",
+    "FatalModelError",
+    "JournalCorruptError",
+    "ModelError",
+    "ModelTimeoutError",
+    "ResourceUnavailableError",
+    "RollcageError",
+    "SandboxError",
+    "SupervisorError",
+    "ToolError",
+    "ToolTimeoutError",
+    "TransientModelError",
+]
+
+ErrorKind = Literal["transient", "fatal"]
+"""Whose fault a failure is: ``transient`` is the infrastructure's, ``fatal`` is final."""
+
+
+class RollcageError(Exception):
+    """Root of every error rollcage raises on purpose."""
+
+    kind: ClassVar[ErrorKind] = "fatal"
+
+
+class ConfigError(RollcageError, ValueError):
+    """An input file, dataset row, config value or command line is wrong; the message says where."""
+
+
+class ControllerOnlyFieldError(ConfigError):
+    """Controller-only state (reference answers, rewards, credentials) was aimed at the sandbox."""
+
+
+class DurableWriteError(RollcageError, OSError):
+    """Writing an artifact to disk failed (disk full, EIO, permissions); nothing was half-published."""
+
+    kind: ClassVar[ErrorKind] = "transient"
+
+
+class JournalCorruptError(RollcageError, ValueError):
+    """A checkpoint journal has a damaged line that is not its torn last line."""
+
+
+class ModelError(RollcageError):
+    """The model endpoint failed to give a usable answer."""
+
+
+class TransientModelError(ModelError):
+    """The endpoint is unreachable, overloaded or broken: retry the rollout, never train on it."""
+
+    kind: ClassVar[ErrorKind] = "transient"
+
+
+class ModelTimeoutError(TransientModelError, TimeoutError):
+    """The endpoint gave no (complete) answer within the configured deadline."""
+
+
+class FatalModelError(ModelError):
+    """The request itself is wrong (400, 401, 404, context length, malformed body): retrying cannot help."""
+
+
+class ToolError(RollcageError):
+    """A tool call failed in a way the agent loop must know about."""
+
+
+class ToolTimeoutError(ToolError, TimeoutError):
+    """A tool call ran past its timeout and was interrupted."""
+
+
+class ExecutorError(ToolError):
+    """The Python executor could not start, or died and could not be restarted."""
+
+
+class ResourceUnavailableError(ToolError):
+    """A resource endpoint could not be reached at all: infrastructure, not the agent."""
+
+    kind: ClassVar[ErrorKind] = "transient"
+
+
+class SandboxError(RollcageError):
+    """The sandbox could not be set up (bubblewrap missing, namespaces refused)."""
+
+    kind: ClassVar[ErrorKind] = "transient"
+
+
+class SupervisorError(RollcageError):
+    """The supervisor could not start or watch the worker."""
+
+    kind: ClassVar[ErrorKind] = "transient"

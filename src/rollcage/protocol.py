@@ -1,0 +1,492 @@
+"""The typed artifacts: the only shapes that cross a process boundary.
+
+Every model forbids unknown fields, so a typo or a smuggled field is an error at
+the boundary rather than silently ignored state. Nothing the worker writes has a
+reward or grade field: grading happens outside the sandbox, on the controller's
+side, and only ``RolloutRecord`` carries a reward.
+
+Response items (``message``, ``function_call``, ``function_call_output``,
+``reasoning``) are kept as plain JSON objects shaped like the OpenAI Responses
+API, because they are carried through verbatim rather than interpreted.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollcage.errors import ControllerOnlyFieldError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AgentSettings",
+    "BoundaryRecord",
+    "Checkpoint",
+    "CheckpointSettings",
+    "ErrorKind",
+    "ExecutorSettings",
+    "ModelCall",
+    "ModelEndpoint",
+    "Outcome",
+    "PythonToolSpec",
+    "ResourceEndpoint",
+    "ResourceToolSpec",
+    "ResponseItem",
+    "ResponseOutput",
+    "RolloutMetrics",
+    "RolloutRecord",
+    "RunnerError",
+    "SamplingParams",
+    "SignalEvent",
+    "SupervisorReceipt",
+    "TerminationReason",
+    "TokenUsage",
+    "ToolCall",
+    "ToolSpec",
+    "Trajectory",
+    "WorkerInput",
+    "WorkerResult",
+    "artifact_models",
+]
+
+SCHEMA_VERSION = 1
+
+ErrorKind = Literal["transient", "fatal", "cancelled"]
+"""``transient``: infrastructure, retry the rollout; ``fatal``: final; ``cancelled``: stopped on request."""
+
+Outcome = Literal["completed", "agent_error", "timeout", "cancelled", "infra_failure"]
+"""How one attempt ended, as classified by the supervisor (see DESIGN.md's outcome table)."""
+
+TerminationReason = Literal[
+    "completed", "max_policy_calls", "max_tool_calls", "invalid_policy_output", "cancelled", "error"
+]
+"""Why the agent loop stopped."""
+
+ResponseItem = dict[str, Any]
+"""One Responses-API item (``message``, ``function_call``, ``function_call_output``, ``reasoning``)."""
+
+# Keys that belong to the controller alone. They are rejected by name, anywhere in
+# WorkerInput, with a message that says why, before the generic unknown-field check.
+CONTROLLER_ONLY_KEYS = frozenset(
+    {
+        "expected",
+        "expected_answer",
+        "reference_answer",
+        "answer_key",
+        "grader",
+        "grading",
+        "reward",
+        "rewards",
+        "score",
+        "api_key",
+        "authorization",
+        "credentials",
+        "secret",
+    }
+)
+
+
+class _Model(BaseModel):
+    """Base of every artifact: unknown fields are an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Frozen(_Model):
+    """Base of published values that must not change after they are built."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunnerError(_Frozen):
+    """Why a rollout did not complete normally."""
+
+    kind: ErrorKind = Field(description="transient: infrastructure; fatal: final; cancelled: stopped.")
+    type: str = Field(description="The exception class name, e.g. 'TransientModelError'.")
+    message: str = Field(description="What happened, in words a user can act on.")
+
+
+# --------------------------------------------------------------------------- input
+
+
+class SamplingParams(_Model):
+    """Sampling parameters sent with every model request; ``None`` means "the server's default"."""
+
+    temperature: float | None = Field(default=None, description="Sampling temperature.")
+    top_p: float | None = Field(default=None, description="Nucleus sampling mass.")
+    max_output_tokens: int | None = Field(
+        default=None, ge=1, description="Cap on generated tokens per call (max_tokens for Chat Completions)."
+    )
+    seed: int | None = Field(default=None, description="Sampling seed, where the server supports it.")
+    stop: list[str] | None = Field(default=None, description="Stop sequences (Chat Completions only).")
+
+
+class ModelEndpoint(_Model):
+    """Where and how the worker calls the model. Never holds a key: the egress proxy adds it."""
+
+    base_url: str = Field(
+        description="Base URL as seen from inside the sandbox, ending in /v1 (e.g. http://127.0.0.1:8000/v1)."
+    )
+    model: str = Field(description="Model name sent in every request.")
+    api: Literal["chat", "responses"] = Field(
+        default="chat", description="chat: /chat/completions; responses: /responses."
+    )
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling parameters.")
+    stream: bool = Field(default=False, description="Request server-sent events and assemble them.")
+    timeout_s: float = Field(default=120.0, gt=0, description="Deadline for one request, first byte to last.")
+    connect_timeout_s: float = Field(default=10.0, gt=0, description="Deadline for establishing a connection.")
+    max_retries: int = Field(default=3, ge=0, le=20, description="Retries of a transient failure per call.")
+    retry_backoff_s: float = Field(default=0.5, ge=0, description="First backoff; doubles per retry.")
+    uds: str | None = Field(
+        default=None, description="Unix socket of the egress proxy; None means connect to base_url directly."
+    )
+
+
+class ResourceEndpoint(_Model):
+    """An HTTP resource server the agent's tools call (the NeMo Gym convention: JSON POST per tool)."""
+
+    base_url: str = Field(description="Base URL as seen from inside the sandbox.")
+    uds: str | None = Field(default=None, description="Unix socket of the egress proxy; None: direct.")
+    timeout_s: float = Field(default=30.0, gt=0, description="Deadline for one tool request.")
+
+
+class PythonToolSpec(_Model):
+    """The persistent Python executor, offered as a tool (function_calling) or as code blocks (codeact)."""
+
+    type: Literal["python"] = "python"
+    name: str = Field(default="python", description="Tool name the model sees.")
+    description: str = Field(
+        default="Run Python code in a persistent session; returns stdout, stderr and the last value.",
+        description="Tool description the model sees.",
+    )
+
+
+class ResourceToolSpec(_Model):
+    """A tool served by a resource endpoint: ``POST {base_url}/{path}`` with the arguments as JSON."""
+
+    type: Literal["resource"] = "resource"
+    name: str = Field(description="Tool name the model sees (and the Python function name in codeact).")
+    description: str = Field(default="", description="Tool description the model sees.")
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="JSON Schema of the arguments.",
+    )
+    resource: str = Field(description="Key into WorkerInput.resources.")
+    path: str | None = Field(default=None, description="Endpoint path; None means '/<name>'.")
+
+
+ToolSpec = Annotated[PythonToolSpec | ResourceToolSpec, Field(discriminator="type")]
+"""A tool offered to the agent, tagged by ``type``."""
+
+
+class AgentSettings(_Model):
+    """Limits and action style of the agent loop."""
+
+    mode: Literal["function_calling", "codeact"] = Field(
+        default="function_calling",
+        description="function_calling: tools as function tools; codeact: the model writes fenced Python.",
+    )
+    max_policy_calls: int = Field(default=16, ge=1, description="Model calls before the loop stops.")
+    max_tool_calls: int = Field(default=64, ge=0, description="Tool calls before the loop stops.")
+    tool_timeout_s: float = Field(default=30.0, gt=0, description="Timeout of one tool call or code cell.")
+    tool_output_limit: int = Field(
+        default=16_384, ge=256, description="Characters of one tool result shown to the model; more is cut."
+    )
+    max_invalid_outputs: int = Field(
+        default=2, ge=0, description="Unusable model outputs (malformed tool JSON, length stops) tolerated."
+    )
+
+
+class ExecutorSettings(_Model):
+    """The persistent Python executor."""
+
+    backend: Literal["repl", "jupyter"] = Field(
+        default="repl", description="repl: lean child process (default); jupyter: ipykernel (optional extra)."
+    )
+    interrupt_grace_s: float = Field(
+        default=2.0, gt=0, description="After SIGINT, how long a cell may take to stop before a restart."
+    )
+
+
+class CheckpointSettings(_Model):
+    """The append-only checkpoint journal."""
+
+    enabled: bool = Field(default=True, description="Write a boundary record after every model/tool step.")
+
+
+class WorkerInput(_Model):
+    """``input.json``: the complete allow-list of what enters the sandbox.
+
+    Controller-only state (reference answers, grader settings, rewards,
+    credentials) has no field here and is rejected by name if present.
+    """
+
+    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
+    rollout_id: str = Field(min_length=1, description="Unique id of this attempt.")
+    task_id: str = Field(min_length=1, description="Id of the task (dataset row).")
+    input: str | list[ResponseItem] = Field(description="Model-visible input: text or Responses-API items.")
+    instructions: str | None = Field(default=None, description="System instructions; None: none.")
+    model: ModelEndpoint = Field(description="The model endpoint as seen from inside the sandbox.")
+    agent: AgentSettings = Field(default_factory=AgentSettings, description="Agent loop settings.")
+    executor: ExecutorSettings = Field(default_factory=ExecutorSettings, description="Python executor.")
+    tools: list[ToolSpec] = Field(default_factory=list, description="Tools offered to the agent.")
+    resources: dict[str, ResourceEndpoint] = Field(
+        default_factory=dict, description="Resource endpoints by name, referenced by resource tools."
+    )
+    model_cookies: dict[str, str] = Field(default_factory=dict, description="Cookies sent to the model.")
+    resource_cookies: dict[str, str] = Field(default_factory=dict, description="Cookies sent to resources.")
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings, description="Journal settings.")
+    result_mode: int = Field(
+        default=0o600, ge=0, le=0o777, description="File mode of result.json (e.g. 0o640 for a collector)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_controller_state(cls, data: Any) -> Any:
+        found = sorted(_controller_only_paths(data, ""))
+        if found:
+            raise ControllerOnlyFieldError(
+                f"field {found[0]!r} is controller-only state (answers, grading, rewards, credentials) "
+                "and must never enter the sandbox; remove it from input.json"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _check_tool_references(self) -> WorkerInput:
+        names: set[str] = set()
+        for tool in self.tools:
+            if tool.name in names:
+                raise ValueError(f"tools: duplicate tool name {tool.name!r}")
+            names.add(tool.name)
+            if isinstance(tool, ResourceToolSpec) and tool.resource not in self.resources:
+                raise ValueError(
+                    f"tools: tool {tool.name!r} names resource {tool.resource!r}, "
+                    f"which is not in resources ({sorted(self.resources)})"
+                )
+        return self
+
+
+def _controller_only_paths(data: Any, prefix: str) -> list[str]:
+    """Dotted paths of controller-only keys in the settings part of an input (not the model-visible input)."""
+    if not isinstance(data, dict):
+        return []
+    found: list[str] = []
+    for key, value in data.items():
+        if prefix == "" and key in ("input", "instructions", "tools"):
+            continue  # model-visible text and tool schemas may mention such words legitimately
+        path = f"{prefix}{key}"
+        if isinstance(key, str) and key.lower() in CONTROLLER_ONLY_KEYS:
+            found.append(path)
+        found.extend(_controller_only_paths(value, path + "."))
+    return found
+
+
+# --------------------------------------------------------------------------- trajectory
+
+
+class TokenUsage(_Model):
+    """Token counts as the server reported them; ``None`` means "not reported", never a guessed 0."""
+
+    input_tokens: int | None = Field(default=None, description="Prompt tokens.")
+    output_tokens: int | None = Field(default=None, description="Generated tokens, reasoning included.")
+    reasoning_tokens: int | None = Field(default=None, description="Generated reasoning tokens.")
+    cached_tokens: int | None = Field(default=None, description="Prompt tokens served from cache.")
+    total_tokens: int | None = Field(default=None, description="input + output, as the server said.")
+
+
+class ModelCall(_Model):
+    """One model call: the exact request, the raw response and what it meant."""
+
+    index: int = Field(ge=0, description="0-based position among the rollout's model calls.")
+    api: Literal["chat", "responses"] = Field(description="API style used.")
+    request: dict[str, Any] = Field(description="The exact JSON payload of the last attempt.")
+    response: dict[str, Any] | None = Field(
+        default=None, description="The raw response payload (assembled from events if streamed); None on failure."
+    )
+    status: Literal["completed", "incomplete", "failed"] = Field(description="How the call ended.")
+    incomplete_reason: str | None = Field(
+        default=None, description="Why the output is incomplete, e.g. 'max_output_tokens', 'length'."
+    )
+    output: list[ResponseItem] = Field(default_factory=list, description="The output as Responses-API items.")
+    usage: TokenUsage = Field(default_factory=TokenUsage, description="Token counts.")
+    http_status: int | None = Field(default=None, description="HTTP status of the last attempt.")
+    attempts: int = Field(default=1, ge=1, description="HTTP attempts made (1 + retries).")
+    started_at: float = Field(description="Unix time the call started.")
+    first_byte_at: float | None = Field(default=None, description="Unix time of the first response byte.")
+    ended_at: float = Field(description="Unix time the call ended.")
+    error: RunnerError | None = Field(default=None, description="Why the call failed, if it did.")
+
+
+ToolStatus = Literal["pending", "completed", "failed", "cancelled", "incomplete"]
+
+
+class ToolCall(_Model):
+    """One tool call or code cell, from the model's request to its output."""
+
+    call_id: str = Field(description="The model's call id (generated for codeact cells).")
+    name: str = Field(description="Tool name.")
+    arguments: str = Field(description="Arguments exactly as the model wrote them (JSON text or code).")
+    turn: int = Field(ge=0, description="Index of the model call that requested it.")
+    status: ToolStatus = Field(description="pending until it ends; incomplete if it never did.")
+    output: str | None = Field(default=None, description="Text shown to the model; None while pending.")
+    started_at: float = Field(description="Unix time the call started.")
+    ended_at: float | None = Field(default=None, description="Unix time the call ended; None while pending.")
+    duration_s: float | None = Field(default=None, description="ended_at - started_at.")
+
+
+class Trajectory(_Model):
+    """Everything the agent did, in order."""
+
+    model_calls: list[ModelCall] = Field(default_factory=list, description="Model calls in order.")
+    tool_calls: list[ToolCall] = Field(default_factory=list, description="Tool calls in order of request.")
+
+
+class ResponseOutput(_Model):
+    """The rollout's answer, shaped like a Responses-API response object."""
+
+    id: str = Field(description="The rollout id.")
+    object: Literal["response"] = "response"
+    model: str = Field(description="Model name.")
+    status: Literal["completed", "incomplete", "failed", "cancelled"] = Field(description="Overall status.")
+    output: list[ResponseItem] = Field(description="All items the episode produced, tool outputs included.")
+    output_text: str = Field(default="", description="The final answer text.")
+    usage: TokenUsage = Field(default_factory=TokenUsage, description="Summed over calls (None if unreported).")
+
+
+class WorkerResult(_Frozen):
+    """``result.json``: published once, atomically, by the worker. Never carries a reward."""
+
+    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
+    rollout_id: str = Field(description="Id of this attempt ('' if the input could not be read).")
+    task_id: str = Field(description="Id of the task ('' if the input could not be read).")
+    response: ResponseOutput | None = Field(
+        description="The final output; None when no model response arrived (e.g. cancelled early)."
+    )
+    trajectory: Trajectory = Field(default_factory=Trajectory, description="Model and tool calls.")
+    model_cookies: dict[str, str] = Field(default_factory=dict, description="Model cookies at the end.")
+    resource_cookies: dict[str, str] = Field(default_factory=dict, description="Resource cookies at the end.")
+    termination_reason: TerminationReason = Field(description="Why the agent loop stopped.")
+    error: RunnerError | None = Field(default=None, description="None when the rollout completed normally.")
+    checkpoint_failures: int = Field(default=0, ge=0, description="Boundary records that failed to persist.")
+    started_at: float = Field(description="Unix time the worker started.")
+    ended_at: float = Field(description="Unix time the result was built.")
+
+
+class BoundaryRecord(_Model):
+    """One line of ``checkpoint.jsonl`` (its ``seq`` and checksum are added by the journal).
+
+    ``start`` carries the rollout id; ``model_call`` a finished model call and the
+    tool calls it requested (pending); ``tool_call`` one finished tool call.
+    """
+
+    kind: Literal["start", "model_call", "tool_call"] = Field(description="Which boundary this is.")
+    at: float = Field(description="Unix time of the boundary.")
+    rollout_id: str | None = Field(default=None, description="Set on 'start'.")
+    model_call: ModelCall | None = Field(default=None, description="Set on 'model_call'.")
+    tool_calls: list[ToolCall] = Field(
+        default_factory=list, description="On 'model_call': requested calls (pending); on 'tool_call': one."
+    )
+    model_cookies: dict[str, str] | None = Field(default=None, description="Model cookies, if changed.")
+    resource_cookies: dict[str, str] | None = Field(default=None, description="Resource cookies, if changed.")
+
+
+class Checkpoint(_Model):
+    """A journal folded into a partial view. Evidence only: a checkpoint is never graded."""
+
+    partial: Literal[True] = Field(default=True, description="Always true: this is not a result.")
+    rollout_id: str | None = Field(default=None, description="From the journal's start record.")
+    seq: int | None = Field(default=None, description="seq of the last intact record; None if empty.")
+    trajectory: Trajectory = Field(default_factory=Trajectory, description="Calls so far.")
+    output: list[ResponseItem] = Field(
+        default_factory=list, description="Responses-style output so far, without calls still pending."
+    )
+    model_cookies: dict[str, str] = Field(default_factory=dict, description="Latest model cookies.")
+    resource_cookies: dict[str, str] = Field(default_factory=dict, description="Latest resource cookies.")
+
+
+# --------------------------------------------------------------------------- supervisor
+
+
+class SignalEvent(_Model):
+    """A signal the supervisor sent."""
+
+    signal: str = Field(description="Signal name, e.g. 'SIGTERM'.")
+    target: Literal["group", "descendants"] = Field(description="The worker's group, or stray descendants.")
+    at: float = Field(description="Unix time it was sent.")
+    reason: Literal["deadline", "stop", "grace_expired", "cleanup"] = Field(description="Why it was sent.")
+
+
+class SupervisorReceipt(_Frozen):
+    """``receipt.json``: written last by the supervisor, out of the sandbox's reach."""
+
+    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
+    rollout_id: str = Field(description="Id of this attempt.")
+    outcome: Outcome = Field(description="The classification of this attempt.")
+    outcome_reason: str = Field(description="Why this outcome, in words.")
+    sandbox: Literal["bwrap", "none"] = Field(description="How the worker was contained.")
+    exit_code: int | None = Field(default=None, description="Worker exit code; None if killed by a signal.")
+    exit_signal: str | None = Field(default=None, description="Signal that killed the worker, if any.")
+    deadline_s: float = Field(description="The wall-clock deadline.")
+    grace_s: float = Field(description="Grace between SIGTERM and SIGKILL.")
+    deadline_fired: bool = Field(description="The deadline passed before the worker exited.")
+    stop_requested: bool = Field(description="An external stop (signal or stop file) was received.")
+    signals_sent: list[SignalEvent] = Field(default_factory=list, description="Signals sent, in order.")
+    started_at: float = Field(description="Unix time supervision started.")
+    ended_at: float = Field(description="Unix time the receipt was built.")
+    duration_s: float = Field(description="ended_at - started_at.")
+    cleanup_confirmed: bool = Field(description="No descendant of the worker was left alive.")
+    descendants_killed: int = Field(default=0, ge=0, description="Stray descendants killed after the worker.")
+    temp_files_swept: int = Field(default=0, ge=0, description="Leftover temporary files removed.")
+    last_checkpoint_seq: int | None = Field(default=None, description="Last intact journal seq, if any.")
+    result_present: bool = Field(description="result.json existed after the worker exited.")
+    result_valid: bool = Field(description="result.json parsed as a WorkerResult.")
+    result_error: RunnerError | None = Field(default=None, description="The result's error, if any.")
+    model_calls_captured: int | None = Field(
+        default=None, description="Exchanges in model_capture.jsonl; None without the egress proxy."
+    )
+
+
+# --------------------------------------------------------------------------- controller
+
+
+class RolloutMetrics(_Model):
+    """Per-rollout numbers the controller aggregates."""
+
+    model_calls: int = Field(default=0, description="Model calls made.")
+    failed_model_calls: int = Field(default=0, description="Model calls that failed.")
+    tool_calls: int = Field(default=0, description="Tool calls made.")
+    input_tokens: int | None = Field(default=None, description="Sum of reported prompt tokens.")
+    output_tokens: int | None = Field(default=None, description="Sum of reported completion tokens.")
+    total_tokens: int | None = Field(default=None, description="Sum of reported totals.")
+    duration_s: float = Field(default=0.0, description="Supervised wall time.")
+
+
+class RolloutRecord(_Frozen):
+    """One line of ``rollouts.jsonl``: one finished attempt, as the controller saw it."""
+
+    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
+    rollout_id: str = Field(description="Id of this attempt (derived from task id, sample and try).")
+    task_id: str = Field(description="Dataset row id.")
+    sample: int = Field(ge=0, description="Which of the --attempts samples of the task (for pass@k).")
+    try_index: int = Field(ge=0, description="Infrastructure retry number of this sample.")
+    outcome: Outcome = Field(description="The supervisor's classification.")
+    graded: bool = Field(description="Whether the outcome allowed grading.")
+    reward: float | None = Field(description="The grade; None when not graded.")
+    grader: dict[str, Any] | None = Field(default=None, description="Grader name and detail.")
+    termination_reason: TerminationReason | None = Field(default=None, description="From the result.")
+    receipt: SupervisorReceipt = Field(description="The supervisor's receipt.")
+    metrics: RolloutMetrics = Field(default_factory=RolloutMetrics, description="Token and timing metrics.")
+    rollout_dir: str = Field(description="Path of the rollout directory.")
+
+
+def artifact_models() -> dict[str, type[BaseModel]]:
+    """The artifact models by the name ``rollcage schema NAME`` uses."""
+    return {
+        "WorkerInput": WorkerInput,
+        "WorkerResult": WorkerResult,
+        "BoundaryRecord": BoundaryRecord,
+        "Checkpoint": Checkpoint,
+        "SupervisorReceipt": SupervisorReceipt,
+        "RolloutRecord": RolloutRecord,
+    }
