@@ -8,6 +8,10 @@ the worker's start is paid by every rollout. All other verbs go through typer.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import typer
 
 __all__ = ["app", "main"]
 
@@ -22,7 +26,7 @@ def main() -> None:
     _build_app()()
 
 
-def _build_app():  # type: ignore[no-untyped-def]
+def _build_app() -> typer.Typer:
     import typer
 
     from rollcage.commands import register

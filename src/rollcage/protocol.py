@@ -26,9 +26,11 @@ __all__ = [
     "CheckpointSettings",
     "ErrorKind",
     "ExecutorSettings",
+    "HealthFinding",
     "ModelCall",
     "ModelEndpoint",
     "Outcome",
+    "Percentiles",
     "PythonToolSpec",
     "ResourceEndpoint",
     "ResourceToolSpec",
@@ -36,6 +38,7 @@ __all__ = [
     "ResponseOutput",
     "RolloutMetrics",
     "RolloutRecord",
+    "RunMetrics",
     "RunnerError",
     "SamplingParams",
     "SignalEvent",
@@ -50,7 +53,7 @@ __all__ = [
     "artifact_models",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 
 ErrorKind = Literal["transient", "fatal", "cancelled"]
 """``transient``: infrastructure, retry the rollout; ``fatal``: final; ``cancelled``: stopped on request."""
@@ -135,7 +138,9 @@ class ModelEndpoint(_Model):
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling parameters.")
     stream: bool = Field(default=False, description="Request server-sent events and assemble them.")
     timeout_s: float = Field(default=120.0, gt=0, description="Deadline for one request, first byte to last.")
-    connect_timeout_s: float = Field(default=10.0, gt=0, description="Deadline for establishing a connection.")
+    connect_timeout_s: float = Field(
+        default=10.0, gt=0, description="Deadline for establishing a connection."
+    )
     max_retries: int = Field(default=3, ge=0, le=20, description="Retries of a transient failure per call.")
     retry_backoff_s: float = Field(default=0.5, ge=0, description="First backoff; doubles per retry.")
     uds: str | None = Field(
@@ -236,7 +241,9 @@ class WorkerInput(_Model):
     )
     model_cookies: dict[str, str] = Field(default_factory=dict, description="Cookies sent to the model.")
     resource_cookies: dict[str, str] = Field(default_factory=dict, description="Cookies sent to resources.")
-    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings, description="Journal settings.")
+    checkpoint: CheckpointSettings = Field(
+        default_factory=CheckpointSettings, description="Journal settings."
+    )
     result_mode: int = Field(
         default=0o600, ge=0, le=0o777, description="File mode of result.json (e.g. 0o640 for a collector)."
     )
@@ -302,7 +309,8 @@ class ModelCall(_Model):
     api: Literal["chat", "responses"] = Field(description="API style used.")
     request: dict[str, Any] = Field(description="The exact JSON payload of the last attempt.")
     response: dict[str, Any] | None = Field(
-        default=None, description="The raw response payload (assembled from events if streamed); None on failure."
+        default=None,
+        description="The raw response payload (assembled from events if streamed); None on failure.",
     )
     status: Literal["completed", "incomplete", "failed"] = Field(description="How the call ended.")
     incomplete_reason: str | None = Field(
@@ -351,7 +359,9 @@ class ResponseOutput(_Model):
     status: Literal["completed", "incomplete", "failed", "cancelled"] = Field(description="Overall status.")
     output: list[ResponseItem] = Field(description="All items the episode produced, tool outputs included.")
     output_text: str = Field(default="", description="The final answer text.")
-    usage: TokenUsage = Field(default_factory=TokenUsage, description="Summed over calls (None if unreported).")
+    usage: TokenUsage = Field(
+        default_factory=TokenUsage, description="Summed over calls (None if unreported)."
+    )
 
 
 class WorkerResult(_Frozen):
@@ -480,6 +490,49 @@ class RolloutRecord(_Frozen):
     rollout_dir: str = Field(description="Path of the rollout directory.")
 
 
+class HealthFinding(_Model):
+    """One named health check over a run; names are stable so dashboards can key on them."""
+
+    count: int = Field(ge=0, description="How many rollouts (or calls, per the check) are affected.")
+    rollouts: list[str] = Field(default_factory=list, description="Affected rollout ids (first 100).")
+    detail: str = Field(default="", description="What the check looks for.")
+
+
+class Percentiles(_Model):
+    """Distribution summary; ``None`` when there was nothing to measure."""
+
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+
+class RunMetrics(_Model):
+    """``metrics.json``: the summary of a run, rewritten atomically as the run progresses."""
+
+    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
+    dataset: str = Field(description="Path of the dataset.")
+    tasks: int = Field(ge=0, description="Distinct task ids with at least one finished attempt.")
+    rollouts: int = Field(ge=0, description="Finished attempts (records in rollouts.jsonl).")
+    outcomes: dict[Outcome, int] = Field(
+        description="Records per outcome (every outcome present, 0 if none)."
+    )
+    graded: int = Field(ge=0, description="Records that were graded.")
+    mean_reward: float | None = Field(description="Mean reward over graded records; None if none graded.")
+    pass_at_1: float | None = Field(description="Mean over tasks of the fraction of samples that passed.")
+    pass_at_k: float | None = Field(description="Unbiased pass@k over tasks, k = samples per task.")
+    k: int = Field(ge=1, description="Samples per task (--attempts).")
+    retries: int = Field(ge=0, description="Infrastructure retries made.")
+    invalid_rows: int = Field(default=0, ge=0, description="Dataset rows rejected as malformed.")
+    tokens: TokenUsage = Field(default_factory=TokenUsage, description="Summed reported tokens.")
+    duration_s: Percentiles = Field(default_factory=Percentiles, description="Per-rollout wall time.")
+    wall_s: float = Field(default=0.0, description="Wall time of the run so far.")
+    health: dict[str, HealthFinding] = Field(
+        default_factory=dict, description="Health checks by stable name."
+    )
+
+
 def artifact_models() -> dict[str, type[BaseModel]]:
     """The artifact models by the name ``rollcage schema NAME`` uses."""
     return {
@@ -489,4 +542,5 @@ def artifact_models() -> dict[str, type[BaseModel]]:
         "Checkpoint": Checkpoint,
         "SupervisorReceipt": SupervisorReceipt,
         "RolloutRecord": RolloutRecord,
+        "RunMetrics": RunMetrics,
     }

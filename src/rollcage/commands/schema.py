@@ -25,5 +25,7 @@ def command(
     elif name in models:
         doc = models[name].model_json_schema()
     else:
-        raise typer.BadParameter(f"unknown artifact {name!r}; choose from {', '.join(models)}", param_hint="NAME")
+        raise typer.BadParameter(
+            f"unknown artifact {name!r}; choose from {', '.join(models)}", param_hint="NAME"
+        )
     typer.echo(json.dumps(doc, indent=2, sort_keys=True))
