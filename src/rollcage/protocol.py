@@ -33,6 +33,7 @@ __all__ = [
     "Percentiles",
     "PythonToolSpec",
     "ResourceEndpoint",
+    "RequestDelta",
     "ResourceToolSpec",
     "ResponseItem",
     "ResponseOutput",
@@ -47,6 +48,7 @@ __all__ = [
     "TokenUsage",
     "ToolCall",
     "ToolSpec",
+    "ToolStatus",
     "Trajectory",
     "WorkerInput",
     "WorkerResult",
@@ -383,6 +385,19 @@ class WorkerResult(_Frozen):
     ended_at: float = Field(description="Unix time the result was built.")
 
 
+class RequestDelta(_Model):
+    """How a model call's request extends an earlier one, so a journal line stays O(new content).
+
+    The request's conversation list (``messages`` for chat, ``input`` for responses)
+    is the first ``keep`` items of model call ``base``'s list followed by ``append``.
+    """
+
+    key: Literal["messages", "input"] = Field(description="Which request field the delta rebuilds.")
+    base: int = Field(ge=0, description="Index of the earlier model call whose list this one extends.")
+    keep: int = Field(ge=0, description="Leading items of the base list that are kept.")
+    append: list[Any] = Field(description="Items that follow them.")
+
+
 class BoundaryRecord(_Model):
     """One line of ``checkpoint.jsonl`` (its ``seq`` and checksum are added by the journal).
 
@@ -394,6 +409,9 @@ class BoundaryRecord(_Model):
     at: float = Field(description="Unix time of the boundary.")
     rollout_id: str | None = Field(default=None, description="Set on 'start'.")
     model_call: ModelCall | None = Field(default=None, description="Set on 'model_call'.")
+    request_delta: RequestDelta | None = Field(
+        default=None, description="When set, model_call.request lacks its list field; rebuild it from this."
+    )
     tool_calls: list[ToolCall] = Field(
         default_factory=list, description="On 'model_call': requested calls (pending); on 'tool_call': one."
     )
