@@ -1,0 +1,201 @@
+"""Recording model and tool calls, and projecting them to Responses-API items.
+
+A ``TrajectoryRecorder`` is the single mutable record of a rollout while it runs;
+``Trajectory`` (protocol) is its published, immutable form. Two projections turn
+it into the Responses-style ``output`` list:
+
+* *partial* (checkpoints): a tool call whose output is still pending is left out
+  together with its ``function_call``, so the view never shows a call without
+  its answer and never claims an answer that does not exist yet;
+* *final* (results): every call keeps its ``function_call`` and gets exactly one
+  ``function_call_output``; a call that never completed gets one with status
+  ``incomplete``, so the transcript is well formed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from rollcage.protocol import ModelCall, ResponseItem, TokenUsage, ToolCall, ToolStatus, Trajectory
+
+__all__ = [
+    "TrajectoryRecorder",
+    "arguments_json",
+    "final_text",
+    "message_text",
+    "project_output",
+    "sum_usage",
+]
+
+_DONE: frozenset[ToolStatus] = frozenset({"completed", "failed"})
+
+
+class TrajectoryRecorder:
+    """The mutable record of one rollout: model calls and tool calls in order.
+
+    Not thread-safe; it lives on the worker's event loop.
+    """
+
+    def __init__(self, trajectory: Trajectory | None = None) -> None:
+        """Start empty, or continue from a folded trajectory (checkpoints)."""
+        self._model_calls: list[ModelCall] = list(trajectory.model_calls) if trajectory else []
+        self._tool_calls: dict[str, ToolCall] = (
+            {c.call_id: c for c in trajectory.tool_calls} if trajectory else {}
+        )
+
+    @property
+    def model_calls(self) -> list[ModelCall]:
+        """Model calls so far (do not mutate)."""
+        return self._model_calls
+
+    def add_model_call(self, call: ModelCall) -> None:
+        """Record a finished (completed, incomplete or failed) model call."""
+        self._model_calls.append(call)
+
+    def start_tool_call(self, call_id: str, name: str, arguments: str, turn: int) -> ToolCall:
+        """Record a requested tool call as pending and return it."""
+        if call_id in self._tool_calls:
+            raise ValueError(f"duplicate tool call id {call_id!r}")
+        call = ToolCall(
+            call_id=call_id,
+            name=name,
+            arguments=arguments,
+            turn=turn,
+            status="pending",
+            started_at=time.time(),
+        )
+        self._tool_calls[call_id] = call
+        return call
+
+    def mark_started(self, call_id: str) -> None:
+        """Reset a pending call's start time to when it actually began running (it may have queued)."""
+        call = self._tool_calls[call_id]
+        self._tool_calls[call_id] = call.model_copy(update={"started_at": time.time()})
+
+    def finish_tool_call(self, call_id: str, status: ToolStatus, output: str) -> ToolCall:
+        """Record how a tool call ended and return the finished record."""
+        call = self._tool_calls[call_id]
+        ended = time.time()
+        done = call.model_copy(
+            update={
+                "status": status,
+                "output": output,
+                "ended_at": ended,
+                "duration_s": max(0.0, ended - call.started_at),
+            }
+        )
+        self._tool_calls[call_id] = done
+        return done
+
+    def apply(self, call: ToolCall) -> None:
+        """Insert or replace a tool call record as is (used when folding a journal)."""
+        self._tool_calls[call.call_id] = call
+
+    def pending(self) -> list[ToolCall]:
+        """Tool calls that have not ended."""
+        return [c for c in self._tool_calls.values() if c.status == "pending"]
+
+    def stop_pending(self, status: ToolStatus, output: str) -> list[ToolCall]:
+        """End every pending call with ``status`` (cancellation, or a loop that stopped early)."""
+        return [self.finish_tool_call(c.call_id, status, output) for c in self.pending()]
+
+    def snapshot(self) -> Trajectory:
+        """The trajectory as an immutable protocol value."""
+        return Trajectory(model_calls=list(self._model_calls), tool_calls=list(self._tool_calls.values()))
+
+
+def project_output(trajectory: Trajectory, *, partial: bool) -> list[ResponseItem]:
+    """Project a trajectory to Responses-API output items.
+
+    Args:
+        trajectory: The calls to project.
+        partial: True for checkpoints (omit pending calls), False for results
+            (every call gets one output; unfinished ones are marked incomplete).
+
+    Returns:
+        The model's output items in order, each followed by the outputs of the
+        tool calls it requested. Code cells of codeact turns (which have no
+        ``function_call`` item of the model's own) appear as a ``function_call``
+        named after the tool plus its output, so every action is visible.
+    """
+    by_turn: dict[int, list[ToolCall]] = {}
+    for tool in trajectory.tool_calls:
+        by_turn.setdefault(tool.turn, []).append(tool)
+    items: list[ResponseItem] = []
+    for call in trajectory.model_calls:
+        tools = by_turn.get(call.index, [])
+        shown = {t.call_id for t in tools if not partial or t.status in _DONE}
+        declared: set[str] = set()
+        for item in call.output:
+            if item.get("type") == "function_call":
+                declared.add(str(item.get("call_id")))
+                if str(item.get("call_id")) not in shown:
+                    continue
+            items.append(item)
+        for tool in tools:
+            if tool.call_id not in shown:
+                continue
+            if tool.call_id not in declared:
+                items.append(
+                    {
+                        "type": "function_call",
+                        "call_id": tool.call_id,
+                        "name": tool.name,
+                        "arguments": tool.arguments,
+                    }
+                )
+            items.append(_output_item(tool))
+    return items
+
+
+def _output_item(tool: ToolCall) -> ResponseItem:
+    if tool.status in _DONE:
+        return {
+            "type": "function_call_output",
+            "call_id": tool.call_id,
+            "output": tool.output or "",
+            "status": "completed",
+        }
+    return {
+        "type": "function_call_output",
+        "call_id": tool.call_id,
+        "output": tool.output or f"[{tool.status}: the call did not complete]",
+        "status": "incomplete",
+    }
+
+
+def final_text(items: Iterable[ResponseItem]) -> str:
+    """Text of the last assistant message among ``items`` ('' if there is none)."""
+    text = ""
+    for item in items:
+        if item.get("type") == "message" and item.get("role", "assistant") == "assistant":
+            text = message_text(item)
+    return text
+
+
+def message_text(item: ResponseItem) -> str:
+    """The text of one message item, whether its content is a string or a list of parts."""
+    content: Any = item.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def sum_usage(calls: Iterable[ModelCall]) -> TokenUsage:
+    """Sum token counts over calls; a field stays None unless every call reported it."""
+    calls = list(calls)
+    totals: dict[str, int | None] = {}
+    for field in TokenUsage.model_fields:
+        values = [getattr(c.usage, field) for c in calls]
+        totals[field] = sum(v for v in values if v is not None) if values and None not in values else None
+    return TokenUsage(**totals)
+
+
+def arguments_json(value: Any) -> str:
+    """Serialise tool arguments the way they are recorded (compact JSON)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,289 @@
+"""The artifacts' contracts: schemas validate examples, controller-only state is rejected."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from rollcage.protocol import (
+    BoundaryRecord,
+    Checkpoint,
+    ModelCall,
+    ModelEndpoint,
+    ResourceEndpoint,
+    ResourceToolSpec,
+    RolloutRecord,
+    RunMetrics,
+    RunnerError,
+    SupervisorReceipt,
+    ToolCall,
+    Trajectory,
+    WorkerInput,
+    WorkerResult,
+    artifact_models,
+)
+
+
+def _input(**extra: Any) -> dict[str, Any]:
+    return {
+        "rollout_id": "r-1",
+        "task_id": "t-1",
+        "input": "What is the weather?",
+        "model": {"base_url": "http://127.0.0.1:9/v1", "model": "m"},
+        **extra,
+    }
+
+
+def _call(index: int = 0) -> ModelCall:
+    return ModelCall(
+        index=index,
+        api="chat",
+        request={"messages": [{"role": "user", "content": "hi"}]},
+        response={"id": "x"},
+        status="completed",
+        output=[{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}],
+        started_at=1.0,
+        ended_at=2.0,
+    )
+
+
+def _receipt() -> SupervisorReceipt:
+    return SupervisorReceipt(
+        rollout_id="r-1",
+        outcome="completed",
+        outcome_reason="valid result, no error",
+        sandbox="bwrap",
+        exit_code=0,
+        deadline_s=60,
+        grace_s=5,
+        deadline_fired=False,
+        stop_requested=False,
+        started_at=1.0,
+        ended_at=2.0,
+        duration_s=1.0,
+        cleanup_confirmed=True,
+        result_present=True,
+        result_valid=True,
+    )
+
+
+EXAMPLES: dict[str, BaseModel] = {
+    "WorkerInput": WorkerInput.model_validate(_input()),
+    "WorkerResult": WorkerResult(
+        rollout_id="r-1",
+        task_id="t-1",
+        response=None,
+        trajectory=Trajectory(
+            model_calls=[_call()],
+            tool_calls=[
+                ToolCall(call_id="c", name="python", arguments="{}", turn=0, status="pending", started_at=1)
+            ],
+        ),
+        termination_reason="cancelled",
+        error=RunnerError(kind="cancelled", type="Cancelled", message="SIGTERM"),
+        started_at=1.0,
+        ended_at=2.0,
+    ),
+    "BoundaryRecord": BoundaryRecord(kind="model_call", at=1.0, model_call=_call()),
+    "Checkpoint": Checkpoint(seq=3),
+    "SupervisorReceipt": _receipt(),
+    "RolloutRecord": RolloutRecord(
+        rollout_id="r-1",
+        task_id="t-1",
+        sample=0,
+        try_index=0,
+        outcome="completed",
+        graded=True,
+        reward=1.0,
+        receipt=_receipt(),
+        rollout_dir="runs/x/rollouts/r-1",
+    ),
+    "RunMetrics": RunMetrics(
+        dataset="d.jsonl",
+        tasks=1,
+        rollouts=1,
+        outcomes={"completed": 1, "agent_error": 0, "timeout": 0, "cancelled": 0, "infra_failure": 0},
+        graded=1,
+        mean_reward=1.0,
+        pass_at_1=1.0,
+        pass_at_k=1.0,
+        k=1,
+        retries=0,
+    ),
+}
+
+
+def _validate_against_schema(schema: dict[str, Any], instance: Any) -> None:
+    """A small JSON Schema check of the parts pydantic emits (types, required, properties, refs)."""
+    defs = schema.get("$defs", {})
+
+    def check(node: dict[str, Any], value: Any, where: str) -> None:
+        if "$ref" in node:
+            check(defs[node["$ref"].split("/")[-1]], value, where)
+            return
+        if "anyOf" in node:
+            errors = []
+            for option in node["anyOf"]:
+                try:
+                    check(option, value, where)
+                    return
+                except AssertionError as exc:
+                    errors.append(str(exc))
+            raise AssertionError(f"{where}: no anyOf branch matched: {errors}")
+        if "oneOf" in node:
+            matched = 0
+            for option in node["oneOf"]:
+                try:
+                    check(option, value, where)
+                    matched += 1
+                except AssertionError:
+                    pass
+            assert matched == 1, f"{where}: {matched} oneOf branches matched"
+            return
+        if "const" in node:
+            assert value == node["const"], f"{where}: {value!r} != const {node['const']!r}"
+        if "enum" in node:
+            assert value in node["enum"], f"{where}: {value!r} not in {node['enum']}"
+        kind = node.get("type")
+        types = {
+            "object": dict,
+            "array": list,
+            "string": str,
+            "integer": int,
+            "number": (int, float),
+            "boolean": bool,
+            "null": type(None),
+        }
+        if kind is not None:
+            assert isinstance(value, types[kind]), f"{where}: {value!r} is not {kind}"
+        if kind == "object":
+            for name in node.get("required", []):
+                assert name in value, f"{where}: missing required {name!r}"
+            props = node.get("properties", {})
+            if node.get("additionalProperties") is False:
+                extra = set(value) - set(props)
+                assert not extra, f"{where}: unexpected {extra}"
+            for name, sub in props.items():
+                if name in value:
+                    check(sub, value[name], f"{where}.{name}")
+        if kind == "array" and "items" in node:
+            for i, item in enumerate(value):
+                check(node["items"], item, f"{where}[{i}]")
+
+    check(schema, instance, "$")
+
+
+@pytest.mark.parametrize("name", sorted(artifact_models()))
+def test_schema_validates_an_example_instance(name: str) -> None:
+    model = artifact_models()[name]
+    example = EXAMPLES[name]
+    schema = model.model_json_schema()
+    _validate_against_schema(schema, json.loads(example.model_dump_json()))
+    assert model.model_validate_json(example.model_dump_json()) == example
+
+
+def test_every_artifact_has_an_example() -> None:
+    assert set(EXAMPLES) == set(artifact_models())
+
+
+def test_schema_checker_rejects_a_wrong_instance() -> None:
+    """The checker above must be able to fail, or the round trip proves nothing."""
+    schema = SupervisorReceipt.model_json_schema()
+    bad = json.loads(_receipt().model_dump_json())
+    bad["outcome"] = "graded"
+    with pytest.raises(AssertionError):
+        _validate_against_schema(schema, bad)
+
+
+@pytest.mark.parametrize("field", ["expected_answer", "reward", "api_key"])
+def test_worker_input_rejects_controller_only_field_by_name(field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        WorkerInput.model_validate(_input(**{field: "secret"}))
+    assert field in str(info.value)
+    assert "controller-only" in str(info.value)
+
+
+def test_worker_input_rejects_controller_state_nested_in_settings() -> None:
+    data = _input()
+    data["model"]["api_key"] = "sk-123"
+    with pytest.raises(ValidationError, match=r"model\.api_key"):
+        WorkerInput.model_validate(data)
+
+
+def test_worker_input_rejects_unknown_field() -> None:
+    with pytest.raises(ValidationError) as info:
+        WorkerInput.model_validate(_input(temprature=0.3))
+    assert "temprature" in str(info.value)
+
+
+def test_worker_input_allows_such_words_in_model_visible_text() -> None:
+    spec = WorkerInput.model_validate(
+        _input(input=[{"type": "message", "role": "user", "content": "reward?"}])
+    )
+    assert spec.input[0]["content"] == "reward?"  # type: ignore[index]
+
+
+def test_resource_tool_must_name_a_known_resource() -> None:
+    tool = ResourceToolSpec(name="get_weather", resource="weather")
+    with pytest.raises(ValidationError, match="weather"):
+        WorkerInput.model_validate(_input(tools=[tool.model_dump()]))
+    ok = WorkerInput.model_validate(
+        _input(
+            tools=[tool.model_dump()],
+            resources={"weather": ResourceEndpoint(base_url="http://x").model_dump()},
+        )
+    )
+    assert ok.tools[0].name == "get_weather"
+
+
+def test_model_endpoint_has_no_field_for_a_key() -> None:
+    assert not any("key" in name for name in ModelEndpoint.model_fields)
+
+
+def _property_names(schema: Any) -> set[str]:
+    names: set[str] = set()
+    if isinstance(schema, dict):
+        names.update(k.lower() for k in schema.get("properties", {}))
+        for value in schema.values():
+            names |= _property_names(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            names |= _property_names(value)
+    return names
+
+
+def test_worker_artifacts_have_no_reward_or_grade_field() -> None:
+    for model in (WorkerResult, Checkpoint, BoundaryRecord, SupervisorReceipt, WorkerInput):
+        names = _property_names(model.model_json_schema())
+        assert not {n for n in names if "reward" in n or "grade" in n or "score" in n}, model.__name__
+    assert "reward" in _property_names(RolloutRecord.model_json_schema())  # the check can see one
+
+
+def test_published_results_are_frozen() -> None:
+    result = EXAMPLES["WorkerResult"]
+    with pytest.raises(ValidationError):
+        result.rollout_id = "other"  # type: ignore[misc]
+
+
+def test_schema_command_prints_every_artifact_and_one() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "rollcage", "schema"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert set(json.loads(out)) == set(artifact_models())
+    one = subprocess.run(
+        [sys.executable, "-m", "rollcage", "schema", "WorkerInput"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert json.loads(one)["title"] == "WorkerInput"
+    bad = subprocess.run(
+        [sys.executable, "-m", "rollcage", "schema", "Nope"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode != 0 and "unknown artifact" in bad.stderr
