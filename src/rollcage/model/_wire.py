@@ -1,0 +1,506 @@
+"""The wire: request payloads for both API styles, and their responses read back as Responses items.
+
+The pydantic models here describe only the part of the OpenAI APIs rollcage
+reads, and ignore everything else: servers (vLLM, SGLang, NIM, OpenAI) add
+fields freely, and a field we do not read must never fail a call. A body that
+does not fit even this lenient shape is the server's fault (``WireError``),
+which the client classifies as transient.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rollcage.protocol import ModelEndpoint, ResponseItem, TokenUsage
+
+__all__ = [
+    "CallOutcome",
+    "WireError",
+    "build_request",
+    "chat_messages",
+    "chat_tools",
+    "parse_chat_completion",
+    "parse_payload",
+    "parse_response",
+    "responses_tools",
+]
+
+Api = Literal["chat", "responses"]
+
+
+class WireError(ValueError):
+    """A response body that is not JSON, or not shaped like the API's response (the server's fault)."""
+
+
+class _Lenient(BaseModel):
+    """Base of the wire models: unknown fields are ignored, never an error."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# --------------------------------------------------------------------------- chat completions
+
+
+class _ChatFunction(_Lenient):
+    name: str | None = None
+    arguments: str | dict[str, Any] | None = None
+
+
+class _ChatToolCall(_Lenient):
+    id: str | None = None
+    type: str | None = None
+    function: _ChatFunction
+
+
+class _ChatMessage(_Lenient):
+    role: str | None = None
+    content: str | list[dict[str, Any]] | None = None
+    # vLLM has emitted the reasoning parser's output under both names over its versions.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[_ChatToolCall] | None = None
+
+
+class _ChatChoice(_Lenient):
+    index: int = 0
+    message: _ChatMessage
+    finish_reason: str | None = None
+
+
+class _CompletionDetails(_Lenient):
+    reasoning_tokens: int | None = None
+
+
+class _PromptDetails(_Lenient):
+    cached_tokens: int | None = None
+
+
+class _ChatUsage(_Lenient):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+    completion_tokens_details: _CompletionDetails | None = None
+    prompt_tokens_details: _PromptDetails | None = None
+
+
+class _ChatCompletion(_Lenient):
+    choices: list[_ChatChoice]
+    usage: _ChatUsage | None = None
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class _ResponsesUsage(_Lenient):
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    total_tokens: int | None = None
+    input_tokens_details: _PromptDetails | None = None
+    output_tokens_details: _CompletionDetails | None = None
+
+
+class _IncompleteDetails(_Lenient):
+    reason: str | None = None
+
+
+class _ResponsesError(_Lenient):
+    code: str | None = None
+    message: str | None = None
+
+
+class _Response(_Lenient):
+    status: str | None = None
+    output: list[dict[str, Any]]
+    usage: _ResponsesUsage | None = None
+    incomplete_details: _IncompleteDetails | None = None
+    error: _ResponsesError | None = None
+
+
+class CallOutcome(BaseModel):
+    """What one successful HTTP exchange meant, in the terms of ``ModelCall``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["completed", "incomplete", "failed"]
+    """``failed`` only for a Responses body whose own ``status`` is ``failed``."""
+    incomplete_reason: str | None = None
+    """The server's word for an incomplete output (``length``, ``max_output_tokens``...)."""
+    output: list[ResponseItem]
+    """The output as Responses-API items."""
+    usage: TokenUsage
+    """Token counts as reported; ``None`` where not reported."""
+    error_code: str | None = None
+    """For ``failed``: the server's error code."""
+    error_message: str | None = None
+    """For ``failed``: the server's error message."""
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def build_request(
+    endpoint: ModelEndpoint,
+    input: str | Sequence[Mapping[str, Any]],
+    *,
+    instructions: str | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> dict[str, Any]:
+    """Build the JSON payload of one request in the endpoint's API style.
+
+    Args:
+        endpoint: Model name, API style, sampling parameters and streaming flag.
+        input: Responses-API input items, or a text taken as one user message.
+        instructions: System instructions; ``None`` sends none.
+        tools: Responses-style function tools (``{"type": "function", "name", ...}``);
+            chat-style tools are accepted too and converted as needed.
+
+    Returns:
+        The payload, exactly as it will be sent. ``seed`` and ``stop`` are sent with
+        Chat Completions only: the Responses API has no such parameters.
+    """
+    items: list[dict[str, Any]] = (
+        [{"type": "message", "role": "user", "content": input}]
+        if isinstance(input, str)
+        else [dict(item) for item in input]
+    )
+    sampling = endpoint.sampling
+    payload: dict[str, Any] = {"model": endpoint.model}
+    if endpoint.api == "chat":
+        payload["messages"] = chat_messages(items, instructions)
+        if tools:
+            payload["tools"] = chat_tools(tools)
+        optional = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_output_tokens,
+            "seed": sampling.seed,
+            "stop": sampling.stop,
+        }
+        if endpoint.stream:
+            payload["stream"] = True
+            # Without this, usage is never reported on a stream.
+            payload["stream_options"] = {"include_usage": True}
+    else:
+        payload["input"] = items
+        if instructions is not None:
+            payload["instructions"] = instructions
+        if tools:
+            payload["tools"] = responses_tools(tools)
+        optional = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_output_tokens": sampling.max_output_tokens,
+        }
+        if endpoint.stream:
+            payload["stream"] = True
+    payload.update({key: value for key, value in optional.items() if value is not None})
+    return payload
+
+
+def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Convert Responses-style function tools to Chat Completions tools (chat-style ones pass through)."""
+    converted: list[dict[str, Any]] = []
+    for tool in tools:
+        if tool.get("type") == "function" and "function" not in tool:
+            function = {
+                key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool
+            }
+            converted.append({"type": "function", "function": function})
+        else:
+            converted.append(dict(tool))
+    return converted
+
+
+def responses_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Convert chat-style function tools to Responses tools (Responses-style ones pass through)."""
+    converted: list[dict[str, Any]] = []
+    for tool in tools:
+        function = tool.get("function")
+        if tool.get("type") == "function" and isinstance(function, Mapping):
+            converted.append({"type": "function", **function})
+        else:
+            converted.append(dict(tool))
+    return converted
+
+
+def chat_messages(items: Sequence[Mapping[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+    """Convert Responses-API input items to Chat Completions messages.
+
+    A run of consecutive model items (assistant ``message``, ``function_call``,
+    ``reasoning``) becomes one assistant message, so one model turn stays one
+    turn. Reasoning items are dropped: chat templates do not take reasoning back
+    as input. ``function_call_output`` items become ``tool`` messages.
+
+    Raises:
+        ValueError: an item has an unknown type or lacks a required field.
+    """
+    messages: list[dict[str, Any]] = []
+    if instructions is not None:
+        messages.append({"role": "system", "content": instructions})
+    turn: dict[str, Any] | None = None  # the assistant message being assembled
+    for item in items:
+        kind = item.get("type", "message")
+        role = item.get("role")
+        is_model_item = kind in ("function_call", "reasoning") or (kind == "message" and role == "assistant")
+        if not is_model_item:
+            turn = None
+        if kind == "message":
+            text_or_parts = _chat_content(item.get("content", ""))
+            if role == "assistant":
+                if turn is None:
+                    turn = {"role": "assistant", "content": None}
+                    messages.append(turn)
+                turn["content"] = _join_text(turn["content"], text_or_parts)
+            else:
+                messages.append({"role": role or "user", "content": text_or_parts})
+        elif kind == "function_call":
+            if turn is None:
+                turn = {"role": "assistant", "content": None}
+                messages.append(turn)
+            turn.setdefault("tool_calls", []).append(
+                {
+                    "id": item["call_id"],
+                    "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments", "")},
+                }
+            )
+        elif kind == "reasoning":
+            if turn is None:
+                turn = {"role": "assistant", "content": None}
+                messages.append(turn)
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
+        else:
+            raise ValueError(f"input item of type {kind!r} cannot be sent to a Chat Completions endpoint")
+    # An assistant turn made of reasoning alone would be an empty message; chat servers reject those.
+    return [
+        m
+        for m in messages
+        if not (m["role"] == "assistant" and m["content"] is None and "tool_calls" not in m)
+    ]
+
+
+def _chat_content(content: Any) -> str | list[dict[str, Any]]:
+    """Responses content (text or parts) as chat content: a string when it is all text."""
+    if isinstance(content, str):
+        return content
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text", "")})
+        elif kind == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url", "")}})
+        elif kind == "refusal":
+            parts.append({"type": "text", "text": part.get("refusal", "")})
+        else:
+            raise ValueError(f"content part of type {kind!r} cannot be sent to a Chat Completions endpoint")
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def _join_text(before: Any, more: str | list[dict[str, Any]]) -> Any:
+    """Concatenate assistant content: two model messages in one turn become one chat message."""
+    if before is None:
+        return more
+    if isinstance(before, str) and isinstance(more, str):
+        return before + more
+    as_parts = [before] if isinstance(before, str) else before
+    return [*as_parts, *([{"type": "text", "text": more}] if isinstance(more, str) else more)]
+
+
+# --------------------------------------------------------------------------- responses read back
+
+
+def parse_payload(api: Api, payload: Mapping[str, Any]) -> CallOutcome:
+    """Read one response payload of either API style; see ``parse_chat_completion``/``parse_response``."""
+    return parse_chat_completion(payload) if api == "chat" else parse_response(payload)
+
+
+def parse_chat_completion(payload: Mapping[str, Any]) -> CallOutcome:
+    """Read a Chat Completions response (or an assembled stream) as Responses items.
+
+    The first choice is the answer (rollcage never asks for ``n > 1``). Output
+    order: reasoning, message, function calls. A message item is emitted when
+    the server sent content (even empty) or when nothing else was produced.
+    ``finish_reason`` ``length`` or ``content_filter`` makes the call
+    ``incomplete`` with that reason.
+
+    Raises:
+        WireError: the payload is not shaped like a chat completion.
+    """
+    try:
+        body = _ChatCompletion.model_validate(payload)
+    except ValidationError as exc:
+        raise WireError(f"not a chat completion: {_first_error(exc)}") from exc
+    if not body.choices:
+        raise WireError("not a chat completion: 'choices' is empty")
+    choice = body.choices[0]
+    message = choice.message
+    output: list[ResponseItem] = []
+    reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if reasoning:
+        output.append({"type": "reasoning", "summary": [{"type": "summary_text", "text": reasoning}]})
+    text = _chat_text(message.content)
+    calls = message.tool_calls or []
+    if text is not None and (text or not calls):
+        output.append(_message_item(text))
+    for number, call in enumerate(calls):
+        arguments = call.function.arguments
+        output.append(
+            {
+                "type": "function_call",
+                # A server that omits the id still needs a stable handle for the tool output.
+                "call_id": call.id or f"call_{choice.index}_{number}",
+                "name": call.function.name or "",
+                "arguments": _raw_arguments(arguments),
+            }
+        )
+    finish = choice.finish_reason
+    incomplete = finish in ("length", "content_filter")
+    usage = body.usage
+    return CallOutcome(
+        status="incomplete" if incomplete else "completed",
+        incomplete_reason=finish if incomplete else None,
+        output=output,
+        usage=TokenUsage(
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+            reasoning_tokens=usage.completion_tokens_details.reasoning_tokens
+            if usage.completion_tokens_details
+            else None,
+            cached_tokens=usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else None,
+        )
+        if usage is not None
+        else TokenUsage(),
+    )
+
+
+def parse_response(payload: Mapping[str, Any]) -> CallOutcome:
+    """Read a Responses API response object as normalised Responses items.
+
+    Messages keep their ``output_text`` parts (annotations and logprobs are
+    dropped), function calls keep ``call_id``, ``name`` and the raw
+    ``arguments``, reasoning keeps its summary (or, as vLLM emits it, its
+    ``reasoning_text`` content as the summary). Other item types pass through.
+
+    Raises:
+        WireError: the payload is not shaped like a response object.
+    """
+    try:
+        body = _Response.model_validate(payload)
+    except ValidationError as exc:
+        raise WireError(f"not a response object: {_first_error(exc)}") from exc
+    output: list[ResponseItem] = []
+    for item in body.output:
+        kind = item.get("type")
+        if kind == "message":
+            texts = [
+                part.get("text", "") if part.get("type") == "output_text" else part.get("refusal", "")
+                for part in item.get("content") or []
+                if part.get("type") in ("output_text", "refusal")
+            ]
+            output.append(_message_item("".join(texts)))
+        elif kind == "function_call":
+            output.append(
+                {
+                    "type": "function_call",
+                    "call_id": item.get("call_id") or item.get("id") or f"call_{len(output)}",
+                    "name": item.get("name", ""),
+                    "arguments": _raw_arguments(item.get("arguments")),
+                }
+            )
+        elif kind == "reasoning":
+            summary = [
+                {"type": "summary_text", "text": part.get("text", "")}
+                for part in item.get("summary") or []
+                if part.get("type") == "summary_text"
+            ]
+            if not summary:
+                raw = "".join(
+                    part.get("text", "")
+                    for part in item.get("content") or []
+                    if part.get("type") in ("reasoning_text", "text")
+                )
+                summary = [{"type": "summary_text", "text": raw}] if raw else []
+            reasoning: ResponseItem = {"type": "reasoning", "summary": summary}
+            if item.get("encrypted_content"):
+                reasoning["encrypted_content"] = item["encrypted_content"]
+            output.append(reasoning)
+        else:
+            output.append(dict(item))
+    usage = body.usage
+    status = body.status or "completed"
+    error = body.error
+    if status == "failed":
+        return CallOutcome(
+            status="failed",
+            output=output,
+            usage=_responses_usage(usage),
+            error_code=error.code if error else None,
+            error_message=error.message if error else None,
+        )
+    if status == "incomplete":
+        reason = body.incomplete_details.reason if body.incomplete_details else None
+        return CallOutcome(
+            status="incomplete",
+            incomplete_reason=reason or "unknown",
+            output=output,
+            usage=_responses_usage(usage),
+        )
+    if status != "completed":
+        # queued/in_progress/cancelled: rollcage never asks for background mode, so this is a broken answer.
+        raise WireError(f"response status {status!r} is not a final status")
+    return CallOutcome(status="completed", output=output, usage=_responses_usage(usage))
+
+
+def _responses_usage(usage: _ResponsesUsage | None) -> TokenUsage:
+    if usage is None:
+        return TokenUsage()
+    return TokenUsage(
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        total_tokens=usage.total_tokens,
+        reasoning_tokens=usage.output_tokens_details.reasoning_tokens
+        if usage.output_tokens_details
+        else None,
+        cached_tokens=usage.input_tokens_details.cached_tokens if usage.input_tokens_details else None,
+    )
+
+
+def _chat_text(content: str | list[dict[str, Any]] | None) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if part.get("type") in ("text", "output_text"))
+
+
+def _message_item(text: str) -> ResponseItem:
+    return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+
+
+def _raw_arguments(arguments: str | dict[str, Any] | None) -> str:
+    # Kept verbatim even when it is not valid JSON: whether that is usable is the agent's decision.
+    if arguments is None:
+        return ""
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(arguments)
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"]) or "body"
+    return f"{where}: {error['msg']}"

@@ -1,0 +1,391 @@
+"""The ASGI app of the scripted policy: routes, stateless turn selection, fault injection and logs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import struct
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from rollcage.policy._faults import FaultPlan, FaultRecord, FaultRule
+from rollcage.policy._render import (
+    chat_body,
+    chat_events,
+    prompt_tokens,
+    reply_for,
+    responses_body,
+    responses_events,
+    with_fault,
+)
+from rollcage.policy._script import PolicyScript
+
+__all__ = ["PolicyApp", "PolicyState", "RequestRecord", "count_model_turns", "find_task_marker"]
+
+_TASK_MARKER = re.compile(r"\[task:([^\]\s]+)\]")
+_TRANSPORT_KEY = "rollcage.transport"
+_CONTENT_FAULTS = frozenset({"length", "empty", "bad_arguments"})
+
+
+class RequestRecord(BaseModel):
+    """One model request the server answered (or failed on purpose)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    call: int = Field(description="1-based number among the server's model requests.")
+    rollout_call: int = Field(description="1-based number among its rollout's requests.")
+    rollout_id: str = Field(description="X-Rollout-Id ('' if none).")
+    task_id: str = Field(description="The task id the request was played for.")
+    api: Literal["chat", "responses"] = Field(description="Which endpoint.")
+    stream: bool = Field(description="Whether a stream was asked for.")
+    turn: int = Field(description="0-based model turn asked for.")
+    fault: str | None = Field(default=None, description="The injected fault's kind, if any.")
+    at: float = Field(description="Unix time the request arrived.")
+
+
+class PolicyState:
+    """What the server counts and logs; safe to read from any thread while the server runs.
+
+    Args:
+        fault_log: Append every injected fault as a JSON line here; None: memory only.
+    """
+
+    def __init__(self, fault_log: str | os.PathLike[str] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._per_rollout: dict[str, int] = {}
+        self._requests: list[RequestRecord] = []
+        self._faults: list[FaultRecord] = []
+        self._fault_log = Path(fault_log) if fault_log is not None else None
+        self.shutting_down = asyncio.Event()
+        """Set when the server stops: releases hanging and delayed requests at once."""
+
+    def next_call(self, rollout_id: str) -> tuple[int, int]:
+        """Count one model request; return its (server-wide, per-rollout) 1-based numbers."""
+        with self._lock:
+            self._calls += 1
+            rollout_call = self._per_rollout.get(rollout_id, 0) + 1
+            self._per_rollout[rollout_id] = rollout_call
+            return self._calls, rollout_call
+
+    def log_request(self, record: RequestRecord) -> None:
+        """Keep one request record."""
+        with self._lock:
+            self._requests.append(record)
+
+    def log_fault(self, record: FaultRecord) -> None:
+        """Keep one fault record, and append it to the fault log file if there is one."""
+        with self._lock:
+            self._faults.append(record)
+            if self._fault_log is not None:
+                # Opened per record and flushed at once: the log must survive the server being killed.
+                with self._fault_log.open("ab") as handle:
+                    handle.write(orjson.dumps(record.model_dump()) + b"\n")
+
+    @property
+    def calls(self) -> int:
+        """Model requests received so far."""
+        with self._lock:
+            return self._calls
+
+    @property
+    def requests_by_rollout(self) -> dict[str, int]:
+        """Model requests per rollout id ('' for requests without ``X-Rollout-Id``)."""
+        with self._lock:
+            return dict(self._per_rollout)
+
+    @property
+    def requests(self) -> list[RequestRecord]:
+        """Every model request so far, in arrival order (a copy)."""
+        with self._lock:
+            return list(self._requests)
+
+    @property
+    def faults(self) -> list[FaultRecord]:
+        """Every injected fault so far, in order (a copy)."""
+        with self._lock:
+            return list(self._faults)
+
+
+def count_model_turns(api: Literal["chat", "responses"], body: Mapping[str, Any]) -> int:
+    """The turn to play: how many assistant turns the request's history already holds.
+
+    Chat: assistant messages. Responses: runs of consecutive model items
+    (assistant ``message``, ``function_call``, ``reasoning``), one run per turn.
+    """
+    if api == "chat":
+        messages = body.get("messages") or []
+        return sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+    items = body.get("input")
+    if not isinstance(items, list):
+        return 0
+    turns = 0
+    in_turn = False
+    for item in items:
+        if not isinstance(item, dict):
+            in_turn = False
+            continue
+        kind = item.get("type", "message")
+        is_model = kind in ("function_call", "reasoning") or (
+            kind == "message" and item.get("role") == "assistant"
+        )
+        if is_model and not in_turn:
+            turns += 1
+        in_turn = is_model
+    return turns
+
+
+def find_task_marker(body: Mapping[str, Any]) -> str | None:
+    """The first ``[task:ID]`` marker in the request's instructions or input, if any."""
+    for text in _all_strings([body.get("instructions"), body.get("messages"), body.get("input")]):
+        found = _TASK_MARKER.search(text)
+        if found:
+            return found.group(1)
+    return None
+
+
+def _all_strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [text for element in value for text in _all_strings(element)]
+    if isinstance(value, dict):
+        return [text for element in value.values() for text in _all_strings(element)]
+    return []
+
+
+def _error(status: int, message: str, kind: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+
+
+class PolicyApp:
+    """The ASGI app: ``/v1/chat/completions``, ``/v1/responses``, ``/v1/models`` (and ``/health``).
+
+    The outer ASGI callable notes the server's transport (uvicorn's) in the scope,
+    so a ``reset`` fault can abort the connection; everything else is starlette.
+
+    Args:
+        script: The policy script to play.
+        faults: What to inject; None: nothing.
+        state: Counters and logs; a fresh one if None.
+    """
+
+    def __init__(
+        self, script: PolicyScript, *, faults: FaultPlan | None = None, state: PolicyState | None = None
+    ) -> None:
+        self.script = script
+        self.faults = faults or FaultPlan()
+        self.state = state or PolicyState()
+        self._app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/responses", self._responses, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+            ]
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI entry point."""
+        if scope["type"] == "http":
+            # uvicorn's send is a bound method of its request cycle, which holds the transport.
+            scope[_TRANSPORT_KEY] = getattr(getattr(send, "__self__", None), "transport", None)
+        await self._app(scope, receive, send)
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _models(self, request: Request) -> Response:
+        model = {"id": self.script.model, "object": "model", "created": 0, "owned_by": "rollcage"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._play("chat", request)
+
+    async def _responses(self, request: Request) -> Response:
+        return await self._play("responses", request)
+
+    async def _play(self, api: Literal["chat", "responses"], request: Request) -> Response:
+        arrived = time.time()
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            return _error(400, f"request body is not JSON: {exc}", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        rollout_id = request.headers.get("x-rollout-id", "")
+        task_id = request.headers.get("x-task-id") or find_task_marker(body) or "*"
+        stream = bool(body.get("stream"))
+        turn_index = count_model_turns(api, body)
+        call, rollout_call = self.state.next_call(rollout_id)
+        decision = self.faults.decide(
+            call=call, rollout_call=rollout_call, rollout_id=rollout_id, task_id=task_id
+        )
+        rule = decision[0] if decision else None
+        self.state.log_request(
+            RequestRecord(
+                call=call,
+                rollout_call=rollout_call,
+                rollout_id=rollout_id,
+                task_id=task_id,
+                api=api,
+                stream=stream,
+                turn=turn_index,
+                fault=rule.kind if rule else None,
+                at=arrived,
+            )
+        )
+        if decision is not None:
+            rule, source = decision
+            self.state.log_fault(
+                FaultRecord(
+                    call=call,
+                    rollout_call=rollout_call,
+                    rollout_id=rollout_id,
+                    task_id=task_id,
+                    api=api,
+                    stream=stream,
+                    turn=turn_index,
+                    kind=rule.kind,
+                    status=429
+                    if rule.kind == "rate_limit"
+                    else rule.status
+                    if rule.kind == "status"
+                    else None,
+                    source=source,
+                    at=time.time(),
+                )
+            )
+            early = await self._early_fault(rule, request)
+            if early is not None:
+                return early
+        turn = self.script.turn(task_id, turn_index)
+        if turn is None:
+            return _error(
+                404,
+                f"the policy script has no entry for task {task_id!r} and no '*' default",
+                "invalid_request_error",
+                "task_not_in_script",
+            )
+        reply = reply_for(turn, turn_index)
+        if rule is not None and rule.kind in _CONTENT_FAULTS:
+            reply = with_fault(reply, rule.kind, turn_index)
+        response_id = f"chatcmpl-{call}" if api == "chat" else f"resp_{call}"
+        created = int(arrived)
+        prompt = prompt_tokens(body)
+        model = str(body.get("model") or self.script.model)
+        if stream:
+            if api == "chat":
+                options = body.get("stream_options")
+                include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+                events = chat_events(
+                    reply,
+                    model=model,
+                    response_id=response_id,
+                    created=created,
+                    prompt=prompt,
+                    include_usage=include_usage,
+                )
+            else:
+                events = responses_events(
+                    reply, body, model=model, response_id=response_id, created=created, prompt=prompt
+                )
+            if rule is not None and rule.kind == "truncated":
+                events = events[: max(1, len(events) // 2)]
+            elif rule is not None and rule.kind == "malformed":
+                events = [*events[:1], b'data: {"id": "' + response_id.encode() + b'", oops\n\n', *events[1:]]
+            return StreamingResponse(_iterate(events), media_type="text/event-stream")
+        if api == "chat":
+            payload = chat_body(reply, model=model, response_id=response_id, created=created, prompt=prompt)
+        else:
+            payload = responses_body(
+                reply, body, model=model, response_id=response_id, created=created, prompt=prompt
+            )
+        raw = orjson.dumps(payload)
+        if rule is not None and rule.kind == "truncated":
+            raw = raw[: len(raw) // 2]
+        elif rule is not None and rule.kind == "malformed":
+            raw = b'{"id": "' + response_id.encode() + b'", "object": oops, "choices": [}'
+        return Response(raw, media_type="application/json")
+
+    async def _early_fault(self, rule: FaultRule, request: Request) -> Response | None:
+        """Faults that replace the answer (status, 429, reset, hang) or delay it (latency)."""
+        if rule.kind == "latency":
+            await self._wait_for_shutdown(rule.delay_s)
+            return None
+        if rule.kind == "status":
+            kind = "server_error" if rule.status >= 500 else "invalid_request_error"
+            return _error(rule.status, f"injected fault: HTTP {rule.status}", kind)
+        if rule.kind == "rate_limit":
+            response = _error(429, "injected fault: rate limited", "rate_limit_error", "rate_limit_exceeded")
+            response.headers["Retry-After"] = _seconds(rule.retry_after_s)
+            return response
+        if rule.kind == "reset":
+            return await self._abort(request)
+        if rule.kind == "hang":
+            await self._hang(request)
+            return await self._abort(request)
+        return None
+
+    async def _wait_for_shutdown(self, seconds: float) -> None:
+        """Wait ``seconds``, or less if the server shuts down meanwhile."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self.state.shutting_down.wait()
+        except TimeoutError:
+            pass
+
+    async def _hang(self, request: Request) -> None:
+        """Say nothing until the client disconnects or the server shuts down."""
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        waiters = [
+            asyncio.ensure_future(disconnected()),
+            asyncio.ensure_future(self.state.shutting_down.wait()),
+        ]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+
+    async def _abort(self, request: Request) -> Response:
+        """Drop the connection without an answer: RST on TCP, a bare close on a Unix socket."""
+        transport = request.scope.get(_TRANSPORT_KEY)
+        if transport is None:
+            # Not uvicorn: the closest we can do is announce a body and never send it.
+            return Response(b"", headers={"content-length": "1048576"})
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+        # Let the server see the connection is gone, so it does not try to answer with a 500.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return Response(b"")
+
+
+async def _iterate(events: Sequence[bytes]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
+
+
+def _seconds(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"

@@ -1,0 +1,446 @@
+"""A scripted turn rendered as a Chat Completions or Responses answer, whole or as server-sent events.
+
+Token usage follows one documented rule, so the same request always reports the
+same counts: ``tokens(text) = ceil(len(text.encode("utf-8")) / 4)``. Input
+tokens are, per message or input item, 4 plus the tokens of its texts (content,
+tool-call name and arguments, tool output), plus the tokens of the instructions
+and of the tools' JSON. Output tokens are the tokens of the message text, the
+reasoning, and each tool call's name and arguments; reasoning tokens are the
+reasoning's share of them. Cached tokens are always reported as 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import orjson
+
+from rollcage.policy._script import Turn
+
+__all__ = [
+    "Reply",
+    "chat_body",
+    "chat_events",
+    "count_tokens",
+    "prompt_tokens",
+    "reply_for",
+    "responses_body",
+    "responses_events",
+    "with_fault",
+]
+
+_PIECE = 16
+"""Characters per streamed delta: small enough that every answer arrives in several events."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallOut:
+    """One tool call as it will be sent."""
+
+    call_id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What one answer contains, independent of the API style."""
+
+    text: str | None
+    reasoning: str | None
+    tool_calls: tuple[ToolCallOut, ...]
+    finish: Literal["stop", "length"]
+
+
+def reply_for(turn: Turn, turn_index: int) -> Reply:
+    """The reply that plays ``turn`` as the ``turn_index``-th model turn (call ids: ``call_<turn>_<k>``)."""
+    calls = tuple(
+        ToolCallOut(f"call_{turn_index}_{k}", call.name, call.arguments_text())
+        for k, call in enumerate(turn.tool_calls)
+    )
+    return Reply(text=turn.message_text(), reasoning=turn.reasoning, tool_calls=calls, finish=turn.finish)
+
+
+def with_fault(reply: Reply, kind: str, turn_index: int) -> Reply:
+    """The reply changed by a content fault (``length``, ``empty``, ``bad_arguments``); others leave it."""
+    if kind == "length":
+        # Generation stopped mid-way: half the text (or of the first call, spilled as text), no calls.
+        source = reply.text or (reply.tool_calls[0].arguments if reply.tool_calls else "")
+        return Reply(
+            text=source[: len(source) // 2], reasoning=reply.reasoning, tool_calls=(), finish="length"
+        )
+    if kind == "empty":
+        return Reply(text="", reasoning=None, tool_calls=(), finish="stop")
+    if kind == "bad_arguments":
+        calls = reply.tool_calls or (ToolCallOut(f"call_{turn_index}_0", "python", '{"code": "print(1)"}'),)
+        broken = tuple(replace(call, arguments=_cut_json(call.arguments)) for call in calls)
+        return replace(reply, tool_calls=broken)
+    return reply
+
+
+def _cut_json(arguments: str) -> str:
+    cut = arguments[: max(1, len(arguments) // 2)]
+    try:
+        json.loads(cut)
+    except ValueError:
+        return cut
+    return cut + "{"  # still valid after the cut (e.g. '{}' -> '{'): make sure it is not
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def count_tokens(text: str) -> int:
+    """``ceil(len(utf8 bytes) / 4)``: the documented stand-in for a tokenizer."""
+    return (len(text.encode("utf-8")) + 3) // 4
+
+
+def prompt_tokens(request: Mapping[str, Any]) -> int:
+    """Input tokens of a chat or responses request, by the module's rule."""
+    total = 0
+    messages = request.get("messages")
+    items = messages if isinstance(messages, list) else request.get("input")
+    if isinstance(items, str):
+        total += 4 + count_tokens(items)
+    elif isinstance(items, list):
+        for item in items:
+            total += 4 + sum(count_tokens(text) for text in _texts(item))
+    instructions = request.get("instructions")
+    if isinstance(instructions, str):
+        total += count_tokens(instructions)
+    tools = request.get("tools")
+    if tools:
+        total += count_tokens(json.dumps(tools, sort_keys=True))
+    return total
+
+
+def _texts(value: Any) -> Iterable[str]:
+    """Every model-visible string in a message or item (not its type/role/id keys)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for element in value:
+            yield from _texts(element)
+    elif isinstance(value, dict):
+        for key, element in value.items():
+            if key in ("content", "text", "arguments", "output", "name", "function", "tool_calls", "summary"):
+                yield from _texts(element)
+
+
+def _output_counts(reply: Reply) -> tuple[int, int]:
+    reasoning = count_tokens(reply.reasoning or "")
+    output = count_tokens(reply.text or "") + reasoning
+    output += sum(count_tokens(call.name) + count_tokens(call.arguments) for call in reply.tool_calls)
+    return output, reasoning
+
+
+# --------------------------------------------------------------------------- chat completions
+
+
+def _chat_usage(reply: Reply, prompt: int) -> dict[str, Any]:
+    output, reasoning = _output_counts(reply)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": output,
+        "total_tokens": prompt + output,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
+    }
+
+
+def _finish_reason(reply: Reply) -> str:
+    if reply.finish == "length":
+        return "length"
+    return "tool_calls" if reply.tool_calls else "stop"
+
+
+def chat_body(reply: Reply, *, model: str, response_id: str, created: int, prompt: int) -> dict[str, Any]:
+    """A ``chat.completion`` object (reasoning as vLLM sends it: ``message.reasoning_content``)."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text}
+    if reply.reasoning is not None:
+        message["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in reply.tool_calls
+        ]
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": _finish_reason(reply), "logprobs": None}
+        ],
+        "usage": _chat_usage(reply, prompt),
+    }
+
+
+def chat_events(
+    reply: Reply, *, model: str, response_id: str, created: int, prompt: int, include_usage: bool
+) -> list[bytes]:
+    """``chat.completion.chunk`` events, each one ``data: ...`` SSE frame, ending with ``data: [DONE]``."""
+    head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return _frame({**head, "choices": [choice]})
+
+    events = [chunk({"role": "assistant", "content": "" if reply.text is not None else None})]
+    events += [chunk({"reasoning_content": piece}) for piece in _pieces(reply.reasoning)]
+    events += [chunk({"content": piece}) for piece in _pieces(reply.text)]
+    for k, call in enumerate(reply.tool_calls):
+        opening = {"index": k, "id": call.call_id, "type": "function"}
+        events.append(chunk({"tool_calls": [{**opening, "function": {"name": call.name, "arguments": ""}}]}))
+        events += [
+            chunk({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
+            for piece in _pieces(call.arguments)
+        ]
+    events.append(chunk({}, _finish_reason(reply)))
+    if include_usage:
+        events.append(_frame({**head, "choices": [], "usage": _chat_usage(reply, prompt)}))
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def _responses_usage(reply: Reply, prompt: int) -> dict[str, Any]:
+    output, reasoning = _output_counts(reply)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": prompt + output,
+    }
+
+
+def _responses_items(reply: Reply, response_id: str) -> list[dict[str, Any]]:
+    suffix = response_id.removeprefix("resp_")
+    items: list[dict[str, Any]] = []
+    if reply.reasoning is not None:
+        items.append(
+            {
+                "id": f"rs_{suffix}",
+                "type": "reasoning",
+                "summary": [{"type": "summary_text", "text": reply.reasoning}],
+            }
+        )
+    if reply.text is not None:
+        items.append(
+            {
+                "id": f"msg_{suffix}",
+                "type": "message",
+                "role": "assistant",
+                "status": "incomplete" if reply.finish == "length" else "completed",
+                "content": [{"type": "output_text", "text": reply.text, "annotations": []}],
+            }
+        )
+    for k, call in enumerate(reply.tool_calls):
+        items.append(
+            {
+                "id": f"fc_{suffix}_{k}",
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+                "status": "completed",
+            }
+        )
+    return items
+
+
+def _response_object(
+    request: Mapping[str, Any],
+    *,
+    model: str,
+    response_id: str,
+    created: int,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    incomplete: bool,
+) -> dict[str, Any]:
+    tools = [
+        {**tool, "strict": tool.get("strict", False)} if tool.get("type") == "function" else tool
+        for tool in request.get("tools") or []
+        if isinstance(tool, dict)
+    ]
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": request.get("instructions"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "metadata": {},
+        "output": output,
+        "parallel_tool_calls": True,
+        "temperature": request.get("temperature"),
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": tools,
+        "top_p": request.get("top_p"),
+        "truncation": "disabled",
+        "usage": usage,
+    }
+
+
+def responses_body(
+    reply: Reply, request: Mapping[str, Any], *, model: str, response_id: str, created: int, prompt: int
+) -> dict[str, Any]:
+    """A Responses ``response`` object; a length-stopped reply is ``incomplete`` (``max_output_tokens``)."""
+    incomplete = reply.finish == "length"
+    return _response_object(
+        request,
+        model=model,
+        response_id=response_id,
+        created=created,
+        status="incomplete" if incomplete else "completed",
+        output=_responses_items(reply, response_id),
+        usage=_responses_usage(reply, prompt),
+        incomplete=incomplete,
+    )
+
+
+def responses_events(
+    reply: Reply, request: Mapping[str, Any], *, model: str, response_id: str, created: int, prompt: int
+) -> list[bytes]:
+    """The Responses event stream, from ``response.created`` to ``response.completed``/``.incomplete``."""
+    events: list[bytes] = []
+
+    def emit(kind: str, **fields: Any) -> None:
+        events.append(_frame({"type": kind, "sequence_number": len(events), **fields}, event=kind))
+
+    skeleton = _response_object(
+        request,
+        model=model,
+        response_id=response_id,
+        created=created,
+        status="in_progress",
+        output=[],
+        usage=None,
+        incomplete=False,
+    )
+    emit("response.created", response=skeleton)
+    emit("response.in_progress", response=skeleton)
+    items = _responses_items(reply, response_id)
+    for index, item in enumerate(items):
+        item_id = item["id"]
+        if item["type"] == "reasoning":
+            text = item["summary"][0]["text"]
+            emit("response.output_item.added", output_index=index, item={**item, "summary": []})
+            part: dict[str, Any] = {"type": "summary_text", "text": ""}
+            emit(
+                "response.reasoning_summary_part.added",
+                item_id=item_id,
+                output_index=index,
+                summary_index=0,
+                part=part,
+            )
+            for piece in _pieces(text):
+                emit(
+                    "response.reasoning_summary_text.delta",
+                    item_id=item_id,
+                    output_index=index,
+                    summary_index=0,
+                    delta=piece,
+                )
+            emit(
+                "response.reasoning_summary_text.done",
+                item_id=item_id,
+                output_index=index,
+                summary_index=0,
+                text=text,
+            )
+            emit(
+                "response.reasoning_summary_part.done",
+                item_id=item_id,
+                output_index=index,
+                summary_index=0,
+                part={"type": "summary_text", "text": text},
+            )
+        elif item["type"] == "message":
+            text = item["content"][0]["text"]
+            emit(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "status": "in_progress", "content": []},
+            )
+            part = {"type": "output_text", "text": "", "annotations": []}
+            emit(
+                "response.content_part.added", item_id=item_id, output_index=index, content_index=0, part=part
+            )
+            for piece in _pieces(text):
+                emit(
+                    "response.output_text.delta",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    delta=piece,
+                    logprobs=[],
+                )
+            emit(
+                "response.output_text.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            )
+            emit(
+                "response.content_part.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                part={**part, "text": text},
+            )
+        else:
+            emit(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            )
+            for piece in _pieces(item["arguments"]):
+                emit(
+                    "response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=piece
+                )
+            emit(
+                "response.function_call_arguments.done",
+                item_id=item_id,
+                output_index=index,
+                arguments=item["arguments"],
+                name=item["name"],
+            )
+        emit("response.output_item.done", output_index=index, item=item)
+    final = responses_body(
+        reply, request, model=model, response_id=response_id, created=created, prompt=prompt
+    )
+    emit("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
+    return events
+
+
+# --------------------------------------------------------------------------- framing
+
+
+def _frame(data: Mapping[str, Any], *, event: str | None = None) -> bytes:
+    head = b"" if event is None else b"event: " + event.encode() + b"\n"
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def _pieces(text: str | None) -> list[str]:
+    if not text:
+        return []
+    return [text[start : start + _PIECE] for start in range(0, len(text), _PIECE)]
