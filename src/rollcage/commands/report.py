@@ -1,13 +1,35 @@
-"""`rollcage report`: not built yet (see the open issues)."""
+"""``rollcage report DIR``: one self-contained HTML report of a run."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 __all__ = ["command"]
 
 
-def command() -> None:
-    """Not built yet."""
-    typer.echo("rollcage report: not built yet; see the open issues", err=True)
-    raise typer.Exit(2)
+def command(
+    run_dir: Annotated[
+        Path, typer.Argument(metavar="DIR", help="The run directory (rollouts.jsonl, metrics.json).")
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option("-o", "--output", help="Where to write the report; default DIR/report.html."),
+    ] = None,
+) -> None:
+    """Write a static HTML report of a run: summary, charts, a filterable table, every trajectory."""
+    from rollcage.viewer import ViewerError, write_report
+
+    try:
+        written = write_report(run_dir, output)
+    except ViewerError as exc:
+        typer.echo(f"rollcage report: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except OSError as exc:
+        typer.echo(f"rollcage report: cannot write the report: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    size = written.stat().st_size
+    shown = f"{size / 1_048_576:.1f} MiB" if size >= 1_048_576 else f"{size / 1024:.0f} KiB"
+    typer.echo(f"wrote {written} ({shown}); open it in a browser (no network needed)")

@@ -1,13 +1,50 @@
-"""`rollcage show`: not built yet (see the open issues)."""
+"""``rollcage show PATH``: a rollout or a run, in the terminal."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 __all__ = ["command"]
 
 
-def command() -> None:
-    """Not built yet."""
-    typer.echo("rollcage show: not built yet; see the open issues", err=True)
-    raise typer.Exit(2)
+def command(
+    path: Annotated[
+        Path,
+        typer.Argument(
+            help="A rollout directory, its result.json or checkpoint.jsonl, or a run directory.",
+            show_default=False,
+        ),
+    ],
+    outcome: Annotated[
+        str | None,
+        typer.Option(
+            "--outcome",
+            help="Run only: list rollouts with this outcome "
+            "(completed, agent_error, timeout, cancelled, infra_failure).",
+        ),
+    ] = None,
+    limit: Annotated[
+        int, typer.Option("--limit", min=0, help="Run only: list at most N rollouts (0: all).")
+    ] = 200,
+) -> None:
+    """Show a rollout as a tree of turns (model calls, tool calls, outcome, receipt), or a run's summary."""
+    from rich.console import Console
+
+    from rollcage.viewer import ViewerError, load_rollout, render_rollout, render_run, resolve_target
+
+    try:
+        target = resolve_target(path)
+        if target.kind == "run":
+            renderable = render_run(target.path, outcome=outcome, limit=limit)
+        else:
+            if outcome is not None:
+                raise ViewerError(f"{path}: --outcome filters a run's rollouts; this is one rollout")
+            view = load_rollout(target.path, prefer=target.prefer, file=target.file)
+            renderable = render_rollout(view)
+    except ViewerError as exc:
+        typer.echo(f"rollcage show: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    Console().print(renderable)

@@ -1,0 +1,43 @@
+"""The terminal and HTML views of rollouts and runs (``rollcage show``, ``rollcage report``).
+
+Reading is tolerant (``load_rollout`` lists what it could not read instead of
+failing), one digest of a rollout feeds both views, and every piece of agent or
+model text is treated as hostile: cleaned of terminal controls for the terminal,
+embedded as escaped JSON and shown with ``textContent`` in the report.
+"""
+
+from rollcage.viewer._capture import CaptureComparison, CaptureDifference, compare_capture
+from rollcage.viewer._digest import RolloutDigest, digest_rollout
+from rollcage.viewer._load import (
+    RecordReader,
+    RolloutView,
+    ViewerError,
+    ViewTarget,
+    find_record,
+    load_metrics,
+    load_rollout,
+    resolve_target,
+)
+from rollcage.viewer._report import write_report
+from rollcage.viewer._terminal import PARTIAL_LABEL, render_rollout, render_run, render_text
+
+__all__ = [
+    "PARTIAL_LABEL",
+    "CaptureComparison",
+    "CaptureDifference",
+    "RecordReader",
+    "RolloutDigest",
+    "RolloutView",
+    "ViewTarget",
+    "ViewerError",
+    "compare_capture",
+    "digest_rollout",
+    "find_record",
+    "load_metrics",
+    "load_rollout",
+    "render_rollout",
+    "render_run",
+    "render_text",
+    "resolve_target",
+    "write_report",
+]
