@@ -1,13 +1,182 @@
-"""`rollcage run`: not built yet (see the open issues)."""
+"""``rollcage run DATASET``: the main job — run a dataset of tasks, grade, report.
+
+Exit codes: 0 the run finished (whatever the rewards); 1 the controller failed
+(e.g. rollouts.jsonl could not be written); 2 bad command line, dataset or
+configuration (nothing ran); 3 every sample that ended, ended in
+``infra_failure`` (the setup is broken, not the policy); 130 interrupted by
+Ctrl-C/SIGTERM (rerun the same command to resume).
+"""
 
 from __future__ import annotations
 
+import enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
 import typer
+
+if TYPE_CHECKING:
+    from rollcage.controller import RunConfig, RunSummary
+    from rollcage.controller._progress import RichReporter
 
 __all__ = ["command"]
 
 
-def command() -> None:
-    """Not built yet."""
-    typer.echo("rollcage run: not built yet; see the open issues", err=True)
-    raise typer.Exit(2)
+class _Sandbox(enum.StrEnum):
+    bwrap = "bwrap"
+    none = "none"
+
+
+class _Backend(enum.StrEnum):
+    local = "local"
+
+
+class _Api(enum.StrEnum):
+    chat = "chat"
+    responses = "responses"
+
+
+_GENERIC_STEMS = frozenset({"dataset", "data", "train", "test", "eval", "tasks"})
+
+
+def _default_out(dataset: Path) -> Path:
+    import time
+
+    stem = dataset.stem
+    name = dataset.resolve().parent.name if stem in _GENERIC_STEMS else stem
+    return Path("runs") / f"{name or stem}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+
+
+def command(
+    dataset: Annotated[Path, typer.Argument(help="JSONL dataset, one task a line.")],
+    out: Annotated[
+        Path | None, typer.Option(help="Output directory; default runs/<dataset-name>-<UTC time>/.")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="OpenAI-compatible base URL ending in /v1; default: embedded policy.")
+    ] = None,
+    model_name: Annotated[str | None, typer.Option(help="Model name (with --model).")] = None,
+    api_key_env: Annotated[
+        str | None, typer.Option(help="Environment variable with the API key (never written to disk).")
+    ] = None,
+    api: Annotated[_Api, typer.Option(help="API style, unless a row says otherwise.")] = _Api.chat,
+    policy: Annotated[
+        Path | None, typer.Option(help="Policy script for the embedded scripted policy.")
+    ] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Rollouts in flight at most.")] = 8,
+    attempts: Annotated[int, typer.Option(min=1, help="Samples per task (k of pass@k).")] = 1,
+    deadline: Annotated[float, typer.Option(min=0.1, help="Wall-clock deadline of one rollout, s.")] = 600.0,
+    grace: Annotated[float, typer.Option(min=0.0, help="SIGTERM → SIGKILL grace, s.")] = 5.0,
+    max_infra_retries: Annotated[int, typer.Option(min=0, help="Retries of an infra_failure.")] = 2,
+    retry_backoff: Annotated[float, typer.Option(min=0.0, help="First retry delay, s (doubles).")] = 1.0,
+    sandbox: Annotated[
+        _Sandbox, typer.Option(help="bwrap: contained (default); none: agent code runs uncontained.")
+    ] = _Sandbox.bwrap,
+    backend: Annotated[_Backend, typer.Option(help="Where rollouts run.")] = _Backend.local,
+    strict: Annotated[bool, typer.Option(help="Stop before running anything if a row is malformed.")] = False,
+    grade_timeouts: Annotated[bool, typer.Option(help="Grade results of rollouts that timed out.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Run a dataset of tasks in sandboxes, grade outside them, and report."""
+    import asyncio
+    import logging
+
+    from rollcage.controller import (
+        EXIT_USAGE,
+        EmbeddedPolicyConfig,
+        LocalBackendConfig,
+        ModelEndpointConfig,
+        RunConfig,
+    )
+    from rollcage.controller._progress import RichReporter, render_summary
+    from rollcage.errors import ConfigError
+
+    if (model is None) != (model_name is None):
+        raise typer.BadParameter("--model and --model-name go together", param_hint="--model")
+    if model is not None and policy is not None:
+        raise typer.BadParameter(
+            "--policy is for the embedded policy; drop it with --model", param_hint="--policy"
+        )
+    if api_key_env is not None and model is None:
+        raise typer.BadParameter("--api-key-env needs --model", param_hint="--api-key-env")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    reporter = RichReporter(quiet=quiet)
+    source: EmbeddedPolicyConfig | ModelEndpointConfig
+    if model is not None and model_name is not None:
+        source = ModelEndpointConfig(base_url=model, model_name=model_name, api_key_env=api_key_env)
+    else:
+        source = EmbeddedPolicyConfig(script=policy)
+    try:
+        config = RunConfig(
+            dataset=dataset,
+            out=out if out is not None else _default_out(dataset),
+            model=source,
+            api=api.value,
+            concurrency=concurrency,
+            attempts=attempts,
+            max_infra_retries=max_infra_retries,
+            retry_backoff_s=retry_backoff,
+            deadline_s=deadline,
+            grace_s=grace,
+            sandbox=sandbox.value,
+            grade_timeouts=grade_timeouts,
+            strict=strict,
+            backend=LocalBackendConfig(type=backend.value),
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    try:
+        summary = asyncio.run(_run(config, reporter))
+    except ConfigError as exc:
+        reporter.console.print(f"rollcage run: {exc}", style="red", markup=False)
+        raise typer.Exit(EXIT_USAGE) from None
+    render_summary(summary, reporter.console)
+    raise typer.Exit(summary.exit_code)
+
+
+async def _run(config: RunConfig, reporter: RichReporter) -> RunSummary:
+    """Run the controller with Ctrl-C/SIGTERM handling; return its summary.
+
+    First signal: stop gracefully (in-flight rollouts stopped through their
+    supervisors and recorded as cancelled). Second: cancel at once (records on disk
+    stay consistent; abandoned rollouts rerun on resume). A third falls through to
+    the default handler.
+
+    **Cancellation:** see above; the summary is returned either way.
+    """
+    import asyncio
+    import signal
+
+    from rollcage.controller import Controller
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    controller = Controller(config, reporter=reporter, stop=stop)
+    presses = 0
+    async with asyncio.TaskGroup() as group:
+        job = group.create_task(controller.run())
+
+        def on_signal(name: str) -> None:
+            nonlocal presses
+            presses += 1
+            if presses == 1:
+                reporter.notice(
+                    f"{name}: stopping; in-flight rollouts are being stopped (again to stop at once)"
+                )
+                stop.set()
+                return
+            reporter.notice(f"{name}: stopping at once")
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            job.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig.name)
+        try:
+            await asyncio.wait([job])
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+    if job.cancelled():
+        return controller.summary(interrupted=True)
+    return job.result()

@@ -1,0 +1,96 @@
+"""The controller: run a dataset through supervisors, grade outside the sandbox, record, resume.
+
+Public face of ``rollcage run``. The unit of work a backend executes is
+``run_rollout(prepared, settings)`` → ``RolloutRecord``; ``Controller`` streams the
+dataset, schedules those units with bounded concurrency, retries infrastructure
+failures, appends ``rollouts.jsonl`` and publishes ``metrics.json``.
+"""
+
+from rollcage.controller._backend import Backend, LocalBackend
+from rollcage.controller._config import (
+    BackendConfig,
+    EmbeddedPolicyConfig,
+    LocalBackendConfig,
+    ModelEndpointConfig,
+    ModelSource,
+    RunConfig,
+)
+from rollcage.controller._dataset import DatasetRow, EnvironmentRef, InvalidRow, Task, iter_dataset
+from rollcage.controller._graders import (
+    ExactGrader,
+    GradeResult,
+    GraderSpec,
+    NormalizedGrader,
+    NumericGrader,
+    RegexGrader,
+    VerifyGrader,
+)
+from rollcage.controller._health import HEALTH_CHECKS
+from rollcage.controller._ids import rollout_id
+from rollcage.controller._ledger import RunLedger, pass_at_k
+from rollcage.controller._records import RecordLog, load_records
+from rollcage.controller._run import (
+    EXIT_ALL_INFRA,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Controller,
+    NullReporter,
+    Reporter,
+    RunSummary,
+)
+from rollcage.controller._unit import (
+    Endpoints,
+    EnvironmentEndpoint,
+    GradingPlan,
+    PreparedRollout,
+    RolloutSettings,
+    prepare_rollout,
+    run_rollout,
+)
+
+__all__ = [
+    "EXIT_ALL_INFRA",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "HEALTH_CHECKS",
+    "Backend",
+    "BackendConfig",
+    "Controller",
+    "DatasetRow",
+    "EmbeddedPolicyConfig",
+    "Endpoints",
+    "EnvironmentEndpoint",
+    "EnvironmentRef",
+    "ExactGrader",
+    "GradeResult",
+    "GraderSpec",
+    "GradingPlan",
+    "InvalidRow",
+    "LocalBackend",
+    "LocalBackendConfig",
+    "ModelEndpointConfig",
+    "ModelSource",
+    "NormalizedGrader",
+    "NullReporter",
+    "NumericGrader",
+    "PreparedRollout",
+    "RecordLog",
+    "RegexGrader",
+    "Reporter",
+    "RolloutSettings",
+    "RunConfig",
+    "RunLedger",
+    "RunSummary",
+    "Task",
+    "VerifyGrader",
+    "iter_dataset",
+    "load_records",
+    "pass_at_k",
+    "prepare_rollout",
+    "rollout_id",
+    "run_rollout",
+]

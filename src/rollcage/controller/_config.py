@@ -1,0 +1,108 @@
+"""The run's configuration: one canonical, validated shape, built by the CLI or by code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollcage.controller._unit import RolloutSettings
+
+if TYPE_CHECKING:
+    from rollcage.controller._backend import Backend
+
+__all__ = [
+    "BackendConfig",
+    "EmbeddedPolicyConfig",
+    "LocalBackendConfig",
+    "ModelEndpointConfig",
+    "ModelSource",
+    "RunConfig",
+]
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EmbeddedPolicyConfig(_Config):
+    """The scripted policy server, started in-process on loopback (the default with no model flags)."""
+
+    type: Literal["embedded"] = "embedded"
+    script: Path | None = Field(
+        default=None, description="Policy script; None: policy.yaml beside the dataset."
+    )
+    model_name: str = Field(default="rollcage-scripted", description="Model name sent in requests.")
+
+
+class ModelEndpointConfig(_Config):
+    """A real OpenAI-compatible endpoint (vLLM, SGLang, NIM, OpenAI)."""
+
+    type: Literal["endpoint"] = "endpoint"
+    base_url: str = Field(description="Base URL ending in /v1, as the host reaches it.")
+    model_name: str = Field(min_length=1, description="Model name sent in requests.")
+    api_key_env: str | None = Field(
+        default=None,
+        description="Environment variable holding the API key; given to the supervisor, never to input.json.",
+    )
+
+
+ModelSource = Annotated[EmbeddedPolicyConfig | ModelEndpointConfig, Field(discriminator="type")]
+"""Where the model comes from, tagged by ``type``."""
+
+
+class LocalBackendConfig(_Config):
+    """Run rollouts on this machine, each under its own supervisor in this process."""
+
+    type: Literal["local"] = "local"
+
+    def build(self, settings: RolloutSettings, **overrides: Any) -> Backend:
+        """The backend for ``settings`` (imported now, lazily).
+
+        Args:
+            settings: How rollouts are supervised and graded.
+            **overrides: ``supervise``/``supervisor_config`` replacements (tests, fakes).
+        """
+        from rollcage.controller._backend import LocalBackend
+
+        return LocalBackend(settings, **overrides)
+
+
+# One member today; the Ray backend joins as `LocalBackendConfig | RayBackendConfig` with
+# Field(discriminator="type"), and every caller already goes through `.build(...)`.
+BackendConfig = LocalBackendConfig
+"""Where rollouts execute, tagged by ``type`` (``local`` for now)."""
+
+
+class RunConfig(_Config):
+    """Everything ``rollcage run`` needs; every field has a default but the dataset and output."""
+
+    dataset: Path = Field(description="The JSONL dataset.")
+    out: Path = Field(description="Output directory (rollouts.jsonl, metrics.json, rollouts/).")
+    model: ModelSource = Field(default_factory=EmbeddedPolicyConfig, description="The model endpoint.")
+    api: Literal["chat", "responses"] = Field(default="chat", description="API style unless a row says.")
+    concurrency: int = Field(default=8, ge=1, le=4096, description="Rollouts in flight at most.")
+    attempts: int = Field(default=1, ge=1, le=10_000, description="Samples per task (k of pass@k).")
+    max_infra_retries: int = Field(default=2, ge=0, le=100, description="Retries of an infra_failure.")
+    retry_backoff_s: float = Field(default=1.0, ge=0, description="First retry delay; doubles per retry.")
+    retry_backoff_max_s: float = Field(default=30.0, ge=0, description="Cap on the retry delay.")
+    deadline_s: float = Field(default=600.0, gt=0, description="Wall-clock deadline of one rollout.")
+    grace_s: float = Field(default=5.0, ge=0, description="SIGTERM → SIGKILL grace of one rollout.")
+    sandbox: Literal["bwrap", "none"] = Field(default="bwrap", description="How agent code is contained.")
+    grade_timeouts: bool = Field(default=False, description="Grade rollouts that hit the deadline.")
+    strict: bool = Field(default=False, description="Stop before running anything if a row is malformed.")
+    pass_threshold: float = Field(default=1.0, description="A reward at least this passes (pass@k).")
+    metrics_interval_s: float = Field(default=2.0, gt=0, description="How often metrics.json is refreshed.")
+    backend: BackendConfig = Field(default_factory=LocalBackendConfig, description="Where rollouts run.")
+
+    def rollout_settings(self) -> RolloutSettings:
+        """The per-rollout settings handed to the backend."""
+        key = self.model.api_key_env if isinstance(self.model, ModelEndpointConfig) else None
+        return RolloutSettings(
+            deadline_s=self.deadline_s,
+            grace_s=self.grace_s,
+            sandbox=self.sandbox,
+            api_key_env=key,
+            grade_timeouts=self.grade_timeouts,
+        )

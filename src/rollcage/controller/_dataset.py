@@ -1,0 +1,335 @@
+"""Dataset rows: JSONL, streamed line by line, each validated on its own.
+
+A row (one JSON object a line)::
+
+    {"id": "oslo-sum",
+     "input": "Is it cold in Oslo? Also compute 40 + 2. Answer as <condition>;sum=<n>.",
+     "instructions": "Use the tools.",
+     "environment": "calc-weather",
+     "tools": ["python", "get_weather"],
+     "agent": {"mode": "function_calling", "max_policy_calls": 6},
+     "model": {"sampling": {"temperature": 0}, "max_retries": 1},
+     "expected": "cold;sum=42",
+     "grader": {"type": "verify"},
+     "metadata": {"split": "demo"}}
+
+Model-visible: ``input``, ``instructions``, ``tools``. Settings: ``agent``,
+``executor``, ``model`` (everything of the endpoint but its URL and name).
+Controller-only: ``expected``, ``grader``, ``metadata``; they never reach
+``input.json``. A row that fails validation is reported with its line number and
+reason and skipped; the others still run.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rollcage.controller._graders import ExactGrader, GraderSpec, VerifyGrader
+from rollcage.environments import EnvironmentInfo, bundled_environments
+from rollcage.errors import ConfigError, ControllerOnlyFieldError
+from rollcage.protocol import (
+    AgentSettings,
+    ExecutorSettings,
+    ModelEndpoint,
+    PythonToolSpec,
+    ResourceEndpoint,
+    ResourceToolSpec,
+    SamplingParams,
+    ToolSpec,
+    WorkerInput,
+)
+
+__all__ = [
+    "DatasetRow",
+    "EnvironmentRef",
+    "InvalidRow",
+    "RowModelSettings",
+    "RowResourceTool",
+    "Task",
+    "iter_dataset",
+]
+
+_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+_MAX_ID = 256
+
+
+class _Row(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RowModelSettings(_Row):
+    """Per-row model settings; ``None`` fields take the run's defaults (see ``ModelEndpoint``)."""
+
+    api: Literal["chat", "responses"] | None = Field(default=None, description="API style.")
+    sampling: SamplingParams | None = Field(default=None, description="Sampling parameters.")
+    stream: bool | None = Field(default=None, description="Request server-sent events.")
+    timeout_s: float | None = Field(default=None, gt=0, description="Deadline of one request.")
+    connect_timeout_s: float | None = Field(default=None, gt=0, description="Connect deadline.")
+    max_retries: int | None = Field(default=None, ge=0, le=20, description="Client retries per call.")
+    retry_backoff_s: float | None = Field(default=None, ge=0, description="First client backoff.")
+
+
+class RowResourceTool(_Row):
+    """A resource tool given in full; ``resource`` defaults to the row's environment."""
+
+    type: Literal["resource"] = "resource"
+    name: str = Field(min_length=1, description="Tool name the model sees.")
+    description: str = Field(default="", description="Tool description the model sees.")
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}}, description="JSON Schema of arguments."
+    )
+    resource: str | None = Field(default=None, description="Resource key; None: the row's environment.")
+    path: str | None = Field(default=None, description="Endpoint path; None: '/<name>'.")
+
+
+RowTool = Annotated[PythonToolSpec | RowResourceTool, Field(discriminator="type")]
+
+
+class DatasetRow(_Row):
+    """One dataset row as written in the JSONL file (see the module docstring)."""
+
+    id: str = Field(description="Task id, unique in the dataset.")
+    input: str | list[dict[str, Any]] = Field(description="Model-visible input: text or Responses items.")
+    instructions: str | None = Field(default=None, description="System instructions; None: none.")
+    environment: str | None = Field(
+        default=None, description="A bundled environment's name or a resource server URL; None: none."
+    )
+    tools: list[str | RowTool] | None = Field(
+        default=None,
+        description="Tool names from the environment ('python' is the executor) or full specs; "
+        "None: the environment's defaults (just python without one).",
+    )
+    agent: AgentSettings = Field(default_factory=AgentSettings, description="Agent loop settings.")
+    executor: ExecutorSettings = Field(default_factory=ExecutorSettings, description="Python executor.")
+    model: RowModelSettings = Field(default_factory=RowModelSettings, description="Model settings.")
+    expected: Any = Field(default=None, description="Controller-only: the reference answer for the grader.")
+    grader: GraderSpec | None = Field(default=None, description="Controller-only: how to grade.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Controller-only, free-form.")
+
+    @field_validator("id", mode="before")
+    @classmethod
+    def _id_text(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        if isinstance(value, str) and not (0 < len(value) <= _MAX_ID):
+            raise ValueError(f"must be 1 to {_MAX_ID} characters")
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class EnvironmentRef:
+    """The environment a task runs against.
+
+    Attributes:
+        key: The resource key in ``WorkerInput.resources`` (the bundled name, or ``env``).
+        bundled: The bundled environment, or ``None`` for an external URL.
+        url: The external URL, or ``None`` for a bundled environment (started by the controller).
+    """
+
+    key: str
+    bundled: EnvironmentInfo | None
+    url: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidRow:
+    """A row that was rejected, and why.
+
+    Attributes:
+        line: 1-based line number in the dataset file.
+        reason: What is wrong, in words a user can act on.
+        task_id: The row's id when it could be read.
+    """
+
+    line: int
+    reason: str
+    task_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """A valid row, resolved: its environment, its tool specs and its grader.
+
+    Attributes:
+        line: 1-based line number in the dataset file.
+        row: The row as validated.
+        environment: Its environment, if any.
+        tools: Tool specs for ``WorkerInput.tools``.
+        grader: The grader to apply; ``None``: not graded.
+    """
+
+    line: int
+    row: DatasetRow
+    environment: EnvironmentRef | None
+    tools: tuple[ToolSpec, ...]
+    grader: GraderSpec | None
+
+    @property
+    def id(self) -> str:
+        """The task id."""
+        return self.row.id
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors()[:3]:
+        loc = ".".join(str(p) for p in error["loc"]) or "row"
+        parts.append(f"{loc}: {error['msg']}")
+    more = len(exc.errors()) - 3
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def _environment(name: str | None) -> EnvironmentRef | None:
+    if name is None:
+        return None
+    if _URL.match(name):
+        return EnvironmentRef(key="env", bundled=None, url=name.rstrip("/"))
+    bundled = bundled_environments()
+    if name not in bundled:
+        raise ConfigError(
+            f"unknown environment {name!r}: use one of {', '.join(sorted(bundled))} "
+            "or the http(s) URL of a resource server"
+        )
+    return EnvironmentRef(key=name, bundled=bundled[name], url=None)
+
+
+def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
+    wanted: list[str | PythonToolSpec | RowResourceTool]
+    if row.tools is None:
+        wanted = list(env.bundled.default_tools) if env is not None and env.bundled else ["python"]
+    else:
+        wanted = list(row.tools)
+    specs: list[ToolSpec] = []
+    for tool in wanted:
+        if isinstance(tool, PythonToolSpec):
+            specs.append(tool)
+        elif isinstance(tool, RowResourceTool):
+            resource = tool.resource or (env.key if env is not None else None)
+            if resource is None or env is None or resource != env.key:
+                raise ConfigError(f"tool {tool.name!r} needs the row's environment as its resource")
+            specs.append(
+                ResourceToolSpec(
+                    name=tool.name,
+                    description=tool.description,
+                    parameters=tool.parameters,
+                    resource=resource,
+                    path=tool.path,
+                )
+            )
+        elif tool == "python":
+            specs.append(PythonToolSpec())
+        else:
+            catalog = {t.name: t for t in env.bundled.tools} if env is not None and env.bundled else {}
+            info = catalog.get(tool)
+            if info is None or env is None:
+                known = ", ".join(["python", *catalog]) if catalog else "python"
+                raise ConfigError(f"unknown tool {tool!r}: known here are {known}; or give a full spec")
+            specs.append(
+                ResourceToolSpec(
+                    name=info.name,
+                    description=info.description,
+                    parameters=info.parameters,
+                    resource=env.key,
+                    path=info.path,
+                )
+            )
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tool names must be unique, got {names}")
+    return tuple(specs)
+
+
+def _grader(row: DatasetRow, env: EnvironmentRef | None) -> GraderSpec | None:
+    spec = row.grader
+    if spec is None:
+        if env is not None:
+            return VerifyGrader()
+        return None if row.expected is None else ExactGrader()
+    if spec.type == "verify" and env is None:
+        raise ConfigError("grader 'verify' needs an 'environment' to send the rollout to")
+    if spec.type in ("exact", "normalized", "numeric") and row.expected is None:
+        raise ConfigError(f"grader {spec.type!r} needs 'expected'")
+    if spec.type == "regex" and spec.pattern is None and not isinstance(row.expected, str):
+        raise ConfigError("grader 'regex' needs 'pattern' or a string 'expected'")
+    return spec
+
+
+def _check_worker_input(row: DatasetRow, tools: tuple[ToolSpec, ...], env: EnvironmentRef | None) -> None:
+    # Build the sandbox's view once now, with placeholder endpoints, so a row that
+    # could never become a valid input.json is rejected with its line number.
+    resources = {env.key: ResourceEndpoint(base_url="http://127.0.0.1:1")} if env is not None else {}
+    WorkerInput(
+        rollout_id="check",
+        task_id=row.id,
+        input=row.input,
+        instructions=row.instructions,
+        model=ModelEndpoint(base_url="http://127.0.0.1:1/v1", model="check"),
+        agent=row.agent,
+        executor=row.executor,
+        tools=list(tools),
+        resources=resources,
+    )
+
+
+def validate_row(line: int, raw: bytes) -> Task | InvalidRow:
+    """Parse and resolve one line (see ``iter_dataset``; duplicates are not checked here)."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return InvalidRow(line, f"not valid JSON: {exc}")
+    if not isinstance(value, dict):
+        return InvalidRow(line, f"a row must be a JSON object, got {type(value).__name__}")
+    raw_id = value.get("id")
+    task_id = str(raw_id) if isinstance(raw_id, str | int) and not isinstance(raw_id, bool) else None
+    try:
+        row = DatasetRow.model_validate(value)
+    except ValidationError as exc:
+        return InvalidRow(line, _describe(exc), task_id)
+    try:
+        env = _environment(row.environment)
+        tools = _tools(row, env)
+        grader = _grader(row, env)
+        _check_worker_input(row, tools, env)
+    except ControllerOnlyFieldError as exc:
+        return InvalidRow(line, f"model-visible fields carry controller-only state: {exc}", row.id)
+    except ValidationError as exc:
+        return InvalidRow(line, _describe(exc), row.id)
+    except ConfigError as exc:
+        return InvalidRow(line, str(exc), row.id)
+    return Task(line=line, row=row, environment=env, tools=tools, grader=grader)
+
+
+def iter_dataset(path: Path) -> Iterator[Task | InvalidRow]:
+    """Stream a dataset: each non-blank line becomes a ``Task`` or an ``InvalidRow``.
+
+    The file is read a line at a time, never whole; only the set of ids seen is
+    kept, to reject a repeated id (a second row with the same id would make rollout
+    ids collide and resume ambiguous).
+
+    Raises:
+        ConfigError: The file cannot be opened.
+    """
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
+    seen: dict[str, int] = {}
+    with handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            item = validate_row(number, raw)
+            if isinstance(item, Task):
+                first = seen.get(item.id)
+                if first is not None:
+                    yield InvalidRow(number, f"duplicate id {item.id!r} (first on line {first})", item.id)
+                    continue
+                seen[item.id] = number
+            yield item

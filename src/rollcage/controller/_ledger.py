@@ -1,0 +1,235 @@
+"""The run's ledger: what each sample has done (for resume) and the metrics folded from it.
+
+Everything here is folded from ``RolloutRecord``s one at a time, in log order, so
+the controller's memory holds a few numbers per sample and never the records.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import get_args
+
+from rollcage.controller._health import HEALTH_CHECKS, TASK_CHECK
+from rollcage.protocol import HealthFinding, Outcome, Percentiles, RolloutRecord, RunMetrics, TokenUsage
+
+__all__ = ["FINAL_OUTCOMES", "RunLedger", "SampleState", "pass_at_k"]
+
+FINAL_OUTCOMES: frozenset[Outcome] = frozenset({"completed", "agent_error", "timeout"})
+"""Outcomes that end a sample for good: the policy's result, whatever it is."""
+
+_OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
+_MAX_IDS = 100
+
+
+@dataclass(slots=True)
+class SampleState:
+    """One sample of one task, as far as the log says.
+
+    Attributes:
+        tries: Attempts recorded (the next attempt's try index).
+        infra_failures: Of those, how many ended ``infra_failure``.
+        last_outcome: Outcome of the latest attempt; ``None``: never attempted.
+        graded: The latest attempt was graded (a reward exists).
+        reward: Its reward.
+        grader_failed: The outcome allowed grading but the grader could not grade.
+    """
+
+    tries: int = 0
+    infra_failures: int = 0
+    last_outcome: Outcome | None = None
+    graded: bool = False
+    reward: float | None = None
+    grader_failed: bool = False
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one task: ``1 - C(n-c, k) / C(n, k)`` (Chen et al., 2021).
+
+    With fewer samples than ``k`` it is 1.0 when any passed, else 0.0.
+    """
+    if c <= 0:
+        return 0.0
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass
+class _Tally:
+    count: int = 0
+    ids: list[str] = field(default_factory=list)
+
+    def add(self, ident: str, count: int) -> None:
+        self.count += count
+        if len(self.ids) < _MAX_IDS:
+            self.ids.append(ident)
+
+
+class RunLedger:
+    """Per-sample state and running metrics of one output directory."""
+
+    def __init__(self, *, dataset: str, k: int, max_infra_retries: int, pass_threshold: float = 1.0) -> None:
+        """Start empty.
+
+        Args:
+            dataset: Dataset path, as metrics.json shows it.
+            k: Samples per task (``--attempts``).
+            max_infra_retries: Retries of an ``infra_failure`` per sample.
+            pass_threshold: A graded sample passes when its reward is at least this.
+        """
+        self.dataset = dataset
+        self.k = k
+        self.max_infra_retries = max_infra_retries
+        self.pass_threshold = pass_threshold
+        self._samples: dict[tuple[str, int], SampleState] = {}
+        self._model_success: dict[str, bool] = {}
+        self._outcomes: dict[Outcome, int] = dict.fromkeys(_OUTCOMES, 0)
+        self._graded = 0
+        self._reward_sum = 0.0
+        self._retries = 0
+        self._tokens: list[int | None] = [None, None, None]
+        self._durations = array("d")
+        self._health: dict[str, _Tally] = {name: _Tally() for name in HEALTH_CHECKS}
+        self.invalid_rows = 0
+        self.rollouts = 0
+
+    # ------------------------------------------------------------------ resume
+
+    def state(self, task_id: str, sample: int) -> SampleState:
+        """The sample's state (a fresh one if it has no record)."""
+        return self._samples.get((task_id, sample)) or SampleState()
+
+    def is_done(self, task_id: str, sample: int) -> bool:
+        """Whether the sample needs no further attempt.
+
+        Done: a final outcome (completed, agent_error, timeout), or infrastructure
+        failures beyond the retry budget. Not done: no record, ``cancelled`` (rerun on
+        resume) or an ``infra_failure`` with budget left.
+        """
+        state = self._samples.get((task_id, sample))
+        if state is None or state.last_outcome is None:
+            return False
+        if state.last_outcome in FINAL_OUTCOMES:
+            return True
+        return state.last_outcome == "infra_failure" and state.infra_failures > self.max_infra_retries
+
+    def next_try(self, task_id: str, sample: int) -> int:
+        """The try index of the sample's next attempt."""
+        return self.state(task_id, sample).tries
+
+    # ------------------------------------------------------------------ folding
+
+    def add(self, record: RolloutRecord, health: Mapping[str, int]) -> SampleState:
+        """Fold one record (in log order) and its health counts; return the sample's new state."""
+        key = (record.task_id, record.sample)
+        state = self._samples.get(key)
+        if state is None:
+            state = self._samples[key] = SampleState()
+        if record.try_index > 0 and state.last_outcome == "infra_failure":
+            self._retries += 1
+        state.tries = max(state.tries, record.try_index + 1)
+        state.last_outcome = record.outcome
+        if record.outcome == "infra_failure":
+            state.infra_failures += 1
+        state.graded = record.graded and record.reward is not None
+        state.reward = record.reward if state.graded else None
+        state.grader_failed = record.grader is not None and "error" in record.grader
+
+        self.rollouts += 1
+        self._outcomes[record.outcome] += 1
+        if state.graded and record.reward is not None:
+            self._graded += 1
+            self._reward_sum += record.reward
+        m = record.metrics
+        for index, value in enumerate((m.input_tokens, m.output_tokens, m.total_tokens)):
+            if value is not None:
+                self._tokens[index] = (self._tokens[index] or 0) + value
+        self._durations.append(record.receipt.duration_s)
+        succeeded = m.model_calls - m.failed_model_calls > 0
+        self._model_success[record.task_id] = self._model_success.get(record.task_id, False) or succeeded
+        for name, count in health.items():
+            tally = self._health.get(name)
+            if tally is not None and count > 0:
+                tally.add(record.rollout_id, count)
+        return state
+
+    def add_invalid_row(self) -> None:
+        """Count a malformed dataset row."""
+        self.invalid_rows += 1
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def outcomes(self) -> dict[Outcome, int]:
+        """Records per outcome so far."""
+        return dict(self._outcomes)
+
+    def all_infra_failures(self) -> bool:
+        """True when at least one sample ended and every ended sample ended in ``infra_failure``."""
+        ended = [s.last_outcome for s in self._samples.values() if s.last_outcome not in (None, "cancelled")]
+        return bool(ended) and all(o == "infra_failure" for o in ended)
+
+    def _pass_rates(self) -> tuple[float | None, float | None]:
+        # pass@k counts samples whose result is the policy's: final outcomes whose
+        # grading did not fail. Infrastructure-exhausted samples and grader failures
+        # are left out rather than counted as the policy failing.
+        per_task: dict[str, list[int]] = {}
+        for (task_id, _), state in self._samples.items():
+            if state.last_outcome not in FINAL_OUTCOMES or state.grader_failed:
+                continue
+            counts = per_task.setdefault(task_id, [0, 0])
+            counts[0] += 1
+            if state.graded and state.reward is not None and state.reward >= self.pass_threshold:
+                counts[1] += 1
+        if not per_task:
+            return None, None
+        p1 = sum(c / n for n, c in per_task.values()) / len(per_task)
+        pk = sum(pass_at_k(n, c, self.k) for n, c in per_task.values()) / len(per_task)
+        return p1, pk
+
+    def snapshot(self, wall_s: float) -> RunMetrics:
+        """The metrics so far, as ``metrics.json`` holds them."""
+        pass1, passk = self._pass_rates()
+        health: dict[str, HealthFinding] = {}
+        for name, detail in HEALTH_CHECKS.items():
+            if name == TASK_CHECK:
+                failing = [task for task, ok in self._model_success.items() if not ok]
+                health[name] = HealthFinding(count=len(failing), rollouts=failing[:_MAX_IDS], detail=detail)
+            else:
+                tally = self._health[name]
+                health[name] = HealthFinding(count=tally.count, rollouts=list(tally.ids), detail=detail)
+        i, o, t = self._tokens
+        return RunMetrics(
+            dataset=self.dataset,
+            tasks=len({task for task, _ in self._samples}),
+            rollouts=self.rollouts,
+            outcomes=dict(self._outcomes),
+            graded=self._graded,
+            mean_reward=self._reward_sum / self._graded if self._graded else None,
+            pass_at_1=pass1,
+            pass_at_k=passk,
+            k=self.k,
+            retries=self._retries,
+            invalid_rows=self.invalid_rows,
+            tokens=TokenUsage(input_tokens=i, output_tokens=o, total_tokens=t),
+            duration_s=percentiles(self._durations),
+            wall_s=wall_s,
+            health=health,
+        )
+
+
+def percentiles(values: Iterable[float]) -> Percentiles:
+    """Mean, p50, p90, p99 and max (nearest rank); all ``None`` when empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return Percentiles()
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+    return Percentiles(
+        mean=sum(ordered) / len(ordered), p50=rank(0.5), p90=rank(0.9), p99=rank(0.99), max=ordered[-1]
+    )

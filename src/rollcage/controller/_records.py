@@ -1,0 +1,188 @@
+"""``rollouts.jsonl``: one ``RolloutRecord`` a line, appended and fsynced one at a time.
+
+A crash (SIGKILL, power cut) can leave only one kind of damage: a torn last line,
+because every append is one ``write`` followed by ``fsync`` before the next. On
+open the log is scanned as a stream: a last line without its newline, or one that
+does not parse, is truncated away (and reported); a damaged line anywhere else is
+an error naming its line, because silently dropping a finished record would make
+resume run it twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from pydantic import ValidationError
+
+from rollcage.errors import ConfigError, DurableWriteError
+from rollcage.protocol import RolloutRecord
+
+__all__ = ["LoadReport", "RecordLog", "load_records"]
+
+logger = logging.getLogger("rollcage.controller")
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What reading an existing log found.
+
+    Attributes:
+        records: Intact records read.
+        repaired_bytes: Bytes of a torn last line that were truncated away (0: none).
+    """
+
+    records: int
+    repaired_bytes: int
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_records(path: Path, on_record: Callable[[RolloutRecord], None]) -> LoadReport:
+    """Stream the records of an existing log into ``on_record``, repairing a torn tail.
+
+    Blocking (reads and may truncate the file); from async code run it in a thread.
+
+    Args:
+        path: The log; a missing file is an empty log.
+        on_record: Called with each intact record, in file order.
+
+    Raises:
+        ConfigError: A line other than the last is damaged; the message names it.
+        DurableWriteError: The torn tail could not be truncated.
+    """
+    try:
+        handle = path.open("rb")
+    except FileNotFoundError:
+        return LoadReport(0, 0)
+    count = 0
+    good_end = 0
+    bad: tuple[int, str] | None = None  # (line number, reason) of a line that did not parse
+    with handle:
+        number = 0
+        for raw in handle:
+            number += 1
+            if bad is not None:
+                # A damaged line followed by more lines is not a torn tail.
+                raise ConfigError(
+                    f"{path} line {bad[0]} is damaged ({bad[1]}); records after it exist, so this is "
+                    "not a crash's torn last line: move the file aside (or delete that line) to resume"
+                )
+            if not raw.endswith(b"\n"):
+                bad = (number, "no newline: torn write")
+                continue
+            try:
+                record = RolloutRecord.model_validate_json(raw)
+            except ValidationError as exc:
+                bad = (number, f"not a RolloutRecord: {exc.errors()[0]['msg']}")
+                continue
+            on_record(record)
+            count += 1
+            good_end += len(raw)
+        size = handle.tell()
+    repaired = 0
+    if bad is not None:
+        repaired = size - good_end
+        logger.warning("%s: truncating a torn last line %d (%s, %d bytes)", path, bad[0], bad[1], repaired)
+        try:
+            with path.open("r+b") as fix:
+                fix.truncate(good_end)
+                fix.flush()
+                os.fsync(fix.fileno())
+        except OSError as exc:
+            raise DurableWriteError(f"cannot repair {path}: {exc.strerror or exc}") from exc
+    return LoadReport(count, repaired)
+
+
+class RecordLog:
+    """The append side of ``rollouts.jsonl``; appends are serialised and each is fsynced.
+
+    Use as ``async with RecordLog(path) as log: await log.append(record)``.
+    """
+
+    def __init__(self, path: Path) -> None:
+        """Prepare to append to ``path`` (opened on enter)."""
+        self._path = path
+        self._fd: int | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def path(self) -> Path:
+        """The log's path."""
+        return self._path
+
+    async def __aenter__(self) -> Self:
+        """Open (creating if needed) the log for appending.
+
+        Raises:
+            DurableWriteError: The file cannot be opened.
+        """
+        self._fd = await asyncio.to_thread(self._open)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Close the file (every append is already on disk)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _open(self) -> int:
+        existed = self._path.exists()
+        try:
+            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            if not existed:
+                _fsync_dir(self._path.parent)
+        except OSError as exc:
+            raise DurableWriteError(f"cannot open {self._path}: {exc.strerror or exc}") from exc
+        return fd
+
+    async def append(self, record: RolloutRecord) -> None:
+        """Append one record and return once it is on disk (written and fsynced).
+
+        Appends are serialised, so records keep the order in which they were handed in.
+
+        Raises:
+            DurableWriteError: Writing or syncing failed; the partial line, if any, was
+                truncated away so the log stays well formed.
+
+        **Cancellation:** the write already handed to the thread completes (it cannot be
+        interrupted halfway); the caller sees ``CancelledError``.
+        """
+        if self._fd is None:
+            raise RuntimeError("RecordLog is not open; use 'async with RecordLog(path)'")
+        line = record.model_dump_json().encode() + b"\n"
+        async with self._lock:
+            await asyncio.to_thread(self._write, self._fd, line)
+
+    def _write(self, fd: int, line: bytes) -> None:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(line)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        except OSError as exc:
+            # Take back a half-written line so the next append does not glue onto it.
+            try:
+                os.ftruncate(fd, start)
+                os.fsync(fd)
+            except OSError:
+                logger.exception("%s: cannot truncate a failed append", self._path)
+            hint = " (disk full)" if exc.errno == errno.ENOSPC else ""
+            raise DurableWriteError(f"cannot append to {self._path}{hint}: {exc.strerror or exc}") from exc

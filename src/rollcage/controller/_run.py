@@ -1,0 +1,478 @@
+"""The scheduler: stream the dataset, run samples with bounded concurrency, record, resume, report.
+
+One ``Controller`` drives one output directory. Its life, in order:
+
+1. say which model it uses (the first line of output);
+2. validate the whole dataset as a stream (every bad row reported by line; with
+   ``strict`` a bad row stops the run before anything runs);
+3. take the output directory's lock, read ``rollouts.jsonl`` (repairing a torn
+   last line) into the ledger: finished samples are skipped, unfinished ones rerun;
+4. start the model (embedded policy) and the bundled environments on loopback;
+5. stream the dataset again, keeping at most ``concurrency`` samples in flight;
+   each sample runs attempts until one is final or the infrastructure retry
+   budget is spent, every attempt appended to ``rollouts.jsonl`` (fsynced) before
+   the next;
+6. on ``stop`` (first Ctrl-C/SIGTERM): no new rollouts, in-flight ones are stopped
+   through their supervisors (outcome ``cancelled``) and recorded; on cancellation
+   (second Ctrl-C) in-flight ones are abandoned, their directories set aside on the
+   next run; either way metrics.json is published and the servers stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from rollcage.controller._backend import Backend
+from rollcage.controller._config import EmbeddedPolicyConfig, RunConfig
+from rollcage.controller._dataset import EnvironmentRef, InvalidRow, Task, iter_dataset
+from rollcage.controller._health import inspect_rollout, load_result
+from rollcage.controller._ledger import RunLedger
+from rollcage.controller._records import RecordLog, load_records
+from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
+from rollcage.controller._unit import Endpoints, prepare_rollout, set_aside
+from rollcage.errors import ConfigError, DurableWriteError
+from rollcage.protocol import ModelEndpoint, RolloutRecord, RunMetrics
+
+__all__ = [
+    "EXIT_ALL_INFRA",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "Controller",
+    "NullReporter",
+    "Reporter",
+    "RunSummary",
+]
+
+logger = logging.getLogger("rollcage.controller")
+
+EXIT_OK = 0
+"""The run finished: every sample has a final record (whatever the rewards)."""
+EXIT_FAILED = 1
+"""The controller itself failed (e.g. rollouts.jsonl could not be written)."""
+EXIT_USAGE = 2
+"""Bad command line, dataset or configuration; nothing (more) was run."""
+EXIT_ALL_INFRA = 3
+"""Every sample that ended, ended in infra_failure after its retries: the setup is broken."""
+EXIT_INTERRUPTED = 130
+"""Stopped by Ctrl-C/SIGTERM; rerun the same command to resume."""
+
+_READ_BATCH = 256
+_MAX_INVALID_KEPT = 1000
+_SLOT_POLL_S = 0.25
+
+
+class Reporter(Protocol):
+    """What the controller tells the user; the CLI's is a rich progress bar, tests use ``NullReporter``."""
+
+    def notice(self, message: str) -> None:
+        """A line of information (the first one says which model is used)."""
+        ...
+
+    def invalid_row(self, row: InvalidRow) -> None:
+        """A malformed dataset row."""
+        ...
+
+    def start(self, *, out_dir: Path, pending: int, done: int) -> None:
+        """Rollouts are about to run: ``pending`` samples to go, ``done`` finished earlier."""
+        ...
+
+    def record(self, record: RolloutRecord) -> None:
+        """An attempt finished and is on disk."""
+        ...
+
+    def stop(self) -> None:
+        """The run stops: end any live display (called once, however the run ends)."""
+        ...
+
+
+class NullReporter:
+    """A reporter that says nothing."""
+
+    def notice(self, message: str) -> None:
+        """Ignore."""
+
+    def invalid_row(self, row: InvalidRow) -> None:
+        """Ignore."""
+
+    def start(self, *, out_dir: Path, pending: int, done: int) -> None:
+        """Ignore."""
+
+    def record(self, record: RolloutRecord) -> None:
+        """Ignore."""
+
+    def stop(self) -> None:
+        """Ignore."""
+
+
+@dataclass
+class RunSummary:
+    """How a run ended.
+
+    Attributes:
+        out_dir: The output directory.
+        metrics: The final metrics (also in ``metrics.json``).
+        interrupted: A stop or cancellation ended it before every sample finished.
+        invalid_rows: Malformed rows (the first 1000).
+        attempts_run: Attempts finished by this invocation.
+        error: Why the controller failed, if it did.
+    """
+
+    out_dir: Path
+    metrics: RunMetrics
+    interrupted: bool = False
+    invalid_rows: list[InvalidRow] = field(default_factory=list)
+    attempts_run: int = 0
+    error: str | None = None
+    all_infra: bool = False
+
+    @property
+    def exit_code(self) -> int:
+        """The process exit code (see the ``EXIT_*`` constants)."""
+        if self.error is not None:
+            return EXIT_FAILED
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        if self.all_infra:
+            return EXIT_ALL_INFRA
+        return EXIT_OK
+
+
+@dataclass
+class _Scan:
+    tasks: int = 0
+    pending: int = 0
+    invalid: list[InvalidRow] = field(default_factory=list)
+    invalid_count: int = 0
+    environments: dict[str, EnvironmentRef] = field(default_factory=dict)
+
+
+class _Slots:
+    """Bounded concurrency for the producer: acquire waits for a free slot or the stop."""
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._freed = asyncio.Event()
+
+    async def acquire(self, stop: asyncio.Event) -> bool:
+        while self._free <= 0:
+            if stop.is_set():
+                return False
+            self._freed.clear()
+            # Woken by a release; the short timeout only bounds how late a stop is noticed.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_SLOT_POLL_S):
+                    await self._freed.wait()
+        if stop.is_set():
+            return False
+        self._free -= 1
+        return True
+
+    def release(self) -> None:
+        self._free += 1
+        self._freed.set()
+
+
+async def _wait_or_stop(stop: asyncio.Event, delay: float) -> bool:
+    """Wait ``delay`` seconds; True if ``stop`` was set meanwhile."""
+    if stop.is_set():
+        return True
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(delay):
+            await stop.wait()
+    return stop.is_set()
+
+
+class Controller:
+    """Runs one dataset into one output directory. ``summary`` is readable however ``run`` ended."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        reporter: Reporter | None = None,
+        backend: Backend | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> None:
+        """Prepare a run.
+
+        Args:
+            config: The run's configuration.
+            reporter: Where progress goes; default: nowhere.
+            backend: Where rollouts execute; default: ``config.backend.build(...)``.
+            stop: Set it to stop gracefully (in-flight rollouts are stopped and recorded).
+        """
+        self.config = config
+        self.stop = stop if stop is not None else asyncio.Event()
+        self._reporter: Reporter = reporter if reporter is not None else NullReporter()
+        self._backend = backend
+        self._ledger = RunLedger(
+            dataset=str(config.dataset),
+            k=config.attempts,
+            max_infra_retries=config.max_infra_retries,
+            pass_threshold=config.pass_threshold,
+        )
+        self._scan = _Scan()
+        self._started = time.monotonic()
+        self._attempts_run = 0
+        self._error: str | None = None
+        self._last_publish = 0.0
+        self._endpoints: Endpoints | None = None
+        self._log: RecordLog | None = None
+        self._out = config.out
+        self._loaded = False
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def out_dir(self) -> Path:
+        """The output directory."""
+        return self._out
+
+    def summary(self, *, interrupted: bool | None = None) -> RunSummary:
+        """The run as it stands (final once ``run`` has returned or been cancelled)."""
+        return RunSummary(
+            out_dir=self._out,
+            metrics=self._ledger.snapshot(time.monotonic() - self._started),
+            interrupted=self.stop.is_set() if interrupted is None else interrupted,
+            invalid_rows=list(self._scan.invalid),
+            attempts_run=self._attempts_run,
+            error=self._error,
+            all_infra=self._ledger.all_infra_failures(),
+        )
+
+    async def run(self) -> RunSummary:
+        """Run the dataset to completion or until stopped; return the summary.
+
+        Raises:
+            ConfigError: The dataset, model or output directory is unusable (nothing ran),
+                or ``strict`` is set and a row is malformed.
+
+        **Cancellation:** in-flight rollouts are cancelled (their supervisors reap the
+        workers); records already appended stay; metrics.json is published and every
+        server stopped before the cancellation propagates.
+        """
+        self._started = time.monotonic()
+        self._reporter.notice(self._model_line())
+        lock_fd: int | None = None
+        try:
+            self._scan = await asyncio.to_thread(self._prescan_rows)
+            for bad in self._scan.invalid:
+                self._reporter.invalid_row(bad)
+            self._ledger.invalid_rows = self._scan.invalid_count
+            if self.config.strict and self._scan.invalid_count:
+                first = self._scan.invalid[0]
+                raise ConfigError(
+                    f"{self._scan.invalid_count} malformed row(s) in {self.config.dataset} "
+                    f"(first: line {first.line}: {first.reason}); fix them or run without --strict"
+                )
+            if self._scan.tasks == 0:
+                raise ConfigError(f"{self.config.dataset} has no valid rows to run")
+            lock_fd = await asyncio.to_thread(self._lock_out_dir)
+            await asyncio.to_thread(self._load_ledger)
+            self._loaded = True
+            self._scan.pending = await asyncio.to_thread(self._count_pending)
+            await self._run_with_servers()
+        finally:
+            await asyncio.shield(asyncio.to_thread(self._publish_metrics_quietly))
+            self._reporter.stop()
+            if lock_fd is not None:
+                os.close(lock_fd)
+        return self.summary()
+
+    # ------------------------------------------------------------------ stages
+
+    def _model_line(self) -> str:
+        model = self.config.model
+        if isinstance(model, EmbeddedPolicyConfig):
+            script = model.script or self.config.dataset.parent / "policy.yaml"
+            return (
+                f"Model: the embedded scripted policy (in-process, loopback) playing {script}; "
+                "no --model given. Use --model URL --model-name NAME for a real endpoint."
+            )
+        return f"Model: {model.model_name} at {model.base_url}"
+
+    def _prescan_rows(self) -> _Scan:
+        scan = _Scan()
+        for item in iter_dataset(self.config.dataset):
+            if isinstance(item, InvalidRow):
+                scan.invalid_count += 1
+                if len(scan.invalid) < _MAX_INVALID_KEPT:
+                    scan.invalid.append(item)
+                continue
+            scan.tasks += 1
+            if item.environment is not None:
+                scan.environments.setdefault(item.environment.key, item.environment)
+        return scan
+
+    def _lock_out_dir(self) -> int:
+        try:
+            (self._out / "rollouts").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create output directory {self._out}: {exc.strerror or exc}") from exc
+        fd = os.open(self._out / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"another rollcage run is writing to {self._out}; wait for it to end or choose another --out"
+            ) from None
+        return fd
+
+    def _load_ledger(self) -> None:
+        def fold(record: RolloutRecord) -> None:
+            self._ledger.add(record, self._health_of(record))
+
+        report = load_records(self._out / "rollouts.jsonl", fold)
+        if report.records:
+            self._reporter.notice(
+                f"Resuming: {report.records} earlier attempt(s) in {self._out}/rollouts.jsonl"
+            )
+        if report.repaired_bytes:
+            self._reporter.notice(
+                f"Repaired a torn last line ({report.repaired_bytes} bytes) of rollouts.jsonl"
+            )
+
+    def _count_pending(self) -> int:
+        pending = 0
+        for item in iter_dataset(self.config.dataset):
+            if isinstance(item, Task):
+                pending += sum(1 for s in range(self.config.attempts) if not self._ledger.is_done(item.id, s))
+        return pending
+
+    def _health_of(self, record: RolloutRecord) -> dict[str, int]:
+        directory = Path(record.rollout_dir)
+        if not directory.is_absolute() or not directory.exists():
+            directory = self._out / "rollouts" / directory.name
+        result = load_result(directory) if record.receipt.result_valid else None
+        return inspect_rollout(record, result)
+
+    async def _run_with_servers(self) -> None:
+        policy: EmbeddedPolicy | None = None
+        pool = EnvironmentPool()
+        try:
+            model = self.config.model
+            if isinstance(model, EmbeddedPolicyConfig):
+                policy = EmbeddedPolicy(model.script or self.config.dataset.parent / "policy.yaml")
+                base_url = await asyncio.to_thread(policy.start)
+                name = model.model_name
+                self._reporter.notice(f"Scripted policy serving on {base_url}")
+            else:
+                base_url, name = model.base_url, model.model_name
+            environments = await asyncio.to_thread(pool.start, self._scan.environments.values())
+            for key, endpoint in environments.items():
+                self._reporter.notice(f"Environment {key}: {endpoint.url}")
+            self._endpoints = Endpoints(
+                model=ModelEndpoint(base_url=base_url, model=name, api=self.config.api),
+                environments=environments,
+            )
+            backend = self._backend or self.config.backend.build(self.config.rollout_settings())
+            async with backend, RecordLog(self._out / "rollouts.jsonl") as log:
+                self._log = log
+                self._reporter.start(
+                    out_dir=self._out,
+                    pending=self._scan.pending,
+                    done=self._scan.tasks * self.config.attempts - self._scan.pending,
+                )
+                await self._schedule(backend)
+        finally:
+            self._log = None
+            # Shielded and in a thread: stopping the servers must finish even when
+            # the run is being cancelled, and must not block the loop.
+            await asyncio.shield(asyncio.to_thread(pool.close))
+            if policy is not None:
+                await asyncio.shield(asyncio.to_thread(policy.stop))
+
+    async def _tasks(self) -> AsyncIterator[Task]:
+        rows: Iterator[Task | InvalidRow] = iter_dataset(self.config.dataset)
+        while True:
+            # The file is read on a thread, a batch at a time: no blocking read on the loop,
+            # and never more than one batch of rows in memory.
+            batch = await asyncio.to_thread(lambda: list(itertools.islice(rows, _READ_BATCH)))
+            if not batch:
+                return
+            for item in batch:
+                if isinstance(item, Task):
+                    yield item
+
+    async def _schedule(self, backend: Backend) -> None:
+        slots = _Slots(self.config.concurrency)
+        async with asyncio.TaskGroup() as group:
+            async for task in self._tasks():
+                if self.stop.is_set():
+                    break
+                for sample in range(self.config.attempts):
+                    if self._ledger.is_done(task.id, sample):
+                        continue
+                    if not await slots.acquire(self.stop):
+                        break
+                    group.create_task(self._run_sample(backend, task, sample, slots))
+
+    async def _run_sample(self, backend: Backend, task: Task, sample: int, slots: _Slots) -> None:
+        assert self._endpoints is not None and self._log is not None
+        try:
+            while not self.stop.is_set():
+                try_index = self._ledger.next_try(task.id, sample)
+                prepared = prepare_rollout(
+                    task, sample, try_index, out_dir=self._out, endpoints=self._endpoints
+                )
+                moved = await asyncio.to_thread(
+                    set_aside, Path(prepared.rollout_dir), self._out / "interrupted"
+                )
+                if moved is not None:
+                    logger.info(
+                        "set aside the unfinished %s from an earlier run: %s", prepared.rollout_id, moved
+                    )
+                record = await backend.run(prepared, stop=self.stop)
+                health = await asyncio.to_thread(self._health_of, record)
+                try:
+                    await self._log.append(record)
+                except DurableWriteError as exc:
+                    self._error = f"cannot record rollouts: {exc}"
+                    self._reporter.notice(f"Stopping: {self._error}")
+                    self.stop.set()
+                    return
+                state = self._ledger.add(record, health)
+                self._attempts_run += 1
+                self._reporter.record(record)
+                await self._maybe_publish()
+                if record.outcome != "infra_failure" or self._ledger.is_done(task.id, sample):
+                    return
+                delay = min(
+                    self.config.retry_backoff_s * 2 ** max(0, state.infra_failures - 1),
+                    self.config.retry_backoff_max_s,
+                )
+                if await _wait_or_stop(self.stop, delay):
+                    return
+        finally:
+            slots.release()
+
+    async def _maybe_publish(self) -> None:
+        now = time.monotonic()
+        if now - self._last_publish >= self.config.metrics_interval_s:
+            self._last_publish = now
+            await asyncio.to_thread(self._publish_metrics_quietly)
+
+    def _publish_metrics_quietly(self) -> None:
+        # Only once the earlier records are folded in: before that, a snapshot would
+        # overwrite a previous run's metrics with an empty ledger.
+        if not self._loaded:
+            return
+        from rollcage.durable import publish_json
+
+        try:
+            publish_json(self._out / "metrics.json", self.summary().metrics, mode=0o644)
+        except DurableWriteError as exc:
+            logger.warning("cannot publish metrics.json: %s", exc)

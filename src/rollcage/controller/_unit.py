@@ -1,0 +1,392 @@
+"""The controller's unit of work: supervise one prepared rollout, grade it, make its record.
+
+``run_rollout(prepared, settings)`` is a plain function of its two serialisable
+arguments (plus an optional stop event) and returns a ``RolloutRecord``; it is
+what any backend executes, locally or as a remote task. Everything it needs that
+the sandbox must never see (the reference answer, the grader, the verify token)
+travels in ``PreparedRollout.grading``, in memory only: ``input.json`` is built
+from ``PreparedRollout.worker_input`` alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rollcage.controller._dataset import Task
+from rollcage.controller._graders import (
+    GradeResult,
+    GraderSpec,
+    grade_builtin,
+    read_workspace_files,
+    verify_remote,
+)
+from rollcage.controller._ids import rollout_id
+from rollcage.errors import RollcageError
+from rollcage.protocol import (
+    ModelEndpoint,
+    Outcome,
+    ResourceEndpoint,
+    RolloutMetrics,
+    RolloutRecord,
+    SupervisorReceipt,
+    WorkerInput,
+    WorkerResult,
+)
+
+__all__ = [
+    "Endpoints",
+    "EnvironmentEndpoint",
+    "GradingPlan",
+    "PreparedRollout",
+    "RolloutSettings",
+    "SuperviseFn",
+    "build_supervisor_config",
+    "may_grade",
+    "prepare_rollout",
+    "run_rollout",
+    "set_aside",
+]
+
+logger = logging.getLogger("rollcage.controller")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GradingPlan(_Model):
+    """Controller-only grading state of one rollout; never written into the rollout directory."""
+
+    grader: Any = Field(description="The GraderSpec to apply.")
+    expected: Any = Field(default=None, description="The row's reference answer.")
+    verify_url: str | None = Field(default=None, description="Environment base URL for 'verify'.")
+    verify_token: str | None = Field(default=None, description="Bearer token for a bundled '/verify'.")
+    files: list[str] = Field(default_factory=list, description="Workspace files sent to '/verify'.")
+
+
+class PreparedRollout(_Model):
+    """Everything one attempt needs: the sandbox's input and the controller's grading state."""
+
+    rollout_id: str = Field(description="Id of this attempt.")
+    task_id: str = Field(description="The dataset row's id.")
+    sample: int = Field(ge=0, description="Which sample of the task.")
+    try_index: int = Field(ge=0, description="Infrastructure retry number of this sample.")
+    rollout_dir: str = Field(description="Where the rollout directory is laid out (must not exist yet).")
+    worker_input: WorkerInput = Field(description="input.json, with endpoints as the host sees them.")
+    grading: GradingPlan | None = Field(default=None, description="How to grade; None: not graded.")
+
+
+class RolloutSettings(_Model):
+    """How every rollout of a run is supervised and graded."""
+
+    deadline_s: float = Field(default=600.0, gt=0, description="Wall-clock deadline of one rollout.")
+    grace_s: float = Field(default=5.0, ge=0, description="SIGTERM → SIGKILL grace.")
+    sandbox: Literal["bwrap", "none"] = Field(default="bwrap", description="How the worker is contained.")
+    api_key_env: str | None = Field(
+        default=None, description="Environment variable with the model API key, added by the egress proxy."
+    )
+    grade_timeouts: bool = Field(default=False, description="Grade the result of a rollout that timed out.")
+    input_mode: int = Field(default=0o644, description="File mode of input.json.")
+
+
+class SuperviseFn(Protocol):
+    """The supervisor's entry point: ``await supervise(rollout_dir, config, stop=...)``."""
+
+    def __call__(
+        self, rollout_dir: Path, config: Any, *, stop: asyncio.Event | None = None
+    ) -> Awaitable[SupervisorReceipt]:
+        """Supervise one prepared rollout directory and return its receipt."""
+        ...
+
+
+@dataclass(frozen=True)
+class EnvironmentEndpoint:
+    """A running environment as the host reaches it.
+
+    Attributes:
+        url: Base URL.
+        token: Bearer token of its ``/verify`` (bundled environments); ``None``: none.
+        verify_files: Default workspace files for ``/verify``.
+    """
+
+    url: str
+    token: str | None = None
+    verify_files: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The model and environments of a run, as the host reaches them.
+
+    Attributes:
+        model: The model endpoint with the run's defaults (rows override all but URL and name).
+        environments: Running environments by resource key.
+    """
+
+    model: ModelEndpoint
+    environments: dict[str, EnvironmentEndpoint] = field(default_factory=dict)
+
+
+def prepare_rollout(
+    task: Task, sample: int, try_index: int, *, out_dir: Path, endpoints: Endpoints
+) -> PreparedRollout:
+    """Build one attempt of ``task``: its id, directory, ``input.json`` content and grading plan.
+
+    Raises:
+        ConfigError: The environment the task names is not running.
+    """
+    rid = rollout_id(task.id, sample, try_index)
+    row = task.row
+    overrides = {k: v for k, v in row.model.model_dump(exclude_none=True).items() if k != "sampling"}
+    model = endpoints.model.model_copy(update=overrides)
+    if row.model.sampling is not None:
+        model = model.model_copy(update={"sampling": row.model.sampling})
+    resources: dict[str, ResourceEndpoint] = {}
+    env_endpoint: EnvironmentEndpoint | None = None
+    if task.environment is not None:
+        env_endpoint = endpoints.environments[task.environment.key]
+        resources[task.environment.key] = ResourceEndpoint(base_url=env_endpoint.url)
+    worker_input = WorkerInput(
+        rollout_id=rid,
+        task_id=task.id,
+        input=row.input,
+        instructions=row.instructions,
+        model=model,
+        agent=row.agent,
+        executor=row.executor,
+        tools=list(task.tools),
+        resources=resources,
+    )
+    grading: GradingPlan | None = None
+    if task.grader is not None:
+        files: list[str] = []
+        if task.grader.type == "verify" and env_endpoint is not None:
+            files = (
+                list(task.grader.files) if task.grader.files is not None else list(env_endpoint.verify_files)
+            )
+        grading = GradingPlan(
+            grader=task.grader,
+            expected=row.expected,
+            verify_url=env_endpoint.url if env_endpoint is not None else None,
+            verify_token=env_endpoint.token if env_endpoint is not None else None,
+            files=files,
+        )
+    return PreparedRollout(
+        rollout_id=rid,
+        task_id=task.id,
+        sample=sample,
+        try_index=try_index,
+        rollout_dir=str(out_dir / "rollouts" / rid),
+        worker_input=worker_input,
+        grading=grading,
+    )
+
+
+def may_grade(outcome: Outcome, *, grade_timeouts: bool) -> bool:
+    """Whether an outcome allows grading (DESIGN.md's table; timeouts only when asked)."""
+    return outcome in ("completed", "agent_error") or (outcome == "timeout" and grade_timeouts)
+
+
+def _lay_out(directory: Path, worker_input: WorkerInput, mode: int) -> None:
+    from rollcage.durable import publish_json
+
+    directory.mkdir(parents=True, exist_ok=False)
+    (directory / "workspace").mkdir()
+    publish_json(directory / "input.json", worker_input, mode=mode)
+
+
+def _read_result(directory: Path) -> WorkerResult | None:
+    try:
+        return WorkerResult.model_validate_json((directory / "result.json").read_bytes())
+    except (OSError, ValidationError):
+        return None
+
+
+def _sum(values: list[int | None]) -> int | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def _metrics(result: WorkerResult | None, receipt: SupervisorReceipt) -> RolloutMetrics:
+    if result is None:
+        return RolloutMetrics(duration_s=receipt.duration_s)
+    calls = result.trajectory.model_calls
+    return RolloutMetrics(
+        model_calls=len(calls),
+        failed_model_calls=sum(1 for c in calls if c.status == "failed"),
+        tool_calls=len(result.trajectory.tool_calls),
+        input_tokens=_sum([c.usage.input_tokens for c in calls]),
+        output_tokens=_sum([c.usage.output_tokens for c in calls]),
+        total_tokens=_sum([c.usage.total_tokens for c in calls]),
+        duration_s=receipt.duration_s,
+    )
+
+
+async def _grade(prepared: PreparedRollout, result: WorkerResult, outcome: Outcome) -> GradeResult:
+    plan = prepared.grading
+    assert plan is not None
+    spec: GraderSpec = plan.grader
+    answer = result.response.output_text if result.response is not None else ""
+    if spec.type != "verify":
+        return grade_builtin(spec, expected=plan.expected, answer=answer)
+    if plan.verify_url is None:
+        return GradeResult(None, {"name": "verify"}, "no environment URL to verify against")
+    workspace = os.path.join(prepared.rollout_dir, "workspace")
+    files = await asyncio.to_thread(read_workspace_files, workspace, plan.files) if plan.files else {}
+    payload = {
+        "task_id": prepared.task_id,
+        "rollout_id": prepared.rollout_id,
+        "outcome": outcome,
+        "output_text": answer,
+        "response": result.response.model_dump(mode="json") if result.response is not None else None,
+        "expected": plan.expected,
+        "resource_cookies": result.resource_cookies,
+        "workspace_files": files,
+    }
+    return await verify_remote(
+        plan.verify_url, token=plan.verify_token, payload=payload, timeout_s=spec.timeout_s
+    )
+
+
+def _failed_receipt(
+    prepared: PreparedRollout, settings: RolloutSettings, exc: BaseException, started: float
+) -> SupervisorReceipt:
+    ended = time.time()
+    return SupervisorReceipt(
+        rollout_id=prepared.rollout_id,
+        outcome="infra_failure",
+        outcome_reason=f"controller could not run the rollout: {type(exc).__name__}: {exc}"[:2000],
+        sandbox=settings.sandbox,
+        deadline_s=settings.deadline_s,
+        grace_s=settings.grace_s,
+        deadline_fired=False,
+        stop_requested=False,
+        started_at=started,
+        ended_at=ended,
+        duration_s=ended - started,
+        cleanup_confirmed=False,
+        result_present=False,
+        result_valid=False,
+    )
+
+
+def build_supervisor_config(settings: RolloutSettings) -> Any:
+    """The ``rollcage.supervisor.SupervisorConfig`` for ``settings`` (imported now, lazily)."""
+    from rollcage.supervisor import BwrapSandbox, NoSandbox, SupervisorConfig
+
+    sandbox = BwrapSandbox() if settings.sandbox == "bwrap" else NoSandbox()
+    return SupervisorConfig(
+        deadline_s=settings.deadline_s,
+        grace_s=settings.grace_s,
+        sandbox=sandbox,
+        api_key_env=settings.api_key_env,
+    )
+
+
+def _default_supervise() -> SuperviseFn:
+    from rollcage.supervisor import supervise
+
+    fn: SuperviseFn = supervise
+    return fn
+
+
+async def run_rollout(
+    prepared: PreparedRollout,
+    settings: RolloutSettings,
+    *,
+    stop: asyncio.Event | None = None,
+    supervise: SuperviseFn | None = None,
+    supervisor_config: Any = None,
+) -> RolloutRecord:
+    """Run one attempt end to end and return its record (not yet appended anywhere).
+
+    Lays out the rollout directory (``input.json`` from ``worker_input`` only, an
+    empty ``workspace/``), supervises it, reads ``result.json`` when the receipt
+    says it is valid, grades it on this side when the outcome allows, and builds
+    the record. A failure of the machinery itself (the directory cannot be made,
+    the supervisor raises) becomes an ``infra_failure`` record with the reason, so
+    it is retried like any other infrastructure failure.
+
+    Args:
+        prepared: The attempt (see ``prepare_rollout``); its directory must not exist.
+        settings: Supervision and grading settings.
+        stop: Set to stop the rollout early (its outcome becomes ``cancelled``).
+        supervise: The supervisor entry point; default ``rollcage.supervisor.supervise``.
+        supervisor_config: Its config; default built from ``settings``.
+
+    **Cancellation:** cancelling the call cancels the supervisor, which stops and
+    reaps the worker (see ``rollcage.supervisor``); no record is returned, so the
+    attempt is rerun on resume.
+    """
+    rollout_dir = Path(prepared.rollout_dir)
+    started = time.time()
+    try:
+        await asyncio.to_thread(_lay_out, rollout_dir, prepared.worker_input, settings.input_mode)
+        if supervise is None:
+            fn = _default_supervise()
+            config = supervisor_config if supervisor_config is not None else build_supervisor_config(settings)
+        else:
+            fn, config = supervise, supervisor_config
+        receipt = await fn(rollout_dir, config, stop=stop)
+    except (RollcageError, OSError, ImportError, ValueError, TypeError, RuntimeError) as exc:
+        logger.warning("rollout %s: infrastructure failure in the controller: %r", prepared.rollout_id, exc)
+        receipt = _failed_receipt(prepared, settings, exc, started)
+    result = await asyncio.to_thread(_read_result, rollout_dir) if receipt.result_valid else None
+    graded = False
+    reward: float | None = None
+    grader: dict[str, Any] | None = None
+    if prepared.grading is not None and may_grade(receipt.outcome, grade_timeouts=settings.grade_timeouts):
+        if result is None:
+            grade = GradeResult(None, {"name": prepared.grading.grader.type}, "no valid result.json to grade")
+        else:
+            grade = await _grade(prepared, result, receipt.outcome)
+        grader = grade.as_record()
+        graded = grade.reward is not None
+        reward = grade.reward
+    return RolloutRecord(
+        rollout_id=prepared.rollout_id,
+        task_id=prepared.task_id,
+        sample=prepared.sample,
+        try_index=prepared.try_index,
+        outcome=receipt.outcome,
+        graded=graded,
+        reward=reward,
+        grader=grader,
+        termination_reason=result.termination_reason if result is not None else None,
+        receipt=receipt,
+        metrics=_metrics(result, receipt),
+        rollout_dir=prepared.rollout_dir,
+    )
+
+
+def set_aside(rollout_dir: Path, attic: Path) -> Path | None:
+    """Move a stale rollout directory (left by a killed run, no record) into ``attic`` (blocking).
+
+    Returns:
+        Its new path, or ``None`` when there was nothing to move.
+    """
+    if not rollout_dir.exists():
+        return None
+    attic.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = attic / f"{rollout_dir.name}.{stamp}"
+    n = 0
+    while target.exists():
+        n += 1
+        target = attic / f"{rollout_dir.name}.{stamp}.{n}"
+    try:
+        os.replace(rollout_dir, target)
+    except OSError:
+        shutil.rmtree(rollout_dir, ignore_errors=True)
+        return None
+    return target
