@@ -47,4 +47,7 @@ def command(
     except ViewerError as exc:
         typer.echo(f"rollcage show: {exc}", err=True)
         raise typer.Exit(2) from exc
+    except OSError as exc:
+        typer.echo(f"rollcage show: cannot read {path}: {exc}", err=True)
+        raise typer.Exit(1) from exc
     Console().print(renderable)
