@@ -230,3 +230,17 @@ def test_cancelled_rollout_without_a_run_says_it_has_no_reward(tmp_path: Path) -
 def test_a_moved_run_still_finds_its_rollout_directories(run: RunFixture) -> None:
     moved = run.records[0].model_copy(update={"rollout_dir": "/gone/away/rollouts/calc-1-s0-t0"})
     assert resolve_rollout_dir(run.path, moved) == run.path / "rollouts" / "calc-1-s0-t0"
+
+
+def test_local_health_findings_use_the_controllers_check_names(tmp_path: Path) -> None:
+    calls = [
+        model_call(0, status="failed", tokens=(None, None), attempts=3),
+        model_call(1, text="ok", tokens=(100, None), start=2.0),
+        model_call(2, status="incomplete", incomplete_reason="length", text="aaaa", start=4.0),
+    ]
+    result = completed_result().model_copy(update={"trajectory": Trajectory(model_calls=calls)})
+    text = show(write_rollout_dir(tmp_path / "r", result=result))
+    assert "failed_model_call: 1 of 3 model calls failed (calls 0)" in text
+    assert "unobserved_tokens: calls 1 reported no token counts" in text
+    assert "runaway_generation: calls 2 stopped at the length limit" in text
+    assert "3 attempts" in text and "HTTP 500" in text

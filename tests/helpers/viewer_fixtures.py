@@ -458,7 +458,7 @@ def write_run(run_dir: Path, *, torn_tail: bool = True) -> RunFixture:
         duration_s=Percentiles(mean=102.67, p50=3.2, p90=301.6, p99=570.16, max=600.0),
         wall_s=612.5,
         health={
-            "failed_model_calls": HealthFinding(count=0, detail="model calls that failed"),
+            "failed_model_call": HealthFinding(count=0, detail="model calls that failed (count: calls)"),
             "capture_mismatch": HealthFinding(
                 count=1, rollouts=["calc-5-s0-t0"], detail="worker trajectory vs model_capture.jsonl"
             ),

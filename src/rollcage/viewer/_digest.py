@@ -479,6 +479,9 @@ def _receipt(receipt: SupervisorReceipt) -> ReceiptDigest:
 def _findings(view: RolloutView, trajectory: Trajectory, digest: RolloutDigest) -> list[FindingDigest]:
     """Local checks that need only this rollout, then the run's findings that name it.
 
+    Names follow the controller's stable health-check names where the check is
+    the same (``rollcage.controller``'s ``HEALTH_CHECKS``), so the two merge.
+
     The run's ``metrics.json`` lists at most 100 rollouts per check, so on a large
     run most affected rollouts would show nothing without the local checks.
     """
@@ -488,14 +491,16 @@ def _findings(view: RolloutView, trajectory: Trajectory, digest: RolloutDigest) 
         found["no_model_turn"] = "the agent made no model call"
     failed = [call.index for call in calls if call.status == "failed"]
     if failed:
-        found["failed_model_calls"] = (
+        found["failed_model_call"] = (
             f"{len(failed)} of {len(calls)} model calls failed (calls {_ids(failed)})"
         )
     unobserved = [
-        call.index for call in calls if call.status != "failed" and call.usage.output_tokens is None
+        call.index
+        for call in calls
+        if call.status != "failed" and (call.usage.input_tokens is None or call.usage.output_tokens is None)
     ]
     if unobserved:
-        found["missing_token_counts"] = f"calls {_ids(unobserved)} reported no token counts (unobserved)"
+        found["unobserved_tokens"] = f"calls {_ids(unobserved)} reported no token counts (unobserved)"
     zero = [call.index for call in calls if call.usage.output_tokens == 0]
     if zero:
         found["zero_completion_tokens"] = f"calls {_ids(zero)} generated 0 tokens"
