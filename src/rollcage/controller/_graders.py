@@ -152,7 +152,9 @@ def grade_builtin(spec: GraderSpec, *, expected: Any, answer: str) -> GradeResul
         return GradeResult(1.0 if ok else 0.0, {"name": name, "match": ok})
     if isinstance(spec, NumericGrader):
         try:
-            target = float(expected)
+            if isinstance(expected, bool):
+                raise TypeError
+            target = float(expected.replace(",", "") if isinstance(expected, str) else expected)
         except (TypeError, ValueError):
             return GradeResult(None, {"name": name}, f"expected {expected!r} is not a number")
         found = _NUMBER.findall(answer)
