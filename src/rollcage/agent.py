@@ -1,0 +1,452 @@
+"""The agent loop: model call → actions → tool results → … until an answer or a limit.
+
+Two action styles:
+
+* ``function_calling``: tools are offered as function tools; one response may
+  request several calls, which run concurrently (Python cells take turns on the
+  one executor, HTTP tools run in parallel);
+* ``codeact``: the model writes fenced Python; resource tools and ``submit`` are
+  Python functions in the executor whose calls come back to this loop, so each is
+  recorded, timed and checkpointed like any other tool call.
+
+After every model response and every tool completion the loop emits a *boundary*
+and waits until the boundary sink returns before taking its next action; the
+worker makes that wait cover the journal's fsync.
+
+All state lives in the ``TrajectoryRecorder`` handed in, so whoever cancels the
+loop still holds everything that happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from rollcage.errors import ModelError
+from rollcage.protocol import (
+    BoundaryRecord,
+    ModelCall,
+    PythonToolSpec,
+    ResourceToolSpec,
+    ResponseItem,
+    TerminationReason,
+    ToolCall,
+    ToolStatus,
+    WorkerInput,
+)
+from rollcage.trajectory import TrajectoryRecorder, arguments_json, message_text
+
+__all__ = [
+    "Agent",
+    "AgentResult",
+    "BoundarySink",
+    "CellRunner",
+    "ModelCaller",
+    "ResourceCaller",
+    "extract_code_blocks",
+]
+
+BoundarySink = Callable[[BoundaryRecord], Awaitable[None]]
+"""Receives each boundary; the loop waits for it before its next action."""
+
+SUBMIT = "submit"
+_CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
+
+
+class ModelCaller(Protocol):
+    """What the loop needs of the model client."""
+
+    async def call(
+        self,
+        *,
+        input: list[ResponseItem],
+        instructions: str | None,
+        tools: list[dict[str, Any]],
+        index: int,
+    ) -> ModelCall:
+        """Make one model call; raise a ``ModelError`` carrying ``.record`` on failure."""
+        ...
+
+    @property
+    def cookies(self) -> dict[str, str]:
+        """Current model cookies."""
+        ...
+
+
+class ResourceCaller(Protocol):
+    """What the loop needs of the HTTP resource tools."""
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> str:
+        """Call one resource tool and return the text for the model."""
+        ...
+
+    @property
+    def cookies(self) -> dict[str, str]:
+        """Current resource cookies."""
+        ...
+
+
+class CellRunner(Protocol):
+    """What the loop needs of the Python executor: run one cell, text out."""
+
+    async def run_cell(self, code: str, timeout_s: float) -> tuple[ToolStatus, str]:
+        """Run ``code``; return the call status and the bounded text shown to the model."""
+        ...
+
+    def prestart(self) -> None:
+        """Start the executor in the background, if it is not running yet."""
+        ...
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """How the loop ended."""
+
+    termination_reason: TerminationReason
+    final_answer: str | None
+
+
+class Agent:
+    """Runs one episode for one ``WorkerInput``.
+
+    Args:
+        spec: The validated worker input.
+        model: The model client.
+        resources: The resource tools (may be None when the input offers none).
+        cells: The Python executor (may be None when the input offers no Python tool).
+        recorder: Where every call is recorded (shared with the caller).
+        boundary: Receives each boundary record; awaited before the next action.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerInput,
+        *,
+        model: ModelCaller,
+        resources: ResourceCaller | None,
+        cells: CellRunner | None,
+        recorder: TrajectoryRecorder,
+        boundary: BoundarySink,
+    ) -> None:
+        """Bind the loop to its collaborators."""
+        self._spec = spec
+        self._model = model
+        self._resources = resources
+        self._cells = cells
+        self._recorder = recorder
+        self._boundary = boundary
+        self._history: list[ResponseItem] = _initial_input(spec.input)
+        self._tool_count = 0
+        self._invalid = 0
+        self._python = next((t for t in spec.tools if isinstance(t, PythonToolSpec)), None)
+        self._resource_specs = {t.name: t for t in spec.tools if isinstance(t, ResourceToolSpec)}
+        self._cell_lock = asyncio.Lock()
+        self._submitted: str | None = None
+        self._bridged = 0
+        self._cookies_seen: tuple[dict[str, str], dict[str, str]] = ({}, {})
+
+    def attach_cells(self, cells: CellRunner) -> None:
+        """Attach the executor after construction (its bridge is this agent's ``bridge``)."""
+        self._cells = cells
+
+    async def run(self) -> AgentResult:
+        """Run the episode to its end.
+
+        Raises:
+            ModelError: the model call failed (after the client's retries).
+            RollcageError: a tool failed in a way that ends the rollout.
+
+        Cancellation:
+            Safe at any await. Tool calls still running are left pending in the
+            recorder; the caller marks them cancelled and builds the result.
+        """
+        if self._spec.agent.mode == "codeact":
+            return await self._run_codeact()
+        return await self._run_function_calling()
+
+    # ------------------------------------------------------------------ function calling
+
+    async def _run_function_calling(self) -> AgentResult:
+        tools = self._function_tools()
+        last_text: str | None = None
+        for index in range(self._spec.agent.max_policy_calls):
+            call = await self._call_model(index, tools)
+            calls = [i for i in call.output if i.get("type") == "function_call"]
+            pending = [
+                self._recorder.start_tool_call(
+                    str(i.get("call_id") or f"call-{index}-{n}"),
+                    str(i.get("name", "")),
+                    str(i.get("arguments", "")),
+                    index,
+                )
+                for n, i in enumerate(calls)
+            ]
+            await self._emit("model_call", model_call=call, tool_calls=pending)
+            self._history.extend(call.output)
+            text = _text_of(call.output)
+            if text:
+                last_text = text
+            if call.status == "incomplete":
+                # A response cut off at the token limit is not an action we can trust.
+                await self._reject(pending, f"not run: the response was cut off ({call.incomplete_reason})")
+                if self._count_invalid():
+                    return AgentResult("invalid_policy_output", last_text)
+                continue
+            if not pending:
+                return AgentResult("completed", text)
+            if self._tool_count + len(pending) > self._spec.agent.max_tool_calls:
+                await self._reject(pending, "not run: the rollout's tool-call limit was reached")
+                return AgentResult("max_tool_calls", last_text)
+            self._tool_count += len(pending)
+            malformed = await self._run_tool_calls(pending)
+            if malformed and self._count_invalid():
+                return AgentResult("invalid_policy_output", last_text)
+        return AgentResult("max_policy_calls", last_text)
+
+    def _function_tools(self) -> list[dict[str, Any]]:
+        tools: list[dict[str, Any]] = []
+        if self._python is not None:
+            tools.append(
+                {
+                    "type": "function",
+                    "name": self._python.name,
+                    "description": self._python.description,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"code": {"type": "string", "description": "Python source to run."}},
+                        "required": ["code"],
+                    },
+                }
+            )
+        for spec in self._resource_specs.values():
+            tools.append(
+                {
+                    "type": "function",
+                    "name": spec.name,
+                    "description": spec.description,
+                    "parameters": spec.parameters,
+                }
+            )
+        return tools
+
+    async def _run_tool_calls(self, pending: list[ToolCall]) -> bool:
+        """Run one response's calls concurrently; return whether any had malformed arguments."""
+        malformed = False
+
+        async def one(call: ToolCall) -> None:
+            nonlocal malformed
+            try:
+                arguments = json.loads(call.arguments) if call.arguments.strip() else {}
+                if not isinstance(arguments, dict):
+                    raise ValueError("arguments must be a JSON object")
+            except ValueError as exc:
+                malformed = True
+                await self._finish(call.call_id, "failed", f"error: arguments are not valid JSON ({exc})")
+                return
+            status, output = await self._dispatch(call, arguments)
+            await self._finish(call.call_id, status, output)
+
+        # A failing sibling must not hide the others' outputs: each call records its own
+        # outcome, and only a RollcageError that ends the rollout escapes the group.
+        async with asyncio.TaskGroup() as group:
+            for call in pending:
+                group.create_task(one(call))
+        for call in pending:
+            self._history.append(
+                {
+                    "type": "function_call_output",
+                    "call_id": call.call_id,
+                    "output": self._output_of(call.call_id),
+                }
+            )
+        return malformed
+
+    async def _dispatch(self, call: ToolCall, arguments: dict[str, Any]) -> tuple[ToolStatus, str]:
+        if self._python is not None and call.name == self._python.name:
+            code = arguments.get("code")
+            if not isinstance(code, str):
+                return "failed", "error: the python tool takes one string argument 'code'"
+            return await self._run_cell(call.call_id, code)
+        if call.name in self._resource_specs and self._resources is not None:
+            self._recorder.mark_started(call.call_id)
+            return "completed", await self._call_resource(call.name, arguments)
+        return "failed", f"error: there is no tool named {call.name!r}"
+
+    # ------------------------------------------------------------------ codeact
+
+    async def _run_codeact(self) -> AgentResult:
+        if self._cells is not None:
+            self._cells.prestart()  # overlap the executor's start with the first model call
+        last_text: str | None = None
+        for index in range(self._spec.agent.max_policy_calls):
+            call = await self._call_model(index, [])
+            text = _text_of(call.output)
+            last_text = text or last_text
+            blocks = extract_code_blocks(text) if call.status == "completed" else []
+            pending = [
+                self._recorder.start_tool_call(f"cell-{index}-{n}", "python", code, index)
+                for n, code in enumerate(blocks)
+            ]
+            await self._emit("model_call", model_call=call, tool_calls=pending)
+            self._history.extend(_as_input(call.output))
+            if call.status == "incomplete":
+                await self._reject(pending, "not run: the response was cut off")
+                if self._count_invalid():
+                    return AgentResult("invalid_policy_output", last_text)
+                self._history.append(_user("Your response was cut off. Reply with a shorter one."))
+                continue
+            if not blocks:
+                return AgentResult("completed", text)
+            if self._tool_count + len(blocks) > self._spec.agent.max_tool_calls:
+                await self._reject(pending, "not run: the rollout's tool-call limit was reached")
+                return AgentResult("max_tool_calls", last_text)
+            observations: list[str] = []
+            for cell in pending:
+                self._tool_count += 1
+                if self._submitted is not None:
+                    await self._finish(cell.call_id, "failed", "not run: the answer was already submitted")
+                    continue
+                status, output = await self._run_cell(cell.call_id, cell.arguments)
+                await self._finish(cell.call_id, status, output)
+                observations.append(output)
+            if self._submitted is not None:
+                return AgentResult("completed", self._submitted)
+            self._history.append(_user("Execution output:\n" + "\n\n".join(observations)))
+        return AgentResult("max_policy_calls", last_text)
+
+    async def bridge(self, name: str, kwargs: dict[str, Any]) -> str:
+        """Carry out a tool call made from agent code (codeact), recording it as its own tool call.
+
+        Cancellation:
+            Propagates; the call stays pending in the recorder.
+        """
+        turn = max(0, len(self._recorder.model_calls) - 1)
+        self._bridged += 1
+        call_id = f"bridge-{turn}-{self._bridged}"
+        self._recorder.start_tool_call(call_id, name, arguments_json(kwargs), turn)
+        if name == SUBMIT:
+            answer = kwargs.get("answer", next(iter(kwargs.values()), ""))
+            self._submitted = str(answer)
+            await self._finish(call_id, "completed", "submitted")
+            return "submitted"
+        if name not in self._resource_specs or self._resources is None:
+            await self._finish(call_id, "failed", f"error: there is no tool named {name!r}")
+            return f"error: there is no tool named {name!r}"
+        self._tool_count += 1
+        output = await self._call_resource(name, kwargs)
+        await self._finish(call_id, "completed", output)
+        return output
+
+    # ------------------------------------------------------------------ shared steps
+
+    async def _call_model(self, index: int, tools: list[dict[str, Any]]) -> ModelCall:
+        try:
+            call = await self._model.call(
+                input=list(self._history), instructions=self._instructions(), tools=tools, index=index
+            )
+        except ModelError as exc:
+            record = getattr(exc, "record", None)
+            if isinstance(record, ModelCall):
+                self._recorder.add_model_call(record)
+                await self._emit("model_call", model_call=record, tool_calls=[])
+            raise
+        self._recorder.add_model_call(call)
+        return call
+
+    def _instructions(self) -> str | None:
+        if self._spec.agent.mode != "codeact":
+            return self._spec.instructions
+        functions = [f"{SUBMIT}(answer): submit your final answer and end the episode"]
+        for spec in self._resource_specs.values():
+            params = ", ".join(spec.parameters.get("properties", {}))
+            functions.append(f"{spec.name}({params}): {spec.description}".rstrip(": "))
+        preamble = (
+            "Act by writing Python in ```python fenced blocks; they run in a persistent session and you "
+            "see their output. These functions are defined there:\n- " + "\n- ".join(functions)
+        )
+        return f"{self._spec.instructions}\n\n{preamble}" if self._spec.instructions else preamble
+
+    async def _run_cell(self, call_id: str, code: str) -> tuple[ToolStatus, str]:
+        if self._cells is None:
+            return "failed", "error: this task offers no Python executor"
+        async with self._cell_lock:  # one kernel: cells take turns
+            self._recorder.mark_started(call_id)
+            return await self._cells.run_cell(code, self._spec.agent.tool_timeout_s)
+
+    async def _call_resource(self, name: str, arguments: dict[str, Any]) -> str:
+        assert self._resources is not None
+        text = await self._resources.call(name, arguments)
+        limit = self._spec.agent.tool_output_limit
+        if len(text) > limit:
+            text = f"{text[:limit]}\n…[truncated {len(text) - limit} chars]"
+        return text
+
+    async def _finish(self, call_id: str, status: ToolStatus, output: str) -> None:
+        done = self._recorder.finish_tool_call(call_id, status, output)
+        await self._emit("tool_call", tool_calls=[done])
+
+    async def _reject(self, pending: list[ToolCall], reason: str) -> None:
+        for call in pending:
+            await self._finish(call.call_id, "failed", reason)
+            self._history.append({"type": "function_call_output", "call_id": call.call_id, "output": reason})
+
+    def _output_of(self, call_id: str) -> str:
+        for call in self._recorder.snapshot().tool_calls:
+            if call.call_id == call_id:
+                return call.output or ""
+        return ""
+
+    def _count_invalid(self) -> bool:
+        """Count one unusable response; True when the tolerance is used up."""
+        self._invalid += 1
+        return self._invalid > self._spec.agent.max_invalid_outputs
+
+    async def _emit(
+        self,
+        kind: Literal["model_call", "tool_call"],
+        *,
+        model_call: ModelCall | None = None,
+        tool_calls: list[ToolCall] | None = None,
+    ) -> None:
+        model_cookies = dict(self._model.cookies)
+        resource_cookies = dict(self._resources.cookies) if self._resources is not None else {}
+        seen_model, seen_resource = self._cookies_seen
+        record = BoundaryRecord(
+            kind=kind,
+            at=time.time(),
+            model_call=model_call,
+            tool_calls=tool_calls or [],
+            model_cookies=model_cookies if model_cookies != seen_model else None,
+            resource_cookies=resource_cookies if resource_cookies != seen_resource else None,
+        )
+        self._cookies_seen = (model_cookies, resource_cookies)
+        await self._boundary(record)
+
+
+def extract_code_blocks(text: str) -> list[str]:
+    """The fenced Python blocks of a message, in order."""
+    return [m.group(1).strip("\n") for m in _CODE_BLOCK.finditer(text) if m.group(1).strip()]
+
+
+def _initial_input(value: str | list[ResponseItem]) -> list[ResponseItem]:
+    if isinstance(value, str):
+        return [_user(value)]
+    return [dict(item) for item in value]
+
+
+def _user(text: str) -> ResponseItem:
+    return {"type": "message", "role": "user", "content": text}
+
+
+def _text_of(items: list[ResponseItem]) -> str:
+    return "".join(message_text(i) for i in items if i.get("type") == "message")
+
+
+def _as_input(items: list[ResponseItem]) -> list[ResponseItem]:
+    """Model output items as they go back into the next request's input."""
+    return [i for i in items if i.get("type") in ("message", "reasoning", "function_call")]

@@ -1,0 +1,429 @@
+"""The worker: one rollout, inside the sandbox. ``rollcage worker INPUT RESULT``.
+
+Contract (what the supervisor relies on):
+
+* ``result.json`` is published exactly once, atomically, with the configured mode,
+  unless the process is SIGKILLed or the file system refuses every write;
+* invalid input or a failure before the agent starts still publishes a result
+  with ``error.kind == "fatal"`` naming the problem, and the exit code is non-zero;
+* SIGTERM, SIGINT or a stop file cancel the rollout: tools and the executor are
+  stopped, a result with ``error.kind == "cancelled"`` is published, and the exit
+  code is non-zero; a stop file present at start means nothing is done and no
+  result is written;
+* a boundary record is appended to the checkpoint journal after every model
+  response and every tool completion, and the agent waits for it to be durable;
+  a failing append is logged and counted (``checkpoint_failures``), and the run
+  goes on.
+
+Exit codes: 0 completed without error; 1 the rollout ended with an error;
+2 the input was invalid; 3 stopped before starting (stop file); 128+N cancelled by
+signal N (143 for SIGTERM and for the stop file, 130 for SIGINT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rollcage.agent import SUBMIT, Agent, AgentResult
+from rollcage.checkpoint import RequestCompactor
+from rollcage.durable import CheckpointJournal, publish_json
+from rollcage.errors import ConfigError, RollcageError
+from rollcage.protocol import (
+    BoundaryRecord,
+    PythonToolSpec,
+    ResourceToolSpec,
+    ResponseOutput,
+    RunnerError,
+    TerminationReason,
+    ToolStatus,
+    WorkerInput,
+    WorkerResult,
+)
+from rollcage.trajectory import TrajectoryRecorder, final_text, project_output, sum_usage
+
+__all__ = [
+    "EXIT_CANCELLED",
+    "EXIT_ERROR",
+    "EXIT_INVALID_INPUT",
+    "EXIT_OK",
+    "EXIT_STOPPED_BEFORE_START",
+    "load_input",
+    "worker_main",
+]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_INVALID_INPUT = 2
+EXIT_STOPPED_BEFORE_START = 3
+EXIT_CANCELLED = 128 + signal.SIGTERM
+
+STOP_POLL_S = 0.1
+EXECUTOR_CLOSE_TIMEOUT_S = 10.0
+
+log = logging.getLogger("rollcage.worker")
+
+
+def worker_main(argv: list[str]) -> int:
+    """Run the worker with command-line arguments; return the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="rollcage worker", description="Run one rollout (sandbox entrypoint)."
+    )
+    parser.add_argument("input", type=Path, help="input.json (WorkerInput)")
+    parser.add_argument("result", type=Path, help="where result.json is published")
+    parser.add_argument(
+        "--checkpoint", type=Path, help="journal path (default: checkpoint.jsonl beside RESULT)"
+    )
+    parser.add_argument("--stop-file", type=Path, help="stop file to poll (default: 'stop' beside RESULT)")
+    parser.add_argument(
+        "--workspace", type=Path, help="agent working directory (default: workspace/ beside RESULT)"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("ROLLCAGE_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    base = args.result.parent
+    paths = _Paths(
+        input=args.input,
+        result=args.result,
+        checkpoint=args.checkpoint or base / "checkpoint.jsonl",
+        stop=args.stop_file or base / "stop",
+        workspace=args.workspace or base / "workspace",
+    )
+    return asyncio.run(_amain(paths))
+
+
+class _Paths:
+    def __init__(self, *, input: Path, result: Path, checkpoint: Path, stop: Path, workspace: Path) -> None:
+        self.input = input
+        self.result = result
+        self.checkpoint = checkpoint
+        self.stop = stop
+        self.workspace = workspace
+
+
+def load_input(path: Path) -> WorkerInput:
+    """Read and validate ``input.json``.
+
+    Raises:
+        ConfigError: the file is unreadable, not JSON, or not a valid ``WorkerInput``;
+            the message names the file and the offending field.
+    """
+    from pydantic import ValidationError
+
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the input file: {exc.strerror or exc}") from exc
+    try:
+        return WorkerInput.model_validate_json(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: invalid input: {_describe(exc)}") from exc
+
+
+def _describe(exc: Any) -> str:
+    parts = []
+    for error in exc.errors()[:5]:
+        where = ".".join(str(p) for p in error.get("loc", ())) or "(top level)"
+        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        if error.get("type") == "extra_forbidden":
+            message = "unknown field (not part of WorkerInput)"
+        parts.append(f"field {where!r}: {message}")
+    more = len(exc.errors()) - 5
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+async def _amain(paths: _Paths) -> int:
+    started = time.time()
+    if paths.stop.exists():
+        log.warning("stop file %s present at start: doing nothing, writing no result", paths.stop)
+        return EXIT_STOPPED_BEFORE_START
+    try:
+        spec = load_input(paths.input)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        ids = _ids_from_raw(paths.input)
+        _publish(
+            paths.result,
+            WorkerResult(
+                rollout_id=ids[0],
+                task_id=ids[1],
+                response=None,
+                termination_reason="error",
+                error=RunnerError(kind="fatal", type=type(exc).__name__, message=str(exc)),
+                started_at=started,
+                ended_at=time.time(),
+            ),
+            mode=0o600,
+        )
+        return EXIT_INVALID_INPUT
+    return await _Session(spec, paths, started).run()
+
+
+def _ids_from_raw(path: Path) -> tuple[str, str]:
+    """Best-effort ids from an input that failed validation, so the fatal result is attributable."""
+    import json
+
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return "", ""
+    if not isinstance(data, dict):
+        return "", ""
+    return str(data.get("rollout_id", "")), str(data.get("task_id", ""))
+
+
+def _publish(path: Path, result: WorkerResult, *, mode: int) -> bool:
+    try:
+        publish_json(path, result, mode=mode)
+    except RollcageError as exc:
+        log.error("could not publish %s: %s", path, exc)
+        return False
+    return True
+
+
+class _Session:
+    """One rollout's lifetime: journal, collaborators, agent task, signals, result."""
+
+    def __init__(self, spec: WorkerInput, paths: _Paths, started: float) -> None:
+        self.spec = spec
+        self.paths = paths
+        self.started = started
+        self.recorder = TrajectoryRecorder()
+        self.journal: CheckpointJournal | None = None
+        self.compactor = RequestCompactor()
+        self.checkpoint_failures = 0
+        self.cancel_signal: int | None = None
+        self.task: asyncio.Task[AgentResult] | None = None
+        self.model_cookies = dict(spec.model_cookies)
+        self.resource_cookies = dict(spec.resource_cookies)
+        self.agent_started = False
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._cancel, signum)
+        stop_watch = asyncio.create_task(self._watch_stop_file())
+        try:
+            await self._open_journal()
+            self.task = asyncio.create_task(self._episode())
+            outcome: AgentResult | None = None
+            error: RunnerError | None = None
+            try:
+                outcome = await self.task
+            except asyncio.CancelledError:
+                if self.cancel_signal is None:
+                    raise  # we were cancelled from outside: not ours to swallow
+                name = "stop file" if self.cancel_signal == 0 else signal.Signals(self.cancel_signal).name
+                error = RunnerError(
+                    kind="cancelled", type="Cancelled", message=f"rollout cancelled by {name}"
+                )
+            except RollcageError as exc:
+                log.error("rollout failed: %s", exc)
+                error = RunnerError(kind=exc.kind, type=type(exc).__name__, message=str(exc))
+            except Exception as exc:  # the worker never exits without a result
+                log.exception("unexpected failure")
+                error = RunnerError(
+                    kind="fatal", type=type(exc).__name__, message=f"unexpected failure: {exc}"
+                )
+            result = self._result(outcome, error)
+            if not _publish(self.paths.result, result, mode=self.spec.result_mode):
+                return EXIT_ERROR
+            if error is None:
+                return EXIT_OK
+            if error.kind == "cancelled":
+                return (
+                    EXIT_CANCELLED
+                    if self.cancel_signal in (0, signal.SIGTERM)
+                    else 128 + (self.cancel_signal or 0)
+                )
+            return EXIT_ERROR
+        finally:
+            stop_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stop_watch
+            if self.journal is not None:
+                with contextlib.suppress(RollcageError):
+                    await self.journal.aclose()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+
+    def _cancel(self, signum: int) -> None:
+        if self.cancel_signal is not None:
+            return
+        self.cancel_signal = signum
+        log.warning(
+            "cancelling the rollout (%s)", "stop file" if signum == 0 else signal.Signals(signum).name
+        )
+        if self.task is not None:
+            self.task.cancel()
+
+    async def _watch_stop_file(self) -> None:
+        # Polling is the point: it serves sandboxes whose controller cannot send signals.
+        while not self.paths.stop.exists():  # noqa: ASYNC110 - a file, not an event, is the signal
+            await asyncio.sleep(STOP_POLL_S)
+        self._cancel(0)
+
+    async def _open_journal(self) -> None:
+        if not self.spec.checkpoint.enabled:
+            return
+        journal = CheckpointJournal(self.paths.checkpoint)
+        try:
+            await journal.__aenter__()
+        except RollcageError as exc:
+            self.checkpoint_failures += 1
+            log.error("checkpoint journal unavailable, continuing without it: %s", exc)
+            return
+        self.journal = journal
+        await self._boundary(BoundaryRecord(kind="start", at=time.time(), rollout_id=self.spec.rollout_id))
+
+    async def _boundary(self, record: BoundaryRecord) -> None:
+        if record.model_call is not None:
+            call, delta = self.compactor.compact(record.model_call)
+            record = record.model_copy(update={"model_call": call, "request_delta": delta})
+        if self.journal is None:
+            return
+        try:
+            await self.journal.append(record.model_dump(mode="json", exclude_none=True))
+        except RollcageError as exc:
+            # Best effort by contract: evidence is lost for this boundary, the rollout is not.
+            self.checkpoint_failures += 1
+            log.error("checkpoint append failed (%d so far), continuing: %s", self.checkpoint_failures, exc)
+
+    async def _episode(self) -> AgentResult:
+        from rollcage.model import ModelClient
+        from rollcage.tools import ResourceTools
+
+        spec = self.spec
+        self.paths.workspace.mkdir(parents=True, exist_ok=True)
+        resource_specs = [t for t in spec.tools if isinstance(t, ResourceToolSpec)]
+        async with contextlib.AsyncExitStack() as stack:
+            client = ModelClient(
+                spec.model, rollout_id=spec.rollout_id, task_id=spec.task_id, cookies=spec.model_cookies
+            )
+            await stack.enter_async_context(client)
+            resources = None
+            if resource_specs:
+                resources = ResourceTools(
+                    spec.resources, resource_specs, rollout_id=spec.rollout_id, cookies=spec.resource_cookies
+                )
+                await stack.enter_async_context(resources)
+            cells: _Cells | None = None
+            agent = Agent(
+                spec,
+                model=client,
+                resources=resources,
+                cells=None,
+                recorder=self.recorder,
+                boundary=self._boundary,
+            )
+            if any(isinstance(t, PythonToolSpec) for t in spec.tools) or spec.agent.mode == "codeact":
+                bridged = [SUBMIT, *(t.name for t in resource_specs)] if spec.agent.mode == "codeact" else []
+                cells = _Cells(spec, self.paths.workspace, agent.bridge, bridged)
+                stack.push_async_callback(cells.aclose)
+                agent.attach_cells(cells)
+            try:
+                self.agent_started = True
+                return await agent.run()
+            finally:
+                self.model_cookies = dict(client.cookies)
+                if resources is not None:
+                    self.resource_cookies = dict(resources.cookies)
+
+    def _result(self, outcome: AgentResult | None, error: RunnerError | None) -> WorkerResult:
+        if error is not None:
+            reason = "cancelled" if error.kind == "cancelled" else "error"
+            self.recorder.stop_pending(
+                "cancelled" if error.kind == "cancelled" else "incomplete", f"[{reason}: {error.message}]"
+            )
+        trajectory = self.recorder.snapshot()
+        answered = [c for c in trajectory.model_calls if c.status != "failed"]
+        response = None
+        if answered:
+            items = project_output(trajectory, partial=False)
+            status: Any
+            if error is not None:
+                status = "cancelled" if error.kind == "cancelled" else "failed"
+            elif outcome is not None and outcome.termination_reason == "completed":
+                status = "completed"
+            else:
+                status = "incomplete"
+            text = outcome.final_answer if outcome is not None and outcome.final_answer is not None else None
+            response = ResponseOutput(
+                id=self.spec.rollout_id,
+                model=self.spec.model.model,
+                status=status,
+                output=items,
+                output_text=text if text is not None else final_text(items),
+                usage=sum_usage(answered),
+            )
+        termination: TerminationReason
+        if error is not None:
+            termination = "cancelled" if error.kind == "cancelled" else "error"
+        else:
+            assert outcome is not None
+            termination = outcome.termination_reason
+        return WorkerResult(
+            rollout_id=self.spec.rollout_id,
+            task_id=self.spec.task_id,
+            response=response,
+            trajectory=trajectory,
+            model_cookies=self.model_cookies,
+            resource_cookies=self.resource_cookies,
+            termination_reason=termination,
+            error=error,
+            checkpoint_failures=self.checkpoint_failures,
+            started_at=self.started,
+            ended_at=time.time(),
+        )
+
+
+class _Cells:
+    """The agent's view of the Python executor: started lazily, text out, always closed."""
+
+    def __init__(self, spec: WorkerInput, workspace: Path, bridge: Any, bridged: list[str]) -> None:
+        from rollcage.tools import make_executor
+
+        self._executor = make_executor(
+            spec.executor,
+            cwd=workspace,
+            bridge=bridge if bridged else None,
+            bridged_tools=bridged,
+            output_limit=spec.agent.tool_output_limit,
+        )
+        self._start: asyncio.Task[None] | None = None
+
+    def prestart(self) -> None:
+        if self._start is None:
+            self._start = asyncio.create_task(self._executor.start())
+
+    async def run_cell(self, code: str, timeout_s: float) -> tuple[ToolStatus, str]:
+        self.prestart()
+        assert self._start is not None
+        await asyncio.shield(self._start)
+        result = await self._executor.run(code, timeout_s)
+        status: ToolStatus = "completed" if result.status == "ok" else "failed"
+        return status, result.text
+
+    async def aclose(self) -> None:
+        if self._start is not None:
+            if not self._start.done():
+                self._start.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RollcageError):
+                await self._start
+        # Shielded: a cancelled rollout must still stop its executor and reap it.
+        close = asyncio.ensure_future(self._executor.aclose())
+        try:
+            await asyncio.wait_for(asyncio.shield(close), EXECUTOR_CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            log.error("executor did not close within %.0fs", EXECUTOR_CLOSE_TIMEOUT_S)

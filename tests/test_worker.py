@@ -1,0 +1,331 @@
+"""The worker as a real subprocess against the scripted policy and a real resource server on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollcage import load_checkpoint
+from rollcage.environments.calc_weather import create_app
+from rollcage.policy import PolicyServer
+from rollcage.worker import EXIT_CANCELLED, EXIT_INVALID_INPUT, EXIT_OK, EXIT_STOPPED_BEFORE_START
+from tests.helpers.worker_env import RolloutDir, serve_asgi, wait_for, worker_input, write_script
+
+SMOKE_FC = [
+    {
+        "tool_calls": [
+            {"name": "get_weather", "arguments": {"city": "Oslo"}},
+            {"name": "python", "arguments": {"code": "print(sum([40, 2]))"}},
+        ]
+    },
+    {"text": "cold;sum=42"},
+]
+SMOKE_CODEACT = [
+    {"code": "w = get_weather(city='Oslo')\nprint(w)\ns = sum([40, 2])\ns"},
+    {"code": "import json\nsubmit(f\"{json.loads(w)['condition']};sum={s}\")"},
+]
+
+PolicyFactory = Callable[..., Any]
+
+
+@pytest.fixture
+def weather_url() -> Iterator[str]:
+    with serve_asgi(create_app()) as url:
+        yield url
+
+
+@pytest.fixture
+def policy(tmp_path: Path) -> Iterator[PolicyFactory]:
+    stack = contextlib.ExitStack()
+
+    def start(tasks: dict[str, Any], faults: tuple[str, ...] = ()) -> Any:
+        script = write_script(tmp_path / f"policy-{len(stack._exit_callbacks)}.yaml", tasks)
+        return stack.enter_context(PolicyServer(script, port=0, faults=list(faults)))
+
+    with stack:
+        yield start
+
+
+@pytest.fixture
+def rollout(tmp_path: Path) -> Iterator[RolloutDir]:
+    rd = RolloutDir(tmp_path / "rollout")
+    try:
+        yield rd
+    finally:
+        rd.kill()
+
+
+def _no_temp_files(rd: RolloutDir) -> None:
+    leftovers = [n for n in rd.listing() if n.endswith(".tmp") or n.startswith(".")]
+    assert leftovers == [], leftovers
+
+
+@pytest.mark.parametrize("mode", ["function_calling", "codeact"])
+def test_smoke_task_answers_cold_sum_42(
+    mode: str, policy: PolicyFactory, weather_url: str, rollout: RolloutDir
+) -> None:
+    server = policy({"smoke": SMOKE_FC if mode == "function_calling" else SMOKE_CODEACT})
+    rollout.write_input(
+        worker_input(model_url=server.base_url, task_id="smoke", resource_url=weather_url, mode=mode)
+    )
+    assert rollout.run() == EXIT_OK, rollout.log_text()
+    result = rollout.result_model()
+    assert result.error is None
+    assert result.termination_reason == "completed"
+    assert result.response is not None and result.response.output_text == "cold;sum=42"
+    tools = {c.name: c for c in result.trajectory.tool_calls}
+    assert tools["get_weather"].status == "completed"
+    assert json.loads(tools["get_weather"].output or "")["condition"] == "cold"
+    assert any("42" in (c.output or "") for c in result.trajectory.tool_calls if c.name == "python")
+    # The resource's session cookie was kept and reported.
+    assert "cw_session" in result.resource_cookies
+    assert oct(rollout.result.stat().st_mode & 0o777) == oct(0o600)
+    # The journal holds every boundary: start, each model call, each tool completion.
+    kinds = [r["kind"] for r in rollout.records()]
+    assert kinds.count("model_call") == len(result.trajectory.model_calls) == 2
+    assert kinds.count("tool_call") == len(result.trajectory.tool_calls)
+    _no_temp_files(rollout)
+
+
+def test_result_mode_is_configurable(policy: PolicyFactory, rollout: RolloutDir) -> None:
+    server = policy({"t": [{"text": "done"}]})
+    rollout.write_input({**worker_input(model_url=server.base_url, task_id="t"), "result_mode": 0o640})
+    assert rollout.run() == EXIT_OK, rollout.log_text()
+    assert rollout.result.stat().st_mode & 0o777 == 0o640
+
+
+def test_sigterm_while_model_hangs_publishes_cancelled_result_without_response(
+    policy: PolicyFactory, rollout: RolloutDir
+) -> None:
+    server = policy({"t": [{"text": "never"}]}, faults=("call=1:kind=hang",))
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
+    rollout.start()
+    wait_for(lambda: server.faults_injected, what="the model request to arrive")
+    rollout.signal(signal.SIGTERM)
+    assert rollout.wait() == EXIT_CANCELLED
+    result = rollout.result_model()
+    assert result.error is not None and result.error.kind == "cancelled"
+    assert "SIGTERM" in result.error.message
+    assert result.response is None
+    assert result.termination_reason == "cancelled"
+    _no_temp_files(rollout)
+
+
+def test_sigterm_while_tool_runs_cancels_tool_and_stops_executor(
+    policy: PolicyFactory, rollout: RolloutDir
+) -> None:
+    code = "import os, time\nopen('pid', 'w').write(str(os.getpid()))\ntime.sleep(600)"
+    server = policy({"t": [{"tool_calls": [{"name": "python", "arguments": {"code": code}}]}, {"text": "x"}]})
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
+    rollout.start()
+    pid_file = rollout.root / "workspace" / "pid"
+    pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), what="the cell to start"))
+    rollout.signal(signal.SIGTERM)
+    assert rollout.wait() == EXIT_CANCELLED
+    result = rollout.result_model()
+    assert result.error is not None and result.error.kind == "cancelled"
+    (call,) = result.trajectory.tool_calls
+    assert call.status == "cancelled"
+    assert result.response is not None
+    outputs = [i for i in result.response.output if i["type"] == "function_call_output"]
+    assert [o["status"] for o in outputs] == ["incomplete"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_stop_file_cancels_a_running_rollout(policy: PolicyFactory, rollout: RolloutDir) -> None:
+    server = policy({"t": [{"text": "never"}]}, faults=("call=1:kind=hang",))
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
+    rollout.start()
+    wait_for(lambda: server.faults_injected, what="the model request to arrive")
+    (rollout.root / "stop").write_text("")
+    assert rollout.wait() == EXIT_CANCELLED
+    result = rollout.result_model()
+    assert result.error is not None and result.error.kind == "cancelled"
+    assert "stop file" in result.error.message
+
+
+def test_stop_file_present_at_start_does_nothing(rollout: RolloutDir) -> None:
+    rollout.write_input(worker_input(model_url="http://127.0.0.1:9/v1", task_id="t"))
+    (rollout.root / "stop").write_text("")
+    assert rollout.run() == EXIT_STOPPED_BEFORE_START
+    assert not rollout.result.exists()
+    assert not rollout.checkpoint.exists()
+
+
+def test_sigkill_after_k_boundaries_leaves_exactly_those_in_the_checkpoint(
+    policy: PolicyFactory, rollout: RolloutDir
+) -> None:
+    turns = [
+        {"tool_calls": [{"name": "python", "arguments": {"code": "x = 1"}}]},
+        {"tool_calls": [{"name": "python", "arguments": {"code": "x += 1\nx"}}]},
+        {"text": "never reached"},
+    ]
+    # The third model request hangs, so the journal is still when we kill: start + 2 x (model + tool) = 5.
+    server = policy({"t": turns}, faults=("call=3:kind=hang",))
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
+    rollout.start()
+    wait_for(lambda: server.faults_injected, what="the third model request")
+    wait_for(lambda: len(rollout.records()) == 5, what="five durable boundaries")
+    assert rollout.proc is not None
+    os.killpg(rollout.proc.pid, signal.SIGKILL)
+    assert rollout.wait() == -signal.SIGKILL
+    assert not rollout.result.exists()
+    checkpoint = load_checkpoint(rollout.checkpoint)
+    assert checkpoint.partial is True and checkpoint.seq == 5
+    assert [c.index for c in checkpoint.trajectory.model_calls] == [0, 1]
+    assert [c.status for c in checkpoint.trajectory.tool_calls] == ["completed", "completed"]
+    assert "2" in (checkpoint.trajectory.tool_calls[1].output or "")
+    assert [i["type"] for i in checkpoint.output].count("function_call_output") == 2
+    _no_temp_files(rollout)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "named"),
+    [
+        (lambda d: d.update(expected_answer="cold;sum=42"), "expected_answer"),
+        (lambda d: d["agent"].update(max_policy_calls="many"), "agent.max_policy_calls"),
+        (lambda d: d.update(surprise=1), "surprise"),
+    ],
+)
+def test_invalid_input_publishes_fatal_result_naming_the_field(
+    mutate: Callable[[dict[str, Any]], None], named: str, rollout: RolloutDir
+) -> None:
+    data = worker_input(model_url="http://127.0.0.1:9/v1", task_id="t")
+    mutate(data)
+    rollout.write_input(data)
+    assert rollout.run() == EXIT_INVALID_INPUT
+    result = rollout.result_model()
+    assert result.error is not None and result.error.kind == "fatal"
+    assert named in result.error.message
+    assert result.rollout_id == "t-r0"
+    assert result.response is None
+
+
+def test_unparseable_input_publishes_fatal_result(rollout: RolloutDir) -> None:
+    rollout.write_input(b"{not json")
+    assert rollout.run() == EXIT_INVALID_INPUT
+    result = rollout.result_model()
+    assert result.error is not None and result.error.kind == "fatal"
+    assert "input.json" in result.error.message
+
+
+def test_unreachable_model_is_a_transient_error(rollout: RolloutDir) -> None:
+    rollout.write_input(worker_input(model_url="http://127.0.0.1:9/v1", task_id="t"))
+    assert rollout.run() == 1
+    result = rollout.result_model()
+    assert result.error is not None and result.error.kind == "transient"
+    assert [c.status for c in result.trajectory.model_calls] == ["failed"]
+
+
+def test_failing_checkpoint_appends_do_not_stop_the_run(
+    policy: PolicyFactory, rollout: RolloutDir, tmp_path: Path
+) -> None:
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root): no real full disk to test against")
+    try:
+        # Fill the disk so every append hits ENOSPC.
+        with contextlib.suppress(OSError), (mount / "filler").open("wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+        server = policy(
+            {"t": [{"tool_calls": [{"name": "python", "arguments": {"code": "1 + 1"}}]}, {"text": "2"}]}
+        )
+        rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
+        assert rollout.run("--checkpoint", str(mount / "checkpoint.jsonl")) == EXIT_OK, rollout.log_text()
+        result = rollout.result_model()
+        assert result.error is None and result.response is not None
+        assert result.response.output_text == "2"
+        assert result.checkpoint_failures > 0
+        assert "checkpoint" in rollout.log_text() and "continuing" in rollout.log_text()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_parallel_tool_calls_each_have_their_own_id_timing_and_output(
+    policy: PolicyFactory, weather_url: str, rollout: RolloutDir
+) -> None:
+    turns = [
+        {
+            "tool_calls": [
+                {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                {"name": "get_weather", "arguments": {"city": "Atlantis"}},  # a failing sibling (404)
+                {"name": "python", "arguments": {"code": "raise ValueError('boom')"}},
+                {"name": "python", "arguments": {"code": "6 * 7"}},
+            ]
+        },
+        {"text": "done"},
+    ]
+    server = policy({"t": turns})
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t", resource_url=weather_url))
+    assert rollout.run() == EXIT_OK, rollout.log_text()
+    calls = rollout.result_model().trajectory.tool_calls
+    assert len({c.call_id for c in calls}) == 4
+    assert all(c.ended_at is not None and c.duration_s is not None for c in calls)
+    by_output = [c.output or "" for c in calls]
+    assert "cold" in by_output[0]
+    assert "404" in by_output[1] or "Atlantis" in by_output[1]
+    assert "ValueError" in by_output[2] and calls[2].status == "failed"
+    assert "42" in by_output[3] and calls[3].status == "completed"
+    # The HTTP calls overlapped (run concurrently), the cells took turns on the one executor.
+    assert calls[0].started_at < calls[1].ended_at and calls[1].started_at < calls[0].ended_at  # type: ignore[operator]
+    assert calls[3].started_at >= calls[2].ended_at  # type: ignore[operator]
+
+
+def test_model_visible_history_round_trips_through_the_result(
+    policy: PolicyFactory, weather_url: str, rollout: RolloutDir
+) -> None:
+    server = policy({"smoke": SMOKE_FC})
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="smoke", resource_url=weather_url))
+    assert rollout.run() == EXIT_OK, rollout.log_text()
+    from rollcage.protocol import WorkerResult
+
+    result = WorkerResult.model_validate_json(json.dumps(json.loads(rollout.result.read_bytes())))
+    sent = [c.request for c in result.trajectory.model_calls]
+    received = [r["body"] for r in server.requests]
+    assert sent == received
+    # The second request's history ends with both tool outputs, as the model saw them.
+    tail = sent[1]["messages"][-2:]
+    assert [m["role"] for m in tail] == ["tool", "tool"]
+
+
+def test_model_that_never_stops_calling_tools_ends_at_max_policy_calls(
+    policy: PolicyFactory, rollout: RolloutDir
+) -> None:
+    server = policy({"t": [{"tool_calls": [{"name": "python", "arguments": {"code": "1"}}], "repeat": True}]})
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t", max_policy_calls=3))
+    assert rollout.run() == EXIT_OK, rollout.log_text()
+    result = rollout.result_model()
+    assert result.termination_reason == "max_policy_calls"
+    assert len(result.trajectory.model_calls) == 3
+    assert result.response is not None and result.response.status == "incomplete"
+    outputs = [i for i in result.response.output if i["type"] == "function_call_output"]
+    assert len(outputs) == len([i for i in result.response.output if i["type"] == "function_call"]) == 3
+
+
+def test_malformed_tool_arguments_end_as_invalid_policy_output(
+    policy: PolicyFactory, rollout: RolloutDir
+) -> None:
+    server = policy(
+        {"t": [{"tool_calls": [{"name": "python", "arguments_raw": "{bad json"}], "repeat": True}]}
+    )
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t", max_invalid_outputs=1))
+    assert rollout.run() == EXIT_OK, rollout.log_text()
+    result = rollout.result_model()
+    assert result.termination_reason == "invalid_policy_output"
+    assert len(result.trajectory.model_calls) == 2
+    assert all(
+        c.status == "failed" and "not valid JSON" in (c.output or "") for c in result.trajectory.tool_calls
+    )
