@@ -1,0 +1,700 @@
+"""Durable storage: atomic publication of JSON artifacts and the checkpoint journal.
+
+Two ways of putting evidence on disk so that a crash (SIGKILL, power cut, full
+disk) never leaves a half-written artifact behind:
+
+* :func:`publish_json` replaces a whole file atomically (``result.json``,
+  ``receipt.json``): readers see the old value or the new one, never a mix.
+* :class:`CheckpointJournal` appends one self-checking JSON line per boundary to
+  ``checkpoint.jsonl``; :func:`read_journal` returns the intact prefix.
+
+Journal line format (one JSON object per line)::
+
+    {"seq":3,"kind":"tool_call",...,"crc32":"1c291ca3"}\\n
+
+where the checksum is ``zlib.crc32`` of the same line with the ``crc32`` member
+removed, i.e. of ``orjson.dumps({"seq": 3, **record})``. The checksum is always
+the last member and has a fixed width, so a reader verifies a line by cutting
+off a fixed-length suffix, with no re-serialisation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import errno
+import logging
+import os
+import queue
+import re
+import secrets
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final, Self
+
+import orjson
+from pydantic import BaseModel
+
+from rollcage.errors import DurableWriteError, JournalCorruptError
+
+__all__ = [
+    "CheckpointJournal",
+    "JournalState",
+    "is_temp_artifact",
+    "publish_json",
+    "read_journal",
+]
+
+logger = logging.getLogger("rollcage.durable")
+
+_TEMP_NAME: Final = re.compile(r"\A\..+\.[0-9a-f]{16}\.tmp\Z", re.DOTALL)
+# Leaves room for the dot, the random part and the suffix within NAME_MAX (255).
+_TEMP_STEM_MAX: Final = 200
+
+_CRC_PREFIX: Final = b',"crc32":"'
+_CRC_SUFFIX_LEN: Final = len(b',"crc32":"00000000"}\n')
+_RESERVED_KEYS: Final = frozenset({"seq", "crc32"})
+_DEFAULT_TIMEOUT_S: Final = 30.0
+
+
+# --------------------------------------------------------------------------- publish
+
+
+def is_temp_artifact(name: str) -> bool:
+    """Tell whether a file name is a temporary file left by :func:`publish_json`.
+
+    A process killed between creating its temporary file and renaming it leaves
+    the file behind; the supervisor sweeps such leftovers with this predicate.
+
+    Args:
+        name: A file name. A path is accepted too; only its last component counts.
+
+    Returns:
+        True for names of the form ``.<target name>.<16 hex digits>.tmp``.
+    """
+    return _TEMP_NAME.match(os.path.basename(name)) is not None
+
+
+def publish_json(path: str | os.PathLike[str], value: BaseModel | Any, *, mode: int = 0o600) -> None:
+    """Atomically replace the file at ``path`` with ``value`` serialised as JSON.
+
+    The value is serialised first (pydantic models with ``model_dump_json``,
+    anything else with ``orjson``), then written to a temporary file in the same
+    directory, synced (data and mode), renamed over ``path`` with ``os.replace``,
+    and finally the directory is synced so the rename itself survives a crash.
+    Readers of ``path`` only ever see the previous value or the complete new one.
+
+    This is a blocking call (it waits for the disk); from ``async`` code run it
+    in a thread (``await asyncio.to_thread(publish_json, ...)``).
+
+    Args:
+        path: The file to replace. Its directory must exist.
+        value: A pydantic model, or anything ``orjson`` can serialise (pydantic
+            models nested in lists or dicts are serialised too).
+        mode: Exact permission bits of the published file, whatever the umask.
+
+    Raises:
+        ValueError: ``mode`` is not a permission mode.
+        DurableWriteError: Serialising, writing, syncing or renaming failed (its
+            ``errno`` is the cause's where there is one). The temporary file has
+            been removed and the previous file at ``path`` is untouched. Raised
+            also when only the final directory sync fails: the new content is in
+            place then, but not known to survive a power cut, which the message
+            says.
+    """
+    target = os.fspath(path)
+    _check_mode(mode)
+    try:
+        data = _serialise(value)
+    except Exception as exc:  # orjson, pydantic and user serialisers raise TypeError, ValueError, ...
+        raise _write_error(f"cannot publish {target}: the value is not serialisable as JSON", exc) from exc
+
+    directory, name = os.path.split(os.path.abspath(target))
+    temp = os.path.join(directory, f".{name[:_TEMP_STEM_MAX]}.{secrets.token_hex(8)}.tmp")
+    step = "creating the temporary file"
+    try:
+        # 0o600 while incomplete; the exact mode is applied before the sync, so
+        # the sync makes both the bytes and the permissions durable.
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise _write_error(f"cannot publish {target}: {step} failed", exc) from exc
+    try:
+        try:
+            step = "writing"
+            # A raw fd has no user-space buffer: once every byte is written, the
+            # data is "flushed" and only the kernel's cache stands before the disk.
+            _write_all(fd, data)
+            step = "setting the file mode"
+            os.fchmod(fd, mode)
+            step = "syncing the temporary file"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        step = "renaming the temporary file into place"
+        os.replace(temp, target)
+    except BaseException as exc:
+        # If even this fails the leftover is still recognisable (is_temp_artifact)
+        # and swept later; the original failure is the one to report.
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        if isinstance(exc, OSError):
+            raise _write_error(
+                f"cannot publish {target}: {step} failed; the previous file is untouched", exc
+            ) from exc
+        raise
+    try:
+        _fsync_directory(directory)
+    except OSError as exc:
+        raise _write_error(
+            f"published {target}, but syncing its directory failed, so the new file may not survive a crash",
+            exc,
+        ) from exc
+
+
+def _check_mode(mode: int) -> None:
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise ValueError(f"mode must be a permission mode between 0 and 0o7777, not {mode!r}")
+
+
+def _pydantic_default(obj: Any) -> Any:
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="json")
+    raise TypeError(f"type is not JSON serialisable: {type(obj).__name__}")
+
+
+def _serialise(value: BaseModel | Any) -> bytes:
+    if isinstance(value, BaseModel):
+        return value.model_dump_json().encode() + b"\n"
+    return orjson.dumps(value, default=_pydantic_default, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:  # a regular file reports a real error rather than 0; never spin
+            raise OSError(errno.EIO, "write made no progress")
+        view = view[written:]
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        view = view[written:]
+        offset += written
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some filesystems cannot sync a directory at all; their renames are as
+        # durable as they will ever be, so this is not a failure of ours.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_error(message: str, cause: BaseException) -> DurableWriteError:
+    """A DurableWriteError carrying the cause's errno, chained to the cause.
+
+    The chain is set here too because errors built on the writer thread reach
+    their caller through a future, not through ``raise ... from``.
+    """
+    if isinstance(cause, OSError) and cause.errno is not None:
+        error = DurableWriteError(cause.errno, f"{message}: {cause.strerror or cause}")
+    else:
+        error = DurableWriteError(f"{message}: {cause}")
+    error.__cause__ = cause
+    return error
+
+
+# --------------------------------------------------------------------------- journal format
+
+
+def _frame(seq: int, payload: bytes) -> bytes:
+    """One journal line from a serialised record (``orjson.dumps(record)``).
+
+    Splicing ``seq`` into the already serialised record gives exactly
+    ``orjson.dumps({"seq": seq, **record})`` without serialising the record twice.
+    """
+    body = b'{"seq":%d}' % seq if payload == b"{}" else b'{"seq":%d,' % seq + payload[1:]
+    return body[:-1] + b',"crc32":"%08x"}\n' % zlib.crc32(body)
+
+
+def _parse_line(line: bytes, expected_seq: int) -> dict[str, Any] | str:
+    """The record of a newline-terminated line, or why it is not intact."""
+    if len(line) <= _CRC_SUFFIX_LEN or line[-_CRC_SUFFIX_LEN:-11] != _CRC_PREFIX or line[-3:] != b'"}\n':
+        return "no integrity check"
+    body = line[:-_CRC_SUFFIX_LEN] + b"}"
+    if line[-11:-3] != b"%08x" % zlib.crc32(body):
+        return "checksum mismatch"
+    try:
+        record = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return "not JSON"
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    seq = record.get("seq")
+    if type(seq) is not int or seq != expected_seq:
+        return f"seq {seq!r} where {expected_seq} was expected"
+    return record
+
+
+@dataclass(frozen=True, slots=True)
+class _Scan:
+    records: list[dict[str, Any]]
+    good_size: int
+    """Bytes of intact lines: where the next line belongs."""
+    damaged_tail: str | None
+    """Why the last line was ignored, with its line number; None if it was not."""
+
+
+def _scan(data: bytes, path: str) -> _Scan:
+    records: list[dict[str, Any]] = []
+    offset = 0
+    while offset < len(data):
+        line_no = len(records) + 1
+        end = data.find(b"\n", offset)
+        if end == -1:
+            return _Scan(records, offset, f"line {line_no} is torn (no newline)")
+        parsed = _parse_line(data[offset : end + 1], line_no)
+        if isinstance(parsed, str):
+            if end + 1 < len(data):
+                raise JournalCorruptError(
+                    f"{path}: line {line_no} is corrupt ({parsed}) and is not the last line; "
+                    f"the {len(records)} records before it are intact"
+                )
+            return _Scan(records, offset, f"line {line_no} is damaged ({parsed})")
+        records.append(parsed)
+        offset = end + 1
+    return _Scan(records, offset, None)
+
+
+def read_journal(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read the intact records of a checkpoint journal, in order.
+
+    A torn or damaged **last** line is what a crash mid-append leaves: it is
+    ignored and reported as a warning on the ``rollcage.durable`` logger.
+
+    Args:
+        path: The journal file.
+
+    Returns:
+        The records, each a dict with its ``seq`` (1, 2, 3, ...) and without the
+        checksum. A missing file gives ``[]``.
+
+    Raises:
+        JournalCorruptError: A line other than the last is damaged or out of
+            sequence; the message names its line number.
+        OSError: The file exists but cannot be read.
+    """
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as file:
+            data = file.read()
+    except FileNotFoundError:
+        return []
+    scan = _scan(data, name)
+    if scan.damaged_tail is not None:
+        logger.warning("%s: ignoring the last line: %s", name, scan.damaged_tail)
+    return scan.records
+
+
+# --------------------------------------------------------------------------- journal writer
+
+
+class JournalState(enum.Enum):
+    """Lifecycle of a :class:`CheckpointJournal`."""
+
+    UNOPENED = "unopened"
+    """Built, not yet entered: nothing is open and no thread runs."""
+    OPEN = "open"
+    """Entered: appends are accepted."""
+    CLOSED = "closed"
+    """Closed (or failed to open): appends are refused; it cannot be reopened."""
+
+
+@dataclass(slots=True)
+class _Append:
+    payload: bytes
+    future: asyncio.Future[int]
+
+
+_Outcome = tuple[asyncio.Future[int], int | BaseException]
+
+
+class _Stop:
+    """Tells the writer thread to finish what is queued and exit."""
+
+
+_STOP: Final = _Stop()
+
+
+class CheckpointJournal:
+    """Append-only checkpoint journal: one durable, self-checking JSON line per record.
+
+    Use it as an async context manager::
+
+        async with CheckpointJournal(rollout_dir / "checkpoint.jsonl") as journal:
+            seq = await journal.append({"kind": "start", "at": time.time()})
+
+    All file I/O happens on one writer thread, so the event loop never waits for
+    the disk. Appends that arrive while the thread is syncing a batch are written
+    and synced together with one ``fdatasync`` (group commit); each caller
+    resumes once its own line is on disk. Appending costs O(size of the record),
+    whatever the size of the journal.
+
+    Opening an existing journal continues its ``seq`` after the last intact
+    record and cuts off a torn last line, so the file never has a damaged line
+    in its middle. A failed write is cut off the same way before the next one,
+    so appends work again once the disk recovers.
+
+    Args:
+        path: The journal file; created if missing. A symlink is refused.
+        mode: Exact permission bits of the file, whatever the umask.
+        timeout_s: The longest any single wait (opening, one append, closing)
+            lasts before it gives up with :class:`DurableWriteError`.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, mode: int = 0o600, timeout_s: float = _DEFAULT_TIMEOUT_S
+    ) -> None:
+        _check_mode(mode)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, not {timeout_s!r}")
+        self._path = os.fspath(path)
+        self._mode = mode
+        self._timeout_s = timeout_s
+        self._state = JournalState.UNOPENED
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: queue.SimpleQueue[_Append | _Stop] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Future[None] | None = None
+        self._seq = 0  # written by the writer thread only
+        self._failures = 0  # written by the event loop only
+
+    @property
+    def path(self) -> str:
+        """The journal file."""
+        return self._path
+
+    @property
+    def state(self) -> JournalState:
+        """Where the journal is in its lifecycle."""
+        return self._state
+
+    @property
+    def seq(self) -> int:
+        """The ``seq`` of the last record known to be on disk (0 if none)."""
+        return self._seq
+
+    @property
+    def failures(self) -> int:
+        """How many :meth:`append` calls raised :class:`DurableWriteError`."""
+        return self._failures
+
+    async def __aenter__(self) -> Self:
+        """Open the journal: start the writer thread and scan the existing file.
+
+        **Cancellation:** the journal is closed and its thread told to stop.
+
+        Raises:
+            RuntimeError: The journal was already entered or closed.
+            JournalCorruptError: The existing file is damaged before its last line.
+            DurableWriteError: The file cannot be opened, created or repaired, or
+                opening took longer than ``timeout_s``.
+        """
+        if self._state is not JournalState.UNOPENED:
+            raise RuntimeError(f"journal {self._path} is {self._state.value}; it can be opened only once")
+        loop = asyncio.get_running_loop()
+        opened: asyncio.Future[None] = loop.create_future()
+        self._loop = loop
+        self._stopped = loop.create_future()
+        self._state = JournalState.OPEN
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(loop, opened),
+            name=f"rollcage-journal:{os.path.basename(self._path)}",
+            # A disk that hangs in fdatasync must not also hang interpreter exit.
+            daemon=True,
+        )
+        self._thread.start()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await opened
+        except BaseException as exc:
+            self._state = JournalState.CLOSED
+            self._queue.put(_STOP)
+            if isinstance(exc, TimeoutError):
+                raise DurableWriteError(
+                    errno.ETIMEDOUT, f"opening journal {self._path} took longer than {self._timeout_s} s"
+                ) from exc
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close the journal (see :meth:`aclose`).
+
+        **Cancellation:** as for :meth:`aclose`.
+        """
+        await self.aclose()
+
+    async def append(self, record: dict[str, Any]) -> int:
+        """Append one record and wait until its line is on disk.
+
+        The record is serialised at once (so a bad record fails here, in the
+        caller), then handed to the writer thread, which gives it the next
+        ``seq``, writes it and syncs it, together with whatever else was queued.
+
+        **Cancellation:** cancelling the caller does not withdraw the record: it
+        is still written (and takes a ``seq``) unless its batch fails.
+
+        Args:
+            record: A JSON-serialisable dict. It must not have ``seq`` or
+                ``crc32`` keys: the journal adds those.
+
+        Returns:
+            The record's ``seq``.
+
+        Raises:
+            RuntimeError: The journal is not open, or this is another event loop.
+            TypeError: ``record`` is not a dict or is not JSON-serialisable.
+            ValueError: ``record`` has a ``seq`` or ``crc32`` key.
+            DurableWriteError: Writing or syncing the batch failed (``errno``
+                says why, e.g. ``ENOSPC``, ``EIO``), or it was not confirmed
+                within ``timeout_s`` (``ETIMEDOUT``; the line may still land).
+                The journal stays usable.
+        """
+        loop = self._require_open()
+        if not isinstance(record, dict):
+            raise TypeError(f"a journal record must be a dict, not {type(record).__name__}")
+        reserved = _RESERVED_KEYS.intersection(record)
+        if reserved:
+            raise ValueError(f"a journal record must not have {sorted(reserved)} keys: the journal adds them")
+        try:
+            payload = orjson.dumps(record)
+        except orjson.JSONEncodeError as exc:
+            raise TypeError(f"journal record is not JSON-serialisable: {exc}") from exc
+        future: asyncio.Future[int] = loop.create_future()
+        self._queue.put(_Append(payload, future))
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await future
+        except DurableWriteError:
+            self._failures += 1
+            raise
+        except TimeoutError as exc:
+            self._failures += 1
+            raise DurableWriteError(
+                errno.ETIMEDOUT,
+                f"journal {self._path}: the record was not confirmed on disk within {self._timeout_s} s "
+                "(it may still be written)",
+            ) from exc
+
+    async def aclose(self) -> None:
+        """Write and sync every queued record, then stop the writer thread.
+
+        Closing twice, or closing a journal that was never opened, is a no-op.
+
+        **Cancellation:** the journal is closed at once; the writer thread still
+        finishes the queued records in the background and then exits.
+
+        Raises:
+            DurableWriteError: The writer did not finish within ``timeout_s``
+                (a hung disk); its thread is left to exit on its own.
+        """
+        if self._state is JournalState.UNOPENED:
+            self._state = JournalState.CLOSED
+            return
+        if self._state is JournalState.CLOSED:
+            return
+        self._state = JournalState.CLOSED
+        self._queue.put(_STOP)
+        assert self._stopped is not None  # set whenever the state is OPEN
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await asyncio.shield(self._stopped)
+        except TimeoutError as exc:
+            raise DurableWriteError(
+                errno.ETIMEDOUT, f"journal {self._path}: closing took longer than {self._timeout_s} s"
+            ) from exc
+
+    def _require_open(self) -> asyncio.AbstractEventLoop:
+        if self._state is not JournalState.OPEN:
+            raise RuntimeError(f"journal {self._path} is {self._state.value}; use it inside 'async with'")
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            raise RuntimeError(f"journal {self._path} belongs to another event loop")
+        return loop
+
+    # ------------------------------------------------------------ the writer thread
+
+    def _run(self, loop: asyncio.AbstractEventLoop, opened: asyncio.Future[None]) -> None:
+        fd = -1
+        try:
+            try:
+                fd, good_size = self._open_file()
+            except BaseException as exc:
+                _call_soon(loop, _settle_open, opened, exc)
+                return
+            _call_soon(loop, _settle_open, opened, None)
+            self._serve(loop, fd, good_size)
+        finally:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if self._stopped is not None:
+                _call_soon(loop, _settle_stopped, self._stopped)
+
+    def _open_file(self) -> tuple[int, int]:
+        """Open or create the file, find its intact prefix and cut off a torn tail."""
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            try:
+                fd = os.open(self._path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+                created = True
+            except FileExistsError:
+                fd = os.open(self._path, flags)
+                created = False
+        except OSError as exc:
+            raise _write_error(f"cannot open journal {self._path}", exc) from exc
+        try:
+            if os.fstat(fd).st_mode & 0o7777 != self._mode:
+                os.fchmod(fd, self._mode)
+            if created:
+                # The file's name must be as durable as the lines it will hold.
+                _fsync_directory(os.path.dirname(os.path.abspath(self._path)))
+                return fd, 0
+            data = _read_all(fd)
+            scan = _scan(data, self._path)
+            if scan.damaged_tail is not None:
+                logger.warning("%s: cutting off the last line: %s", self._path, scan.damaged_tail)
+            if scan.good_size != len(data):
+                os.ftruncate(fd, scan.good_size)
+                _sync_data(fd)
+            self._seq = len(scan.records)
+            return fd, scan.good_size
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, OSError):
+                raise _write_error(f"cannot open journal {self._path}", exc) from exc
+            raise
+
+    def _serve(self, loop: asyncio.AbstractEventLoop, fd: int, good_size: int) -> None:
+        file = _FileState(fd, good_size)
+        stopping = False
+        while not stopping:
+            batch, stopping = self._next_batch()
+            if batch:
+                _call_soon(loop, _settle_appends, self._commit(file, batch))
+
+    def _next_batch(self) -> tuple[list[_Append], bool]:
+        """Wait for work, then take everything queued with it: this is the group commit."""
+        batch: list[_Append] = []
+        stopping = False
+        item = self._queue.get()
+        while True:
+            if isinstance(item, _Stop):
+                stopping = True
+            else:
+                batch.append(item)
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return batch, stopping
+
+    def _commit(self, file: _FileState, batch: list[_Append]) -> list[_Outcome]:
+        """Write and sync one batch; the outcome of each append in it."""
+        seq = self._seq
+        try:
+            data = b"".join(_frame(seq + i, entry.payload) for i, entry in enumerate(batch, start=1))
+            if file.dirty:
+                os.ftruncate(file.fd, file.good_size)
+                file.dirty = False
+            file.dirty = True
+            _pwrite_all(file.fd, data, file.good_size)
+            _sync_data(file.fd)
+        except Exception as exc:
+            # Cut off whatever part of the batch reached the file, now if possible,
+            # else before the next write: the next batch reuses these seqs.
+            with contextlib.suppress(OSError):
+                os.ftruncate(file.fd, file.good_size)
+                file.dirty = False
+            message = f"journal {self._path}: appending {len(batch)} record(s) failed"
+            return [(entry.future, _write_error(message, exc)) for entry in batch]
+        file.dirty = False
+        file.good_size += len(data)
+        self._seq = seq + len(batch)
+        return [(entry.future, seq + i) for i, entry in enumerate(batch, start=1)]
+
+
+@dataclass(slots=True)
+class _FileState:
+    """The writer thread's view of the journal file."""
+
+    fd: int
+    good_size: int
+    """Bytes of intact, synced lines: where the next batch is written."""
+    dirty: bool = False
+    """Bytes of a failed batch may lie past good_size and must be cut off first."""
+
+
+def _sync_data(fd: int) -> None:
+    # fdatasync skips metadata that does not matter for reading the data back
+    # (mtime); where it does not exist (macOS), fsync is the safe fallback.
+    sync = getattr(os, "fdatasync", None) or os.fsync
+    sync(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks: list[bytes] = []
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    # The loop may be gone already (closed without aclose()); nobody is waiting then.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
+
+
+def _settle_open(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+
+def _settle_stopped(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _settle_appends(outcomes: list[_Outcome]) -> None:
+    for future, outcome in outcomes:
+        if future.done():  # the caller stopped waiting (cancelled or timed out)
+            continue
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
