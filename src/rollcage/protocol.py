@@ -95,13 +95,13 @@ CONTROLLER_ONLY_KEYS = frozenset(
 class _Model(BaseModel):
     """Base of every artifact: unknown fields are an error."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
 class _Frozen(_Model):
     """Base of published values that must not change after they are built."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class RunnerError(_Frozen):
