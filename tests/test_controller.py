@@ -278,7 +278,7 @@ async def test_cancelling_the_run_leaves_a_consistent_log(tmp_path: Path) -> Non
     cfg = config(tmp_path, dataset, concurrency=3)
     recorded = asyncio.Event()
     reporter = NullReporter()
-    reporter.record = lambda record: recorded.set()  # type: ignore[method-assign]
+    reporter.record = lambda record, sample_done: recorded.set()  # type: ignore[method-assign]
     controller = Controller(
         cfg, backend=LocalBackend(cfg.rollout_settings(), supervise=fake), reporter=reporter
     )

@@ -78,7 +78,7 @@ class RichReporter:
         self._task = self._progress.add_task("rollouts", total=pending, counts="", rate="")
         self._progress.start()
 
-    def record(self, record: RolloutRecord) -> None:
+    def record(self, record: RolloutRecord, *, sample_done: bool) -> None:
         """Count a finished attempt; advance the bar when its sample is done."""
         self._counts[record.outcome] += 1
         self._finished += 1
@@ -86,10 +86,9 @@ class RichReporter:
             return
         elapsed = max(time.monotonic() - self._started, 1e-6)
         counts = " ".join(f"[{_STYLE[o]}]{o}={n}[/]" for o, n in self._counts.items() if n)
-        retried = record.outcome == "infra_failure"
         self._progress.update(
             self._task,
-            advance=0 if retried else 1,
+            advance=1 if sample_done else 0,
             counts=counts,
             rate=f"{self._finished / elapsed:.1f}/s",
         )

@@ -88,8 +88,8 @@ class Reporter(Protocol):
         """Rollouts are about to run: ``pending`` samples to go, ``done`` finished earlier."""
         ...
 
-    def record(self, record: RolloutRecord) -> None:
-        """An attempt finished and is on disk."""
+    def record(self, record: RolloutRecord, *, sample_done: bool) -> None:
+        """An attempt finished and is on disk; ``sample_done``: its sample needs no other attempt."""
         ...
 
     def stop(self) -> None:
@@ -109,7 +109,7 @@ class NullReporter:
     def start(self, *, out_dir: Path, pending: int, done: int) -> None:
         """Ignore."""
 
-    def record(self, record: RolloutRecord) -> None:
+    def record(self, record: RolloutRecord, *, sample_done: bool) -> None:
         """Ignore."""
 
     def stop(self) -> None:
@@ -446,7 +446,7 @@ class Controller:
                     return
                 state = self._ledger.add(record, health)
                 self._attempts_run += 1
-                self._reporter.record(record)
+                self._reporter.record(record, sample_done=self._ledger.is_done(task.id, sample))
                 await self._maybe_publish()
                 if record.outcome != "infra_failure" or self._ledger.is_done(task.id, sample):
                     return
