@@ -231,6 +231,8 @@ class Controller:
         self._endpoints: Endpoints | None = None
         self._log: RecordLog | None = None
         self._out = config.out
+        # metrics.json is written only once earlier records are folded in: before that a
+        # snapshot would overwrite a previous run's metrics with an empty ledger.
         self._loaded = False
 
     # ------------------------------------------------------------------ public
@@ -285,7 +287,9 @@ class Controller:
             self._scan.pending = await asyncio.to_thread(self._count_pending)
             await self._run_with_servers()
         finally:
-            await asyncio.shield(asyncio.to_thread(self._publish_metrics_quietly))
+            if self._loaded:
+                final = self._ledger.snapshot(time.monotonic() - self._started)
+                await asyncio.shield(asyncio.to_thread(self._publish_metrics_quietly, final))
             self._reporter.stop()
             if lock_fd is not None:
                 os.close(lock_fd)
@@ -463,16 +467,15 @@ class Controller:
         now = time.monotonic()
         if now - self._last_publish >= self.config.metrics_interval_s:
             self._last_publish = now
-            await asyncio.to_thread(self._publish_metrics_quietly)
+            # The snapshot is taken here, on the loop that owns the ledger; only the write
+            # goes to a thread.
+            metrics = self._ledger.snapshot(now - self._started)
+            await asyncio.to_thread(self._publish_metrics_quietly, metrics)
 
-    def _publish_metrics_quietly(self) -> None:
-        # Only once the earlier records are folded in: before that, a snapshot would
-        # overwrite a previous run's metrics with an empty ledger.
-        if not self._loaded:
-            return
+    def _publish_metrics_quietly(self, metrics: RunMetrics) -> None:
         from rollcage.durable import publish_json
 
         try:
-            publish_json(self._out / "metrics.json", self.summary().metrics, mode=0o644)
+            publish_json(self._out / "metrics.json", metrics, mode=0o644)
         except DurableWriteError as exc:
             logger.warning("cannot publish metrics.json: %s", exc)
