@@ -474,7 +474,9 @@ def _raise_transport(exc: Exception) -> NoReturn:
         # Our own request cannot be sent (bad base_url): no retry can fix that.
         raise _AttemptFailed(FatalModelError, f"cannot send the request: {exc}", retry=False) from exc
     raise _AttemptFailed(
-        TransientModelError, f"connection failed: {type(exc).__name__}: {exc or 'no detail'}", retry=True
+        TransientModelError,
+        f"connection failed: {type(exc).__name__}: {str(exc) or 'no detail (reset?)'}",
+        retry=True,
     ) from exc
 
 

@@ -216,7 +216,12 @@ def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def responses_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Convert chat-style function tools to Responses tools (Responses-style ones pass through)."""
+    """Convert chat-style function tools to Responses tools (Responses-style ones pass through).
+
+    A function tool that does not say ``strict`` is sent with ``strict: false``:
+    the Responses API defaults it to true, which rejects any parameter schema
+    not written for strict mode, while Chat Completions defaults it to false.
+    """
     converted: list[dict[str, Any]] = []
     for tool in tools:
         function = tool.get("function")
@@ -224,6 +229,8 @@ def responses_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             converted.append({"type": "function", **function})
         else:
             converted.append(dict(tool))
+        if converted[-1].get("type") == "function":
+            converted[-1].setdefault("strict", False)
     return converted
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import socket
@@ -65,6 +66,7 @@ class PolicyState:
 
     def __init__(self, fault_log: str | os.PathLike[str] | None = None) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._calls = 0
         self._per_rollout: dict[str, int] = {}
         self._requests: list[RequestRecord] = []
@@ -85,6 +87,7 @@ class PolicyState:
         """Keep one request record."""
         with self._lock:
             self._requests.append(record)
+            self._changed.notify_all()
 
     def log_fault(self, record: FaultRecord) -> None:
         """Keep one fault record, and append it to the fault log file if there is one."""
@@ -94,6 +97,17 @@ class PolicyState:
                 # Opened per record and flushed at once: the log must survive the server being killed.
                 with self._fault_log.open("ab") as handle:
                     handle.write(orjson.dumps(record.model_dump()) + b"\n")
+
+    def wait_for_requests(self, count: int, timeout: float) -> bool:
+        """Block until at least ``count`` model requests have arrived; False if ``timeout`` passed first.
+
+        For tests and controllers that must act once a request is in flight (e.g.
+        stop a server while a request hangs) without sleeping.
+
+        **Cancellation:** a plain thread wait; it ends by itself within ``timeout``.
+        """
+        with self._lock:
+            return self._changed.wait_for(lambda: len(self._requests) >= count, timeout)
 
     @property
     def calls(self) -> int:
@@ -372,10 +386,13 @@ class PolicyApp:
         if transport is None:
             # Not uvicorn: the closest we can do is announce a body and never send it.
             return Response(b"", headers={"content-length": "1048576"})
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.abort()
+        if not transport.is_closing():  # after a hang the client may have closed it already
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                # Linger 0: close() sends RST instead of FIN, which is what a reset is.
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
         # Let the server see the connection is gone, so it does not try to answer with a 500.
         for _ in range(3):
             await asyncio.sleep(0)

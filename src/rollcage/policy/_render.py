@@ -217,7 +217,7 @@ def _responses_usage(reply: Reply, prompt: int) -> dict[str, Any]:
     output, reasoning = _output_counts(reply)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + output,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -332,10 +333,39 @@ def serve(
         where = f"unix:{uds}" if uds is not None else f"http://{host}:{sock.getsockname()[1]}/v1"
         tasks = ", ".join(sorted(loaded.tasks))
         announce(f"rollcage serve-policy: model {loaded.model!r} on {where} (tasks: {tasks})")
-        _Uvicorn(_config(app, quiet=False), state).run(sockets=[sock])
+        with _stop_signals_end_quietly():
+            _Uvicorn(_config(app, quiet=False), state).run(sockets=[sock])
     finally:
         sock.close()
         if uds is not None:
             with contextlib.suppress(FileNotFoundError):
                 Path(uds).unlink()
     return state
+
+
+class _Stopped(Exception):
+    """SIGTERM arrived (replayed by uvicorn after its graceful shutdown)."""
+
+
+@contextlib.contextmanager
+def _stop_signals_end_quietly() -> Iterator[None]:
+    """Make SIGINT and SIGTERM a normal end of ``serve``.
+
+    uvicorn shuts down gracefully on either signal and then re-raises it, so the
+    process would die of it (SIGTERM) or with ``KeyboardInterrupt`` (SIGINT)
+    before the caller can report what was served.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        raise _Stopped
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except (_Stopped, KeyboardInterrupt):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
