@@ -127,6 +127,7 @@ class RunSummary:
         invalid_rows: Malformed rows (the first 1000).
         attempts_run: Attempts finished by this invocation.
         error: Why the controller failed, if it did.
+        all_infra: Every sample that ended, ended in ``infra_failure``.
     """
 
     out_dir: Path
