@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -29,24 +28,28 @@ class ServerEventError(Exception):
         """The server's error code, if it gave one."""
 
 
-@dataclass(frozen=True, slots=True)
 class SseEvent:
     """One server-sent event."""
 
-    event: str | None
-    """The ``event:`` field, if any."""
-    data: str
-    """The ``data:`` lines, joined by newlines."""
+    __slots__ = ("data", "event")
+
+    def __init__(self, event: str | None, data: str) -> None:
+        self.event = event
+        """The ``event:`` field, if any."""
+        self.data = data
+        """The ``data:`` lines, joined by newlines."""
 
 
-@dataclass(slots=True)
 class StreamResult:
     """An assembled stream."""
 
-    payload: dict[str, Any]
-    """The payload, shaped like the non-streamed response of the same API."""
-    first_event_at: float | None = None
-    """Unix time the first event arrived; ``None`` if none did."""
+    __slots__ = ("first_event_at", "payload")
+
+    def __init__(self, payload: dict[str, Any], first_event_at: float | None = None) -> None:
+        self.payload = payload
+        """The payload, shaped like the non-streamed response of the same API."""
+        self.first_event_at = first_event_at
+        """Unix time the first event arrived; ``None`` if none did."""
 
 
 async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[SseEvent]:
@@ -116,11 +119,13 @@ def _as_code(code: Any) -> str | None:
     return None if code is None else str(code)
 
 
-@dataclass(slots=True)
 class _ToolCallParts:
-    id: str | None = None
-    name: str = ""
-    arguments: list[str] = field(default_factory=list)
+    __slots__ = ("arguments", "id", "name")
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.name = ""
+        self.arguments: list[str] = []
 
 
 class _ChatAssembler:

@@ -37,9 +37,13 @@ class WireError(ValueError):
 
 
 class _Lenient(BaseModel):
-    """Base of the wire models: unknown fields are ignored, never an error."""
+    """Base of the wire models: unknown fields are ignored, never an error.
 
-    model_config = ConfigDict(extra="ignore")
+    Validators are built on first use, not at import: a worker that fails before
+    its first model call should not pay for them (the protocol models do the same).
+    """
+
+    model_config = ConfigDict(extra="ignore", defer_build=True)
 
 
 # --------------------------------------------------------------------------- chat completions
@@ -123,7 +127,7 @@ class _Response(_Lenient):
 class CallOutcome(BaseModel):
     """What one successful HTTP exchange meant, in the terms of ``ModelCall``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     status: Literal["completed", "incomplete", "failed"]
     """``failed`` only for a Responses body whose own ``status`` is ``failed``."""
