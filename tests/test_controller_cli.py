@@ -41,6 +41,7 @@ tasks:
 
 
 def rollcage(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    args = (*args, "--sandbox", os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap"))
     return subprocess.Popen(
         [sys.executable, "-m", "rollcage", "run", *args],
         cwd=cwd,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -14,6 +15,8 @@ from rollcage.controller import Controller, ModelEndpointConfig, RunConfig, RunS
 from rollcage.protocol import RolloutRecord
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# bwrap is what these tests are for; "none" is only for narrowing down a failure by hand.
+SANDBOX: Any = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
 
 try:
     from rollcage.supervisor import supervise as _supervise  # noqa: F401
@@ -38,7 +41,7 @@ async def run_example(tmp_path: Path, name: str, **overrides: Any) -> tuple[RunS
     config = RunConfig(
         dataset=EXAMPLES / name / "dataset.jsonl",
         out=tmp_path / name,
-        sandbox="bwrap",
+        sandbox=SANDBOX,
         deadline_s=60,
         concurrency=4,
         **overrides,
@@ -63,7 +66,7 @@ async def test_calc_weather_end_to_end_rewards_as_scripted(tmp_path: Path) -> No
         "answer": "mild;temp=63F",
         "lookups": ["paris"],  # the session cookie carried set_units over to get_weather
     }
-    assert all(r.receipt.sandbox == "bwrap" and r.receipt.cleanup_confirmed for r in got)
+    assert all(r.receipt.sandbox == SANDBOX and r.receipt.cleanup_confirmed for r in got)
     m = summary.metrics
     assert summary.exit_code == 0
     assert (m.tasks, m.rollouts, m.graded, m.retries, m.invalid_rows) == (5, 5, 5, 0, 0)
@@ -104,7 +107,7 @@ async def test_controller_only_values_never_reach_any_rollout_file(tmp_path: Pat
     rows[1]["grader"] = {"type": "regex", "pattern": canaries[1]}
     rows.append({"id": "plain", "input": "hi", "expected": canaries[0], "metadata": {"n": canaries[2]}})
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = RunConfig(dataset=dataset, out=tmp_path / "out", sandbox="bwrap", deadline_s=60, concurrency=4)
+    config = RunConfig(dataset=dataset, out=tmp_path / "out", sandbox=SANDBOX, deadline_s=60, concurrency=4)
     await Controller(config).run()
     checked = 0
     for path in (config.out / "rollouts").rglob("*"):
@@ -145,7 +148,7 @@ async def test_chaos_injected_faults_are_classified_exactly(tmp_path: Path) -> N
             dataset=dataset,
             out=tmp_path / "out",
             model=ModelEndpointConfig(base_url=server.base_url, model_name="scripted"),
-            sandbox="bwrap",
+            sandbox=SANDBOX,
             deadline_s=60,
             concurrency=1,  # one request order, so the seeded draws are the same every run
             max_infra_retries=20,

@@ -18,6 +18,7 @@ import typer
 if TYPE_CHECKING:
     from rollcage.controller import RunConfig, RunSummary
     from rollcage.controller._progress import RichReporter
+    from rollcage.errors import ConfigError
 
 __all__ = ["command"]
 
@@ -149,12 +150,22 @@ async def _run(config: RunConfig, reporter: RichReporter) -> RunSummary:
     import signal
 
     from rollcage.controller import Controller
+    from rollcage.errors import ConfigError
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     controller = Controller(config, reporter=reporter, stop=stop)
     presses = 0
+
+    async def guarded() -> RunSummary | ConfigError:
+        # A ConfigError is returned, not raised, so it does not come out of the task
+        # group wrapped in an ExceptionGroup; it is raised again below.
+        try:
+            return await controller.run()
+        except ConfigError as exc:
+            return exc
+
     async with asyncio.TaskGroup() as group:
-        job = group.create_task(controller.run())
+        job = group.create_task(guarded())
 
         def on_signal(name: str) -> None:
             nonlocal presses
@@ -179,4 +190,7 @@ async def _run(config: RunConfig, reporter: RichReporter) -> RunSummary:
                 loop.remove_signal_handler(sig)
     if job.cancelled():
         return controller.summary(interrupted=True)
-    return job.result()
+    outcome = job.result()
+    if isinstance(outcome, ConfigError):
+        raise outcome
+    return outcome
