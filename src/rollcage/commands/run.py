@@ -151,6 +151,7 @@ async def _run(config: RunConfig, reporter: RichReporter) -> RunSummary:
 
     from rollcage.controller import Controller
     from rollcage.errors import ConfigError
+
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     controller = Controller(config, reporter=reporter, stop=stop)
