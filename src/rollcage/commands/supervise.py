@@ -1,13 +1,92 @@
-"""`rollcage supervise`: not built yet (see the open issues)."""
+"""``rollcage supervise ROLLOUT_DIR``: run one prepared rollout under a supervisor (a thin face over the API).
+
+Exit codes: 0 ``completed`` or ``agent_error`` (a gradable result); 1
+``infra_failure``; 3 ``timeout``; 4 ``cancelled``; 2 the supervisor refused to
+run (bad directory or configuration, bubblewrap missing without ``--sandbox none``).
+"""
 
 from __future__ import annotations
 
+import shlex
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-__all__ = ["command"]
+__all__ = ["EXIT_CODES", "SandboxChoice", "command"]
+
+EXIT_CODES = {"completed": 0, "agent_error": 0, "infra_failure": 1, "timeout": 3, "cancelled": 4}
+"""Exit code of ``rollcage supervise`` per outcome."""
 
 
-def command() -> None:
-    """Not built yet."""
-    typer.echo("rollcage supervise: not built yet; see the open issues", err=True)
-    raise typer.Exit(2)
+class SandboxChoice(StrEnum):
+    """How the worker is contained."""
+
+    bwrap = "bwrap"
+    none = "none"
+
+
+def command(
+    rollout_dir: Annotated[
+        Path, typer.Argument(metavar="ROLLOUT_DIR", help="A prepared rollout directory (with input.json).")
+    ],
+    deadline: Annotated[
+        float, typer.Option(help="Wall-clock deadline of the whole rollout, seconds.")
+    ] = 600.0,
+    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 5.0,
+    sandbox: Annotated[
+        SandboxChoice, typer.Option(help="bwrap (contained) or none (NOT contained: trusted code only).")
+    ] = SandboxChoice.bwrap,
+    api_key_env: Annotated[
+        str | None,
+        typer.Option(help="Environment variable holding the model API key (added by the egress proxy)."),
+    ] = None,
+    worker_command: Annotated[
+        str | None,
+        typer.Option(help="Worker program (shell words); INPUT RESULT --checkpoint PATH are appended."),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the receipt as JSON.")] = False,
+) -> None:
+    """Run one prepared rollout under a supervisor; always ends with receipt.json."""
+    import asyncio
+    import logging
+    import signal
+
+    from rollcage.errors import ConfigError, SandboxError
+    from rollcage.protocol import SupervisorReceipt
+    from rollcage.supervisor import BwrapSandbox, NoSandbox, SupervisorConfig, supervise
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = SupervisorConfig(
+            deadline_s=deadline,
+            grace_s=grace,
+            sandbox=BwrapSandbox() if sandbox is SandboxChoice.bwrap else NoSandbox(),
+            api_key_env=api_key_env,
+            worker_command=shlex.split(worker_command) if worker_command else None,
+        )
+    except ValueError as exc:
+        typer.echo(f"rollcage supervise: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+    async def main() -> SupervisorReceipt:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # SIGTERM/SIGINT to this process is an external stop: the worker gets SIGTERM, then SIGKILL
+        # after the grace period, and the receipt says "cancelled".
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        return await supervise(rollout_dir, config, stop=stop)
+
+    try:
+        receipt = asyncio.run(main())
+    except (ConfigError, SandboxError) as exc:
+        typer.echo(f"rollcage supervise: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if json_output:
+        typer.echo(receipt.model_dump_json(indent=2))
+    else:
+        typer.echo(f"receipt: {rollout_dir / 'receipt.json'}")
+        typer.echo(f"outcome: {receipt.outcome} ({receipt.outcome_reason})")
+    raise typer.Exit(EXIT_CODES[receipt.outcome])

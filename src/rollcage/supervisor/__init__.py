@@ -1,0 +1,37 @@
+"""Supervise one rollout: sandbox, deadline, egress proxy, process-tree reaping, receipt and outcome.
+
+The controller's entry point::
+
+    from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
+
+    config = SupervisorConfig(deadline_s=300, grace_s=5, sandbox=BwrapSandbox(), api_key_env="OPENAI_API_KEY")
+    receipt = await supervise(rollout_dir, config, stop=stop_event)
+
+``supervise`` runs many rollouts concurrently in one event loop. The rooms
+behind this face: :mod:`~rollcage.supervisor.config` (the configs),
+:mod:`~rollcage.supervisor.sandbox` (the sandbox layout and the bwrap command
+line), :mod:`~rollcage.supervisor.proxy` (the egress proxy and the capture),
+:mod:`~rollcage.supervisor.procs` (processes, pidfds, ``/proc``),
+:mod:`~rollcage.supervisor.outcome` (the outcome rules) and
+:mod:`~rollcage.supervisor.core` (the sequence).
+"""
+
+from rollcage.supervisor.config import BwrapSandbox, NoSandbox, ProxyConfig, SandboxConfig, SupervisorConfig
+from rollcage.supervisor.core import default_worker_command, supervise
+from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
+from rollcage.supervisor.sandbox import SANDBOX_PROXY_SOCKET, SANDBOX_ROLLOUT_DIR, RolloutLayout
+
+__all__ = [
+    "SANDBOX_PROXY_SOCKET",
+    "SANDBOX_ROLLOUT_DIR",
+    "BwrapSandbox",
+    "NoSandbox",
+    "OutcomeEvidence",
+    "ProxyConfig",
+    "RolloutLayout",
+    "SandboxConfig",
+    "SupervisorConfig",
+    "classify_outcome",
+    "default_worker_command",
+    "supervise",
+]

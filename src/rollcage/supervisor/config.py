@@ -1,0 +1,235 @@
+"""How one rollout is supervised: deadline, sandbox, egress proxy, worker command.
+
+Every model forbids unknown fields. The sandbox is a tagged union on ``type``
+(``"bwrap"`` or ``"none"``); each variant builds its own launcher lazily, so
+importing the config costs nothing of the machinery behind it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from rollcage.supervisor.sandbox import BwrapLauncher, NoSandboxLauncher
+
+__all__ = [
+    "TOKEN_ENV",
+    "BwrapSandbox",
+    "NoSandbox",
+    "ProxyConfig",
+    "SandboxConfig",
+    "SupervisorConfig",
+]
+
+TOKEN_ENV = "ROLLCAGE_SUPERVISION_TOKEN"
+"""Environment variable carrying a per-rollout random token into every process the supervisor starts.
+
+It lets the supervisor recognise descendants that were reparented to it (a daemon
+whose parent exited) and tell them apart from those of other rollouts supervised
+by the same process.
+"""
+
+_MIB = 1 << 20
+_GIB = 1 << 30
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BwrapSandbox(_Config):
+    """Run the worker under bubblewrap (the default, and required for untrusted agent code).
+
+    The worker gets new user, PID, IPC, UTS, cgroup and network namespaces, a
+    read-only system and Python environment, a private ``/tmp``, a cleared
+    environment, resource limits set before it starts, and no route out but the
+    egress proxy's socket. See :mod:`rollcage.supervisor.sandbox` for the layout.
+
+    Each limit is a per-process resource limit (``setrlimit``) applied inside the
+    sandbox before the worker is executed; ``None`` leaves the supervisor's own
+    limit in place.
+    """
+
+    type: Literal["bwrap"] = "bwrap"
+    address_space_bytes: int | None = Field(
+        default=4 * _GIB,
+        ge=64 * _MIB,
+        description="RLIMIT_AS of every process in the sandbox (a memory bomb gets MemoryError/ENOMEM).",
+    )
+    max_processes: int | None = Field(
+        default=256,
+        ge=8,
+        description=(
+            "RLIMIT_NPROC: processes and threads in the sandbox together (bounds a fork bomb). "
+            "Counted per user namespace, so concurrent sandboxes do not share the budget."
+        ),
+    )
+    file_size_bytes: int | None = Field(
+        default=1 * _GIB, ge=_MIB, description="RLIMIT_FSIZE: the largest file any sandbox process may write."
+    )
+    cpu_seconds: int | None = Field(
+        default=None, ge=1, description="RLIMIT_CPU of each process; None: only the deadline bounds it."
+    )
+    open_files: int | None = Field(default=1024, ge=64, description="RLIMIT_NOFILE of each process.")
+    tmp_size_bytes: int | None = Field(
+        default=256 * _MIB,
+        ge=_MIB,
+        description="Size of the private /tmp (memory-backed); None: the kernel's default (half of RAM).",
+    )
+    run_as_uid: int | None = Field(
+        default=65534,
+        ge=1,
+        description=(
+            "Only when the supervisor runs as root: the unprivileged host uid the sandbox runs as. "
+            "The kernel never enforces RLIMIT_NPROC for root, so without this a fork bomb is not "
+            "contained. None keeps root (not recommended). Ignored when the supervisor is not root."
+        ),
+    )
+    run_as_gid: int | None = Field(
+        default=65534, ge=1, description="Host gid paired with run_as_uid (only when the supervisor is root)."
+    )
+    sandbox_uid: int = Field(default=1000, ge=1, description="The uid the worker sees inside the sandbox.")
+    sandbox_gid: int = Field(default=1000, ge=1, description="The gid the worker sees inside the sandbox.")
+    system_paths: list[str] = Field(
+        default_factory=lambda: ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc"],
+        description="Host system paths mounted read-only in place (missing ones skipped; symlinks kept).",
+    )
+    extra_ro_paths: list[str] = Field(
+        default_factory=list,
+        description=(
+            "More host paths mounted read-only at the same place (e.g. a custom worker's code). The Python "
+            "environment running the supervisor and the rollcage package are always mounted."
+        ),
+    )
+    bwrap_path: str | None = Field(default=None, description="The bwrap executable; None: found on PATH.")
+
+    @model_validator(mode="after")
+    def _check_paths(self) -> BwrapSandbox:
+        for path in [*self.system_paths, *self.extra_ro_paths]:
+            if not path.startswith("/"):
+                raise ValueError(f"sandbox paths must be absolute, not {path!r}")
+        if (self.run_as_uid is None) != (self.run_as_gid is None):
+            raise ValueError("run_as_uid and run_as_gid must be set together (or both None)")
+        return self
+
+    def launcher(self) -> BwrapLauncher:
+        """Build the launcher for this config (imports the sandbox machinery now)."""
+        from rollcage.supervisor.sandbox import BwrapLauncher
+
+        return BwrapLauncher(self)
+
+
+class NoSandbox(_Config):
+    """Run the worker as a plain child process: supervised, but **agent code is not contained**.
+
+    The worker shares the supervisor's user, network and file system: it can read
+    anything the supervisor can (including the supervisor's environment through
+    ``/proc``) and reach the network directly. Use it only for trusted code or
+    where bubblewrap cannot run; the supervisor logs a loud warning every time.
+    """
+
+    type: Literal["none"] = "none"
+
+    def launcher(self) -> NoSandboxLauncher:
+        """Build the launcher for this config (imports the sandbox machinery now)."""
+        from rollcage.supervisor.sandbox import NoSandboxLauncher
+
+        return NoSandboxLauncher(self)
+
+
+SandboxConfig = Annotated[BwrapSandbox | NoSandbox, Field(discriminator="type")]
+"""The worker's containment, tagged by ``type``."""
+
+
+class ProxyConfig(_Config):
+    """The egress proxy: the worker's only way out (see :mod:`rollcage.supervisor.proxy`)."""
+
+    max_request_bytes: int = Field(
+        default=32 * _MIB, ge=1024, description="Largest request body accepted; larger ones get 413."
+    )
+    max_response_bytes: int = Field(
+        default=64 * _MIB,
+        ge=1024,
+        description="Largest response body passed back; a larger one is cut off and the connection closed.",
+    )
+    connect_timeout_s: float = Field(default=10.0, gt=0, description="Deadline for connecting upstream.")
+    upstream_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Longest wait for the next bytes of an upstream response; None: only the worker's own "
+            "timeouts and the rollout deadline bound it."
+        ),
+    )
+
+
+class SupervisorConfig(_Config):
+    """Everything :func:`rollcage.supervisor.supervise` needs besides the rollout directory."""
+
+    deadline_s: float = Field(
+        default=600.0, gt=0, description="One wall-clock deadline for the whole rollout, from its start."
+    )
+    grace_s: float = Field(
+        default=5.0, ge=0, description="Between SIGTERM (deadline or stop) and SIGKILL to the whole tree."
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=BwrapSandbox,
+        description="bwrap (default; refused with SandboxError where bubblewrap is missing) or none.",
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description=(
+            "Name of the supervisor's environment variable holding the model API key; the proxy sends it "
+            "upstream as 'Authorization: Bearer <key>'. The sandbox never sees it. None: no credential added."
+        ),
+    )
+    resource_api_key_envs: dict[str, str] = Field(
+        default_factory=dict,
+        description="Per resource name (WorkerInput.resources key): variable holding its bearer token.",
+    )
+    worker_command: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "The worker program; the supervisor appends INPUT RESULT --checkpoint PATH. "
+            "None: this interpreter running 'python -I -m rollcage worker'."
+        ),
+    )
+    proxy: ProxyConfig | None = Field(
+        default_factory=ProxyConfig,
+        description=(
+            "The egress proxy; None: no proxy, input.json reaches the worker unchanged (direct connections, "
+            "which only work with sandbox 'none'), and the receipt's model_calls_captured is None."
+        ),
+    )
+    env_allow: list[str] = Field(
+        default_factory=lambda: ["LANG", "LC_ALL", "LC_CTYPE", "TZ", "ROLLCAGE_LOG_LEVEL"],
+        description="Variables copied from the supervisor's environment into the worker's (when set).",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Variables set for the worker.")
+    stop_poll_s: float = Field(default=0.2, gt=0, description="How often the 'stop' file is polled.")
+    kill_wait_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "After SIGKILL, how long to wait for every process to be gone; past it the receipt says "
+            "cleanup_confirmed: false."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _keep_secrets_out(self) -> SupervisorConfig:
+        secret_names = {*self.resource_api_key_envs.values()}
+        if self.api_key_env is not None:
+            secret_names.add(self.api_key_env)
+        leaked = sorted(secret_names & ({*self.env_allow} | {*self.env}))
+        if leaked:
+            raise ValueError(
+                f"{leaked[0]} holds a credential for the egress proxy and must not be passed to the worker "
+                "(remove it from env_allow / env)"
+            )
+        if TOKEN_ENV in self.env or TOKEN_ENV in self.env_allow:
+            raise ValueError(f"{TOKEN_ENV} is set by the supervisor itself")
+        return self

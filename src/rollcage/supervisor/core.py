@@ -1,0 +1,669 @@
+"""``supervise()``: run one prepared rollout directory to its receipt.
+
+The sequence, for one rollout::
+
+    check      the rollout directory and the sandbox (errors raised before anything is written)
+    prepare    validate input.json, start the egress proxy, write the worker's view of the input
+    launch     the worker in a new session (bwrap or plain), stdout+stderr to worker.log
+    watch      until it exits, the deadline passes, or a stop arrives (event, stop file, cancellation)
+    stop       SIGTERM to the worker's process group, grace, SIGKILL to the whole tree
+    clean up   find every remaining descendant through /proc, SIGKILL it, reap it; confirm none is left
+    collect    result.json into the rollout directory, leftover temporary files swept, journal's last seq
+    receipt    classify the outcome (one pure function), publish receipt.json atomically, last
+
+Many rollouts can be supervised concurrently in one event loop: all state is
+per call. The only process-wide change is the child-subreaper flag, set once;
+descendants are told apart by a per-rollout token in their environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import orjson
+from pydantic import ValidationError
+
+from rollcage.durable import is_temp_artifact, publish_json, read_journal
+from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
+from rollcage.protocol import SignalEvent, SupervisorReceipt, WorkerInput, WorkerResult
+from rollcage.supervisor.config import TOKEN_ENV, SupervisorConfig
+from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
+from rollcage.supervisor.procs import (
+    ChildProcess,
+    ExitStatus,
+    PidHandle,
+    ProcInfo,
+    descendants,
+    ensure_subreaper,
+    ns_pids,
+    scan_processes,
+)
+from rollcage.supervisor.proxy import EgressProxy, routes_for, sandbox_input
+from rollcage.supervisor.sandbox import (
+    BwrapLauncher,
+    LaunchPlan,
+    NoSandboxLauncher,
+    RolloutLayout,
+    worker_environment,
+)
+
+__all__ = ["default_worker_command", "supervise"]
+
+logger = logging.getLogger("rollcage.supervisor")
+
+_T = TypeVar("_T")
+_Reason = Literal["deadline", "stop", "grace_expired", "cleanup"]
+_MAX_RESULT_BYTES = 1 << 30
+_LOG_TAIL_BYTES = 4096
+
+
+def default_worker_command() -> list[str]:
+    """The real worker, run by this interpreter in isolated mode (``-I``: cwd and PYTHON* ignored)."""
+    return [sys.executable, "-I", "-B", "-m", "rollcage", "worker"]
+
+
+async def supervise(
+    rollout_dir: str | os.PathLike[str],
+    config: SupervisorConfig | None = None,
+    *,
+    stop: asyncio.Event | None = None,
+) -> SupervisorReceipt:
+    """Run the worker on one prepared rollout directory and return its receipt.
+
+    The directory must hold ``input.json`` (a ``WorkerInput`` with endpoints as
+    the host reaches them) and may hold ``workspace/``; it must not hold a
+    ``result.json`` or ``receipt.json`` already (one directory per attempt). The
+    worker gets one wall-clock deadline (``config.deadline_s``, counted from this
+    call); at the deadline, or on a stop, it gets SIGTERM, then after
+    ``config.grace_s`` SIGKILL with its whole process tree. Whatever happens,
+    ``receipt.json`` is written last, atomically, and returned.
+
+    Args:
+        rollout_dir: The rollout directory.
+        config: How to supervise; ``None``: the defaults (bubblewrap, 600 s).
+        stop: Set it to stop the rollout early (outcome ``cancelled``). A file
+            named ``stop`` in the rollout directory has the same effect.
+
+    Returns:
+        The receipt, as written to ``receipt.json``.
+
+    Raises:
+        ConfigError: The directory is missing or was already used, or a credential
+            variable named in the config is not set. Nothing was written.
+        SandboxError: bubblewrap was asked for (the default) and cannot be used.
+            Nothing was written.
+        SupervisorError: The machinery itself failed (the worker could not be
+            started, a file could not be written); no receipt may exist.
+
+    **Cancellation:** cancelling the caller is a stop: the worker gets SIGTERM,
+    the grace period and SIGKILL, the tree is reaped and the receipt (outcome
+    ``cancelled``) is written, shielded from further cancellation, and then
+    ``CancelledError`` propagates. A second cancellation skips what is left of
+    the grace period. The wait is bounded by ``grace_s + kill_wait_s`` plus the
+    time to write the receipt.
+    """
+    run = _Supervision(Path(rollout_dir), config or SupervisorConfig(), stop)
+    await asyncio.to_thread(run.check)
+    cancelled = False
+    try:
+        await run.run()
+    except asyncio.CancelledError:
+        cancelled = True
+    except Exception as exc:
+        # The machinery failed (the worker cannot be started, a file cannot be written): still
+        # stop whatever runs and write a receipt that says so, rather than leave a silent directory.
+        logger.exception("rollout %s: the supervisor failed", run.rollout_id)
+        run.setup_failure = f"the supervisor failed: {type(exc).__name__}: {exc}"
+    finishing = asyncio.ensure_future(run.finish(cancelled=cancelled))
+    while True:
+        try:
+            receipt = await asyncio.shield(finishing)
+            break
+        except asyncio.CancelledError:
+            if finishing.done():
+                raise
+            cancelled = True
+            run.hurry()
+    if cancelled:
+        raise asyncio.CancelledError
+    return receipt
+
+
+async def _within(awaitable: Awaitable[_T], seconds: float) -> _T | None:
+    """``await awaitable`` for at most ``seconds``; ``None`` if the time ran out."""
+    try:
+        async with asyncio.timeout(max(seconds, 0.0)):
+            return await awaitable
+    except TimeoutError:
+        return None
+
+
+class _Supervision:
+    """The state of one ``supervise()`` call."""
+
+    def __init__(self, root: Path, config: SupervisorConfig, stop: asyncio.Event | None) -> None:
+        self.config = config
+        self.layout = RolloutLayout(root)
+        self.stop_event = stop
+        self.started_at = time.time()
+        self.t0 = time.monotonic()
+        self.deadline_at = self.t0 + config.deadline_s
+        self.token = secrets.token_hex(16)
+        self.launcher: BwrapLauncher | NoSandboxLauncher = config.sandbox.launcher()
+        self.rollout_id = root.name
+        self.original: WorkerInput | None = None
+        self.setup_failure: str | None = None
+        self.plan: LaunchPlan | None = None
+        self.child: ChildProcess | None = None
+        self.proxy: EgressProxy | None = None
+        self.socket_dir: str | None = None
+        self.log_fd: int | None = None
+        self.signals: list[SignalEvent] = []
+        self.stop_cause: Literal["deadline", "stop"] | None = None
+        self.stop_requested = False
+        self.deadline_fired = False
+        self.sigterm_sent = False
+        self.sigkill_sent = False
+        self._hurry = asyncio.Event()
+        self.handles: dict[tuple[int, int], PidHandle] = {}
+        self.credentials: tuple[str | None, dict[str, str]] = (None, {})
+
+    # ----------------------------------------------------------------- check and prepare
+
+    def check(self) -> None:
+        """Refuse before writing anything (blocking; runs in a thread)."""
+        root = self.layout.root.absolute()
+        self.layout = RolloutLayout(root)
+        if not root.is_dir():
+            raise ConfigError(f"rollout directory {root} does not exist")
+        for used in (self.layout.receipt, self.layout.result):
+            if os.path.lexists(used):
+                raise ConfigError(f"{used} already exists: each attempt needs a fresh rollout directory")
+        self.launcher.check()
+        key: str | None = None
+        if self.config.api_key_env is not None:
+            key = os.environ.get(self.config.api_key_env)
+            if not key:
+                raise ConfigError(
+                    f"api_key_env names {self.config.api_key_env}, which is not set in the "
+                    "supervisor's environment"
+                )
+        resource_keys: dict[str, str] = {}
+        for name, variable in self.config.resource_api_key_envs.items():
+            value = os.environ.get(variable)
+            if not value:
+                raise ConfigError(
+                    f"resource_api_key_envs[{name!r}] names {variable}, which is not set in the supervisor's "
+                    "environment"
+                )
+            resource_keys[name] = value
+        self.credentials = (key, resource_keys)
+
+    def _read_input(self) -> None:
+        try:
+            raw = self.layout.input.read_bytes()
+        except OSError as exc:
+            self.setup_failure = f"the worker was not started: cannot read input.json: {exc}"
+            return
+        try:
+            data = orjson.loads(raw)
+            if isinstance(data, dict) and isinstance(data.get("rollout_id"), str) and data["rollout_id"]:
+                self.rollout_id = data["rollout_id"]
+        except orjson.JSONDecodeError:
+            pass
+        try:
+            self.original = WorkerInput.model_validate_json(raw)
+        except (ValidationError, RollcageError) as exc:
+            self.setup_failure = f"the worker was not started: input.json is invalid: {_summarise(exc)}"
+            return
+        self.rollout_id = self.original.rollout_id
+
+    def _prepare_files(self, plan: LaunchPlan, worker_input: WorkerInput) -> None:
+        layout = self.layout
+        layout.staging.mkdir(mode=0o700, exist_ok=True)
+        layout.workspace.mkdir(exist_ok=True)
+        data = worker_input.model_dump_json().encode()
+        fd = os.open(layout.worker_input, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, data)
+            os.fchmod(fd, 0o644)
+        finally:
+            os.close(fd)
+        if plan.sandbox == "bwrap":
+            layout.worker_root.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(layout.checkpoint, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            os.close(fd)
+        if plan.owner is not None:
+            # The sandbox runs as an unprivileged host uid: hand it exactly what it may write.
+            uid, gid = plan.owner
+            os.chown(layout.worker_root, uid, gid)
+            os.chown(layout.checkpoint, uid, gid, follow_symlinks=False)
+            for directory, dirs, files in os.walk(layout.workspace):
+                os.chown(directory, uid, gid, follow_symlinks=False)
+                for name in [*dirs, *files]:
+                    os.chown(os.path.join(directory, name), uid, gid, follow_symlinks=False)
+
+    def _open_log(self) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+        return os.open(self.layout.log, flags, 0o600)
+
+    # ----------------------------------------------------------------- run
+
+    async def run(self) -> None:
+        """Prepare, launch and watch the worker until it exits or has been stopped."""
+        ensure_subreaper()
+        await asyncio.to_thread(self._read_input)
+        if self.setup_failure is not None or self.original is None:
+            return
+        stop_set = self.stop_event is not None and self.stop_event.is_set()
+        if stop_set or await asyncio.to_thread(os.path.exists, self.layout.stop):
+            self.stop_requested = True
+            self.stop_cause = "stop"
+            logger.info(
+                "rollout %s: stop asked for before the start; the worker is not started", self.rollout_id
+            )
+            return
+        if self.config.proxy is not None:
+            self.socket_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix="rollcage-")
+            self.layout = RolloutLayout(self.layout.root, Path(self.socket_dir) / "proxy.sock")
+        env = worker_environment(
+            allow=self.config.env_allow, extra=self.config.env, sandbox=self.launcher.kind
+        )
+        command = self.config.worker_command or default_worker_command()
+        self.plan = plan = self.launcher.plan(
+            self.layout, worker_command=command, worker_env=env, token_env={TOKEN_ENV: self.token}
+        )
+        worker_input = self.original
+        if self.config.proxy is not None:
+            assert self.layout.proxy_socket is not None and plan.proxy_socket is not None
+            model_key, resource_keys = self.credentials
+            self.proxy = EgressProxy(
+                self.layout.proxy_socket,
+                routes_for(self.original, model_credential=model_key, resource_credentials=resource_keys),
+                capture_path=self.layout.capture,
+                rollout_id=self.rollout_id,
+                config=self.config.proxy,
+                socket_owner=plan.owner,
+            )
+            await self.proxy.__aenter__()
+            worker_input = sandbox_input(self.original, plan.proxy_socket)
+        await asyncio.to_thread(self._prepare_files, plan, worker_input)
+        self.log_fd = await asyncio.to_thread(self._open_log)
+        self.child = ChildProcess.spawn(plan.argv, env=plan.env, cwd=plan.cwd, stdout=self.log_fd)
+        logger.debug("rollout %s: worker started (pid %d, %s)", self.rollout_id, self.child.pid, plan.sandbox)
+        await self._watch(self.child)
+
+    async def _watch(self, child: ChildProcess) -> None:
+        exited = asyncio.ensure_future(child.wait())
+        stopped = asyncio.ensure_future(self._stop_arrives())
+        try:
+            await asyncio.wait(
+                {exited, stopped},
+                timeout=max(self.deadline_at - time.monotonic(), 0.0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            for task in (exited, stopped):
+                task.cancel()
+            await asyncio.gather(exited, stopped, return_exceptions=True)
+        if child.status is not None or (exited.done() and not exited.cancelled()):
+            return
+        await self._terminate("stop" if stopped.done() and not stopped.cancelled() else "deadline")
+
+    async def _stop_arrives(self) -> None:
+        """Return once a stop is asked for: the event, or the stop file."""
+        while True:
+            if await asyncio.to_thread(os.path.exists, self.layout.stop):
+                return
+            if self.stop_event is None:
+                await asyncio.sleep(self.config.stop_poll_s)
+            elif await _within(self.stop_event.wait(), self.config.stop_poll_s) is not None:
+                return
+
+    def hurry(self) -> None:
+        """A second cancellation: skip what is left of the grace period."""
+        self._hurry.set()
+
+    # ----------------------------------------------------------------- stopping
+
+    def _record(self, sig: signal.Signals, target: Literal["group", "descendants"], reason: _Reason) -> None:
+        self.signals.append(SignalEvent(signal=sig.name, target=target, at=time.time(), reason=reason))
+
+    async def _tree(self) -> list[ProcInfo]:
+        """The worker's live process tree (its direct child included) and the reparented stragglers."""
+        assert self.child is not None
+        table = await asyncio.to_thread(scan_processes)
+        return descendants(table, [self.child.pid], token=self.token)
+
+    def _handle(self, info: ProcInfo) -> PidHandle | None:
+        key = (info.pid, info.starttime)
+        handle = self.handles.get(key)
+        if handle is None:
+            handle = PidHandle.open(info)
+            if handle is not None:
+                self.handles[key] = handle
+        return handle
+
+    async def _sandbox_group(self) -> tuple[ProcInfo | None, list[ProcInfo]]:
+        """Under bwrap: the sandbox's init (PID 1 of its namespace) and the worker's process group."""
+        tree = await self._tree()
+        depth = len(ns_pids(os.getpid())) or 1
+        nspids = await asyncio.to_thread(lambda: {info.pid: ns_pids(info.pid) for info in tree})
+        init = next(
+            (info for info in tree if len(nspids[info.pid]) > depth and nspids[info.pid][-1] == 1), None
+        )
+        if init is None:
+            return None, []
+        # bwrap's --new-session makes the sandbox's init a session and group leader;
+        # the worker is in its group.
+        return init, [info for info in tree if info.pgid == init.pid and info.pid != init.pid and info.alive]
+
+    async def _terminate(self, cause: Literal["deadline", "stop"]) -> None:
+        """SIGTERM the worker's process group, wait the grace period, SIGKILL the whole tree."""
+        child = self.child
+        assert child is not None and self.plan is not None
+        if self.stop_cause is None:
+            self.stop_cause = cause
+        if cause == "deadline":
+            self.deadline_fired = True
+        else:
+            self.stop_requested = True
+        logger.info("rollout %s: %s; stopping the worker", self.rollout_id, cause)
+        if not self.sigterm_sent:
+            self.sigterm_sent = True
+            sent = False
+            if self.plan.sandbox == "none":
+                sent = child.signal_group(signal.SIGTERM)
+            else:
+                _, group = await self._sandbox_group()
+                for info in group:
+                    handle = self._handle(info)
+                    sent = (handle is not None and handle.send(signal.SIGTERM)) or sent
+            if sent:
+                self._record(signal.SIGTERM, "group", cause)
+                await _within(self._grace(child), self.config.grace_s)
+        if child.status is None:
+            await self._sigkill_tree("grace_expired" if self.signals else cause)
+
+    async def _grace(self, child: ChildProcess) -> None:
+        exited = asyncio.ensure_future(child.wait())
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            await asyncio.wait({exited, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (exited, hurry):
+                task.cancel()
+            await asyncio.gather(exited, hurry, return_exceptions=True)
+
+    async def _sigkill_tree(self, reason: _Reason) -> None:
+        child = self.child
+        assert child is not None
+        self.sigkill_sent = True
+        tree = [info for info in await self._tree() if info.alive and info.pid != child.pid]
+        # The group first: killpg is atomic against fork, and the PID is pinned (the child is unreaped).
+        child.signal_group(signal.SIGKILL)
+        for info in tree:
+            handle = self._handle(info)
+            if handle is not None:
+                handle.send(signal.SIGKILL)
+        self._record(signal.SIGKILL, "group", reason)
+        await _within(child.wait(), self.config.kill_wait_s)
+
+    async def _clean_up(self) -> tuple[bool, int]:
+        """Kill and reap every remaining descendant; return (confirmed none left, how many were killed)."""
+        child = self.child
+        if child is None:
+            return True, 0
+        killed: set[tuple[int, int]] = set()
+        end = time.monotonic() + self.config.kill_wait_s
+        confirmed = False
+        while True:
+            tree = await self._tree()
+            alive = [info for info in tree if info.alive and info.pid != child.pid]
+            for info in tree:
+                # Zombies reparented to us must be reaped; holding a handle lets us reap them safely.
+                if info.pid != child.pid and info.ppid == os.getpid():
+                    self._handle(info)
+            if not alive and child.status is not None:
+                confirmed = True
+                break
+            fresh = False
+            for info in alive:
+                handle = self._handle(info)
+                if handle is not None and handle.send(signal.SIGKILL):
+                    key = (info.pid, info.starttime)
+                    if key not in killed:
+                        killed.add(key)
+                        fresh = True
+            if fresh:
+                self._record(signal.SIGKILL, "descendants", "cleanup")
+            if time.monotonic() >= end:
+                break
+            pending = [h for h in self.handles.values() if not h.exited()]
+            if child.status is None:
+                await _within(child.wait(), min(0.05, end - time.monotonic()))
+            elif pending:
+                await _within(_any_exit(pending), min(0.05, end - time.monotonic()))
+            else:
+                await asyncio.sleep(0.005)
+        for handle in self.handles.values():
+            if handle.exited():
+                handle.reap()
+        return confirmed, len(killed)
+
+    # ----------------------------------------------------------------- finish
+
+    async def finish(self, *, cancelled: bool) -> SupervisorReceipt:
+        """Stop what still runs, clean up, collect and write the receipt (shielded by the caller)."""
+        try:
+            if self.child is not None and self.child.status is None:
+                if cancelled and not self.sigterm_sent:
+                    await self._terminate("stop")
+                else:
+                    # A second cancellation, or the supervisor's own failure: no more grace.
+                    self._hurry.set()
+                    await self._sigkill_tree("stop")
+            elif cancelled and self.stop_cause is None and self.child is None:
+                self.stop_requested = True
+                self.stop_cause = "stop"
+            confirmed, killed = await self._clean_up()
+            status = self.child.release() if self.child is not None else None
+        finally:
+            for handle in self.handles.values():
+                handle.close()
+            self.handles.clear()
+            if self.log_fd is not None:
+                os.close(self.log_fd)
+                self.log_fd = None
+            if self.proxy is not None:
+                await self.proxy.aclose()
+            if self.socket_dir is not None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.socket_dir)
+        return await asyncio.to_thread(self._conclude, status, confirmed, killed)
+
+    def _conclude(self, status: ExitStatus | None, confirmed: bool, killed: int) -> SupervisorReceipt:
+        """Collect the evidence, classify and publish the receipt (blocking; runs in a thread)."""
+        layout = self.layout
+        present, result, problem = False, None, None
+        swept = 0
+        if self.plan is not None:
+            present, result, problem = self._collect_result(self.plan)
+            swept = self._sweep_temp_files(self.plan)
+        if self.stop_cause is None and os.path.exists(layout.stop) and self.child is not None:
+            # The worker saw the stop file itself (it polls it too) and exited before we acted.
+            self.stop_requested = True
+            if result is None or result.error is not None:
+                self.stop_cause = "stop"
+        shutil.rmtree(layout.staging, ignore_errors=True)
+        exit_code, exit_signal = self._exit(status)
+        evidence = OutcomeEvidence(
+            stop_cause=self.stop_cause,
+            deadline_s=self.config.deadline_s,
+            exit_code=exit_code,
+            exit_signal=exit_signal,
+            signals_sent=tuple(event.signal for event in self.signals),
+            result_present=present,
+            result=result,
+            result_problem=problem,
+            setup_failure=self.setup_failure,
+            log_tail=_log_tail(layout.log) if not present else None,
+        )
+        outcome, reason = classify_outcome(evidence)
+        ended = time.time()
+        receipt = SupervisorReceipt(
+            rollout_id=self.rollout_id,
+            outcome=outcome,
+            outcome_reason=reason,
+            sandbox=self.launcher.kind,
+            exit_code=exit_code,
+            exit_signal=exit_signal,
+            deadline_s=self.config.deadline_s,
+            grace_s=self.config.grace_s,
+            deadline_fired=self.deadline_fired,
+            stop_requested=self.stop_requested,
+            signals_sent=list(self.signals),
+            started_at=self.started_at,
+            ended_at=ended,
+            duration_s=ended - self.started_at,
+            cleanup_confirmed=confirmed,
+            descendants_killed=killed,
+            temp_files_swept=swept,
+            last_checkpoint_seq=_last_seq(layout.checkpoint),
+            result_present=present,
+            result_valid=result is not None,
+            result_error=None if result is None else result.error,
+            model_calls_captured=None if self.proxy is None else self.proxy.exchanges["model"],
+        )
+        try:
+            publish_json(layout.receipt, receipt, mode=0o644)
+        except RollcageError as exc:
+            raise SupervisorError(f"cannot write {layout.receipt}: {exc}") from exc
+        logger.info("rollout %s: %s (%s)", self.rollout_id, outcome, reason)
+        return receipt
+
+    def _exit(self, status: ExitStatus | None) -> tuple[int | None, str | None]:
+        if status is None:
+            return None, None
+        if status.signal is not None:
+            return None, status.signal_name
+        code = status.code
+        if self.launcher.kind == "bwrap" and code is not None and code > 128:
+            # bwrap reports a sandboxed process killed by signal N as exit code 128 + N.
+            try:
+                return None, signal.Signals(code - 128).name
+            except ValueError:
+                pass
+        return code, None
+
+    def _collect_result(self, plan: LaunchPlan) -> tuple[bool, WorkerResult | None, str | None]:
+        """Move the worker's result.json into the rollout directory and validate it."""
+        source = plan.result_dir / "result.json"
+        try:
+            info = os.lstat(source)
+        except FileNotFoundError:
+            return False, None, None
+        if not stat.S_ISREG(info.st_mode):
+            return True, None, "result.json is not a regular file (a link or special file is never followed)"
+        if source != self.layout.result:
+            os.replace(source, self.layout.result)
+            _fsync_dir(self.layout.root)
+        try:
+            fd = os.open(self.layout.result, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as file:
+                data = file.read(_MAX_RESULT_BYTES + 1)
+        except OSError as exc:
+            return True, None, f"cannot read result.json: {exc}"
+        if len(data) > _MAX_RESULT_BYTES:
+            return True, None, f"result.json is over {_MAX_RESULT_BYTES} bytes"
+        try:
+            result = WorkerResult.model_validate_json(data)
+        except ValidationError as exc:
+            return True, None, _summarise(exc)
+        if result.rollout_id not in ("", self.rollout_id):
+            return True, None, f"result.json is for rollout {result.rollout_id!r}, not {self.rollout_id!r}"
+        return True, result, None
+
+    def _sweep_temp_files(self, plan: LaunchPlan) -> int:
+        """Remove temporary files a killed publisher left behind (never a published artifact)."""
+        swept = 0
+        for directory in {plan.result_dir, self.layout.root}:
+            try:
+                names = os.listdir(directory)
+            except OSError:
+                continue
+            for name in names:
+                if is_temp_artifact(name):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(directory, name))
+                        swept += 1
+        return swept
+
+
+async def _any_exit(handles: list[PidHandle]) -> None:
+    from rollcage.supervisor.procs import wait_readable
+
+    waits = [asyncio.ensure_future(wait_readable(handle.fd)) for handle in handles]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
+def _summarise(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        errors = exc.errors()
+        first = errors[0]
+        where = ".".join(str(part) for part in first.get("loc", ())) or "(top level)"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        return f"{where}: {first.get('msg', 'invalid')}{more}"
+    return str(exc)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _log_tail(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as file:
+            file.seek(0, os.SEEK_END)
+            size = file.tell()
+            file.seek(max(0, size - _LOG_TAIL_BYTES))
+            lines = [line.strip() for line in file.read().splitlines() if line.strip()]
+    except OSError:
+        return None
+    if not lines:
+        return None
+    return lines[-1].decode("utf-8", "replace")[:300]
+
+
+def _last_seq(path: Path) -> int | None:
+    try:
+        records = read_journal(path)
+    except (OSError, JournalCorruptError) as exc:
+        logger.warning("cannot read %s: %s", path, exc)
+        return None
+    if not records:
+        return None
+    seq = records[-1].get("seq")
+    return seq if isinstance(seq, int) else None
