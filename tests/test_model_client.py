@@ -9,6 +9,8 @@ against the configured values (``max_call_seconds``), never fixed constants.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -637,3 +639,72 @@ def test_retry_waits_and_call_bound_follow_the_configuration() -> None:
     assert max_call_seconds(endpoint) == 4 * 10.0 + 30.0
     slow = endpoint.model_copy(update={"retry_backoff_s": 20.0, "timeout_s": 1.0})
     assert retry_wait_bounds(slow) == [20.0, 30.0, 30.0]
+
+
+# -------------------------------------------------------------- seeded chaos: injected vs classified
+
+
+RETRYABLE_KINDS = {"status", "rate_limit", "reset", "truncated", "malformed"}
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_random_faults_are_classified_as_injected(
+    serve_policy: Callable[..., PolicyServer], api: str
+) -> None:
+    server = serve_policy(
+        fault_rate=0.5,
+        seed=11,
+        fault_kinds="500,503,429,reset,truncated,malformed,length,empty,bad_arguments",
+    )
+    endpoint = endpoint_of(server, api, False, max_retries=3)
+    outcomes: dict[str, ModelCall | ModelError] = {}
+    for number in range(12):
+        rollout = f"chaos-{number}"
+        async with ModelClient(endpoint, rollout_id=rollout, task_id="weather") as client:
+            try:
+                outcomes[rollout] = await client.call(USER)
+            except ModelError as exc:
+                outcomes[rollout] = exc
+
+    log = server.request_log
+    assert {fault.source for fault in server.faults_injected} == {"random"}
+    for rollout, outcome in outcomes.items():
+        faults = [record.fault for record in log if record.rollout_id == rollout]
+        # Replay what the client should have done with what the server says it injected.
+        retried = 0
+        while retried < len(faults) - 1 and faults[retried] in RETRYABLE_KINDS:
+            retried += 1
+        last = faults[retried]
+        assert len(faults) == retried + 1  # no request after the one that settled the call
+        if isinstance(outcome, ModelError):
+            assert type(outcome) is TransientModelError and last in RETRYABLE_KINDS
+            assert retried == endpoint.max_retries
+            continue
+        assert outcome.attempts == len(faults) and last not in RETRYABLE_KINDS
+        assert outcome.status == ("incomplete" if last == "length" else "completed")
+        if last == "empty":
+            assert text_of(outcome) == "" and not calls_of(outcome)
+        if last is None:
+            assert [name for _, name, _ in calls_of(outcome)] == ["get_weather", "python"]
+    assert any(isinstance(outcome, ModelCall) and outcome.attempts > 1 for outcome in outcomes.values())
+
+
+async def test_latency_within_the_deadline_is_just_slow(serve_policy: Callable[..., PolicyServer]) -> None:
+    server = serve_policy(faults=["kind=latency:delay=0.1"])
+    async with ModelClient(
+        endpoint_of(server, "chat", True, timeout_s=5.0), rollout_id="r", task_id="x"
+    ) as client:
+        record = await client.call(USER)
+    assert record.attempts == 1 and record.ended_at - record.started_at >= 0.1
+    assert [fault.kind for fault in server.faults_injected] == ["latency"]
+
+
+def test_the_client_imports_stay_lean() -> None:
+    # The worker imports the client once per rollout: no SDK, server, CLI or YAML code may come with it.
+    probe = (
+        "import sys, rollcage.model\n"
+        "heavy = {'openai', 'httpx2', 'starlette', 'uvicorn', 'rich', 'typer', 'click', 'yaml', 'pygments'}\n"
+        "print(sorted(heavy & {name.split('.')[0] for name in sys.modules}))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"

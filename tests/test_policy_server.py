@@ -85,6 +85,14 @@ def serve_policy() -> Iterator[Callable[..., PolicyServer]]:
             server.stop()
 
 
+@pytest.fixture(scope="module")
+def shared() -> Iterator[PolicyServer]:
+    """One server for the tests that only read answers; content faults are scoped to rollout ids."""
+    rules = ["rollout=length:kind=length", "rollout=empty:kind=empty", "rollout=bad:kind=bad_arguments"]
+    with PolicyServer(SCRIPT, faults=rules) as server:
+        yield server
+
+
 def sdk(server: PolicyServer, task: str) -> openai.OpenAI:
     return openai.OpenAI(
         api_key="unused", base_url=server.base_url, max_retries=0, default_headers={"X-Task-Id": task}
@@ -103,8 +111,8 @@ def sse_data(body: str) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- the openai SDK as a plain client
 
 
-def test_openai_sdk_reads_chat_completions(serve_policy: Callable[..., PolicyServer]) -> None:
-    server = serve_policy()
+def test_openai_sdk_reads_chat_completions(shared: PolicyServer) -> None:
+    server = shared
     with sdk(server, "weather") as client:
         first = client.chat.completions.create(
             model="scripted-policy", messages=[{"role": "user", "content": "hi"}], tools=TOOLS_CHAT
@@ -129,8 +137,8 @@ def test_openai_sdk_reads_chat_completions(serve_policy: Callable[..., PolicySer
     assert first.usage.completion_tokens_details.reasoning_tokens == 7
 
 
-def test_openai_sdk_reads_chat_completion_streams(serve_policy: Callable[..., PolicyServer]) -> None:
-    server = serve_policy()
+def test_openai_sdk_reads_chat_completion_streams(shared: PolicyServer) -> None:
+    server = shared
     with sdk(server, "weather") as client:
         chunks = list(
             client.chat.completions.create(
@@ -154,8 +162,8 @@ def test_openai_sdk_reads_chat_completion_streams(serve_policy: Callable[..., Po
     assert final.choices[0].finish_reason == "tool_calls"
 
 
-def test_openai_sdk_reads_responses(serve_policy: Callable[..., PolicyServer]) -> None:
-    server = serve_policy()
+def test_openai_sdk_reads_responses(shared: PolicyServer) -> None:
+    server = shared
     with sdk(server, "weather") as client:
         first = client.responses.create(model="scripted-policy", input="hi", tools=TOOLS_RESPONSES)
         assert [item.type for item in first.output] == ["reasoning", "function_call", "function_call"]
@@ -173,8 +181,8 @@ def test_openai_sdk_reads_responses(serve_policy: Callable[..., PolicyServer]) -
     assert first.usage is not None and first.usage.output_tokens_details.reasoning_tokens == 7
 
 
-def test_openai_sdk_reads_response_streams(serve_policy: Callable[..., PolicyServer]) -> None:
-    server = serve_policy()
+def test_openai_sdk_reads_response_streams(shared: PolicyServer) -> None:
+    server = shared
     with sdk(server, "codeact") as client:
         events = list(client.responses.create(model="scripted-policy", input="hi", stream=True))
         assert events[0].type == "response.created" and events[-1].type == "response.completed"
@@ -185,35 +193,35 @@ def test_openai_sdk_reads_response_streams(serve_policy: Callable[..., PolicySer
     assert final.output_text == "Let me run:\n\n```python\nprint(1)\n```"
 
 
-def test_openai_sdk_lists_the_model(serve_policy: Callable[..., PolicyServer]) -> None:
-    server = serve_policy()
+def test_openai_sdk_lists_the_model(shared: PolicyServer) -> None:
+    server = shared
     with sdk(server, "x") as client:
         assert [model.id for model in client.models.list()] == ["scripted-policy"]
 
 
 BODY_CASES = [
-    ("weather", None),
-    ("codeact", None),
-    ("short", None),
-    ("weather", "call=*:kind=length"),
-    ("weather", "call=*:kind=empty"),
-    ("*", "call=*:kind=bad_arguments"),
+    ("weather", "clean"),
+    ("codeact", "clean"),
+    ("short", "clean"),
+    ("weather", "length"),
+    ("weather", "empty"),
+    ("*", "bad"),
 ]
 
 
-@pytest.mark.parametrize(("task", "fault"), BODY_CASES)
+@pytest.mark.parametrize(("task", "rollout"), BODY_CASES)
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_every_body_and_event_validates_strictly_against_the_sdk_types(
-    serve_policy: Callable[..., PolicyServer], api: str, task: str, fault: str | None
+    shared: PolicyServer, api: str, task: str, rollout: str
 ) -> None:
-    server = serve_policy(faults=[fault] if fault else [])
+    server = shared
     path = "/chat/completions" if api == "chat" else "/responses"
     request: dict[str, Any] = {"model": "scripted-policy"}
     if api == "chat":
         request |= {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS_CHAT}
     else:
         request |= {"input": "hi", "tools": TOOLS_RESPONSES, "instructions": "be brief"}
-    headers = {"X-Task-Id": task}
+    headers = {"X-Task-Id": task, "X-Rollout-Id": rollout}
     with httpx.Client(base_url=server.base_url, headers=headers) as http:
         plain = http.post(path, json=request).json()
         stream = http.post(path, json={**request, "stream": True, "stream_options": {"include_usage": True}})
