@@ -1,0 +1,33 @@
+"""Tools of the agent: a persistent Python executor and HTTP resource tools.
+
+Every call has a timeout and a bounded output. The executor has one interface
+(:class:`Executor`) and two backends built by :func:`make_executor`: ``repl``
+(a lean child process, the default) and ``jupyter`` (an ipykernel, imported only
+when chosen). :class:`ResourceTools` posts tool calls to resource endpoints.
+
+Importing this package is cheap: no ``jupyter_client``, ``starlette`` or other
+heavy dependency is loaded until a backend that needs it is built.
+"""
+
+from rollcage.tools._executor import (
+    BridgedTools,
+    CellResult,
+    CellStatus,
+    Executor,
+    ExecutorState,
+    ToolBridge,
+    make_executor,
+)
+from rollcage.tools._resources import ResourceTools, tool_parameters
+
+__all__ = [
+    "BridgedTools",
+    "CellResult",
+    "CellStatus",
+    "Executor",
+    "ExecutorState",
+    "ResourceTools",
+    "ToolBridge",
+    "make_executor",
+    "tool_parameters",
+]
