@@ -1,0 +1,585 @@
+"""The supervisor: one deadline, stops, process-tree reaping, result collection, receipts and outcomes.
+
+Real processes and real files throughout; the worker is the fake in
+``tests/helpers/fake_worker.py`` (or the real one, where the test says so).
+Tests wait on files and processes, never on fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollcage.durable import is_temp_artifact
+from rollcage.errors import ConfigError, SandboxError
+from rollcage.protocol import RunnerError, SupervisorReceipt, WorkerResult
+from rollcage.supervisor import (
+    BwrapSandbox,
+    NoSandbox,
+    OutcomeEvidence,
+    SupervisorConfig,
+    classify_outcome,
+    supervise,
+)
+from rollcage.supervisor.procs import PidHandle, is_subreaper, read_proc
+from tests.helpers.supervisor_env import config, fake, make_rollout, processes_with_token, requires_bwrap
+
+SANDBOXES = [
+    pytest.param("none", id="none"),
+    pytest.param("bwrap", id="bwrap", marks=[requires_bwrap(), pytest.mark.bwrap]),
+]
+DESIGN_FILES = {
+    "checkpoint.jsonl",
+    "input.json",
+    "model_capture.jsonl",
+    "receipt.json",
+    "result.json",
+    "worker.log",
+}
+
+
+async def wait_file(path: Path, within_s: float = 30.0) -> None:
+    """Wait until ``path`` exists (polling a file is the only way to hear from a sandboxed process)."""
+    async with asyncio.timeout(within_s):
+        while not await asyncio.to_thread(os.path.exists, path):  # noqa: ASYNC110 - a file is the signal
+            await asyncio.sleep(0.02)
+
+
+def receipt_on_disk(root: Path) -> SupervisorReceipt:
+    return SupervisorReceipt.model_validate_json((root / "receipt.json").read_bytes())
+
+
+@pytest.fixture(autouse=True)
+def _no_strays() -> Any:
+    """Every test must leave no supervised process behind."""
+    yield
+    assert processes_with_token() == [], "a supervised process outlived its test"
+
+
+# --------------------------------------------------------------------------- outcome rules (pure)
+
+
+def _result(*, error: RunnerError | None, responses: int = 0) -> WorkerResult:
+    calls = [
+        {
+            "index": i,
+            "api": "chat",
+            "request": {},
+            "response": {"id": str(i)},
+            "status": "completed",
+            "started_at": 1.0,
+            "ended_at": 2.0,
+        }
+        for i in range(responses)
+    ]
+    return WorkerResult.model_validate(
+        {
+            "rollout_id": "r",
+            "task_id": "t",
+            "response": None,
+            "trajectory": {"model_calls": calls},
+            "termination_reason": "completed" if error is None else "error",
+            "error": None if error is None else error.model_dump(),
+            "started_at": 1.0,
+            "ended_at": 2.0,
+        }
+    )
+
+
+FATAL = RunnerError(kind="fatal", type="FatalModelError", message="401 from the endpoint")
+TRANSIENT = RunnerError(kind="transient", type="TransientModelError", message="503")
+CANCELLED = RunnerError(kind="cancelled", type="CancelledError", message="SIGTERM")
+
+
+@pytest.mark.parametrize(
+    ("evidence", "outcome", "words"),
+    [
+        pytest.param(
+            OutcomeEvidence(exit_code=0, result_present=True, result=_result(error=None)),
+            "completed",
+            "valid result",
+            id="valid-result-completed",
+        ),
+        pytest.param(
+            OutcomeEvidence(exit_code=1, result_present=True, result=_result(error=FATAL, responses=1)),
+            "agent_error",
+            "after 1 model response",
+            id="fatal-after-response-agent-error",
+        ),
+        pytest.param(
+            OutcomeEvidence(exit_code=1, result_present=True, result=_result(error=FATAL)),
+            "infra_failure",
+            "before the first model response: FatalModelError: 401 from the endpoint",
+            id="fatal-before-response-infra-with-message",
+        ),
+        pytest.param(
+            OutcomeEvidence(exit_code=1, result_present=True, result=_result(error=TRANSIENT, responses=3)),
+            "infra_failure",
+            "transient",
+            id="transient-infra",
+        ),
+        pytest.param(
+            OutcomeEvidence(exit_code=143, result_present=True, result=_result(error=CANCELLED)),
+            "infra_failure",
+            "without a stop from the supervisor",
+            id="self-cancelled-infra",
+        ),
+        pytest.param(
+            OutcomeEvidence(stop_cause="deadline", deadline_s=5, exit_code=143, signals_sent=("SIGTERM",)),
+            "timeout",
+            "deadline of 5s",
+            id="deadline-timeout",
+        ),
+        pytest.param(
+            OutcomeEvidence(
+                stop_cause="deadline",
+                exit_code=0,
+                result_present=True,
+                result=_result(error=None, responses=1),
+            ),
+            "timeout",
+            "not graded",
+            id="deadline-beats-a-valid-result",
+        ),
+        pytest.param(
+            OutcomeEvidence(stop_cause="stop", exit_signal="SIGKILL", signals_sent=("SIGTERM", "SIGKILL")),
+            "cancelled",
+            "stopped on request",
+            id="stop-cancelled",
+        ),
+        pytest.param(
+            OutcomeEvidence(exit_signal="SIGKILL", result_present=True, result=_result(error=None)),
+            "infra_failure",
+            "SIGKILL, which the supervisor did not send",
+            id="foreign-sigkill-infra-even-with-result",
+        ),
+        pytest.param(
+            OutcomeEvidence(exit_code=0),
+            "infra_failure",
+            "protocol violation",
+            id="exit-0-no-result-protocol-violation",
+        ),
+        pytest.param(
+            OutcomeEvidence(exit_code=2, log_tail="Traceback: boom"),
+            "infra_failure",
+            "no result.json: the worker exited with code 2; worker.log ends with: Traceback: boom",
+            id="no-result-nonzero",
+        ),
+        pytest.param(
+            OutcomeEvidence(exit_code=0, result_present=True, result_problem="not JSON"),
+            "infra_failure",
+            "invalid (not JSON)",
+            id="invalid-result",
+        ),
+        pytest.param(
+            OutcomeEvidence(setup_failure="the worker was not started: input.json is invalid"),
+            "infra_failure",
+            "input.json is invalid",
+            id="setup-failure",
+        ),
+    ],
+)
+def test_outcome_rules(evidence: OutcomeEvidence, outcome: str, words: str) -> None:
+    got, reason = classify_outcome(evidence)
+    assert got == outcome, reason
+    assert words in reason
+
+
+def test_a_checkpoint_alone_is_never_a_result() -> None:
+    # Whatever the journal holds, no result.json means no gradable outcome.
+    for code in (0, 1, None):
+        outcome, _ = classify_outcome(OutcomeEvidence(exit_code=code, result_present=False))
+        assert outcome == "infra_failure"
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+async def test_completed_rollout_collects_result_and_writes_receipt_last(
+    tmp_path: Path, sandbox: str
+) -> None:
+    root = make_rollout(tmp_path)
+    receipt = await supervise(root, config(sandbox, *fake("ok")))
+    assert receipt.outcome == "completed", receipt.outcome_reason
+    assert receipt == receipt_on_disk(root)
+    assert {p.name for p in root.iterdir()} == DESIGN_FILES | {"workspace"}
+    assert WorkerResult.model_validate_json((root / "result.json").read_bytes()).error is None
+    assert receipt.result_present and receipt.result_valid and receipt.cleanup_confirmed
+    assert receipt.last_checkpoint_seq == 1
+    assert receipt.sandbox == sandbox and receipt.exit_code == 0 and receipt.signals_sent == []
+    assert receipt.model_calls_captured == 0
+    last = max(p.stat().st_mtime_ns for p in root.iterdir() if p.name != "receipt.json")
+    assert (root / "receipt.json").stat().st_mtime_ns >= last
+    assert is_subreaper()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+@pytest.mark.parametrize("ignore_term", [False, True], ids=["daemon", "daemon-ignoring-sigterm"])
+async def test_detached_daemon_does_not_outlive_the_rollout(
+    tmp_path: Path, sandbox: str, ignore_term: bool
+) -> None:
+    root = make_rollout(tmp_path)
+    args = ("ignore-term",) if ignore_term else ()
+    receipt = await supervise(root, config(sandbox, *fake("daemon", *args)))
+    assert receipt.outcome == "completed", receipt.outcome_reason
+    assert receipt.cleanup_confirmed
+    assert processes_with_token() == []
+    if sandbox == "none":
+        # Not a child of the worker any more (setsid + double fork): found through the subreaper.
+        pid = int((root / "workspace" / "daemon.pid").read_text())
+        info = read_proc(pid)
+        assert info is None or not info.alive
+        assert receipt.descendants_killed == 1
+        assert [(s.signal, s.target, s.reason) for s in receipt.signals_sent] == [
+            ("SIGKILL", "descendants", "cleanup")
+        ]
+
+
+@pytest.mark.timeout(60)
+async def test_deadline_while_the_model_hangs_times_out_and_keeps_the_cancelled_result(
+    tmp_path: Path,
+) -> None:
+    """The real worker, the scripted policy hanging on its first call, under bwrap where it is usable."""
+    from rollcage.policy import PolicyServer
+    from tests.helpers.supervisor_env import bwrap_usable
+    from tests.helpers.worker_env import worker_input
+
+    sandbox = BwrapSandbox() if bwrap_usable() is None else NoSandbox()
+    with PolicyServer({"tasks": {"t": [{"text": "never"}]}}, port=0, faults=["call=1:kind=hang"]) as server:
+        root = tmp_path / "r"
+        root.mkdir()
+        (root / "workspace").mkdir()
+        (root / "input.json").write_text(json.dumps(worker_input(model_url=server.base_url, task_id="t")))
+        deadline, grace = 10.0, 5.0
+        cfg = SupervisorConfig(deadline_s=deadline, grace_s=grace, sandbox=sandbox)
+        started = time.monotonic()
+        receipt = await supervise(root, cfg)
+        took = time.monotonic() - started
+        assert server.faults_injected, "the model request never arrived: the worker did not get that far"
+    assert receipt.outcome == "timeout", receipt.outcome_reason
+    assert receipt.deadline_fired and not receipt.stop_requested
+    assert deadline <= took <= deadline + grace + 3.0
+    assert [(s.signal, s.target, s.reason) for s in receipt.signals_sent] == [
+        ("SIGTERM", "group", "deadline")
+    ]
+    result = WorkerResult.model_validate_json((root / "result.json").read_bytes())
+    assert result.error is not None and result.error.kind == "cancelled" and result.response is None
+    assert receipt.result_valid and receipt.result_error == result.error
+    assert receipt.cleanup_confirmed
+    assert receipt.model_calls_captured == 1
+    (capture,) = [json.loads(line) for line in (root / "model_capture.jsonl").read_text().splitlines()]
+    assert capture["route"] == "model" and capture["status"] is None and "closed" in capture["error"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+async def test_worker_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path, sandbox: str) -> None:
+    root = make_rollout(tmp_path)
+    # A worker that ignores SIGTERM and never exits by itself (its cwd is the workspace).
+    command = ["/bin/sh", "-c", "trap '' TERM; : > started; while :; do sleep 1; done", "sh"]
+    stop = asyncio.Event()
+    task = asyncio.create_task(supervise(root, config(sandbox, *command, grace_s=0.5), stop=stop))
+    await wait_file(root / "workspace" / "started")
+    stop.set()
+    receipt = await asyncio.wait_for(task, 30)
+    assert receipt.outcome == "cancelled", receipt.outcome_reason
+    assert [(s.signal, s.reason) for s in receipt.signals_sent] == [
+        ("SIGTERM", "stop"),
+        ("SIGKILL", "grace_expired"),
+    ]
+    assert receipt.exit_signal == "SIGKILL" and receipt.cleanup_confirmed
+    sigterm, sigkill = receipt.signals_sent
+    assert sigkill.at - sigterm.at >= 0.5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+async def test_worker_killed_by_someone_else_is_infra_failure_and_the_checkpoint_is_kept(
+    tmp_path: Path, sandbox: str
+) -> None:
+    root = make_rollout(tmp_path)
+    receipt = await supervise(root, config(sandbox, *fake("self-kill")))
+    assert receipt.outcome == "infra_failure"
+    assert "SIGKILL, which the supervisor did not send" in receipt.outcome_reason
+    assert receipt.exit_signal == "SIGKILL" and receipt.signals_sent == []
+    assert not receipt.result_present
+    assert receipt.last_checkpoint_seq == 2
+    assert (root / "checkpoint.jsonl").read_text().count("\n") == 2
+
+
+@pytest.mark.timeout(60)
+async def test_worker_sigkilled_from_outside_is_infra_failure(tmp_path: Path) -> None:
+    root = make_rollout(tmp_path)
+    task = asyncio.create_task(supervise(root, config("none", *fake("hang"))))
+    started = root / "workspace" / "started"
+    await wait_file(started)
+    os.kill(int(started.read_text()), signal.SIGKILL)
+    receipt = await asyncio.wait_for(task, 30)
+    assert receipt.outcome == "infra_failure" and receipt.exit_signal == "SIGKILL"
+    assert not receipt.deadline_fired and not receipt.stop_requested
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["no-result", "truncated", "not-json", "wrong-schema"])
+@pytest.mark.parametrize("code", [0, 1])
+async def test_missing_or_malformed_result_is_infra_failure_with_the_reason(
+    tmp_path: Path, mode: str, code: int
+) -> None:
+    root = make_rollout(tmp_path)
+    receipt = await supervise(root, config("none", *fake(mode, str(code))))
+    assert receipt.outcome == "infra_failure"
+    assert receipt.exit_code == code
+    assert ("protocol violation" in receipt.outcome_reason) == (code == 0)
+    if mode == "no-result":
+        assert not receipt.result_present and "no result.json" in receipt.outcome_reason
+    else:
+        assert receipt.result_present and not receipt.result_valid
+        assert "result.json is invalid" in receipt.outcome_reason
+
+
+@requires_bwrap()
+@pytest.mark.bwrap
+@pytest.mark.timeout(60)
+async def test_malformed_result_under_bwrap_is_moved_out_and_classified(tmp_path: Path) -> None:
+    root = make_rollout(tmp_path)
+    receipt = await supervise(root, config("bwrap", *fake("truncated", "0")))
+    assert receipt.outcome == "infra_failure" and "protocol violation" in receipt.outcome_reason
+    assert receipt.result_present and not receipt.result_valid
+    assert (root / "result.json").exists() and not (root / ".sandbox").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+async def test_temp_file_left_between_fsync_and_rename_is_swept_and_counted(
+    tmp_path: Path, sandbox: str
+) -> None:
+    root = make_rollout(tmp_path)
+    receipt = await supervise(root, config(sandbox, *fake("temp-then-die")))
+    assert receipt.outcome == "infra_failure"
+    assert not receipt.result_present and not (root / "result.json").exists()
+    assert receipt.temp_files_swept == 1
+    assert not [p for p in root.rglob("*") if is_temp_artifact(p.name)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("mode", "outcome", "words"),
+    [
+        (
+            "fatal-early",
+            "infra_failure",
+            "before the first model response: ExecutorError: the kernel never started",
+        ),
+        ("transient", "infra_failure", "transient"),
+    ],
+)
+async def test_worker_errors_are_classified_and_carried(
+    tmp_path: Path, mode: str, outcome: str, words: str
+) -> None:
+    root = make_rollout(tmp_path)
+    receipt = await supervise(root, config("none", *fake(mode)))
+    assert receipt.outcome == outcome and words in receipt.outcome_reason
+    assert receipt.result_error is not None
+
+
+# --------------------------------------------------------------------------- stops
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+async def test_stop_event_cancels_the_rollout(tmp_path: Path, sandbox: str) -> None:
+    root = make_rollout(tmp_path)
+    stop = asyncio.Event()
+    task = asyncio.create_task(supervise(root, config(sandbox, *fake("hang")), stop=stop))
+    await wait_file(root / "workspace" / "started")
+    stop.set()
+    receipt = await asyncio.wait_for(task, 30)
+    assert receipt.outcome == "cancelled" and receipt.stop_requested and not receipt.deadline_fired
+    assert [(s.signal, s.target, s.reason) for s in receipt.signals_sent] == [("SIGTERM", "group", "stop")]
+    result = WorkerResult.model_validate_json((root / "result.json").read_bytes())
+    assert result.error is not None and result.error.kind == "cancelled"
+
+
+@pytest.mark.timeout(60)
+async def test_stop_file_cancels_the_rollout(tmp_path: Path) -> None:
+    root = make_rollout(tmp_path)
+    task = asyncio.create_task(supervise(root, config("none", *fake("hang"), stop_poll_s=0.05)))
+    await wait_file(root / "workspace" / "started")
+    (root / "stop").touch()
+    receipt = await asyncio.wait_for(task, 30)
+    assert receipt.outcome == "cancelled" and receipt.stop_requested
+
+
+async def test_stop_file_at_start_means_the_worker_never_runs(tmp_path: Path) -> None:
+    root = make_rollout(tmp_path)
+    (root / "stop").touch()
+    receipt = await supervise(root, config("none", *fake("ok")))
+    assert receipt.outcome == "cancelled" and not receipt.result_present
+    assert not (root / "worker.log").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+async def test_cancelling_supervise_stops_the_worker_and_still_writes_the_receipt(
+    tmp_path: Path, sandbox: str
+) -> None:
+    root = make_rollout(tmp_path)
+    task = asyncio.create_task(supervise(root, config(sandbox, *fake("hang"))))
+    await wait_file(root / "workspace" / "started")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    receipt = receipt_on_disk(root)
+    assert receipt.outcome == "cancelled" and receipt.stop_requested and receipt.cleanup_confirmed
+
+
+# --------------------------------------------------------------------------- refusals and set-up failures
+
+
+async def test_invalid_input_is_infra_failure_without_starting_the_worker(tmp_path: Path) -> None:
+    root = make_rollout(tmp_path, expected_answer="42")
+    receipt = await supervise(root, config("none", *fake("ok")))
+    assert receipt.outcome == "infra_failure"
+    assert "input.json is invalid" in receipt.outcome_reason and "expected_answer" in receipt.outcome_reason
+    assert receipt.rollout_id == "r1"
+    assert not (root / "worker.log").exists()
+
+
+async def test_a_used_rollout_directory_is_refused(tmp_path: Path) -> None:
+    root = make_rollout(tmp_path)
+    (root / "receipt.json").write_text("{}")
+    with pytest.raises(ConfigError, match="fresh rollout directory"):
+        await supervise(root, config("none", *fake("ok")))
+
+
+async def test_missing_bubblewrap_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    root = make_rollout(tmp_path)
+    cfg = SupervisorConfig(sandbox=BwrapSandbox(bwrap_path="/nonexistent/bwrap"), worker_command=fake("ok"))
+    with pytest.raises(SandboxError, match="--sandbox none"):
+        await supervise(root, cfg)
+    assert sorted(p.name for p in root.iterdir()) == ["input.json", "workspace"]
+
+
+async def test_missing_credential_variable_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ROLLCAGE_TEST_NO_SUCH_KEY", raising=False)
+    root = make_rollout(tmp_path)
+    with pytest.raises(ConfigError, match="ROLLCAGE_TEST_NO_SUCH_KEY"):
+        await supervise(root, config("none", *fake("ok"), api_key_env="ROLLCAGE_TEST_NO_SUCH_KEY"))
+
+
+def test_config_refuses_to_pass_the_credential_to_the_worker() -> None:
+    with pytest.raises(ValueError, match="must not be passed to the worker"):
+        SupervisorConfig(api_key_env="OPENAI_API_KEY", env_allow=["OPENAI_API_KEY"])
+
+
+def test_config_is_a_tagged_union_that_forbids_unknown_fields() -> None:
+    cfg = SupervisorConfig.model_validate({"sandbox": {"type": "none"}, "deadline_s": 5})
+    assert isinstance(cfg.sandbox, NoSandbox)
+    with pytest.raises(ValueError):
+        SupervisorConfig.model_validate({"sandbox": {"type": "bwrap", "bogus": 1}})
+
+
+# --------------------------------------------------------------------------- many rollouts, one loop
+
+
+@pytest.mark.timeout(90)
+async def test_concurrent_rollouts_in_one_loop_are_kept_apart(tmp_path: Path) -> None:
+    modes = {"d1": ("daemon",), "d2": ("daemon", "ignore-term"), "ok": ("ok",), "hang": ("hang",)}
+    roots = {name: make_rollout(tmp_path, name) for name in modes}
+    receipts = await asyncio.gather(
+        *(
+            supervise(roots[name], config("none", *fake(*mode), deadline_s=2 if name == "hang" else 20))
+            for name, mode in modes.items()
+        )
+    )
+    got = dict(zip(modes, receipts, strict=True))
+    assert {name: r.outcome for name, r in got.items()} == {
+        "d1": "completed",
+        "d2": "completed",
+        "ok": "completed",
+        "hang": "timeout",
+    }
+    # Each rollout killed exactly its own daemon: the token tells reparented orphans apart.
+    assert [got[name].descendants_killed for name in ("d1", "d2", "ok", "hang")] == [1, 1, 0, 0]
+    assert all(r.cleanup_confirmed for r in receipts)
+
+
+# --------------------------------------------------------------------------- PID reuse
+
+
+def test_a_pid_handle_refuses_a_process_that_is_not_the_one_found() -> None:
+    with subprocess.Popen(["sleep", "30"]) as proc:
+        try:
+            info = read_proc(proc.pid)
+            assert info is not None
+            stale = type(info)(**{**info.__dict__, "starttime": info.starttime - 1})
+            assert PidHandle.open(stale) is None  # same PID, another start time: a reused PID
+            handle = PidHandle.open(info)
+            assert handle is not None
+            try:
+                assert handle.send(signal.SIGKILL)
+            finally:
+                handle.close()
+        finally:
+            proc.kill()
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _cli(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollcage", "supervise", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def test_cli_exit_codes_follow_the_outcome() -> None:
+    from rollcage.commands.supervise import EXIT_CODES
+
+    assert {outcome for outcome, code in EXIT_CODES.items() if code == 0} == {"completed", "agent_error"}
+    assert all(EXIT_CODES[o] != 0 for o in ("infra_failure", "timeout", "cancelled"))
+
+
+@pytest.mark.timeout(60)
+def test_cli_prints_receipt_and_outcome(tmp_path: Path) -> None:
+    root = make_rollout(tmp_path)
+    with _cli(str(root), "--sandbox", "none", "--worker-command", " ".join(fake("no-result", "1"))) as proc:
+        out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 1, err
+    assert f"receipt: {root / 'receipt.json'}" in out and "outcome: infra_failure" in out
+    assert "SANDBOX DISABLED" in err
+
+
+@pytest.mark.timeout(60)
+def test_cli_sigterm_is_a_stop(tmp_path: Path) -> None:
+    root = make_rollout(tmp_path)
+    with _cli(str(root), "--sandbox", "none", "--worker-command", " ".join(fake("hang"))) as proc:
+        try:
+            end = time.monotonic() + 30
+            while not (root / "workspace" / "started").exists():
+                assert time.monotonic() < end and proc.poll() is None, "the worker did not start"
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 4 and "outcome: cancelled" in out
+    assert receipt_on_disk(root).stop_requested
