@@ -60,8 +60,10 @@ TOOLS = [
 APIS = ["chat", "responses"]
 MODES = [pytest.param(False, id="plain"), pytest.param(True, id="stream")]
 
-# Fault tests: short deadlines so a hanging server costs (R+1)*T = 0.75 s, not minutes.
+# Deadlines: short where an attempt is meant to time out, so a hanging server costs (R+1)*T = 0.75 s,
+# and generous elsewhere, so a slow shared test machine never turns an answer into a timeout.
 TIMEOUT_S = 0.25
+SAFE_TIMEOUT_S = 5.0
 RETRIES = 2
 BACKOFF_S = 0.01
 
@@ -84,7 +86,8 @@ def serve_policy() -> Iterator[Callable[..., PolicyServer]]:
 
 
 def endpoint_of(server: PolicyServer, api: str, stream: bool, **settings: Any) -> ModelEndpoint:
-    settings = {"timeout_s": TIMEOUT_S, "max_retries": RETRIES, "retry_backoff_s": BACKOFF_S, **settings}
+    settings = {key: value for key, value in settings.items() if value is not None}
+    settings = {"timeout_s": SAFE_TIMEOUT_S, "max_retries": RETRIES, "retry_backoff_s": BACKOFF_S, **settings}
     return server.endpoint(api=api, stream=stream, connect_timeout_s=settings["timeout_s"], **settings)  # type: ignore[arg-type]
 
 
@@ -111,7 +114,7 @@ async def test_two_turn_tool_episode_is_normalised_to_responses_items(
     serve_policy: Callable[..., PolicyServer], api: str, stream: bool
 ) -> None:
     server = serve_policy()
-    endpoint = endpoint_of(server, api, stream, timeout_s=5.0)
+    endpoint = endpoint_of(server, api, stream)
     async with ModelClient(endpoint, rollout_id="r-happy", task_id="weather") as client:
         first = await client.call(USER, instructions="Be brief.", tools=TOOLS, index=0)
         outputs = [
@@ -223,7 +226,9 @@ async def test_fault_is_classified_retried_as_bounded_and_timed(
     faulty_server: PolicyServer, rule: str, error: type[ModelError], attempts: int, api: str, stream: bool
 ) -> None:
     rollout = _rollout("fail", rule, api, stream)
-    endpoint = endpoint_of(faulty_server, api, stream)
+    endpoint = endpoint_of(
+        faulty_server, api, stream, timeout_s=TIMEOUT_S if error is ModelTimeoutError else None
+    )
     started = time.monotonic()
     async with ModelClient(endpoint, rollout_id=rollout, task_id="weather") as client:
         with pytest.raises(ModelError) as raised:
@@ -252,7 +257,8 @@ async def test_transient_fault_on_first_attempt_replays_the_same_turn(
     faulty_server: PolicyServer, rule: str, api: str, stream: bool
 ) -> None:
     rollout = _rollout("once", rule, api, stream)
-    endpoint = endpoint_of(faulty_server, api, stream)
+    # A hung first attempt costs its whole deadline; the second must still answer well within one.
+    endpoint = endpoint_of(faulty_server, api, stream, timeout_s=1.0 if rule == "kind=hang" else None)
     async with ModelClient(endpoint, rollout_id=rollout, task_id="weather") as client:
         record = await client.call(USER)
     assert record.status == "completed" and record.attempts == 2
@@ -300,7 +306,7 @@ async def test_retry_after_is_capped_so_the_call_stays_bounded(
     serve_policy: Callable[..., PolicyServer],
 ) -> None:
     server = serve_policy(faults=["status=429:retry_after=3600"])
-    endpoint = endpoint_of(server, "chat", False, max_retries=1)
+    endpoint = endpoint_of(server, "chat", False, max_retries=1, timeout_s=TIMEOUT_S)
     started = time.monotonic()
     async with ModelClient(endpoint, rollout_id="r-cap", task_id="weather") as client:
         with pytest.raises(TransientModelError):
@@ -691,9 +697,7 @@ async def test_random_faults_are_classified_as_injected(
 
 async def test_latency_within_the_deadline_is_just_slow(serve_policy: Callable[..., PolicyServer]) -> None:
     server = serve_policy(faults=["kind=latency:delay=0.1"])
-    async with ModelClient(
-        endpoint_of(server, "chat", True, timeout_s=5.0), rollout_id="r", task_id="x"
-    ) as client:
+    async with ModelClient(endpoint_of(server, "chat", True), rollout_id="r", task_id="x") as client:
         record = await client.call(USER)
     assert record.attempts == 1 and record.ended_at - record.started_at >= 0.1
     assert [fault.kind for fault in server.faults_injected] == ["latency"]
