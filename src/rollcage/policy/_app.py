@@ -98,16 +98,26 @@ class PolicyState:
                 with self._fault_log.open("ab") as handle:
                     handle.write(orjson.dumps(record.model_dump()) + b"\n")
 
-    def wait_for_requests(self, count: int, timeout: float) -> bool:
-        """Block until at least ``count`` model requests have arrived; False if ``timeout`` passed first.
+    def wait_for_requests(self, count: int, timeout: float, *, rollout_id: str | None = None) -> bool:
+        """Block until at least ``count`` model requests (of ``rollout_id``, if given) have arrived.
 
         For tests and controllers that must act once a request is in flight (e.g.
-        stop a server while a request hangs) without sleeping.
+        stop a server while a request hangs), or compare counts with a client's,
+        without sleeping.
+
+        Returns:
+            True once they have arrived; False if ``timeout`` passed first.
 
         **Cancellation:** a plain thread wait; it ends by itself within ``timeout``.
         """
+
+        def arrived() -> bool:
+            if rollout_id is None:
+                return len(self._requests) >= count
+            return sum(record.rollout_id == rollout_id for record in self._requests) >= count
+
         with self._lock:
-            return self._changed.wait_for(lambda: len(self._requests) >= count, timeout)
+            return self._changed.wait_for(arrived, timeout)
 
     @property
     def calls(self) -> int:
@@ -249,6 +259,24 @@ class PolicyApp:
             call=call, rollout_call=rollout_call, rollout_id=rollout_id, task_id=task_id
         )
         rule = decision[0] if decision else None
+        if decision is not None:
+            rule, source = decision
+            self.state.log_fault(
+                FaultRecord(
+                    call=call,
+                    rollout_call=rollout_call,
+                    rollout_id=rollout_id,
+                    task_id=task_id,
+                    api=api,
+                    stream=stream,
+                    turn=turn_index,
+                    kind=rule.kind,
+                    status=_status_sent(rule),
+                    source=source,
+                    at=time.time(),
+                )
+            )
+        # The request record comes last: waiting for it (wait_for_requests) then sees its fault too.
         self.state.log_request(
             RequestRecord(
                 call=call,
@@ -262,27 +290,7 @@ class PolicyApp:
                 at=arrived,
             )
         )
-        if decision is not None:
-            rule, source = decision
-            self.state.log_fault(
-                FaultRecord(
-                    call=call,
-                    rollout_call=rollout_call,
-                    rollout_id=rollout_id,
-                    task_id=task_id,
-                    api=api,
-                    stream=stream,
-                    turn=turn_index,
-                    kind=rule.kind,
-                    status=429
-                    if rule.kind == "rate_limit"
-                    else rule.status
-                    if rule.kind == "status"
-                    else None,
-                    source=source,
-                    at=time.time(),
-                )
-            )
+        if rule is not None:
             early = await self._early_fault(rule, request)
             if early is not None:
                 return early
@@ -397,6 +405,13 @@ class PolicyApp:
         for _ in range(3):
             await asyncio.sleep(0)
         return Response(b"")
+
+
+def _status_sent(rule: FaultRule) -> int | None:
+    """The HTTP status a fault answers with, for the ones that answer with an error status."""
+    if rule.kind == "rate_limit":
+        return 429
+    return rule.status if rule.kind == "status" else None
 
 
 async def _iterate(events: Sequence[bytes]) -> AsyncIterator[bytes]:
