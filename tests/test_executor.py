@@ -179,8 +179,16 @@ async def test_input_gets_end_of_file(executor: Executor) -> None:
     assert result.error is not None and "EOFError" in result.error
 
 
+def rss_mib(pid: int | None) -> float:
+    assert pid is not None
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
 async def test_large_output_is_bounded_as_it_is_produced(make: MakeExecutor) -> None:
     executor = await make(output_limit=4096)
+    rss_before = rss_mib(executor.pid)
     started = time.monotonic()
     result = await executor.run("chunk = 'x' * 1_000_000\nfor _ in range(100):\n    print(chunk)", 30)
     elapsed = time.monotonic() - started
@@ -190,6 +198,8 @@ async def test_large_output_is_bounded_as_it_is_produced(make: MakeExecutor) -> 
     assert len(result.text) <= 4096
     assert "truncated" in result.text
     assert elapsed < 15, f"printing 100 MB took {elapsed:.1f}s"
+    # Nothing kept the 100 MB (IPython 9, for one, copies every write into its history).
+    assert rss_mib(executor.pid) - rss_before < 40
     assert (await executor.run("len(chunk)", CELL_TIMEOUT_S)).value == "1000000"
 
 

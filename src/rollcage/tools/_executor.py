@@ -155,14 +155,6 @@ def bound_tail(text: str, limit: int) -> tuple[str, bool]:
     return marker + text[len(text) - max(limit - len(marker), 0) :], True
 
 
-def bound_head(text: str, limit: int) -> tuple[str, bool]:
-    """Keep the first ``limit`` characters of ``text`` (a value's repr)."""
-    if len(text) <= limit:
-        return text, False
-    marker = truncation_marker(len(text) - limit)
-    return text[: max(limit - len(marker), 0)] + marker, True
-
-
 def normalise_bridged_tools(tools: BridgedTools) -> dict[str, tuple[str, ...]]:
     """Validate bridged tool names and return ``{name: positional parameter names}``.
 
@@ -260,6 +252,11 @@ async def shielded(coro: Coroutine[Any, Any, _T]) -> _T:
                 raise
             cancelled = True
             continue
+        except BaseException as exc:
+            if cancelled:
+                # The cleanup failed, but the caller was cancelled: that must not be lost.
+                raise asyncio.CancelledError from exc
+            raise
         break
     if cancelled:
         raise asyncio.CancelledError
@@ -398,6 +395,7 @@ class Executor(abc.ABC):
         self._restarts = 0
         self._start_lock = asyncio.Lock()
         self._run_lock = asyncio.Lock()
+        self._teardown_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ public
 
@@ -417,6 +415,7 @@ class Executor(abc.ABC):
         """Pid (and process group id) of the current child process; None when there is none."""
 
     async def __aenter__(self) -> Executor:
+        """Start the executor (see :meth:`start`)."""
         await self.start()
         return self
 
@@ -426,6 +425,7 @@ class Executor(abc.ABC):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Close the executor (see :meth:`aclose`)."""
         await self.aclose()
 
     async def start(self) -> None:
@@ -447,7 +447,7 @@ class Executor(abc.ABC):
             try:
                 await self._launch()
             except BaseException:
-                await shielded(self._teardown(graceful=False))
+                await shielded(self._locked_teardown(graceful=False))
                 raise
             self._state = ExecutorState.RUNNING
 
@@ -481,7 +481,8 @@ class Executor(abc.ABC):
                 await self._kill_for_restart()
             await self.start()
             started = time.monotonic()
-            cell = await self._submit(code)
+            # Synchronous: no cancellation can fall between sending a cell and supervising it.
+            cell = self._submit(code)
             try:
                 result = await self._supervise(cell, timeout_s, started)
             except asyncio.CancelledError:
@@ -514,8 +515,15 @@ class Executor(abc.ABC):
     # --------------------------------------------------------------- internals
 
     async def _close(self) -> None:
-        await self._teardown(graceful=True)
-        self._state = ExecutorState.CLOSED
+        # A start in progress finishes (bounded by its timeout) before it is torn down.
+        async with self._start_lock:
+            await self._locked_teardown(graceful=True)
+            self._state = ExecutorState.CLOSED
+
+    async def _locked_teardown(self, *, graceful: bool) -> None:
+        # A cell's restart and a concurrent aclose must not tear down the same process twice.
+        async with self._teardown_lock:
+            await self._teardown(graceful=graceful)
 
     async def _supervise(self, cell: PendingCell, timeout_s: float, started: float) -> CellResult:
         try:
@@ -568,7 +576,7 @@ class Executor(abc.ABC):
 
     async def _kill_for_restart(self) -> None:
         self._restarts += 1
-        await shielded(self._teardown(graceful=False))
+        await shielded(self._locked_teardown(graceful=False))
         if not self._closed:
             self._state = ExecutorState.UNOPENED
 
@@ -595,8 +603,8 @@ class Executor(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def _submit(self, code: str) -> PendingCell:
-        """Send a cell to the running child."""
+    def _submit(self, code: str) -> PendingCell:
+        """Send a cell to the running child (buffered, never blocks)."""
 
     @abc.abstractmethod
     async def _interrupt(self) -> None:

@@ -534,7 +534,12 @@ class JupyterExecutor(Executor):
         )
         self._setup_reply = asyncio.get_running_loop().create_future()
         self._setup_id = kc.execute(code, silent=True, store_history=False)
-        reply = await self._setup_reply
+        assert self._exited is not None
+        waits: set[asyncio.Future[Any]] = {self._setup_reply, self._exited}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not self._setup_reply.done():
+            raise ExecutorError("the Jupyter kernel exited during set-up")
+        reply = self._setup_reply.result()
         if reply.get("status") != "ok":
             raise ExecutorError(
                 f"the Jupyter kernel set-up failed: {reply.get('ename')}: {reply.get('evalue')}"
@@ -587,7 +592,7 @@ class JupyterExecutor(Executor):
 
     # ------------------------------------------------------------------ cells
 
-    async def _submit(self, code: str) -> PendingCell:
+    def _submit(self, code: str) -> PendingCell:
         kc = self._kc
         assert kc is not None
         msg_id = kc.execute(

@@ -456,7 +456,7 @@ class ReplExecutor(Executor):
 
     # ------------------------------------------------------------------ cells
 
-    async def _submit(self, code: str) -> PendingCell:
+    def _submit(self, code: str) -> PendingCell:
         self._next_id += 1
         cell = _ReplCell(self, self._next_id)
         self._current = cell
@@ -464,7 +464,7 @@ class ReplExecutor(Executor):
         if proc is None or proc.returncode is not None:
             fail_future(cell.done, ProcessDied(describe_exit(proc.returncode if proc else None)))
             return cell
-        await self._send({"op": "run", "id": cell.id, "code": code})
+        self._write({"op": "run", "id": cell.id, "code": code})
         return cell
 
     async def _interrupt(self) -> None:

@@ -24,6 +24,8 @@ reading or writing the control socket it is only remembered, so an interrupt
 can never tear a frame.
 """
 
+from __future__ import annotations
+
 import _ast
 import _thread
 import builtins
@@ -31,7 +33,12 @@ import io
 import marshal
 import os
 import sys
-from typing import Any
+
+# ``typing`` would pull in re, enum, functools and collections (~10 ms): the
+# annotations here are never evaluated, so it is imported for the type checker only.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__: list[str] = []
 
@@ -151,7 +158,7 @@ def _write_all(fd: int, data: bytes) -> None:
 class _CaptureBytes(io.RawIOBase):
     """``sys.stdout.buffer``: the same bounded fd, for bytes."""
 
-    def __init__(self, owner: "_Capture") -> None:
+    def __init__(self, owner: _Capture) -> None:
         self._owner = owner
 
     def writable(self) -> bool:
@@ -286,6 +293,8 @@ def _call_tool(channel: _Channel, name: str, kwargs: dict[str, Any]) -> str:
     if main and _State.pending_interrupt:
         _State.pending_interrupt = False
         raise KeyboardInterrupt
+    if msg.get("interrupt"):
+        raise KeyboardInterrupt  # the parent abandoned the call: the cell is being interrupted
     if "error" in msg:
         raise _ToolUnavailable(f"{name}: {msg['error']}")
     return str(msg.get("text", ""))

@@ -19,6 +19,7 @@ What the model sees and what the worker sees are kept apart:
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import enum
 import time
@@ -153,6 +154,7 @@ class ResourceTools:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Close every client (see :meth:`aclose`)."""
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -179,7 +181,7 @@ class ResourceTools:
 
         Raises:
             ResourceUnavailableError: the endpoint could not be reached, did not
-                answer within its ``timeout_s``, or answered 502/503/504.
+                answer in full within its ``timeout_s``, or answered 502/503/504.
             RuntimeError: the tools are not open.
 
         **Cancellation:** the request is abandoned and its connection closed;
@@ -195,13 +197,16 @@ class ResourceTools:
         path = spec.path if spec.path is not None else f"/{name}"
         headers = {"Cookie": _cookie_header(self._cookies)} if self._cookies else None
         try:
-            request = client.build_request("POST", path, json=arguments, headers=headers)
-            response = await client.send(request, stream=True)
-            try:
-                body, cut = await self._read_body(response)
-            finally:
-                await response.aclose()
-        except httpx.TimeoutException as exc:
+            # httpx's timeout bounds each phase; this bounds the whole call (a
+            # resource trickling its answer byte by byte must not hold the rollout).
+            async with asyncio.timeout(endpoint.timeout_s):
+                request = client.build_request("POST", path, json=arguments, headers=headers)
+                response = await client.send(request, stream=True)
+                try:
+                    body, cut = await self._read_body(response)
+                finally:
+                    await response.aclose()
+        except (httpx.TimeoutException, TimeoutError) as exc:
             raise ResourceUnavailableError(
                 f"resource {spec.resource!r} gave no answer to {name} within {endpoint.timeout_s:g} s "
                 f"({type(exc).__name__})"
