@@ -278,12 +278,12 @@ class ModelClient:
         started_at = time.time()
         try:
             payload = build_request(endpoint, input, instructions=instructions, tools=tools)
+            body = orjson.dumps(payload)
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             failure = _AttemptFailed(
                 FatalModelError, f"cannot build the request (none sent): {exc!r}", retry=False
             )
             self._fail(failure, index, {"input": _jsonable(input)}, started_at, None, 1)
-        body = orjson.dumps(payload)
         attempts = 0
         first_byte_at: float | None = None
         while True:
