@@ -80,7 +80,6 @@ def command(
 ) -> None:
     """Run a dataset of tasks in sandboxes, grade outside them, and report."""
     import asyncio
-    import logging
 
     from rollcage.controller import (
         EXIT_USAGE,
@@ -100,9 +99,8 @@ def command(
         )
     if api_key_env is not None and model is None:
         raise typer.BadParameter("--api-key-env needs --model", param_hint="--api-key-env")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-
     reporter = RichReporter(quiet=quiet)
+    _log_through(reporter)
     source: EmbeddedPolicyConfig | ModelEndpointConfig
     if model is not None and model_name is not None:
         source = ModelEndpointConfig(base_url=model, model_name=model_name, api_key_env=api_key_env)
@@ -134,6 +132,31 @@ def command(
         raise typer.Exit(EXIT_USAGE) from None
     render_summary(summary, reporter.console)
     raise typer.Exit(summary.exit_code)
+
+
+def _log_through(reporter: RichReporter) -> None:
+    """Send warnings through the reporter's console (above the live bar), each distinct one once.
+
+    A run of thousands of rollouts would otherwise repeat the same per-rollout
+    warning (e.g. the supervisor's "sandbox disabled") thousands of times.
+    """
+    import logging
+
+    from rich.logging import RichHandler
+
+    seen: set[str] = set()
+
+    def once(record: logging.LogRecord) -> bool:
+        key = f"{record.name}:{record.getMessage()}"
+        if key in seen:
+            return False
+        if len(seen) < 10_000:
+            seen.add(key)
+        return True
+
+    handler = RichHandler(console=reporter.console, show_time=False, show_path=False, markup=False)
+    handler.addFilter(once)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", handlers=[handler], force=True)
 
 
 async def _run(config: RunConfig, reporter: RichReporter) -> RunSummary:

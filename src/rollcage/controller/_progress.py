@@ -48,19 +48,24 @@ class RichReporter:
 
     def notice(self, message: str) -> None:
         """Print a line (above the bar when it is live)."""
-        self.console.print(message, markup=False, highlight=False)
+        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def invalid_row(self, row: InvalidRow) -> None:
         """Print a malformed row with its line number."""
         ident = f" (id {row.task_id!r})" if row.task_id else ""
         self.console.print(
-            f"Malformed row at line {row.line}{ident}: {row.reason}", markup=False, style="yellow"
+            f"Malformed row at line {row.line}{ident}: {row.reason}",
+            markup=False,
+            style="yellow",
+            soft_wrap=True,
         )
 
     def start(self, *, out_dir: Path, pending: int, done: int) -> None:
         """Print where output goes and start the bar."""
         self.console.print(
-            f"Output: {out_dir}  ({pending} sample(s) to run, {done} already finished)", markup=False
+            f"Output: {out_dir}  ({pending} sample(s) to run, {done} already finished)",
+            markup=False,
+            soft_wrap=True,
         )
         self._started = time.monotonic()
         if not self._live:
