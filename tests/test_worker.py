@@ -48,7 +48,7 @@ def policy(tmp_path: Path) -> Iterator[PolicyFactory]:
 
     def start(tasks: dict[str, Any], faults: tuple[str, ...] = ()) -> Any:
         script = write_script(tmp_path / f"policy-{len(stack._exit_callbacks)}.yaml", tasks)
-        return stack.enter_context(PolicyServer(script, port=0, faults=list(faults)))
+        return stack.enter_context(PolicyServer(script, port=0, faults=list(faults), keep_bodies=True))
 
     with stack:
         yield start
@@ -294,7 +294,7 @@ def test_model_visible_history_round_trips_through_the_result(
 
     result = WorkerResult.model_validate_json(json.dumps(json.loads(rollout.result.read_bytes())))
     sent = [c.request for c in result.trajectory.model_calls]
-    received = [r["body"] for r in server.requests]
+    received = [r.body for r in server.request_log]
     assert sent == received
     # The second request's history ends with both tool outputs, as the model saw them.
     tail = sent[1]["messages"][-2:]

@@ -237,7 +237,10 @@ class _Session:
                     kind="fatal", type=type(exc).__name__, message=f"unexpected failure: {exc}"
                 )
             result = self._result(outcome, error)
-            if not _publish(self.paths.result, result, mode=self.spec.result_mode):
+            published = await asyncio.to_thread(
+                _publish, self.paths.result, result, mode=self.spec.result_mode
+            )
+            if not published:
                 return EXIT_ERROR
             if error is None:
                 return EXIT_OK

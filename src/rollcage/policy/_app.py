@@ -55,6 +55,9 @@ class RequestRecord(BaseModel):
     turn: int = Field(description="0-based model turn asked for.")
     fault: str | None = Field(default=None, description="The injected fault's kind, if any.")
     at: float = Field(description="Unix time the request arrived.")
+    body: dict[str, Any] | None = Field(
+        default=None, description="The request's JSON body, when the server keeps bodies (tests); else None."
+    )
 
 
 class PolicyState:
@@ -62,9 +65,11 @@ class PolicyState:
 
     Args:
         fault_log: Append every injected fault as a JSON line here; None: memory only.
+        keep_bodies: Keep each request's body in its record (memory grows with traffic: tests only).
     """
 
-    def __init__(self, fault_log: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, fault_log: str | os.PathLike[str] | None = None, *, keep_bodies: bool = False) -> None:
+        self.keep_bodies = keep_bodies
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._calls = 0
@@ -288,6 +293,7 @@ class PolicyApp:
                 turn=turn_index,
                 fault=rule.kind if rule else None,
                 at=arrived,
+                body=body if self.state.keep_bodies else None,
             )
         )
         if rule is not None:

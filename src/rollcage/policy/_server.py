@@ -134,6 +134,7 @@ class PolicyServer:
         fault_kinds: What random faults are drawn from (see ``parse_fault_kinds``); None: the default set.
         seed: Seed of the random fault draws.
         fault_log: Append every injected fault as a JSON line to this file.
+        keep_bodies: Keep each request's JSON body in ``request_log`` (tests; memory grows with traffic).
         start_timeout_s: How long ``start`` waits for the server to listen.
         stop_timeout_s: How long ``stop`` waits for the thread to end.
     """
@@ -150,11 +151,12 @@ class PolicyServer:
         fault_kinds: Sequence[FaultRule] | str | None = None,
         seed: int = 0,
         fault_log: str | os.PathLike[str] | None = None,
+        keep_bodies: bool = False,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 10.0,
     ) -> None:
         self.script = load_script(script)
-        self.state = PolicyState(fault_log)
+        self.state = PolicyState(fault_log, keep_bodies=keep_bodies)
         """Counters and logs (also exposed as ``requests``, ``request_log``, ``faults_injected``)."""
         self.app = PolicyApp(
             self.script, faults=_plan(faults, fault_rate, fault_kinds, seed), state=self.state
