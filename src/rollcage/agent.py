@@ -350,10 +350,9 @@ class Agent:
                 input=list(self._history), instructions=self._instructions(), tools=tools, index=index
             )
         except ModelError as exc:
-            record = getattr(exc, "record", None)
-            if isinstance(record, ModelCall):
-                self._recorder.add_model_call(record)
-                await self._emit("model_call", model_call=record, tool_calls=[])
+            if exc.record is not None:
+                self._recorder.add_model_call(exc.record)
+                await self._emit("model_call", model_call=exc.record, tool_calls=[])
             raise
         self._recorder.add_model_call(call)
         return call

@@ -11,9 +11,11 @@ Every error carries a ``kind`` that says which, so the worker can publish it as
     ├── DurableWriteError (OSError)              publishing or appending to disk failed     [transient]
     ├── JournalCorruptError (ValueError)         a checkpoint journal is damaged mid-file   [fatal]
     ├── ModelError                               the model endpoint                         [see below]
-    │   ├── TransientModelError                  connection, timeout, 408/409/429/5xx       [transient]
+    │   ├── TransientModelError                  connection, timeout, 408/409/429/5xx,      [transient]
+    │   │                                        a broken or truncated body
     │   │   └── ModelTimeoutError (TimeoutError) no answer within the deadline              [transient]
-    │   └── FatalModelError                      400/401/404, context length, bad body      [fatal]
+    │   └── FatalModelError                      a request the server rejects: 400/401/404, [fatal]
+    │                                            context length
     ├── ToolError                                a tool or the Python executor              [fatal]
     │   ├── ToolTimeoutError (TimeoutError)      a call ran past its timeout                [fatal]
     │   ├── ExecutorError                        the executor died or cannot start          [fatal]
@@ -24,7 +26,10 @@ Every error carries a ``kind`` that says which, so the worker can publish it as
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from rollcage.protocol import ModelCall
 
 __all__ = [
     "ConfigError",
@@ -75,6 +80,9 @@ class JournalCorruptError(RollcageError, ValueError):
 
 class ModelError(RollcageError):
     """The model endpoint failed to give a usable answer."""
+
+    record: ModelCall | None = None
+    """The failed call (status ``failed``, attempts counted), so it can be recorded; set by the client."""
 
 
 class TransientModelError(ModelError):

@@ -457,7 +457,7 @@ class ModelClient:
             ended_at=time.time(),
             error=RunnerError(kind=error.kind, type=type(error).__name__, message=str(error)),
         )
-        error.record = record  # type: ignore[attr-defined]
+        error.record = record
         raise error from failure.__cause__
 
 
