@@ -397,7 +397,8 @@ class JupyterExecutor(Executor):
         stderr_path = os.path.join(tmpdir, "kernel.stderr")
         try:
             async with asyncio.timeout(self._start_timeout_s):
-                with open(stderr_path, "wb") as stderr:  # noqa: ASYNC230 - a local, empty file
+                stderr = await asyncio.to_thread(open, stderr_path, "wb")
+                with stderr:  # the kernel keeps its own copy of the fd
                     await km.start_kernel(
                         cwd=str(self._cwd),
                         env=env,
