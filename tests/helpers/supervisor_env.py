@@ -86,8 +86,9 @@ def make_rollout(
 
 def config(sandbox: str, *command: str, **fields: Any) -> SupervisorConfig:
     """A SupervisorConfig running ``command`` under ``sandbox`` (bwrap sees the test helpers, read-only)."""
-    limits = fields.pop("limits", {})
-    box = BwrapSandbox(extra_ro_paths=[str(HELPERS)], **limits) if sandbox == "bwrap" else NoSandbox()
+    limits = dict(fields.pop("limits", {}))
+    limits["extra_ro_paths"] = [str(HELPERS), *limits.get("extra_ro_paths", [])]
+    box = BwrapSandbox(**limits) if sandbox == "bwrap" else NoSandbox()
     fields.setdefault("deadline_s", 20)
     fields.setdefault("grace_s", 2)
     return SupervisorConfig(sandbox=box, worker_command=list(command), **fields)

@@ -48,8 +48,10 @@ from rollcage.supervisor.procs import (
     ProcInfo,
     descendants,
     ensure_subreaper,
-    ns_pids,
+    has_token,
+    read_proc,
     scan_processes,
+    wait_readable,
 )
 from rollcage.supervisor.proxy import EgressProxy, routes_for, sandbox_input
 from rollcage.supervisor.sandbox import (
@@ -179,6 +181,9 @@ class _Supervision:
         self.sigkill_sent = False
         self._hurry = asyncio.Event()
         self.handles: dict[tuple[int, int], PidHandle] = {}
+        self.sandbox_init: PidHandle | None = None
+        self.sigkilled: set[tuple[int, int]] = set()
+        self.status_task: asyncio.Task[None] | None = None
         self.credentials: tuple[str | None, dict[str, str]] = (None, {})
 
     # ----------------------------------------------------------------- check and prepare
@@ -283,9 +288,31 @@ class _Supervision:
             allow=self.config.env_allow, extra=self.config.env, sandbox=self.launcher.kind
         )
         command = self.config.worker_command or default_worker_command()
-        self.plan = plan = self.launcher.plan(
-            self.layout, worker_command=command, worker_env=env, token_env={TOKEN_ENV: self.token}
-        )
+        status_read, status_write = os.pipe() if self.launcher.kind == "bwrap" else (None, None)
+        try:
+            self.plan = plan = self.launcher.plan(
+                self.layout,
+                worker_command=command,
+                worker_env=env,
+                token_env={TOKEN_ENV: self.token},
+                status_fd=status_write,
+            )
+            await self._launch(plan, status_write)
+        except BaseException:
+            if status_read is not None:
+                os.close(status_read)
+            raise
+        finally:
+            # The launched bwrap holds its own copy now.
+            if status_write is not None:
+                os.close(status_write)
+        if status_read is not None:
+            self.status_task = asyncio.ensure_future(self._read_bwrap_status(status_read))
+        assert self.child is not None
+        await self._watch(self.child)
+
+    async def _launch(self, plan: LaunchPlan, status_fd: int | None) -> None:
+        assert self.original is not None
         worker_input = self.original
         if self.config.proxy is not None:
             assert self.layout.proxy_socket is not None and plan.proxy_socket is not None
@@ -302,9 +329,53 @@ class _Supervision:
             worker_input = sandbox_input(self.original, plan.proxy_socket)
         await asyncio.to_thread(self._prepare_files, plan, worker_input)
         self.log_fd = await asyncio.to_thread(self._open_log)
-        self.child = ChildProcess.spawn(plan.argv, env=plan.env, cwd=plan.cwd, stdout=self.log_fd)
+        self.child = ChildProcess.spawn(
+            plan.argv,
+            env=plan.env,
+            cwd=plan.cwd,
+            stdout=self.log_fd,
+            pass_fds=() if status_fd is None else (status_fd,),
+        )
         logger.debug("rollout %s: worker started (pid %d, %s)", self.rollout_id, self.child.pid, plan.sandbox)
-        await self._watch(self.child)
+
+    async def _read_bwrap_status(self, fd: int) -> None:
+        """Read bwrap's JSON status: its first document names the sandbox's init process.
+
+        Holding a pidfd on that init from the start lets the supervisor signal the
+        worker's group inside the sandbox, kill the whole PID namespace at once, and
+        reap the init if bwrap's monitor exits before it (it is then reparented here).
+        """
+        os.set_blocking(fd, False)
+        buffer = b""
+        try:
+            while True:
+                await wait_readable(fd)
+                try:
+                    chunk = os.read(fd, 4096)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    return
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    try:
+                        document = orjson.loads(line)
+                    except orjson.JSONDecodeError:
+                        continue
+                    if isinstance(document, dict) and isinstance(document.get("child-pid"), int):
+                        self._adopt_sandbox_init(document["child-pid"])
+        finally:
+            os.close(fd)
+
+    def _adopt_sandbox_init(self, pid: int) -> None:
+        info = read_proc(pid)
+        # The token proves it is this rollout's process and not a PID reused since bwrap wrote it.
+        if info is None or not info.alive or not has_token(pid, self.token):
+            return
+        handle = self._handle(info)
+        if handle is not None:
+            self.sandbox_init = handle
 
     async def _watch(self, child: ChildProcess) -> None:
         exited = asyncio.ensure_future(child.wait())
@@ -343,10 +414,17 @@ class _Supervision:
         self.signals.append(SignalEvent(signal=sig.name, target=target, at=time.time(), reason=reason))
 
     async def _tree(self) -> list[ProcInfo]:
-        """The worker's live process tree (its direct child included) and the reparented stragglers."""
+        """The worker's process tree (its direct child included) and the reparented stragglers."""
         assert self.child is not None
         table = await asyncio.to_thread(scan_processes)
-        return descendants(table, [self.child.pid], token=self.token)
+        roots = [self.child.pid]
+        init = self.sandbox_init
+        if init is not None:
+            now = table.get(init.info.pid)
+            # Once reaped, the init's PID may name another process: only the one we hold is a root.
+            if now is not None and now.starttime == init.info.starttime:
+                roots.append(now.pid)
+        return descendants(table, roots, token=self.token)
 
     def _handle(self, info: ProcInfo) -> PidHandle | None:
         key = (info.pid, info.starttime)
@@ -357,19 +435,20 @@ class _Supervision:
                 self.handles[key] = handle
         return handle
 
-    async def _sandbox_group(self) -> tuple[ProcInfo | None, list[ProcInfo]]:
-        """Under bwrap: the sandbox's init (PID 1 of its namespace) and the worker's process group."""
-        tree = await self._tree()
-        depth = len(ns_pids(os.getpid())) or 1
-        nspids = await asyncio.to_thread(lambda: {info.pid: ns_pids(info.pid) for info in tree})
-        init = next(
-            (info for info in tree if len(nspids[info.pid]) > depth and nspids[info.pid][-1] == 1), None
-        )
+    async def _sandbox_group(self) -> list[ProcInfo]:
+        """Under bwrap: the worker's process group inside the sandbox (empty before the sandbox exists).
+
+        bwrap's ``--new-session`` makes the sandbox's init a session and group leader, and
+        the worker stays in its group; the init itself is left out (it only reaps).
+        """
+        init = self.sandbox_init
         if init is None:
-            return None, []
-        # bwrap's --new-session makes the sandbox's init a session and group leader;
-        # the worker is in its group.
-        return init, [info for info in tree if info.pgid == init.pid and info.pid != init.pid and info.alive]
+            return []
+        return [
+            info
+            for info in await self._tree()
+            if info.pgid == init.info.pid and info.pid != init.info.pid and info.alive
+        ]
 
     async def _terminate(self, cause: Literal["deadline", "stop"]) -> None:
         """SIGTERM the worker's process group, wait the grace period, SIGKILL the whole tree."""
@@ -388,8 +467,7 @@ class _Supervision:
             if self.plan.sandbox == "none":
                 sent = child.signal_group(signal.SIGTERM)
             else:
-                _, group = await self._sandbox_group()
-                for info in group:
+                for info in await self._sandbox_group():
                     handle = self._handle(info)
                     sent = (handle is not None and handle.send(signal.SIGTERM)) or sent
             if sent:
@@ -413,12 +491,15 @@ class _Supervision:
         assert child is not None
         self.sigkill_sent = True
         tree = [info for info in await self._tree() if info.alive and info.pid != child.pid]
-        # The group first: killpg is atomic against fork, and the PID is pinned (the child is unreaped).
+        # Atomic against fork: SIGKILL to a PID namespace's init kills the whole namespace, and killpg
+        # reaches the whole group (whose id is pinned: the child is not reaped yet).
+        if self.sandbox_init is not None:
+            self.sandbox_init.send(signal.SIGKILL)
         child.signal_group(signal.SIGKILL)
         for info in tree:
             handle = self._handle(info)
-            if handle is not None:
-                handle.send(signal.SIGKILL)
+            if handle is not None and handle.send(signal.SIGKILL):
+                self.sigkilled.add((info.pid, info.starttime))
         self._record(signal.SIGKILL, "group", reason)
         await _within(child.wait(), self.config.kill_wait_s)
 
@@ -430,6 +511,11 @@ class _Supervision:
         killed: set[tuple[int, int]] = set()
         end = time.monotonic() + self.config.kill_wait_s
         confirmed = False
+        init = self.sandbox_init
+        if init is not None and child.status is not None:
+            # bwrap's monitor returns as soon as the worker exits; the sandbox's init follows a moment
+            # later, taking the whole PID namespace with it. Let it, rather than count it as a straggler.
+            await _within(wait_readable(init.fd), min(1.0, self.config.kill_wait_s))
         while True:
             tree = await self._tree()
             alive = [info for info in tree if info.alive and info.pid != child.pid]
@@ -443,8 +529,9 @@ class _Supervision:
             fresh = False
             for info in alive:
                 handle = self._handle(info)
-                if handle is not None and handle.send(signal.SIGKILL):
-                    key = (info.pid, info.starttime)
+                key = (info.pid, info.starttime)
+                if handle is not None and handle.send(signal.SIGKILL) and key not in self.sigkilled:
+                    # Not one already killed with the tree (and still dying): a straggler.
                     if key not in killed:
                         killed.add(key)
                         fresh = True
@@ -482,6 +569,9 @@ class _Supervision:
             confirmed, killed = await self._clean_up()
             status = self.child.release() if self.child is not None else None
         finally:
+            if self.status_task is not None:
+                self.status_task.cancel()
+                await asyncio.gather(self.status_task, return_exceptions=True)
             for handle in self.handles.values():
                 handle.close()
             self.handles.clear()
@@ -614,8 +704,6 @@ class _Supervision:
 
 
 async def _any_exit(handles: list[PidHandle]) -> None:
-    from rollcage.supervisor.procs import wait_readable
-
     waits = [asyncio.ensure_future(wait_readable(handle.fd)) for handle in handles]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

@@ -39,6 +39,7 @@ __all__ = [
     "ProcInfo",
     "descendants",
     "ensure_subreaper",
+    "has_token",
     "read_proc",
     "scan_processes",
     "wait_readable",
@@ -143,22 +144,13 @@ def scan_processes() -> dict[int, ProcInfo]:
     return table
 
 
-def ns_pids(pid: int) -> tuple[int, ...]:
-    """The process's PID in each nested PID namespace, outermost first (``NSpid``); ``()`` if gone."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as file:
-            for line in file:
-                if line.startswith(b"NSpid:"):
-                    return tuple(int(part) for part in line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return ()
+def has_token(pid: int, token: str) -> bool:
+    """Whether the process's environment holds this rollout's supervision token."""
+    from rollcage.supervisor.config import TOKEN_ENV
 
-
-def _has_token(pid: int, token: bytes) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as file:
-            return token in file.read().split(b"\0")
+            return f"{TOKEN_ENV}={token}".encode() in file.read().split(b"\0")
     except OSError:
         return False
 
@@ -179,17 +171,14 @@ def descendants(
     Returns:
         The members, parents before children.
     """
-    from rollcage.supervisor.config import TOKEN_ENV
-
     me = os.getpid() if self_pid is None else self_pid
     children: dict[int, list[int]] = {}
     for info in table.values():
         children.setdefault(info.ppid, []).append(info.pid)
     start = [pid for pid in roots if pid in table]
     if token is not None:
-        marker = f"{TOKEN_ENV}={token}".encode()
         known = set(start)
-        start += [pid for pid in children.get(me, []) if pid not in known and _has_token(pid, marker)]
+        start += [pid for pid in children.get(me, []) if pid not in known and has_token(pid, token)]
     found: list[ProcInfo] = []
     seen: set[int] = set()
     queue = list(start)

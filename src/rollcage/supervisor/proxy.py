@@ -360,7 +360,8 @@ class EgressProxy:
                     transport=httpx.AsyncHTTPTransport(uds=route.uds, retries=0),
                     timeout=timeout,
                     follow_redirects=False,
-                    # The supervisor's HTTP(S)_PROXY must not redirect the sandbox's traffic.
+                    # Nothing from the supervisor's environment (.netrc credentials, SSL
+                    # variables) may attach itself to the sandbox's traffic.
                     trust_env=False,
                 )
             self._server = await asyncio.start_unix_server(self._on_connection, path=str(self.socket_path))
@@ -401,6 +402,10 @@ class EgressProxy:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 
+    def _closed(self) -> bool:
+        # A method, not an inline comparison: the state changes under an await.
+        return self._state == "closed"
+
     # ----------------------------------------------------------------- connections
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -414,6 +419,11 @@ class EgressProxy:
             await self._serve(reader, writer)
         except (ConnectionError, h11.ProtocolError) as exc:
             logger.debug("proxy connection ended: %r", exc)
+        except asyncio.CancelledError:
+            if not self._closed():
+                raise
+            # Our own shutdown cancelled this connection (its capture line is written): end quietly,
+            # since asyncio's stream server would log a cancelled callback task as an error.
         finally:
             self._handlers.discard(task)
             writer.close()
@@ -444,13 +454,17 @@ class EgressProxy:
                 request_body=body,
                 started_at=time.time(),
             )
-            reusable = False
+            reusable = cancelled = False
             try:
                 reusable = await self._run(conn, reader, writer, exchange)
-            finally:
-                self._seq += 1
-                self.exchanges["denied" if exchange.route is None else exchange.route.kind] += 1
-                await asyncio.shield(self._capture.append(exchange.record(self._seq, self._rollout_id)))
+            except asyncio.CancelledError:
+                cancelled = True
+            # Exactly one capture line per exchange, also for one cut short by shutdown.
+            self._seq += 1
+            self.exchanges["denied" if exchange.route is None else exchange.route.kind] += 1
+            await self._capture.append(exchange.record(self._seq, self._rollout_id))
+            if cancelled:
+                raise asyncio.CancelledError
             if not reusable or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
             conn.start_next_cycle()

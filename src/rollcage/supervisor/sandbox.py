@@ -30,9 +30,10 @@ workspace beside RESULT) line up with this tree.
 Also visible, read-only at their host paths: the system directories
 (``/usr``, ``/etc``, ...), the Python environment (``sys.prefix``,
 ``sys.base_prefix``) and the directory the ``rollcage`` package is imported
-from. ``/tmp`` is a private, size-limited tmpfs; ``/proc`` shows only the
-sandbox's processes; ``/dev`` is minimal. The network namespace has only a
-loopback interface with nothing listening.
+from (mounted over the private ``/tmp`` if they live there). ``/tmp`` is a
+private, size-limited tmpfs; ``/proc`` shows only the sandbox's processes;
+``/dev`` is minimal. The network namespace has only a loopback interface with
+nothing listening.
 
 Root and RLIMIT_NPROC
 =====================
@@ -266,6 +267,10 @@ class _Tree:
         self._made.add(dest)
         self._mounted.add(dest)
 
+    def mark(self, dest: str) -> None:
+        """Record a directory made by other options, so no parent or mount is made for it again."""
+        self._made.add(dest)
+
     def covered(self, path: str) -> bool:
         """Whether ``path`` is already visible through a mount or symlink made before."""
         return any(path == m or path.startswith(m + "/") for m in self._mounted)
@@ -280,6 +285,7 @@ def bwrap_argv(
     worker_env: Mapping[str, str],
     ro_paths: Sequence[str],
     as_root: bool,
+    status_fd: int | None = None,
 ) -> list[str]:
     """The full command line that runs ``worker_argv`` in the sandbox (pure: nothing is checked on disk).
 
@@ -292,11 +298,18 @@ def bwrap_argv(
         ro_paths: Host paths to mount read-only at the same place (the Python environment, extras).
         as_root: The supervisor is root: use the two-stage launch (see the module docstring) when
             ``config.run_as_uid`` is set.
+        status_fd: An inherited file descriptor for bwrap's JSON status (``--json-status-fd``): it
+            names the sandbox's init process the moment it exists.
 
     Returns:
         The argv to execute.
     """
     tree = _Tree()
+    # The private /tmp comes first, so that paths under /tmp that must be visible (a Python
+    # environment, a worker's code) are mounted over it rather than hidden by it.
+    size = ["--size", str(config.tmp_size_bytes)] if config.tmp_size_bytes is not None else []
+    tree.args += ["--perms", "01777", *size, "--tmpfs", "/tmp"]
+    tree.mark("/tmp")
     for path in config.system_paths:
         if os.path.islink(path):
             tree.symlink(os.readlink(path), path)
@@ -313,6 +326,7 @@ def bwrap_argv(
     tree.add("--bind", str(layout.workspace), f"{SANDBOX_ROLLOUT_DIR}/workspace")
 
     namespaces = [
+        *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
         "--unshare-user",
         *(["--disable-userns"] if tools.disable_userns else []),
         "--unshare-pid",
@@ -331,15 +345,11 @@ def bwrap_argv(
         "--gid",
         str(config.sandbox_gid),
     ]
-    tmp = ["--size", str(config.tmp_size_bytes)] if config.tmp_size_bytes is not None else []
     runtime = [
         "--proc",
         "/proc",
         "--dev",
         "/dev",
-        *tmp,
-        "--tmpfs",
-        "/tmp",
         "--chdir",
         f"{SANDBOX_ROLLOUT_DIR}/workspace",
         "--clearenv",
@@ -364,8 +374,6 @@ def bwrap_argv(
         "--cap-add",
         "CAP_SETGID",
         *tree.args,
-        "--dir",
-        "/tmp",
         # The inner bwrap may mount a new /proc only where a full one is already visible.
         "--bind",
         "/proc",
@@ -442,6 +450,7 @@ class BwrapLauncher:
         worker_command: Sequence[str],
         worker_env: Mapping[str, str],
         token_env: Mapping[str, str],
+        status_fd: int | None = None,
     ) -> LaunchPlan:
         """The launch plan for one rollout (call :meth:`check` first).
 
@@ -450,6 +459,8 @@ class BwrapLauncher:
             worker_command: The worker program; INPUT RESULT --checkpoint are appended.
             worker_env: The worker's environment (inside the sandbox).
             token_env: Variables that also go to the bwrap processes on the host (the supervision token).
+            status_fd: Where bwrap writes its JSON status (see :func:`bwrap_argv`); it must be
+                inherited by the launched process.
         """
         tools = self.check()
         root = SANDBOX_ROLLOUT_DIR
@@ -474,6 +485,7 @@ class BwrapLauncher:
             worker_env={**worker_env, **token_env},
             ro_paths=[p for p in ro if os.path.exists(p)],
             as_root=as_root,
+            status_fd=status_fd,
         )
         return LaunchPlan(
             sandbox="bwrap",
@@ -508,8 +520,12 @@ class NoSandboxLauncher:
         worker_command: Sequence[str],
         worker_env: Mapping[str, str],
         token_env: Mapping[str, str],
+        status_fd: int | None = None,
     ) -> LaunchPlan:
-        """The launch plan for one rollout: the worker in ``R`` itself, dying with the supervisor."""
+        """The launch plan for one rollout: the worker in ``R`` itself, dying with the supervisor.
+
+        ``status_fd`` is accepted for symmetry with bwrap and ignored.
+        """
         argv = [
             *worker_command,
             str(layout.worker_input),
