@@ -29,7 +29,7 @@ SMOKE_FC = [
     {"text": "cold;sum=42"},
 ]
 SMOKE_CODEACT = [
-    {"code": "w = get_weather(city='Oslo')\nprint(w)\ns = sum([40, 2])\ns"},
+    {"code": "w = get_weather('Oslo')\nprint(w)\ns = sum([40, 2])\ns"},
     {"code": "import json\nsubmit(f\"{json.loads(w)['condition']};sum={s}\")"},
 ]
 

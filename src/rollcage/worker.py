@@ -305,7 +305,7 @@ class _Session:
 
     async def _episode(self) -> AgentResult:
         from rollcage.model import ModelClient
-        from rollcage.tools import ResourceTools
+        from rollcage.tools import ResourceTools, tool_parameters
 
         spec = self.spec
         self.paths.workspace.mkdir(parents=True, exist_ok=True)
@@ -331,7 +331,10 @@ class _Session:
                 boundary=self._boundary,
             )
             if any(isinstance(t, PythonToolSpec) for t in spec.tools) or spec.agent.mode == "codeact":
-                bridged = [SUBMIT, *(t.name for t in resource_specs)] if spec.agent.mode == "codeact" else []
+                bridged: dict[str, list[str]] = {}
+                if spec.agent.mode == "codeact":
+                    # Parameter names let agent code call get_weather("Oslo") as well as get_weather(city="Oslo").
+                    bridged = {SUBMIT: ["answer"], **{t.name: tool_parameters(t) for t in resource_specs}}
                 cells = _Cells(spec, self.paths.workspace, agent.bridge, bridged)
                 stack.push_async_callback(cells.aclose)
                 agent.attach_cells(cells)
@@ -394,7 +397,9 @@ class _Session:
 class _Cells:
     """The agent's view of the Python executor: started lazily, text out, always closed."""
 
-    def __init__(self, spec: WorkerInput, workspace: Path, bridge: Any, bridged: list[str]) -> None:
+    def __init__(
+        self, spec: WorkerInput, workspace: Path, bridge: Any, bridged: dict[str, list[str]]
+    ) -> None:
         from rollcage.tools import make_executor
 
         self._executor = make_executor(
