@@ -333,7 +333,7 @@ class _Session:
             if any(isinstance(t, PythonToolSpec) for t in spec.tools) or spec.agent.mode == "codeact":
                 bridged: dict[str, list[str]] = {}
                 if spec.agent.mode == "codeact":
-                    # Parameter names let agent code call get_weather("Oslo") as well as get_weather(city="Oslo").
+                    # Parameter names let agent code call get_weather("Oslo"), not only keywords.
                     bridged = {SUBMIT: ["answer"], **{t.name: tool_parameters(t) for t in resource_specs}}
                 cells = _Cells(spec, self.paths.workspace, agent.bridge, bridged)
                 stack.push_async_callback(cells.aclose)
