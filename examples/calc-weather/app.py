@@ -1,8 +1,11 @@
 """The calc-weather resource app; the code lives in ``rollcage.environments.calc_weather``.
 
-Serve it by hand with ``uvicorn --factory examples.calc-weather.app:create_app`` is not
-possible (the directory name has a dash); use
-``python -c "import uvicorn; from rollcage.environments.calc_weather import create_app; uvicorn.run(create_app())"``.
+The controller serves it on loopback when a row names ``calc-weather``. By hand::
+
+    import uvicorn
+    from rollcage.environments import create_app
+
+    uvicorn.run(create_app("calc-weather"))
 """
 
 from rollcage.environments.calc_weather import create_app
