@@ -226,6 +226,21 @@ def test_unreachable_model_is_a_transient_error(rollout: RolloutDir) -> None:
     assert [c.status for c in result.trajectory.model_calls] == ["failed"]
 
 
+def test_unreachable_resource_is_a_transient_error_not_the_agents(
+    policy: PolicyFactory, rollout: RolloutDir
+) -> None:
+    server = policy({"smoke": SMOKE_FC})
+    rollout.write_input(
+        worker_input(model_url=server.base_url, task_id="smoke", resource_url="http://127.0.0.1:9")
+    )
+    assert rollout.run() == 1, rollout.log_text()
+    result = rollout.result_model()
+    assert result.error is not None and result.error.kind == "transient"
+    assert result.error.type == "ResourceUnavailableError"
+    weather = next(c for c in result.trajectory.tool_calls if c.name == "get_weather")
+    assert weather.status == "incomplete"
+
+
 def test_failing_checkpoint_appends_do_not_stop_the_run(
     policy: PolicyFactory, rollout: RolloutDir, tmp_path: Path
 ) -> None:

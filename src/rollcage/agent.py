@@ -253,9 +253,14 @@ class Agent:
 
         # A failing sibling must not hide the others' outputs: each call records its own
         # outcome, and only a RollcageError that ends the rollout escapes the group.
-        async with asyncio.TaskGroup() as group:
-            for call in pending:
-                group.create_task(one(call))
+        try:
+            async with asyncio.TaskGroup() as group:
+                for call in pending:
+                    group.create_task(one(call))
+        except BaseExceptionGroup as group_error:
+            # Callers classify by exception type (infrastructure vs agent), so surface the
+            # first real failure rather than the group that wraps it.
+            raise _first_leaf(group_error) from group_error
         for call in pending:
             self._history.append(
                 {
@@ -425,6 +430,11 @@ class Agent:
         )
         self._cookies_seen = (model_cookies, resource_cookies)
         await self._boundary(record)
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def extract_code_blocks(text: str) -> list[str]:
