@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -37,6 +38,8 @@ class UpstreamRequest:
     path: str
     headers: dict[str, str]
     body: bytes
+    arrived_at: float = 0.0
+    """Unix time the whole request had arrived."""
 
     def json(self) -> Any:
         """The body, parsed."""
@@ -117,6 +120,7 @@ class Upstream:
                     path=request.target.decode(),
                     headers={k.decode().lower(): v.decode() for k, v in request.headers},
                     body=body,
+                    arrived_at=time.time(),
                 )
                 self.requests.append(seen)
                 await self._answer(conn, reader, writer, seen)

@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import select
 import signal
 import subprocess
 import threading
@@ -40,6 +41,7 @@ __all__ = [
     "descendants",
     "ensure_subreaper",
     "has_token",
+    "is_subreaper",
     "read_proc",
     "scan_processes",
     "wait_readable",
@@ -295,8 +297,6 @@ class PidHandle:
 
 
 def _poll_fd(fd: int) -> bool:
-    import select
-
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(0))

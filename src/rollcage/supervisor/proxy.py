@@ -45,8 +45,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import logging
 import os
+import ssl
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -170,6 +172,13 @@ def sandbox_input(original: WorkerInput, socket_path: str) -> WorkerInput:
 
 class _TooLarge(Exception):
     pass
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    # Loading the CA bundle takes tens of milliseconds: do it once per process, not per rollout
+    # (a context is safe to share between connections and clients).
+    return httpx.create_ssl_context()
 
 
 def _body(data: bytes, content_type: str | None) -> dict[str, Any]:
@@ -349,6 +358,7 @@ class EgressProxy:
         self._state = "open"
         try:
             await self._capture.open()
+            context = await asyncio.to_thread(_ssl_context)
             for route in self.routes:
                 timeout = httpx.Timeout(
                     connect=self._config.connect_timeout_s,
@@ -357,7 +367,7 @@ class EgressProxy:
                     pool=self._config.connect_timeout_s,
                 )
                 self._clients[route.prefix] = httpx.AsyncClient(
-                    transport=httpx.AsyncHTTPTransport(uds=route.uds, retries=0),
+                    transport=httpx.AsyncHTTPTransport(uds=route.uds, retries=0, verify=context),
                     timeout=timeout,
                     follow_redirects=False,
                     # Nothing from the supervisor's environment (.netrc credentials, SSL
