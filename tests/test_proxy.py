@@ -281,11 +281,18 @@ async def test_worker_calls_model_and_resource_through_the_proxy_with_the_creden
     assert captured[0]["response"]["body"]["json"] == result.trajectory.model_calls[0].response
     assert KEY not in (model / "model_capture.jsonl").read_text()
 
+    monkeypatch.setenv("ROLLCAGE_TEST_RESOURCE_KEY", "rk-" + KEY)
     resource = make_rollout(tmp_path, "r1", resources={"weather": f"{upstream.base_url}/weather"})
-    receipt = await supervise(resource, config(SANDBOX, *fake("resource", "weather", "/forecast")))
+    cfg = config(
+        SANDBOX,
+        *fake("resource", "weather", "/forecast"),
+        resource_api_key_envs={"weather": "ROLLCAGE_TEST_RESOURCE_KEY"},
+    )
+    receipt = await supervise(resource, cfg)
     assert receipt.outcome == "completed", receipt.outcome_reason
     reply = json.loads((resource / "workspace" / "resource.json").read_text())
     assert reply == {"status": 200, "reply": {"echo": {"city": "Oslo"}, "path": "/weather/forecast"}}
+    assert upstream.requests[-1].headers["authorization"] == f"Bearer rk-{KEY}"
     assert receipt.model_calls_captured == 0
 
 

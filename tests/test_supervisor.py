@@ -445,6 +445,28 @@ async def test_cancelling_supervise_stops_the_worker_and_still_writes_the_receip
     assert receipt.outcome == "cancelled" and receipt.stop_requested and receipt.cleanup_confirmed
 
 
+@pytest.mark.timeout(60)
+async def test_a_second_cancellation_skips_the_rest_of_the_grace_period(tmp_path: Path) -> None:
+    root = make_rollout(tmp_path)
+    # Notes SIGTERM in a file and carries on: only SIGKILL ends it.
+    command = ["/bin/sh", "-c", "trap ': > term' TERM; : > started; while :; do sleep 0.1; done", "sh"]
+    task = asyncio.create_task(supervise(root, config("none", *command, grace_s=60)))
+    await wait_file(root / "workspace" / "started")
+    task.cancel()
+    await wait_file(root / "workspace" / "term")
+    cancelled_again = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert time.monotonic() - cancelled_again < 15  # not the 60 s grace
+    receipt = receipt_on_disk(root)
+    assert receipt.outcome == "cancelled" and receipt.cleanup_confirmed
+    assert [(s.signal, s.reason) for s in receipt.signals_sent] == [
+        ("SIGTERM", "stop"),
+        ("SIGKILL", "grace_expired"),
+    ]
+
+
 # --------------------------------------------------------------------------- refusals and set-up failures
 
 
@@ -565,7 +587,10 @@ def test_cli_exit_codes_follow_the_outcome() -> None:
 def test_cli_prints_receipt_and_outcome(tmp_path: Path) -> None:
     root = make_rollout(tmp_path)
     with _cli(str(root), "--sandbox", "none", "--worker-command", " ".join(fake("no-result", "1"))) as proc:
-        out, err = proc.communicate(timeout=50)
+        try:
+            out, err = proc.communicate(timeout=50)
+        finally:
+            proc.kill()
     assert proc.returncode == 1, err
     assert f"receipt: {root / 'receipt.json'}" in out and "outcome: infra_failure" in out
     assert "SANDBOX DISABLED" in err

@@ -114,8 +114,8 @@ async def supervise(
     the grace period and SIGKILL, the tree is reaped and the receipt (outcome
     ``cancelled``) is written, shielded from further cancellation, and then
     ``CancelledError`` propagates. A second cancellation skips what is left of
-    the grace period. The wait is bounded by ``grace_s + kill_wait_s`` plus the
-    time to write the receipt.
+    the grace period. The wait is bounded by ``grace_s + 2 * kill_wait_s`` (plus
+    up to a second for a sandbox to wind down) and the time to write the receipt.
     """
     run = _Supervision(Path(rollout_dir), config or SupervisorConfig(), stop)
     await asyncio.to_thread(run.check)
@@ -178,6 +178,7 @@ class _Supervision:
         self.stop_requested = False
         self.deadline_fired = False
         self.sigterm_sent = False
+        self.grace_until: float | None = None
         self.sigkill_sent = False
         self._hurry = asyncio.Event()
         self.handles: dict[tuple[int, int], PidHandle] = {}
@@ -472,6 +473,7 @@ class _Supervision:
                     sent = (handle is not None and handle.send(signal.SIGTERM)) or sent
             if sent:
                 self._record(signal.SIGTERM, "group", cause)
+                self.grace_until = time.monotonic() + self.config.grace_s
                 await _within(self._grace(child), self.config.grace_s)
         if child.status is None:
             await self._sigkill_tree("grace_expired" if self.signals else cause)
@@ -556,12 +558,17 @@ class _Supervision:
     async def finish(self, *, cancelled: bool) -> SupervisorReceipt:
         """Stop what still runs, clean up, collect and write the receipt (shielded by the caller)."""
         try:
-            if self.child is not None and self.child.status is None:
+            child = self.child
+            if child is not None and child.status is None:
                 if cancelled and not self.sigterm_sent:
                     await self._terminate("stop")
+                elif self.grace_until is not None:
+                    # Cancelled during the grace period: the rest of it, unless cancelled again (hurry).
+                    await _within(self._grace(child), self.grace_until - time.monotonic())
+                    if child.status is None:
+                        await self._sigkill_tree("grace_expired")
                 else:
-                    # A second cancellation, or the supervisor's own failure: no more grace.
-                    self._hurry.set()
+                    # The supervisor's own failure: no grace.
                     await self._sigkill_tree("stop")
             elif cancelled and self.stop_cause is None and self.child is None:
                 self.stop_requested = True
