@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from rollcage.errors import SandboxError
 from rollcage.protocol import SupervisorReceipt
 from rollcage.supervisor import BwrapSandbox, NoSandbox, RolloutLayout, supervise
 from rollcage.supervisor.sandbox import BwrapTools, bwrap_argv
@@ -296,3 +297,21 @@ async def test_none_sandbox_says_loudly_that_nothing_is_contained(
 def test_none_sandbox_is_a_choice_not_a_fallback() -> None:
     assert isinstance(config("bwrap", "x").sandbox, BwrapSandbox)
     assert isinstance(config("none", "x").sandbox, NoSandbox)
+
+
+async def test_a_bubblewrap_that_cannot_create_namespaces_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    broken = tmp_path / "bwrap"
+    broken.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && echo "bubblewrap 0.8.0" && exit 0\n'
+        'echo "bwrap: setting up uid map: Permission denied" >&2\n'
+        "exit 1\n"
+    )
+    broken.chmod(0o755)
+    root = make_rollout(tmp_path)
+    cfg = config("bwrap", *fake("ok"), limits={"bwrap_path": str(broken)})
+    with pytest.raises(SandboxError, match=r"cannot create a sandbox here.*uid map.*--sandbox none"):
+        await supervise(root, cfg)
+    assert sorted(p.name for p in root.iterdir()) == ["input.json", "workspace"]

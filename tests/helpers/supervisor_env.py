@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,19 +34,13 @@ def fake(mode: str, *args: str) -> list[str]:
 
 @functools.cache
 def bwrap_usable() -> str | None:
-    """``None`` if bubblewrap can create the sandbox's namespaces here; otherwise why not."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        return "bubblewrap is not installed"
-    probe = subprocess.run(
-        [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--", "true"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    if probe.returncode != 0:
-        return f"bubblewrap cannot create namespaces here: {probe.stderr.strip()}"
+    """``None`` if the supervisor can sandbox here (the launcher's own check); otherwise why not."""
+    from rollcage.errors import SandboxError
+
+    try:
+        BwrapSandbox().launcher().check()
+    except SandboxError as exc:
+        return str(exc)
     return None
 
 

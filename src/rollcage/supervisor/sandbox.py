@@ -406,6 +406,19 @@ def _bwrap_version(bwrap: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.groups() if part is not None)
 
 
+@functools.cache
+def _try_sandbox(bwrap: str, setpriv: str | None, run_as: tuple[int, int] | None) -> str | None:
+    """Run ``true`` in a minimal sandbox the way the launcher will; ``None`` if it works, else why not."""
+    argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--", "true"]
+    if run_as is not None and setpriv is not None:
+        argv = [setpriv, "--reuid", str(run_as[0]), "--regid", str(run_as[1]), "--clear-groups", "--", *argv]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return None if out.returncode == 0 else (out.stderr.strip() or f"exit code {out.returncode}")
+
+
 def _which(name: str) -> str | None:
     # util-linux tools live in /usr/bin or /usr/sbin; PATH may lack the latter.
     return shutil.which(name) or shutil.which(name, path="/usr/bin:/usr/sbin:/bin:/sbin")
@@ -421,10 +434,11 @@ class BwrapLauncher:
         self._tools: BwrapTools | None = None
 
     def check(self) -> BwrapTools:
-        """Find bwrap, prlimit and setpriv (blocking: runs ``bwrap --version`` once per process).
+        """Find bwrap, prlimit and setpriv, and try a trivial sandbox once per process (blocking).
 
         Raises:
-            SandboxError: bubblewrap or prlimit is missing; the message says how to proceed.
+            SandboxError: bubblewrap, prlimit or setpriv is missing, or bubblewrap cannot create
+                the namespaces here; the message says how to proceed.
         """
         if self._tools is not None:
             return self._tools
@@ -438,8 +452,24 @@ class BwrapLauncher:
         if prlimit is None:
             raise SandboxError("prlimit (util-linux) is needed to set the sandbox's resource limits")
         version = _bwrap_version(bwrap)
+        setpriv = _which("setpriv")
+        run_as: tuple[int, int] | None = None
+        if os.geteuid() == 0 and self.config.run_as_uid is not None and self.config.run_as_gid is not None:
+            if setpriv is None:
+                raise SandboxError(
+                    "setpriv (util-linux) is needed to drop root for the sandbox, and was not found"
+                )
+            run_as = (self.config.run_as_uid, self.config.run_as_gid)
+        problem = _try_sandbox(bwrap, setpriv, run_as)
+        if problem is not None:
+            who = "" if run_as is None else f" as uid {run_as[0]}"
+            raise SandboxError(
+                f"bubblewrap cannot create a sandbox here{who}: {problem}. Allow unprivileged user "
+                "namespaces (e.g. sysctl kernel.unprivileged_userns_clone=1 or "
+                "kernel.apparmor_restrict_unprivileged_userns=0), or ask for --sandbox none explicitly"
+            )
         self._tools = BwrapTools(
-            bwrap=bwrap, prlimit=prlimit, setpriv=_which("setpriv"), disable_userns=version >= (0, 8)
+            bwrap=bwrap, prlimit=prlimit, setpriv=setpriv, disable_userns=version >= (0, 8)
         )
         return self._tools
 
