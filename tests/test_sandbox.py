@@ -12,7 +12,9 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import socket
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -299,19 +301,31 @@ def test_none_sandbox_is_a_choice_not_a_fallback() -> None:
     assert isinstance(config("none", "x").sandbox, NoSandbox)
 
 
+@pytest.fixture
+def broken_bwrap() -> Iterator[Path]:
+    """A 'bwrap' that reports a version but cannot create namespaces (as a restricted host would)."""
+    # Somewhere the unprivileged uid the sandbox drops to (when root) can execute it.
+    scripts = Path(tempfile.mkdtemp(prefix="rc-bwrap-"))
+    try:
+        scripts.chmod(0o755)
+        broken = scripts / "bwrap"
+        broken.write_text(
+            "#!/bin/sh\n"
+            '[ "$1" = --version ] && echo "bubblewrap 0.8.0" && exit 0\n'
+            'echo "bwrap: setting up uid map: Permission denied" >&2\n'
+            "exit 1\n"
+        )
+        broken.chmod(0o755)
+        yield broken
+    finally:
+        shutil.rmtree(scripts)
+
+
 async def test_a_bubblewrap_that_cannot_create_namespaces_is_refused_before_anything_is_written(
-    tmp_path: Path,
+    tmp_path: Path, broken_bwrap: Path
 ) -> None:
-    broken = tmp_path / "bwrap"
-    broken.write_text(
-        "#!/bin/sh\n"
-        '[ "$1" = --version ] && echo "bubblewrap 0.8.0" && exit 0\n'
-        'echo "bwrap: setting up uid map: Permission denied" >&2\n'
-        "exit 1\n"
-    )
-    broken.chmod(0o755)
     root = make_rollout(tmp_path)
-    cfg = config("bwrap", *fake("ok"), limits={"bwrap_path": str(broken)})
+    cfg = config("bwrap", *fake("ok"), limits={"bwrap_path": str(broken_bwrap)})
     with pytest.raises(SandboxError, match=r"cannot create a sandbox here.*uid map.*--sandbox none"):
         await supervise(root, cfg)
     assert sorted(p.name for p in root.iterdir()) == ["input.json", "workspace"]
