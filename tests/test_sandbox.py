@@ -115,6 +115,8 @@ def test_argv_as_root_drops_to_the_unprivileged_uid_before_creating_the_namespac
     ]
     outer, inner = argv[:setpriv], argv[setpriv:]
     assert "--unshare-user" not in outer and "--unshare-net" in inner
+    # The outer stage's PID namespace takes the unprivileged stages with it when it dies.
+    assert "--unshare-pid" in outer and "--die-with-parent" in outer
     assert outer[outer.index("--cap-drop") + 1] == "ALL"
     assert argv.count("/usr/bin/bwrap") == 2
 

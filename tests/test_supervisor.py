@@ -30,8 +30,15 @@ from rollcage.supervisor import (
     classify_outcome,
     supervise,
 )
-from rollcage.supervisor.procs import PidHandle, is_subreaper, read_proc
-from tests.helpers.supervisor_env import config, fake, make_rollout, processes_with_token, requires_bwrap
+from rollcage.supervisor.procs import PidHandle, ensure_subreaper, is_subreaper, read_proc
+from tests.helpers.supervisor_env import (
+    HELPERS,
+    config,
+    fake,
+    make_rollout,
+    processes_with_token,
+    requires_bwrap,
+)
 
 SANDBOXES = [
     pytest.param("none", id="none"),
@@ -611,3 +618,30 @@ def test_cli_sigterm_is_a_stop(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 4 and "outcome: cancelled" in out
     assert receipt_on_disk(root).stop_requested
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_nothing_outlives_a_supervisor_that_is_sigkilled(tmp_path: Path, sandbox: str) -> None:
+    # Whatever the killed supervisor leaves is reparented to this process (a subreaper), so the
+    # token search below sees it; with the worker in a sandbox, its stages run as other users.
+    ensure_subreaper()
+    root = make_rollout(tmp_path)
+    command = " ".join(fake("hang"))
+    with _cli(
+        str(root), "--sandbox", sandbox, "--worker-command", command, "--ro-path", str(HELPERS)
+    ) as proc:
+        try:
+            end = time.monotonic() + 30
+            while not (root / "workspace" / "started").exists():
+                assert time.monotonic() < end and proc.poll() is None, "the worker did not start"
+                time.sleep(0.02)
+            assert processes_with_token(), "the test cannot see the supervised processes"
+            proc.kill()
+            proc.wait(timeout=10)
+        finally:
+            proc.kill()
+    end = time.monotonic() + 10
+    while processes_with_token():
+        assert time.monotonic() < end, f"left behind: {processes_with_token()}"
+        time.sleep(0.05)

@@ -46,6 +46,12 @@ def command(
         str | None,
         typer.Option(help="Worker program (shell words); INPUT RESULT --checkpoint PATH are appended."),
     ] = None,
+    ro_path: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="Another host path the sandbox sees read-only (e.g. a custom worker's code); repeatable."
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the receipt as JSON.")] = False,
 ) -> None:
     """Run one prepared rollout under a supervisor; always ends with receipt.json."""
@@ -62,7 +68,9 @@ def command(
         config = SupervisorConfig(
             deadline_s=deadline,
             grace_s=grace,
-            sandbox=BwrapSandbox() if sandbox is SandboxChoice.bwrap else NoSandbox(),
+            sandbox=BwrapSandbox(extra_ro_paths=[str(p.absolute()) for p in ro_path or []])
+            if sandbox is SandboxChoice.bwrap
+            else NoSandbox(),
             api_key_env=api_key_env,
             worker_command=shlex.split(worker_command) if worker_command else None,
         )

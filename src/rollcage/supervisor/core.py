@@ -49,6 +49,7 @@ from rollcage.supervisor.procs import (
     descendants,
     ensure_subreaper,
     has_token,
+    ns_pids,
     read_proc,
     scan_processes,
     wait_readable,
@@ -340,11 +341,11 @@ class _Supervision:
         logger.debug("rollout %s: worker started (pid %d, %s)", self.rollout_id, self.child.pid, plan.sandbox)
 
     async def _read_bwrap_status(self, fd: int) -> None:
-        """Read bwrap's JSON status: its first document names the sandbox's init process.
+        """Read bwrap's JSON status: its first document names the sandbox's (outermost) init process.
 
-        Holding a pidfd on that init from the start lets the supervisor signal the
-        worker's group inside the sandbox, kill the whole PID namespace at once, and
-        reap the init if bwrap's monitor exits before it (it is then reparented here).
+        Holding a pidfd on that init from the start lets the supervisor find the
+        sandbox's processes, kill the whole PID namespace at once, and reap the init
+        if bwrap's monitor exits before it (it is then reparented here).
         """
         os.set_blocking(fd, False)
         buffer = b""
@@ -439,17 +440,20 @@ class _Supervision:
     async def _sandbox_group(self) -> list[ProcInfo]:
         """Under bwrap: the worker's process group inside the sandbox (empty before the sandbox exists).
 
-        bwrap's ``--new-session`` makes the sandbox's init a session and group leader, and
-        the worker stays in its group; the init itself is left out (it only reaps).
+        The worker runs under the innermost PID namespace's init, which bwrap's
+        ``--new-session`` makes a session and group leader; the worker stays in its
+        group. That init is the tree's process with the deepest ``NSpid`` ending in 1;
+        it is left out (it only reaps).
         """
-        init = self.sandbox_init
-        if init is None:
+        if self.sandbox_init is None:
             return []
-        return [
-            info
-            for info in await self._tree()
-            if info.pgid == init.info.pid and info.pid != init.info.pid and info.alive
-        ]
+        tree = [info for info in await self._tree() if info.alive]
+        nspids = await asyncio.to_thread(lambda: {info.pid: ns_pids(info.pid) for info in tree})
+        inits = [info for info in tree if nspids[info.pid][-1:] == (1,)]
+        if not inits:
+            return []
+        init = max(inits, key=lambda info: len(nspids[info.pid]))
+        return [info for info in tree if info.pgid == init.pid and info.pid != init.pid]
 
     async def _terminate(self, cause: Literal["deadline", "stop"]) -> None:
         """SIGTERM the worker's process group, wait the grace period, SIGKILL the whole tree."""

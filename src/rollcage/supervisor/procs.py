@@ -42,6 +42,7 @@ __all__ = [
     "ensure_subreaper",
     "has_token",
     "is_subreaper",
+    "ns_pids",
     "read_proc",
     "scan_processes",
     "wait_readable",
@@ -144,6 +145,18 @@ def scan_processes() -> dict[int, ProcInfo]:
             if info is not None:
                 table[info.pid] = info
     return table
+
+
+def ns_pids(pid: int) -> tuple[int, ...]:
+    """The process's PID in each nested PID namespace, outermost first (``NSpid``); ``()`` if gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as file:
+            for line in file:
+                if line.startswith(b"NSpid:"):
+                    return tuple(int(part) for part in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
 
 
 def has_token(pid: int, token: str) -> bool:

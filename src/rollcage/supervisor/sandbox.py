@@ -46,7 +46,10 @@ an unprivileged uid (``setpriv``) and runs the inner ``bwrap``, which creates
 the user, PID, network, IPC, UTS and cgroup namespaces over that tree. The
 sandbox then runs as that unprivileged uid on the host, the process limit holds
 (a fork bomb is contained), and the files it creates are owned by that uid.
-When the supervisor is not root, one ``bwrap`` does both.
+The outer stage has a PID namespace of its own: when its init dies (the
+supervisor died, or killed it), the kernel kills everything inside, the
+unprivileged stages included. When the supervisor is not root, one ``bwrap``
+does both.
 
 Without bubblewrap
 ==================
@@ -298,8 +301,9 @@ def bwrap_argv(
         ro_paths: Host paths to mount read-only at the same place (the Python environment, extras).
         as_root: The supervisor is root: use the two-stage launch (see the module docstring) when
             ``config.run_as_uid`` is set.
-        status_fd: An inherited file descriptor for bwrap's JSON status (``--json-status-fd``): it
-            names the sandbox's init process the moment it exists.
+        status_fd: An inherited file descriptor for bwrap's JSON status (``--json-status-fd``) of
+            the outermost bwrap: its ``child-pid`` is the host PID of the outermost PID namespace's
+            init, whose death takes the whole sandbox with it.
 
     Returns:
         The argv to execute.
@@ -325,8 +329,8 @@ def bwrap_argv(
     tree.add("--bind", str(layout.checkpoint), f"{SANDBOX_ROLLOUT_DIR}/checkpoint.jsonl")
     tree.add("--bind", str(layout.workspace), f"{SANDBOX_ROLLOUT_DIR}/workspace")
 
+    status = ["--json-status-fd", str(status_fd)] if status_fd is not None else []
     namespaces = [
-        *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
         "--unshare-user",
         *(["--disable-userns"] if tools.disable_userns else []),
         "--unshare-pid",
@@ -360,11 +364,16 @@ def bwrap_argv(
 
     two_stage = as_root and config.run_as_uid is not None
     if not two_stage:
-        return [tools.bwrap, *namespaces, *tree.args, *runtime, "--", *command]
+        return [tools.bwrap, *status, *namespaces, *tree.args, *runtime, "--", *command]
     if tools.setpriv is None:
         raise SandboxError("setpriv (util-linux) is needed to drop root for the sandbox, and was not found")
     outer = [
         tools.bwrap,
+        *status,
+        # A PID namespace of its own, so that the death of its init takes everything in it along,
+        # the unprivileged inner bwrap included: a parent-death signal cannot, because bwrap's
+        # monitor (root without capabilities) may not signal a process of another uid.
+        "--unshare-pid",
         "--die-with-parent",
         # Only what setpriv needs to drop to the unprivileged uid.
         "--cap-drop",
