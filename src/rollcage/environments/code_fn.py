@@ -95,6 +95,14 @@ def _same(got: str, expect: str) -> bool:
         return got.strip() == expect.strip()
 
 
+def _ro_binds_under_tmp(*paths: str) -> list[str]:
+    args: list[str] = []
+    for path in dict.fromkeys(os.path.realpath(p) for p in paths):
+        if path == "/tmp" or path.startswith("/tmp/"):
+            args += ["--ro-bind", path, path]
+    return args
+
+
 def _command(workdir: str) -> list[str]:
     python = [sys.executable, "-I", "-c", _HARNESS]
     bwrap = shutil.which("bwrap")
@@ -115,6 +123,8 @@ def _command(workdir: str) -> list[str]:
         "/proc",
         "--tmpfs",
         "/tmp",
+        # The private /tmp would hide an interpreter that lives under /tmp (a CI checkout's venv).
+        *_ro_binds_under_tmp(sys.prefix, sys.base_prefix),
         "--bind",
         workdir,
         workdir,
