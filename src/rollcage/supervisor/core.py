@@ -685,7 +685,10 @@ class _Supervision:
         try:
             fd = os.open(self.layout.result, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with os.fdopen(fd, "rb") as file:
-                data = file.read(_MAX_RESULT_BYTES + 1)
+                # Check the size first: read(n) allocates n bytes up front, whatever the file holds.
+                if os.fstat(file.fileno()).st_size > _MAX_RESULT_BYTES:
+                    return True, None, f"result.json is over {_MAX_RESULT_BYTES} bytes"
+                data = file.read()
         except OSError as exc:
             return True, None, f"cannot read result.json: {exc}"
         if len(data) > _MAX_RESULT_BYTES:
