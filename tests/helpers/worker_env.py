@@ -7,16 +7,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
-import uvicorn
 import yaml
 
+from rollcage.controller._servers import AppServer
 from rollcage.durable import read_journal
 from rollcage.protocol import WorkerInput, WorkerResult
 
@@ -39,18 +38,12 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float = DEADLINE_S, what:
 
 @contextlib.contextmanager
 def serve_asgi(app: Any) -> Iterator[str]:
-    """Serve an ASGI app on a free loopback port in a thread; yield its base URL; always stop it."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    """Serve an ASGI app on a free loopback port in a thread (the controller's server); always stop it."""
+    server = AppServer(app, name="test")
     try:
-        wait_for(lambda: server.started, timeout=10, what="uvicorn start")
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
+        yield server.start()
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        server.stop()
 
 
 def worker_input(
