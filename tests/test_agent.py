@@ -1,0 +1,138 @@
+"""The agent loop in-process: the real model client against the scripted policy, real executor."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollcage.agent import Agent, extract_code_blocks
+from rollcage.model import ModelClient
+from rollcage.policy import PolicyServer
+from rollcage.protocol import BoundaryRecord, ExecutorSettings, ToolStatus, WorkerInput
+from rollcage.tools import make_executor
+from rollcage.trajectory import TrajectoryRecorder
+
+
+class _Cells:
+    """The worker's executor adapter, reduced to what the loop needs."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.executor = make_executor(ExecutorSettings(), cwd=cwd)
+
+    def prestart(self) -> None:
+        pass
+
+    async def run_cell(self, code: str, timeout_s: float) -> tuple[ToolStatus, str]:
+        await self.executor.start()
+        result = await self.executor.run(code, timeout_s)
+        return ("completed" if result.status == "ok" else "failed"), result.text
+
+
+@pytest.fixture
+def server() -> Iterator[PolicyServer]:
+    marker = "open('ran', 'w').write('yes')"
+    script = {
+        "tasks": {
+            "t": [
+                {"tool_calls": [{"name": "python", "arguments": {"code": marker}}]},
+                {"text": "done"},
+            ]
+        }
+    }
+    with PolicyServer(script) as srv:
+        yield srv
+
+
+def _spec(url: str) -> WorkerInput:
+    return WorkerInput.model_validate(
+        {
+            "rollout_id": "r",
+            "task_id": "t",
+            "input": "go",
+            "model": {"base_url": url, "model": "m", "max_retries": 0, "timeout_s": 10},
+            "tools": [{"type": "python"}],
+        }
+    )
+
+
+async def test_next_action_waits_until_the_boundary_is_durable(server: PolicyServer, tmp_path: Path) -> None:
+    """While the sink holds a boundary (the journal's fsync), the loop must not act."""
+    release = asyncio.Event()
+    held = asyncio.Event()
+    seen: list[BoundaryRecord] = []
+
+    async def sink(record: BoundaryRecord) -> None:
+        seen.append(record)
+        if record.kind == "model_call" and not held.is_set():
+            held.set()
+            await release.wait()
+
+    cells = _Cells(tmp_path)
+    spec = _spec(server.base_url)
+    try:
+        async with ModelClient(spec.model, rollout_id="r", task_id="t") as client:
+            agent = Agent(
+                spec, model=client, resources=None, cells=cells, recorder=TrajectoryRecorder(), boundary=sink
+            )
+            task = asyncio.create_task(agent.run())
+            async with asyncio.timeout(20):
+                await held.wait()
+            # Give the loop every chance to run ahead if it were not waiting on the sink.
+            for _ in range(50):
+                await asyncio.sleep(0)
+            assert not (tmp_path / "ran").exists(), "the tool ran before its model boundary was durable"
+            assert len(server.request_log) == 1
+            release.set()
+            async with asyncio.timeout(20):
+                result = await task
+    finally:
+        await cells.executor.aclose()
+    assert result.termination_reason == "completed"
+    assert (tmp_path / "ran").read_text() == "yes"
+    assert [r.kind for r in seen] == ["model_call", "tool_call", "model_call"]
+
+
+async def test_cancelling_the_loop_leaves_the_running_call_pending(
+    server: PolicyServer, tmp_path: Path
+) -> None:
+    recorder = TrajectoryRecorder()
+    started = asyncio.Event()
+
+    class _SlowCells(_Cells):
+        async def run_cell(self, code: str, timeout_s: float) -> tuple[ToolStatus, str]:
+            started.set()
+            await asyncio.Event().wait()  # never returns: only cancellation ends it
+            raise AssertionError("unreachable")
+
+    async def sink(record: BoundaryRecord) -> None:
+        pass
+
+    spec = _spec(server.base_url)
+    async with ModelClient(spec.model, rollout_id="r", task_id="t") as client:
+        agent = Agent(
+            spec, model=client, resources=None, cells=_SlowCells(tmp_path), recorder=recorder, boundary=sink
+        )
+        task = asyncio.create_task(agent.run())
+        async with asyncio.timeout(20):
+            await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert [c.status for c in recorder.pending()] == ["pending"]
+
+
+@pytest.mark.parametrize(
+    ("text", "blocks"),
+    [
+        ("no code here", []),
+        ("```python\nx = 1\n```", ["x = 1"]),
+        ("a\n```py\nprint(1)\n```\nb\n```python\n\n```\n```python\ny=2\n```", ["print(1)", "y=2"]),
+        ("```bash\nls\n```", []),
+    ],
+)
+def test_extract_code_blocks(text: str, blocks: list[Any]) -> None:
+    assert extract_code_blocks(text) == blocks
