@@ -22,11 +22,13 @@ class _Cells:
 
     def __init__(self, cwd: Path) -> None:
         self.executor = make_executor(ExecutorSettings(), cwd=cwd)
+        self.cells_started = 0
 
     def prestart(self) -> None:
         pass
 
     async def run_cell(self, code: str, timeout_s: float) -> tuple[ToolStatus, str]:
+        self.cells_started += 1
         await self.executor.start()
         result = await self.executor.run(code, timeout_s)
         return ("completed" if result.status == "ok" else "failed"), result.text
@@ -84,7 +86,7 @@ async def test_next_action_waits_until_the_boundary_is_durable(server: PolicySer
             # Give the loop every chance to run ahead if it were not waiting on the sink.
             for _ in range(50):
                 await asyncio.sleep(0)
-            assert not (tmp_path / "ran").exists(), "the tool ran before its model boundary was durable"
+            assert cells.cells_started == 0, "the tool started before its model boundary was durable"
             assert len(server.request_log) == 1
             release.set()
             async with asyncio.timeout(20):
