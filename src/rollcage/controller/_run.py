@@ -283,6 +283,7 @@ class Controller:
             if self._scan.tasks == 0:
                 raise ConfigError(f"{self.config.dataset} has no valid rows to run")
             lock_fd = await asyncio.to_thread(self._lock_out_dir)
+            await asyncio.to_thread(self._kill_leftovers)
             await asyncio.to_thread(self._load_ledger)
             self._loaded = True
             self._scan.pending = await asyncio.to_thread(self._count_pending)
@@ -335,6 +336,16 @@ class Controller:
                 f"another rollcage run is writing to {self._out}; wait for it to end or choose another --out"
             ) from None
         return fd
+
+    def _kill_leftovers(self) -> None:
+        """Kill what a killed earlier run left running (we hold the lock: nothing else owns these)."""
+        from rollcage.supervisor import kill_leftovers
+
+        killed = sum(
+            kill_leftovers(token.parent.parent) for token in self._out.glob("rollouts/*/.sandbox/token")
+        )
+        if killed:
+            self._reporter.notice(f"Killed {killed} process(es) left running by an earlier, interrupted run")
 
     def _load_ledger(self) -> None:
         def fold(record: RolloutRecord) -> None:

@@ -17,7 +17,7 @@ line), :mod:`~rollcage.supervisor.proxy` (the egress proxy and the capture),
 """
 
 from rollcage.supervisor.config import BwrapSandbox, NoSandbox, ProxyConfig, SandboxConfig, SupervisorConfig
-from rollcage.supervisor.core import default_worker_command, supervise
+from rollcage.supervisor.core import default_worker_command, kill_leftovers, supervise
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.sandbox import SANDBOX_PROXY_SOCKET, SANDBOX_ROLLOUT_DIR, RolloutLayout
 
@@ -33,5 +33,6 @@ __all__ = [
     "SupervisorConfig",
     "classify_outcome",
     "default_worker_command",
+    "kill_leftovers",
     "supervise",
 ]

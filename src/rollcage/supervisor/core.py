@@ -63,7 +63,7 @@ from rollcage.supervisor.sandbox import (
     worker_environment,
 )
 
-__all__ = ["default_worker_command", "supervise"]
+__all__ = ["default_worker_command", "kill_leftovers", "supervise"]
 
 logger = logging.getLogger("rollcage.supervisor")
 
@@ -71,6 +71,37 @@ _T = TypeVar("_T")
 _Reason = Literal["deadline", "stop", "grace_expired", "cleanup"]
 _MAX_RESULT_BYTES = 1 << 30
 _LOG_TAIL_BYTES = 4096
+
+
+def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
+    """Kill what a SIGKILLed supervisor left running for this rollout; return how many were killed.
+
+    A supervisor that is itself killed cannot reap its worker, and bubblewrap's
+    parent-death signal can miss a sandbox that was starting at that moment. Each
+    rollout's processes carry its supervision token (recorded in the staging area,
+    out of the sandbox's reach), so a later run can find them without guessing by
+    name. A rollout with no token file (finished, or never launched) has nothing left.
+    Blocking: run it in a thread.
+    """
+    layout = RolloutLayout(Path(rollout_dir))
+    try:
+        token = layout.token.read_text().strip()
+    except OSError:
+        return 0
+    killed = 0
+    for info in scan_processes().values():
+        if info.pid == os.getpid() or not info.alive or not has_token(info.pid, token):
+            continue
+        handle = PidHandle.open(info)
+        if handle is None:
+            continue
+        try:
+            killed += handle.send(signal.SIGKILL)
+        finally:
+            handle.close()
+    with contextlib.suppress(OSError):
+        layout.token.unlink()
+    return killed
 
 
 def default_worker_command() -> list[str]:
@@ -241,6 +272,9 @@ class _Supervision:
     def _prepare_files(self, plan: LaunchPlan, worker_input: WorkerInput) -> None:
         layout = self.layout
         layout.staging.mkdir(mode=0o700, exist_ok=True)
+        # Written before launch and removed with the staging area: if this supervisor is
+        # SIGKILLed, the next run can still find (and kill) this rollout's processes by it.
+        layout.token.write_text(self.token)
         layout.workspace.mkdir(exist_ok=True)
         data = worker_input.model_dump_json().encode()
         fd = os.open(layout.worker_input, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)

@@ -124,6 +124,11 @@ class RolloutLayout:
         return self.root / ".sandbox"
 
     @property
+    def token(self) -> Path:
+        """This rollout's supervision token, for finding its processes after a supervisor died."""
+        return self.staging / "token"
+
+    @property
     def worker_input(self) -> Path:
         """The input as rewritten for the worker's view."""
         return self.staging / "input.json"
