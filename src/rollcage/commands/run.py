@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -30,6 +30,7 @@ class _Sandbox(enum.StrEnum):
 
 class _Backend(enum.StrEnum):
     local = "local"
+    ray = "ray"
 
 
 class _Api(enum.StrEnum):
@@ -73,7 +74,34 @@ def command(
     sandbox: Annotated[
         _Sandbox, typer.Option(help="bwrap: contained (default); none: agent code runs uncontained.")
     ] = _Sandbox.bwrap,
-    backend: Annotated[_Backend, typer.Option(help="Where rollouts run.")] = _Backend.local,
+    backend: Annotated[
+        _Backend, typer.Option(help="Where rollouts run: this machine, or a Ray cluster (rollcage[ray]).")
+    ] = _Backend.local,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="Ray cluster (HOST:PORT of its head, or 'auto'); default: RAY_ADDRESS, else a private "
+            "local instance. With --backend ray."
+        ),
+    ] = None,
+    ray_num_cpus_per_rollout: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="CPUs Ray reserves per rollout (default 1). With --backend ray."),
+    ] = None,
+    shared_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="A directory every Ray node mounts at the same path, holding --out: nodes write rollout "
+            "directories in place instead of shipping them. With --backend ray."
+        ),
+    ] = None,
+    ray_max_artifact_mib: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Largest rollout directory shipped to the driver, MiB (default 64). With --backend ray.",
+        ),
+    ] = None,
     strict: Annotated[bool, typer.Option(help="Stop before running anything if a row is malformed.")] = False,
     grade_timeouts: Annotated[bool, typer.Option(help="Grade results of rollouts that timed out.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
@@ -86,6 +114,7 @@ def command(
         EmbeddedPolicyConfig,
         LocalBackendConfig,
         ModelEndpointConfig,
+        RayBackendConfig,
         RunConfig,
     )
     from rollcage.controller._progress import RichReporter, render_summary
@@ -99,6 +128,23 @@ def command(
         )
     if api_key_env is not None and model is None:
         raise typer.BadParameter("--api-key-env needs --model", param_hint="--api-key-env")
+    ray_options = {
+        "--ray-address": ray_address,
+        "--ray-num-cpus-per-rollout": ray_num_cpus_per_rollout,
+        "--shared-dir": shared_dir,
+        "--ray-max-artifact-mib": ray_max_artifact_mib,
+    }
+    given = [name for name, value in ray_options.items() if value is not None]
+    if given and backend is not _Backend.ray:
+        raise typer.BadParameter(f"{given[0]} needs --backend ray", param_hint=given[0])
+    where: LocalBackendConfig | RayBackendConfig = LocalBackendConfig()
+    if backend is _Backend.ray:
+        ray_values: dict[str, Any] = {"address": ray_address, "shared_dir": shared_dir}
+        if ray_num_cpus_per_rollout is not None:
+            ray_values["num_cpus_per_rollout"] = ray_num_cpus_per_rollout
+        if ray_max_artifact_mib is not None:
+            ray_values["max_artifact_bytes"] = ray_max_artifact_mib * 1024 * 1024
+        where = RayBackendConfig(**ray_values)
     reporter = RichReporter(quiet=quiet)
     _log_through(reporter)
     source: EmbeddedPolicyConfig | ModelEndpointConfig
@@ -121,7 +167,7 @@ def command(
             sandbox=sandbox.value,
             grade_timeouts=grade_timeouts,
             strict=strict,
-            backend=LocalBackendConfig(type=backend.value),
+            backend=where,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -3,7 +3,9 @@
 Public face of ``rollcage run``. The unit of work a backend executes is
 ``run_rollout(prepared, settings)`` → ``RolloutRecord``; ``Controller`` streams the
 dataset, schedules those units with bounded concurrency, retries infrastructure
-failures, appends ``rollouts.jsonl`` and publishes ``metrics.json``.
+failures, appends ``rollouts.jsonl`` and publishes ``metrics.json``. Backends:
+``LocalBackendConfig`` (this machine) and ``RayBackendConfig`` (a Ray cluster; Ray is
+imported only when that backend is built).
 """
 
 from rollcage.controller._backend import Backend, LocalBackend
@@ -13,6 +15,7 @@ from rollcage.controller._config import (
     LocalBackendConfig,
     ModelEndpointConfig,
     ModelSource,
+    RayBackendConfig,
     RunConfig,
 )
 from rollcage.controller._dataset import DatasetRow, EnvironmentRef, InvalidRow, Task, iter_dataset
@@ -78,6 +81,7 @@ __all__ = [
     "NullReporter",
     "NumericGrader",
     "PreparedRollout",
+    "RayBackendConfig",
     "RecordLog",
     "RegexGrader",
     "Reporter",

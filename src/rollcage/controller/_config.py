@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollcage.controller._unit import RolloutSettings
+from rollcage.errors import ConfigError
 
 if TYPE_CHECKING:
     from rollcage.controller._backend import Backend
@@ -18,6 +19,7 @@ __all__ = [
     "LocalBackendConfig",
     "ModelEndpointConfig",
     "ModelSource",
+    "RayBackendConfig",
     "RunConfig",
 ]
 
@@ -69,10 +71,66 @@ class LocalBackendConfig(_Config):
         return LocalBackend(settings, **overrides)
 
 
-# One member today; the Ray backend joins as `LocalBackendConfig | RayBackendConfig` with
-# Field(discriminator="type"), and every caller already goes through `.build(...)`.
-BackendConfig = LocalBackendConfig
-"""Where rollouts execute, tagged by ``type`` (``local`` for now)."""
+class RayBackendConfig(_Config):
+    """Run each rollout as a Ray task, supervised and graded on whichever node has room.
+
+    Every node needs rollcage (and bubblewrap, with sandbox ``bwrap``) installed;
+    the model and the environments must be reachable from every node.
+    """
+
+    type: Literal["ray"] = "ray"
+    address: str | None = Field(
+        default=None,
+        description=(
+            "The cluster: 'HOST:PORT' of its head (GCS), or 'auto' for one started with 'ray start' "
+            "on this machine. None: the cluster this process is already connected to, else RAY_ADDRESS, "
+            "else a private local instance that the run starts and stops."
+        ),
+    )
+    num_cpus_per_rollout: float = Field(
+        default=1.0, ge=0, description="CPUs Ray reserves for each rollout task (0: none reserved)."
+    )
+    shared_dir: Path | None = Field(
+        default=None,
+        description=(
+            "A directory every node mounts at the same path, holding the output directory: nodes write "
+            "rollout directories in place. None: each node works in a temporary directory and ships the "
+            "packed artifacts to the driver."
+        ),
+    )
+    max_artifact_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=64 * 1024,
+        description=(
+            "Largest rollout directory (bytes of file content) shipped to the driver without shared_dir; "
+            "a larger one makes the attempt an infra_failure that says so."
+        ),
+    )
+    local_num_cpus: int | None = Field(
+        default=None, ge=1, description="CPUs of a private local instance; None: all of this machine's."
+    )
+
+    def build(self, settings: RolloutSettings, **overrides: Any) -> Backend:
+        """The backend for ``settings`` (Ray is imported now, lazily).
+
+        Args:
+            settings: How rollouts are supervised and graded.
+            **overrides: Passed to ``RayBackend`` (none are needed in normal use).
+
+        Raises:
+            ConfigError: Ray is not installed.
+        """
+        try:
+            from rollcage.controller._ray import RayBackend
+        except ImportError as exc:
+            raise ConfigError(
+                f"the Ray backend needs Ray ({exc}): pip install 'rollcage[ray]' on the driver and every node"
+            ) from exc
+        return RayBackend(self, settings, **overrides)
+
+
+BackendConfig = Annotated[LocalBackendConfig | RayBackendConfig, Field(discriminator="type")]
+"""Where rollouts execute, tagged by ``type``: ``local`` or ``ray``; each builds its backend lazily."""
 
 
 class RunConfig(_Config):
@@ -106,3 +164,14 @@ class RunConfig(_Config):
             api_key_env=key,
             grade_timeouts=self.grade_timeouts,
         )
+
+    @model_validator(mode="after")
+    def _out_inside_shared_dir(self) -> RunConfig:
+        # Nodes write rollout directories under --out in place, so --out must be on the shared
+        # file system; refusing here means nothing runs with artifacts landing on node-local disks.
+        shared = self.backend.shared_dir if isinstance(self.backend, RayBackendConfig) else None
+        if shared is not None and not self.out.resolve().is_relative_to(shared.resolve()):
+            raise ValueError(
+                f"--out {self.out} must be inside --shared-dir {shared}, which every node mounts"
+            )
+        return self
