@@ -303,8 +303,8 @@ class _RolloutThread:
         """Run the rollout and return its record (blocking).
 
         Raises:
-            RayTaskOverdueError: The rollout outlived its deadline by far (it is left
-                to the process's end).
+            RayTaskOverdueError: The rollout outlived its deadline by far; its thread is
+                asked to stop and left to end with the process.
 
         **Cancellation:** an exception in the waiting thread (Ray's ``KeyboardInterrupt``
         of a non-forced cancel) stops the rollout through its supervisor, waits for it
@@ -314,7 +314,11 @@ class _RolloutThread:
             target=self._main, name=f"rollcage-{self._prepared.rollout_id}", daemon=True
         )
         thread.start()
-        bound = self._settings.deadline_s + self._settings.grace_s + _FINISH_SLACK_S
+        # Longer than the driver's bound on the same task, so a live driver kills this
+        # process (and the rollout with it) first; this one guards a driverless task.
+        bound = self._settings.deadline_s + self._settings.grace_s + 2 * _FINISH_SLACK_S
+        if self._prepared.grading is not None and self._prepared.grading.grader.type == "verify":
+            bound += float(self._prepared.grading.grader.timeout_s)
         try:
             thread.join(bound)
         except BaseException:
@@ -509,16 +513,19 @@ def _is_loopback(url: str) -> bool:
         return False
 
 
-def _quiet_sigterm_notice() -> None:
-    # ray.init, called on a thread here so the driver's own SIGINT/SIGTERM handling stays in
-    # place, warns that it did not install its SIGTERM handler: that is what we want.
-    class _Drop(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return not record.getMessage().startswith("SIGTERM handler is not set")
+class _DropSigtermNotice(logging.Filter):
+    """Drops ray.init's notice that it left SIGTERM alone (called on a thread, it must)."""
 
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("SIGTERM handler is not set")
+
+
+def _quiet_sigterm_notice() -> None:
+    # ray.init runs on a thread here so that the driver's own SIGINT/SIGTERM handling stays
+    # in place; Ray then warns that it did not install its SIGTERM handler, which is the point.
     worker_logger = logging.getLogger("ray._private.worker")
-    if not any(isinstance(f, _Drop) for f in worker_logger.filters):
-        worker_logger.addFilter(_Drop())
+    if not any(isinstance(f, _DropSigtermNotice) for f in worker_logger.filters):
+        worker_logger.addFilter(_DropSigtermNotice())
 
 
 class RayBackend:
