@@ -217,6 +217,8 @@ class _Session:
         try:
             await self._open_journal()
             self.task = asyncio.create_task(self._episode())
+            if self.cancel_signal is not None:
+                self.task.cancel()  # the signal arrived while the journal was opening
             outcome: AgentResult | None = None
             error: RunnerError | None = None
             try:
