@@ -33,7 +33,7 @@ from typing import Any, NoReturn, Self
 import orjson
 
 from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
-from rollcage.model._httpx import httpx
+from rollcage.model._httpx import httpx, transport_for
 from rollcage.model._stream import ServerEventError, assemble_stream, sse_events
 from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload
 from rollcage.protocol import ModelCall, ModelEndpoint, RunnerError
@@ -198,7 +198,7 @@ class ModelClient:
         if self._state is not ClientState.UNOPENED:
             raise RuntimeError(f"ModelClient is {self._state.value}; a client can be opened only once")
         endpoint = self._endpoint
-        transport = self._transport or httpx.AsyncHTTPTransport(uds=endpoint.uds, retries=0)
+        transport = self._transport or transport_for(endpoint.base_url, uds=endpoint.uds)
         client = httpx.AsyncClient(
             transport=transport,
             timeout=httpx.Timeout(endpoint.timeout_s, connect=endpoint.connect_timeout_s),

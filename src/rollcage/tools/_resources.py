@@ -28,9 +28,8 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 from types import TracebackType
 from typing import Any
 
-import httpx
-
 from rollcage.errors import ConfigError, ResourceUnavailableError
+from rollcage.model._httpx import httpx, transport_for
 from rollcage.protocol import ResourceEndpoint, ResourceToolSpec
 
 __all__ = ["ResourceTools", "tool_parameters"]
@@ -135,7 +134,7 @@ class ResourceTools:
         no_cookies = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
         for name in {spec.resource for spec in self._specs.values()}:
             endpoint = self._resources[name]
-            transport = httpx.AsyncHTTPTransport(uds=endpoint.uds) if endpoint.uds else None
+            transport = transport_for(endpoint.base_url, uds=endpoint.uds)
             self._clients[name] = httpx.AsyncClient(
                 base_url=endpoint.base_url,
                 transport=transport,
