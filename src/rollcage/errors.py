@@ -7,7 +7,8 @@ Every error carries a ``kind`` that says which, so the worker can publish it as
 
     RollcageError
     ├── ConfigError (ValueError)                 bad input, dataset row, config, CLI use   [fatal]
-    │   └── ControllerOnlyFieldError             controller state aimed at the sandbox      [fatal]
+    │   ├── ControllerOnlyFieldError             controller state aimed at the sandbox      [fatal]
+    │   └── ViewerError                          show/report given a path that is no rollout [fatal]
     ├── DurableWriteError (OSError)              publishing or appending to disk failed     [transient]
     ├── JournalCorruptError (ValueError)         a checkpoint journal is damaged mid-file   [fatal]
     ├── ModelError                               the model endpoint                         [see below]
@@ -21,7 +22,10 @@ Every error carries a ``kind`` that says which, so the worker can publish it as
     │   ├── ExecutorError                        the executor died or cannot start          [fatal]
     │   └── ResourceUnavailableError             a resource endpoint cannot be reached      [transient]
     ├── SandboxError                             bubblewrap missing or failing              [transient]
-    └── SupervisorError                          the supervisor could not do its job        [transient]
+    ├── SupervisorError                          the supervisor could not do its job        [transient]
+    ├── RayTaskLostError                         a Ray task ended without a record          [transient]
+    │   └── RayTaskOverdueError (TimeoutError)   it did not start or return in time         [transient]
+    └── ArtifactsTooLargeError                   a rollout dir too large to ship to the driver [transient]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
     from rollcage.protocol import ModelCall
 
 __all__ = [
+    "ArtifactsTooLargeError",
     "ConfigError",
     "ControllerOnlyFieldError",
     "DurableWriteError",
@@ -41,6 +46,8 @@ __all__ = [
     "JournalCorruptError",
     "ModelError",
     "ModelTimeoutError",
+    "RayTaskLostError",
+    "RayTaskOverdueError",
     "ResourceUnavailableError",
     "RollcageError",
     "SandboxError",
@@ -48,6 +55,7 @@ __all__ = [
     "ToolError",
     "ToolTimeoutError",
     "TransientModelError",
+    "ViewerError",
 ]
 
 ErrorKind = Literal["transient", "fatal"]
@@ -66,6 +74,10 @@ class ConfigError(RollcageError, ValueError):
 
 class ControllerOnlyFieldError(ConfigError):
     """Controller-only state (reference answers, rewards, credentials) was aimed at the sandbox."""
+
+
+class ViewerError(ConfigError):
+    """A path given to ``show`` or ``report`` is missing or is not a rollout or run artifact."""
 
 
 class DurableWriteError(RollcageError, OSError):
@@ -125,5 +137,21 @@ class SandboxError(RollcageError):
 
 class SupervisorError(RollcageError):
     """The supervisor could not start or watch the worker."""
+
+    kind: ClassVar[ErrorKind] = "transient"
+
+
+class RayTaskLostError(RollcageError):
+    """The Ray task running a rollout ended without a record (it is recorded as ``infra_failure``)."""
+
+    kind: ClassVar[ErrorKind] = "transient"
+
+
+class RayTaskOverdueError(RayTaskLostError, TimeoutError):
+    """A Ray task did not start, or did not return, within its bound; it was killed."""
+
+
+class ArtifactsTooLargeError(RollcageError):
+    """A rollout directory holds more than the limit for shipping it to the driver."""
 
     kind: ClassVar[ErrorKind] = "transient"

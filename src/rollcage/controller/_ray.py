@@ -60,7 +60,13 @@ from rollcage.controller._unit import (
     build_supervisor_config,
     run_rollout,
 )
-from rollcage.errors import ConfigError, RollcageError
+from rollcage.errors import (
+    ArtifactsTooLargeError,
+    ConfigError,
+    RayTaskLostError,
+    RayTaskOverdueError,
+    RollcageError,
+)
 from rollcage.protocol import RolloutMetrics, RolloutRecord
 
 if TYPE_CHECKING:
@@ -95,18 +101,6 @@ _SCRATCH_NAME = "rollcage-ray"
 _ray: Any = ray
 """Ray's untyped corners (``ray.nodes``, ``ray.util``), called without a per-call ignore that
 would go stale wherever Ray's annotations change."""
-
-
-class RayTaskLostError(RollcageError):
-    """The Ray task running a rollout ended without a record (it is recorded as ``infra_failure``)."""
-
-
-class RayTaskOverdueError(RayTaskLostError, TimeoutError):
-    """A Ray task did not start, or did not return, within its bound; it was killed."""
-
-
-class ArtifactsTooLargeError(RollcageError):
-    """A rollout directory holds more than the limit for shipping it to the driver."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from rollcage.errors import ConfigError
+from rollcage.errors import ViewerError
 from rollcage.protocol import (
     Checkpoint,
     HealthFinding,
@@ -55,10 +55,6 @@ _M = TypeVar("_M", bound=BaseModel)
 
 _ROLLOUT_FILES = (RESULT_NAME, CHECKPOINT_NAME, RECEIPT_NAME, INPUT_NAME)
 _LOG_TAIL_BYTES = 4096
-
-
-class ViewerError(ConfigError):
-    """A path given to ``show`` or ``report`` is missing or is not a rollout or run artifact."""
 
 
 @dataclass(frozen=True, slots=True)
