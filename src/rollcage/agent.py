@@ -266,7 +266,7 @@ class Agent:
                 {
                     "type": "function_call_output",
                     "call_id": call.call_id,
-                    "output": self._output_of(call.call_id),
+                    "output": self._recorder.get(call.call_id).output or "",
                 }
             )
         return malformed
@@ -398,12 +398,6 @@ class Agent:
         for call in pending:
             await self._finish(call.call_id, "failed", reason)
             self._history.append({"type": "function_call_output", "call_id": call.call_id, "output": reason})
-
-    def _output_of(self, call_id: str) -> str:
-        for call in self._recorder.snapshot().tool_calls:
-            if call.call_id == call_id:
-                return call.output or ""
-        return ""
 
     def _count_invalid(self) -> bool:
         """Count one unusable response; True when the tolerance is used up."""

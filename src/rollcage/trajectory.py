@@ -94,6 +94,10 @@ class TrajectoryRecorder:
         """Insert or replace a tool call record as is (used when folding a journal)."""
         self._tool_calls[call.call_id] = call
 
+    def get(self, call_id: str) -> ToolCall:
+        """The current record of one tool call."""
+        return self._tool_calls[call_id]
+
     def pending(self) -> list[ToolCall]:
         """Tool calls that have not ended."""
         return [c for c in self._tool_calls.values() if c.status == "pending"]
