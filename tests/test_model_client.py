@@ -68,23 +68,6 @@ RETRIES = 2
 BACKOFF_S = 0.01
 
 
-@pytest.fixture
-def serve_policy() -> Iterator[Callable[..., PolicyServer]]:
-    """Start scripted policy servers on demand; every one is stopped at teardown, pass or fail."""
-    servers: list[PolicyServer] = []
-
-    def start(script: Any = SCRIPT, **options: Any) -> PolicyServer:
-        server = PolicyServer(script, **options)
-        servers.append(server)
-        return server.start()
-
-    try:
-        yield start
-    finally:
-        for server in servers:
-            server.stop()
-
-
 def endpoint_of(server: PolicyServer, api: str, stream: bool, **settings: Any) -> ModelEndpoint:
     settings = {key: value for key, value in settings.items() if value is not None}
     settings = {"timeout_s": SAFE_TIMEOUT_S, "max_retries": RETRIES, "retry_backoff_s": BACKOFF_S, **settings}

@@ -68,23 +68,6 @@ TOOLS_CHAT: list[Any] = [
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
-@pytest.fixture
-def serve_policy() -> Iterator[Callable[..., PolicyServer]]:
-    """Start scripted policy servers on demand; every one is stopped at teardown, pass or fail."""
-    servers: list[PolicyServer] = []
-
-    def start(script: Any = SCRIPT, **options: Any) -> PolicyServer:
-        server = PolicyServer(script, **options)
-        servers.append(server)
-        return server.start()
-
-    try:
-        yield start
-    finally:
-        for server in servers:
-            server.stop()
-
-
 @pytest.fixture(scope="module")
 def shared() -> Iterator[PolicyServer]:
     """One server for the tests that only read answers; content faults are scoped to rollout ids."""

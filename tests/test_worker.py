@@ -17,7 +17,7 @@ from rollcage import load_checkpoint
 from rollcage.environments.calc_weather import create_app
 from rollcage.policy import PolicyServer
 from rollcage.worker import EXIT_CANCELLED, EXIT_INVALID_INPUT, EXIT_OK, EXIT_STOPPED_BEFORE_START
-from tests.helpers.worker_env import RolloutDir, serve_asgi, wait_for, worker_input, write_script
+from tests.helpers.worker_env import RolloutDir, serve_asgi, wait_for, worker_input
 
 SMOKE_FC = [
     {
@@ -43,15 +43,11 @@ def weather_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def policy(tmp_path: Path) -> Iterator[PolicyFactory]:
-    stack = contextlib.ExitStack()
+def policy(serve_policy: Callable[..., PolicyServer]) -> PolicyFactory:
+    def start(tasks: dict[str, Any], faults: tuple[str, ...] = ()) -> PolicyServer:
+        return serve_policy({"tasks": tasks}, faults=list(faults), keep_bodies=True)
 
-    def start(tasks: dict[str, Any], faults: tuple[str, ...] = ()) -> Any:
-        script = write_script(tmp_path / f"policy-{len(stack._exit_callbacks)}.yaml", tasks)
-        return stack.enter_context(PolicyServer(script, port=0, faults=list(faults), keep_bodies=True))
-
-    with stack:
-        yield start
+    return start
 
 
 @pytest.fixture

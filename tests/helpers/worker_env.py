@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import yaml
 
 from rollcage.controller._servers import AppServer
 from rollcage.durable import read_journal
@@ -83,12 +82,6 @@ def worker_input(
     }
     WorkerInput.model_validate(data)  # a test that writes an invalid input should say so explicitly
     return data
-
-
-def write_script(path: Path, tasks: dict[str, Any]) -> Path:
-    """Write a policy script file."""
-    path.write_text(yaml.safe_dump({"tasks": tasks}))
-    return path
 
 
 class RolloutDir:
