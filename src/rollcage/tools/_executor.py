@@ -46,6 +46,9 @@ __all__ = [
 
 _T = TypeVar("_T")
 
+BRIDGE_CANCEL_TIMEOUT_S = 5.0
+"""How long a finished cell waits for its cancelled bridge calls."""
+
 ToolBridge = Callable[[str, dict[str, Any]], Awaitable[str]]
 """``(tool name, keyword arguments) -> text result``, provided by the worker.
 
@@ -221,16 +224,33 @@ class PendingCell(abc.ABC):
     def partial(self) -> CellOutput:
         """The output collected so far, for a cell whose process is being killed."""
 
-    @abc.abstractmethod
+    def __init__(self, executor: Executor) -> None:
+        """Bind the cell to its executor; bridge bookkeeping starts empty."""
+        self._executor = executor
+        self.bridge_tasks: set[asyncio.Task[None]] = set()
+        """Bridged tool calls this cell has in flight."""
+        self.bridge_failure: BaseException | None = None
+        """The first exception a bridged call raised during this cell."""
+
     def bridge_error(self) -> BaseException | None:
         """The first exception a bridged tool call raised during this cell, if any."""
+        return self.bridge_failure
 
-    @abc.abstractmethod
+    def cancel_bridges(self) -> None:
+        """Cancel the cell's in-flight bridge calls (without waiting)."""
+        for task in self.bridge_tasks:
+            task.cancel()
+
     async def finish(self) -> None:
         """Cancel the cell's in-flight bridge calls and wait for them (bounded).
 
         **Cancellation:** runs shielded by the caller.
         """
+        self.cancel_bridges()
+        if self.bridge_tasks:
+            await asyncio.wait(self.bridge_tasks, timeout=BRIDGE_CANCEL_TIMEOUT_S)
+        if self._executor._current is self:
+            self._executor._current = None
 
 
 async def shielded(coro: Coroutine[Any, Any, _T]) -> _T:
@@ -367,6 +387,8 @@ class Executor(abc.ABC):
 
     backend: Literal["repl", "jupyter"]
     """Which backend this is."""
+
+    _current: PendingCell | None = None
 
     def __init__(
         self,

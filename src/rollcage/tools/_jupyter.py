@@ -67,7 +67,6 @@ _TOOL_PREFIX = "\x00rollcage-tool\x00"
 _STATS_EXPR = "__import__('_rollcage_kernel').stats()"
 _IO_TIMEOUT_S = 5.0
 _REAP_TIMEOUT_S = 5.0
-_BRIDGE_CANCEL_TIMEOUT_S = 5.0
 _KERNEL_ARGS = [
     "--HistoryManager.enabled=False",
     "--InteractiveShell.colors=nocolor",
@@ -236,9 +235,10 @@ class _TextBuffer:
 
 
 class _JupyterCell(PendingCell):
+    _executor: JupyterExecutor
     def __init__(self, executor: JupyterExecutor, msg_id: str) -> None:
+        super().__init__(executor)
         self.msg_id = msg_id
-        self._executor = executor
         limit = executor._output_limit
         self.stdout = _TextBuffer(limit)
         self.stderr = _TextBuffer(limit)
@@ -249,8 +249,6 @@ class _JupyterCell(PendingCell):
         self.reply: dict[str, Any] | None = None
         self.idle = False
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.bridge_tasks: set[asyncio.Task[None]] = set()
-        self.bridge_failure: BaseException | None = None
 
     # Messages routed here by the executor's channel pumps.
 
@@ -308,20 +306,6 @@ class _JupyterCell(PendingCell):
             or bool(self.stdout.dropped or self.stderr.dropped or out_dropped or err_dropped or value_cut),
             interrupted=self.interrupted,
         )
-
-    def bridge_error(self) -> BaseException | None:
-        return self.bridge_failure
-
-    def cancel_bridges(self) -> None:
-        for task in self.bridge_tasks:
-            task.cancel()
-
-    async def finish(self) -> None:
-        self.cancel_bridges()
-        if self.bridge_tasks:
-            await asyncio.wait(self.bridge_tasks, timeout=_BRIDGE_CANCEL_TIMEOUT_S)
-        if self._executor._current is self:
-            self._executor._current = None
 
 
 def _parse_stats(expressions: object) -> tuple[int, int, int]:

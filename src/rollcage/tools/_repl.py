@@ -59,7 +59,6 @@ _MARKER_WAIT_S = 1.0
 """How long a finished cell's output may lag behind its result on the pipes."""
 _REAP_TIMEOUT_S = 5.0
 """Bound on waiting for a SIGKILLed child to be reaped."""
-_BRIDGE_CANCEL_TIMEOUT_S = 5.0
 """Bound on waiting for cancelled bridge calls to unwind."""
 
 
@@ -177,12 +176,11 @@ def _decode(data: bytes, dropped: int) -> str:
 
 
 class _ReplCell(PendingCell):
+    _executor: ReplExecutor
     def __init__(self, executor: ReplExecutor, cell_id: int) -> None:
+        super().__init__(executor)
         self.id = cell_id
-        self._executor = executor
         self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.bridge_tasks: set[asyncio.Task[None]] = set()
-        self.bridge_failure: BaseException | None = None
         self._output: CellOutput | None = None
 
     async def wait(self) -> CellOutput:
@@ -221,20 +219,6 @@ class _ReplCell(PendingCell):
             stderr=_decode(stderr, stderr_dropped),
             truncated=bool(stdout_dropped or stderr_dropped),
         )
-
-    def bridge_error(self) -> BaseException | None:
-        return self.bridge_failure
-
-    def cancel_bridges(self) -> None:
-        for task in self.bridge_tasks:
-            task.cancel()
-
-    async def finish(self) -> None:
-        self.cancel_bridges()
-        if self.bridge_tasks:
-            await asyncio.wait(self.bridge_tasks, timeout=_BRIDGE_CANCEL_TIMEOUT_S)
-        if self._executor._current is self:
-            self._executor._current = None
 
 
 def _int(value: object) -> int:
