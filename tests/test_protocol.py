@@ -12,6 +12,9 @@ from pydantic import BaseModel, ValidationError
 
 from rollcage.protocol import (
     BoundaryRecord,
+    CapturedBody,
+    CapturedMessage,
+    CaptureExchange,
     Checkpoint,
     ModelCall,
     ModelEndpoint,
@@ -102,6 +105,26 @@ EXAMPLES: dict[str, BaseModel] = {
         reward=1.0,
         receipt=_receipt(),
         rollout_dir="runs/x/rollouts/r-1",
+    ),
+    "CaptureExchange": CaptureExchange(
+        seq=1,
+        rollout_id="r-1",
+        route="model",
+        name=None,
+        method="POST",
+        path="/model/v1/chat/completions",
+        upstream_url="http://127.0.0.1:8000/v1/chat/completions",
+        credential_added=True,
+        request=CapturedMessage(
+            headers=[("authorization", "[redacted]")], body=CapturedBody(size=2, json_value={})
+        ),
+        response=CapturedMessage(headers=[], body=CapturedBody(size=2, text="ok"), status=200),
+        status=200,
+        started_at=1.0,
+        first_byte_at=1.5,
+        ended_at=2.0,
+        duration_s=1.0,
+        error=None,
     ),
     "RunMetrics": RunMetrics(
         dataset="d.jsonl",

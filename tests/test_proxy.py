@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollcage.protocol import WorkerInput, WorkerResult
+from rollcage.protocol import CaptureExchange, WorkerInput, WorkerResult
 from rollcage.supervisor import ProxyConfig, supervise
 from rollcage.supervisor.proxy import EgressProxy, Route, sandbox_input
 from tests.helpers.supervisor_env import bwrap_usable, config, fake, make_rollout, processes_with_token
@@ -51,7 +51,10 @@ class Harness:
         self.capture = capture
 
     def records(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.capture.read_text().splitlines()]
+        lines = self.capture.read_text().splitlines()
+        for line in lines:
+            CaptureExchange.model_validate_json(line)  # every line keeps the published contract
+        return [json.loads(line) for line in lines]
 
     async def settled(self, count: int = 1) -> list[dict[str, Any]]:
         """The capture once it holds ``count`` lines (each is written just after its exchange ends)."""
