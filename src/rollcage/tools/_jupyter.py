@@ -236,6 +236,7 @@ class _TextBuffer:
 
 class _JupyterCell(PendingCell):
     _executor: JupyterExecutor
+
     def __init__(self, executor: JupyterExecutor, msg_id: str) -> None:
         super().__init__(executor)
         self.msg_id = msg_id

@@ -177,6 +177,7 @@ def _decode(data: bytes, dropped: int) -> str:
 
 class _ReplCell(PendingCell):
     _executor: ReplExecutor
+
     def __init__(self, executor: ReplExecutor, cell_id: int) -> None:
         super().__init__(executor)
         self.id = cell_id
