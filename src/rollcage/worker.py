@@ -207,7 +207,6 @@ class _Session:
         self.task: asyncio.Task[AgentResult] | None = None
         self.model_cookies = dict(spec.model_cookies)
         self.resource_cookies = dict(spec.resource_cookies)
-        self.agent_started = False
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -341,7 +340,6 @@ class _Session:
                 stack.push_async_callback(cells.aclose)
                 agent.attach_cells(cells)
             try:
-                self.agent_started = True
                 return await agent.run()
             finally:
                 self.model_cookies = dict(client.cookies)
