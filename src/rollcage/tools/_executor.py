@@ -302,6 +302,21 @@ def signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def leader_exited(pid: int) -> bool:
+    """Whether the process's main thread has exited (zombie or gone), even if it is not reapable yet.
+
+    A process whose main thread called ``os._exit`` from another thread shows as a
+    zombie while its other threads are still being torn down; ``waitpid`` and a
+    pidfd only report it a moment later. A cell sent in that moment would be lost.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            state = file.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in (b"Z", b"X", b"x")
+
+
 def group_alive(pgid: int) -> bool:
     """Whether any process is left in the group (zombies count until reaped)."""
     return signal_group(pgid, 0) if pgid > 0 else False

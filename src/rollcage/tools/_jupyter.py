@@ -49,6 +49,7 @@ from rollcage.tools._executor import (
     bound_tail,
     fail_future,
     kill_group,
+    leader_exited,
     signal_group,
     truncation_marker,
 )
@@ -606,7 +607,7 @@ class JupyterExecutor(Executor):
         if self._exited is not None and self._exited.done():
             return False
         process = self._process()
-        return process is not None and process.poll() is None
+        return process is not None and process.poll() is None and not leader_exited(process.pid)
 
     async def _teardown(self, *, graceful: bool) -> None:
         pid = self._pid

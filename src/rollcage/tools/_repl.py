@@ -39,6 +39,7 @@ from rollcage.tools._executor import (
     ToolBridge,
     fail_future,
     kill_group,
+    leader_exited,
     signal_group,
     truncation_marker,
 )
@@ -463,7 +464,7 @@ class ReplExecutor(Executor):
 
     def _alive(self) -> bool:
         proc = self._proc
-        if proc is None or proc.returncode is not None:
+        if proc is None or proc.returncode is not None or leader_exited(proc.pid):
             return False
         if self._pidfd is not None:
             # The child watcher learns of an exit a little late; the pidfd knows at once.
