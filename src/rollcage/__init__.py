@@ -4,6 +4,7 @@ The public face: the protocol models, ``load_checkpoint`` and the error root.
 Everything else lives in modules with their own ``__all__``.
 """
 
+from rollcage.checkpoint import load_checkpoint
 from rollcage.errors import RollcageError
 from rollcage.protocol import (
     Checkpoint,
@@ -34,12 +35,3 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str) -> object:
-    # load_checkpoint pulls in the journal reader; import it only when asked for.
-    if name == "load_checkpoint":
-        from rollcage.checkpoint import load_checkpoint
-
-        return load_checkpoint
-    raise AttributeError(f"module 'rollcage' has no attribute {name!r}")
