@@ -8,13 +8,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from rollcage.durable import read_journal
 from rollcage.protocol import RolloutRecord
+from tests.helpers.waiting import processes_mentioning, wait_for, wait_for_records
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -71,30 +72,17 @@ def slow_dataset(directory: Path, tasks: int) -> Path:
     return path
 
 
-def wait_for_records(path: Path, count: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
-    """Wait until ``path`` holds ``count`` complete lines (the run's own progress), or fail."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_bytes().count(b"\n") >= count:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"rollcage run exited early: {proc.communicate()[0]}")
-        time.sleep(0.05)
-    raise AssertionError(f"{path} did not reach {count} records")
-
-
-def processes_mentioning(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+def rollout_in_flight(out: Path) -> bool:
+    for directory in (out / "rollouts").iterdir():
+        if (directory / "receipt.json").exists():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
+            kinds = [r["kind"] for r in read_journal(directory / "checkpoint.jsonl")]
+        except (OSError, ValueError):
             continue
-        if marker.encode() in cmdline:
-            found.append(int(entry.name))
-    return found
+        if "model_call" in kinds and "tool_call" not in kinds:
+            return True
+    return False
 
 
 def records(out: Path) -> list[RolloutRecord]:
@@ -132,6 +120,8 @@ def test_sigint_stops_in_flight_rollouts_then_rerun_resumes(tmp_path: Path) -> N
     out = tmp_path / "out"
     proc = rollcage(str(dataset), "--out", str(out), "--concurrency", "2", "--quiet", cwd=tmp_path)
     wait_for_records(out / "rollouts.jsonl", 1, proc)
+    # Interrupt while a rollout is surely in flight: its model call is journaled, its slow cell runs.
+    wait_for(lambda: rollout_in_flight(out), what="a rollout in flight")
     proc.send_signal(signal.SIGINT)
     code, text = finish(proc)
     assert code == 130, text

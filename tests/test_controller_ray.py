@@ -16,7 +16,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from rollcage.controller import (
     rollout_id,
 )
 from rollcage.protocol import RolloutRecord
+from tests.helpers.waiting import alive, processes_mentioning, wait_for, wait_for_records
 
 try:
     import ray
@@ -117,38 +117,14 @@ def layout(directory: Path) -> dict[str, int]:
     }
 
 
-def processes_mentioning(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def wait_until_gone(marker: str, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while processes_mentioning(marker):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"processes still mention {marker!r}: {processes_mentioning(marker)}")
-        time.sleep(0.05)
+    wait_for(
+        lambda: not processes_mentioning(marker), timeout=timeout, what=f"no process to mention {marker!r}"
+    )
 
 
 def wait_until_dead(pid: int, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return
-        if state == "Z":
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"process {pid} is still alive")
-        time.sleep(0.05)
+    wait_for(lambda: not alive(pid), timeout=timeout, what=f"process {pid} to die")
 
 
 # ------------------------------------------------------------------ no Ray needed
@@ -460,16 +436,6 @@ def finish(proc: subprocess.Popen[str], timeout: float = 90) -> tuple[int, str]:
             proc.kill()
             proc.communicate()
     return proc.returncode, out
-
-
-def wait_for_records(path: Path, count: int, proc: subprocess.Popen[str], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and path.read_bytes().count(b"\n") >= count):
-        if proc.poll() is not None:
-            raise AssertionError(f"rollcage run exited early: {proc.communicate()[0]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path} did not reach {count} records")
-        time.sleep(0.05)
 
 
 @real_rollouts

@@ -18,6 +18,7 @@ import pytest
 from rollcage.errors import ConfigError, ExecutorError, ResourceUnavailableError
 from rollcage.protocol import ExecutorSettings
 from rollcage.tools import CellResult, Executor, ExecutorState, ToolBridge, make_executor
+from tests.helpers.waiting import alive, wait_for_async
 
 # Generous where a slow, loaded machine must not turn a pass into a flake; short
 # where the expected outcome (a kill) does not depend on it.
@@ -87,29 +88,8 @@ async def impatient(make: MakeExecutor) -> Executor:
     return await make(grace_s=SHORT_GRACE_S)
 
 
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie waiting for its reaper."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != b"Z"
-
-
 async def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Bounded poll on a condition (not a sleep standing in for one)."""
-    end = time.monotonic() + DEADLINE_S
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {DEADLINE_S}s waiting for {what}")
-        await asyncio.sleep(0.01)
+    await wait_for_async(predicate, what=what)
 
 
 IGNORE_SIGINT = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)"

@@ -24,6 +24,7 @@ from rollcage.supervisor import ProxyConfig, supervise
 from rollcage.supervisor.proxy import EgressProxy, Route, sandbox_input
 from tests.helpers.supervisor_env import bwrap_usable, config, fake, make_rollout, processes_with_token
 from tests.helpers.supervisor_upstream import Upstream
+from tests.helpers.waiting import wait_for_async
 
 KEY = "sk-test-" + "0123456789abcdef"
 
@@ -58,10 +59,12 @@ class Harness:
 
     async def settled(self, count: int = 1) -> list[dict[str, Any]]:
         """The capture once it holds ``count`` lines (each is written just after its exchange ends)."""
-        async with asyncio.timeout(10):
-            while len(records := self.records()) < count:  # noqa: ASYNC110 - the file is the signal
-                await asyncio.sleep(0.01)
-        return records
+
+        def enough() -> list[dict[str, Any]] | None:
+            records = self.records()
+            return records if len(records) >= count else None
+
+        return await wait_for_async(enough, within_s=10, what=f"{count} capture lines")
 
     async def raw(self, request: bytes) -> bytes:
         """Send raw bytes (for requests httpx would normalise) and read the whole answer."""

@@ -39,6 +39,7 @@ from tests.helpers.supervisor_env import (
     processes_with_token,
     requires_bwrap,
 )
+from tests.helpers.waiting import wait_for, wait_for_async
 
 SANDBOXES = [
     pytest.param("none", id="none"),
@@ -56,9 +57,17 @@ DESIGN_FILES = {
 
 async def wait_file(path: Path, within_s: float = 30.0) -> None:
     """Wait until ``path`` exists (polling a file is the only way to hear from a sandboxed process)."""
-    async with asyncio.timeout(within_s):
-        while not await asyncio.to_thread(os.path.exists, path):  # noqa: ASYNC110 - a file is the signal
-            await asyncio.sleep(0.02)
+    await wait_for_async(path.exists, within_s=within_s, what=f"{path} to exist")
+
+
+def wait_started(root: Path, proc: subprocess.Popen[str]) -> None:
+    """Wait until the fake worker has started; fail at once if the supervisor exited instead."""
+
+    def started() -> bool:
+        assert proc.poll() is None, "the supervisor exited before the worker started"
+        return (root / "workspace" / "started").exists()
+
+    wait_for(started, what="the worker to start")
 
 
 def receipt_on_disk(root: Path) -> SupervisorReceipt:
@@ -608,10 +617,7 @@ def test_cli_sigterm_is_a_stop(tmp_path: Path) -> None:
     root = make_rollout(tmp_path)
     with _cli(str(root), "--sandbox", "none", "--worker-command", " ".join(fake("hang"))) as proc:
         try:
-            end = time.monotonic() + 30
-            while not (root / "workspace" / "started").exists():
-                assert time.monotonic() < end and proc.poll() is None, "the worker did not start"
-                time.sleep(0.02)
+            wait_started(root, proc)
             proc.send_signal(signal.SIGTERM)
             out, _ = proc.communicate(timeout=30)
         finally:
@@ -632,16 +638,10 @@ def test_nothing_outlives_a_supervisor_that_is_sigkilled(tmp_path: Path, sandbox
         str(root), "--sandbox", sandbox, "--worker-command", command, "--ro-path", str(HELPERS)
     ) as proc:
         try:
-            end = time.monotonic() + 30
-            while not (root / "workspace" / "started").exists():
-                assert time.monotonic() < end and proc.poll() is None, "the worker did not start"
-                time.sleep(0.02)
+            wait_started(root, proc)
             assert processes_with_token(), "the test cannot see the supervised processes"
             proc.kill()
             proc.wait(timeout=10)
         finally:
             proc.kill()
-    end = time.monotonic() + 10
-    while processes_with_token():
-        assert time.monotonic() < end, f"left behind: {processes_with_token()}"
-        time.sleep(0.05)
+    wait_for(lambda: not processes_with_token(), timeout=10, what="every supervised process to be gone")

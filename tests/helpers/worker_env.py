@@ -7,8 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,22 +16,9 @@ import orjson
 from rollcage.controller._servers import AppServer
 from rollcage.durable import read_journal
 from rollcage.protocol import WorkerInput, WorkerResult
+from tests.helpers.waiting import DEADLINE_S, wait_for
 
 __all__ = ["RolloutDir", "serve_asgi", "wait_for", "worker_input"]
-
-DEADLINE_S = 30.0
-
-
-def wait_for(predicate: Callable[[], Any], *, timeout: float = DEADLINE_S, what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
-    end = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 @contextlib.contextmanager
