@@ -449,3 +449,19 @@ def test_serve_policy_command_serves_a_script_with_faults_and_stops_on_sigint(tm
         if process.stderr is not None:
             process.stderr.close()
     assert [json.loads(line)["kind"] for line in log.read_text().splitlines()] == ["status"]
+
+
+def test_request_log_limit_keeps_the_latest_records_and_exact_counts(
+    serve_policy: Callable[..., PolicyServer],
+) -> None:
+    server = serve_policy(request_log_limit=2)
+    body = {"model": "scripted-policy", "messages": [{"role": "user", "content": "hi"}]}
+    for n in range(3):
+        response = httpx.post(
+            f"{server.base_url}/chat/completions", json=body, headers={"X-Rollout-Id": f"r{n}"}, timeout=10
+        )
+        assert response.status_code == 200
+    assert [r.rollout_id for r in server.request_log] == ["r1", "r2"]
+    assert server.state.calls == 3
+    assert server.state.wait_for_requests(3, timeout=5)
+    assert server.state.wait_for_requests(1, timeout=5, rollout_id="r0")

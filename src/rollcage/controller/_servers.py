@@ -169,7 +169,8 @@ class EmbeddedPolicy:
             )
         from rollcage.policy import PolicyServer
 
-        server = PolicyServer(self._script, port=0)
+        # A run may send millions of requests: keep counts, not every record.
+        server = PolicyServer(self._script, port=0, request_log_limit=1000)
         try:
             server.__enter__()
         except ConfigError:

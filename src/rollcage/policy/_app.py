@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import re
@@ -66,15 +67,25 @@ class PolicyState:
     Args:
         fault_log: Append every injected fault as a JSON line here; None: memory only.
         keep_bodies: Keep each request's body in its record (memory grows with traffic: tests only).
+        log_limit: Keep only the latest this many request records (counts stay exact); None: all.
+            A long run on the embedded policy would otherwise grow with every request.
     """
 
-    def __init__(self, fault_log: str | os.PathLike[str] | None = None, *, keep_bodies: bool = False) -> None:
+    def __init__(
+        self,
+        fault_log: str | os.PathLike[str] | None = None,
+        *,
+        keep_bodies: bool = False,
+        log_limit: int | None = None,
+    ) -> None:
         self.keep_bodies = keep_bodies
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._calls = 0
         self._per_rollout: dict[str, int] = {}
-        self._requests: list[RequestRecord] = []
+        self._requests: collections.deque[RequestRecord] = collections.deque(maxlen=log_limit)
+        self._logged = 0
+        self._logged_by_rollout: dict[str, int] = {}
         self._faults: list[FaultRecord] = []
         self._fault_log = Path(fault_log) if fault_log is not None else None
         self.shutting_down = asyncio.Event()
@@ -92,6 +103,8 @@ class PolicyState:
         """Keep one request record."""
         with self._lock:
             self._requests.append(record)
+            self._logged += 1
+            self._logged_by_rollout[record.rollout_id] = self._logged_by_rollout.get(record.rollout_id, 0) + 1
             self._changed.notify_all()
 
     def log_fault(self, record: FaultRecord) -> None:
@@ -118,8 +131,8 @@ class PolicyState:
 
         def arrived() -> bool:
             if rollout_id is None:
-                return len(self._requests) >= count
-            return sum(record.rollout_id == rollout_id for record in self._requests) >= count
+                return self._logged >= count
+            return self._logged_by_rollout.get(rollout_id, 0) >= count
 
         with self._lock:
             return self._changed.wait_for(arrived, timeout)
@@ -138,7 +151,7 @@ class PolicyState:
 
     @property
     def requests(self) -> list[RequestRecord]:
-        """Every model request so far, in arrival order (a copy)."""
+        """Every model request so far (the latest ``log_limit`` of them), in arrival order (a copy)."""
         with self._lock:
             return list(self._requests)
 

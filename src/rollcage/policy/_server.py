@@ -135,6 +135,7 @@ class PolicyServer:
         seed: Seed of the random fault draws.
         fault_log: Append every injected fault as a JSON line to this file.
         keep_bodies: Keep each request's JSON body in ``request_log`` (tests; memory grows with traffic).
+        request_log_limit: Keep only the latest this many records in ``request_log``; None: all.
         start_timeout_s: How long ``start`` waits for the server to listen.
         stop_timeout_s: How long ``stop`` waits for the thread to end.
     """
@@ -152,11 +153,12 @@ class PolicyServer:
         seed: int = 0,
         fault_log: str | os.PathLike[str] | None = None,
         keep_bodies: bool = False,
+        request_log_limit: int | None = None,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 10.0,
     ) -> None:
         self.script = load_script(script)
-        self.state = PolicyState(fault_log, keep_bodies=keep_bodies)
+        self.state = PolicyState(fault_log, keep_bodies=keep_bodies, log_limit=request_log_limit)
         """Counters and logs (also exposed as ``requests``, ``request_log``, ``faults_injected``)."""
         self.app = PolicyApp(
             self.script, faults=_plan(faults, fault_rate, fault_kinds, seed), state=self.state
