@@ -67,8 +67,9 @@ class PolicyState:
     Args:
         fault_log: Append every injected fault as a JSON line here; None: memory only.
         keep_bodies: Keep each request's body in its record (memory grows with traffic: tests only).
-        log_limit: Keep only the latest this many request records (counts stay exact); None: all.
-            A long run on the embedded policy would otherwise grow with every request.
+        log_limit: Keep only the latest this many request records; None: all. The total count
+            stays exact; a per-rollout wait then sees only the kept records. A long run on the
+            embedded policy would otherwise grow with every request.
     """
 
     def __init__(
@@ -104,7 +105,10 @@ class PolicyState:
         with self._lock:
             self._requests.append(record)
             self._logged += 1
-            self._logged_by_rollout[record.rollout_id] = self._logged_by_rollout.get(record.rollout_id, 0) + 1
+            if self._requests.maxlen is None:  # a bounded log is for long runs: no per-rollout map there
+                self._logged_by_rollout[record.rollout_id] = (
+                    self._logged_by_rollout.get(record.rollout_id, 0) + 1
+                )
             self._changed.notify_all()
 
     def log_fault(self, record: FaultRecord) -> None:
@@ -132,6 +136,8 @@ class PolicyState:
         def arrived() -> bool:
             if rollout_id is None:
                 return self._logged >= count
+            if self._requests.maxlen is not None:
+                return sum(record.rollout_id == rollout_id for record in self._requests) >= count
             return self._logged_by_rollout.get(rollout_id, 0) >= count
 
         with self._lock:
