@@ -136,6 +136,13 @@ def truncation_marker(count: int) -> str:
     return f"…[truncated {count} chars]…"
 
 
+def mark_dropped(text: str, dropped: int) -> str:
+    """``text`` followed, on a line of its own, by the marker for ``dropped`` characters (if any)."""
+    if not dropped:
+        return text
+    return text + ("" if text.endswith("\n") or not text else "\n") + truncation_marker(dropped) + "\n"
+
+
 def bound_middle(text: str, limit: int) -> str:
     """``text`` cut to at most ``limit`` characters by removing its middle, with a marker there."""
     if len(text) <= limit:

@@ -50,8 +50,8 @@ from rollcage.tools._executor import (
     fail_future,
     kill_group,
     leader_exited,
+    mark_dropped,
     signal_group,
-    truncation_marker,
 )
 
 if TYPE_CHECKING:
@@ -228,11 +228,7 @@ class _TextBuffer:
         self.dropped += max(len(text) - max(room, 0), 0)
 
     def text(self, extra_dropped: int = 0) -> str:
-        text = "".join(self._parts)
-        dropped = self.dropped + extra_dropped
-        if dropped:
-            text += ("" if text.endswith("\n") or not text else "\n") + truncation_marker(dropped) + "\n"
-        return text
+        return mark_dropped("".join(self._parts), self.dropped + extra_dropped)
 
 
 class _JupyterCell(PendingCell):

@@ -40,8 +40,8 @@ from rollcage.tools._executor import (
     fail_future,
     kill_group,
     leader_exited,
+    mark_dropped,
     signal_group,
-    truncation_marker,
 )
 
 if TYPE_CHECKING:
@@ -170,10 +170,7 @@ def _factory(sink: _StreamSink) -> Callable[[], _StreamSink]:
 
 
 def _decode(data: bytes, dropped: int) -> str:
-    text = data.decode("utf-8", "replace")
-    if dropped:
-        text += ("" if text.endswith("\n") or not text else "\n") + truncation_marker(dropped) + "\n"
-    return text
+    return mark_dropped(data.decode("utf-8", "replace"), dropped)
 
 
 class _ReplCell(PendingCell):
