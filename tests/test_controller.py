@@ -335,3 +335,21 @@ async def test_health_findings_have_stable_names_and_count_unobserved_tokens(tmp
     assert health["zero_completion_tokens"].count == 0  # unobserved is not counted as healthy or as zero
     assert (health["hollow_turn"].count, health["hollow_turn"].rollouts) == (1, [rollout_id("b", 0, 0)])
     assert summary.metrics.tokens.total_tokens is None
+
+
+async def test_a_machine_that_cannot_sandbox_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    real_which = shutil.which
+
+    def which(name: str, mode: int = 1, path: str | None = None) -> str | None:
+        return None if name == "bwrap" else real_which(name, mode, path)
+
+    monkeypatch.setattr(shutil, "which", which)
+    dataset = write_rows(tmp_path / "d.jsonl", [row("a"), row("b")])
+    cfg = config(tmp_path, dataset, sandbox="bwrap")
+    with pytest.raises(ConfigError, match=r"bubblewrap \(bwrap\) is not installed"):
+        await Controller(cfg).run()
+    assert not cfg.out.exists(), "nothing may be written when the sandbox cannot run"

@@ -4,7 +4,8 @@ One ``Controller`` drives one output directory. Its life, in order:
 
 1. say which model it uses (the first line of output);
 2. validate the whole dataset as a stream (every bad row reported by line; with
-   ``strict`` a bad row stops the run before anything runs);
+   ``strict`` a bad row stops the run before anything runs), and try the sandbox
+   once (a machine that cannot contain agent code is refused before anything is written);
 3. take the output directory's lock, read ``rollouts.jsonl`` (repairing a torn
    last line) into the ledger: finished samples are skipped, unfinished ones rerun;
 4. start the model (embedded policy) and the bundled environments on loopback;
@@ -33,14 +34,14 @@ from pathlib import Path
 from typing import Protocol
 
 from rollcage.controller._backend import Backend
-from rollcage.controller._config import EmbeddedPolicyConfig, RunConfig
+from rollcage.controller._config import EmbeddedPolicyConfig, LocalBackendConfig, RunConfig
 from rollcage.controller._dataset import EnvironmentRef, InvalidRow, Task, iter_dataset
 from rollcage.controller._health import inspect_rollout, load_result
 from rollcage.controller._ledger import RunLedger
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
 from rollcage.controller._unit import Endpoints, prepare_rollout, set_aside
-from rollcage.errors import ConfigError, DurableWriteError
+from rollcage.errors import ConfigError, DurableWriteError, SandboxError
 from rollcage.protocol import ModelEndpoint, RolloutRecord, RunMetrics
 
 __all__ = [
@@ -282,6 +283,7 @@ class Controller:
                 )
             if self._scan.tasks == 0:
                 raise ConfigError(f"{self.config.dataset} has no valid rows to run")
+            await asyncio.to_thread(self._check_sandbox)
             lock_fd = await asyncio.to_thread(self._lock_out_dir)
             await asyncio.to_thread(self._kill_leftovers)
             await asyncio.to_thread(self._load_ledger)
@@ -321,6 +323,24 @@ class Controller:
             if item.environment is not None:
                 scan.environments.setdefault(item.environment.key, item.environment)
         return scan
+
+    def _check_sandbox(self) -> None:
+        """Try the sandbox once, before anything is written.
+
+        A machine that cannot contain agent code is refused with one line (exit 2), instead of
+        every rollout ending in ``infra_failure``. Only for rollouts supervised here: a Ray node
+        checks its own sandbox.
+        """
+        if self._backend is not None or not isinstance(self.config.backend, LocalBackendConfig):
+            return
+        if self.config.sandbox != "bwrap":
+            return
+        from rollcage.controller._unit import build_supervisor_config
+
+        try:
+            build_supervisor_config(self.config.rollout_settings()).sandbox.launcher().check()
+        except SandboxError as exc:
+            raise ConfigError(str(exc)) from exc
 
     def _lock_out_dir(self) -> int:
         try:
