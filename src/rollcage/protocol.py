@@ -22,6 +22,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "AgentSettings",
     "BoundaryRecord",
+    "BudgetUse",
     "CaptureExchange",
     "CapturedBody",
     "CapturedMessage",
@@ -445,7 +446,36 @@ class SignalEvent(_Model):
     signal: str = Field(description="Signal name, e.g. 'SIGTERM'.")
     target: Literal["group", "descendants"] = Field(description="The worker's group, or stray descendants.")
     at: float = Field(description="Unix time it was sent.")
-    reason: Literal["deadline", "stop", "grace_expired", "cleanup"] = Field(description="Why it was sent.")
+    reason: Literal["deadline", "stop", "budget", "grace_expired", "cleanup"] = Field(
+        description="Why it was sent (budget: the rollout went over one of its budgets)."
+    )
+
+
+class BudgetUse(_Model):
+    """One per-rollout budget, as the receipt reports it."""
+
+    budget: Literal[
+        "memory_bytes",
+        "processes",
+        "workspace_bytes",
+        "workspace_inodes",
+        "tmp_bytes",
+        "tmp_inodes",
+        "shm_bytes",
+        "shm_inodes",
+    ] = Field(description="Which budget.")
+    limit: int | None = Field(
+        description="The bound (bytes, processes and threads, or entries); None: unbounded."
+    )
+    mechanism: Literal["cgroup2", "cgroup1", "rlimit", "tmpfs", "poll", "none"] = Field(
+        description=(
+            "How it was enforced: a cgroup (v2 or v1: the sandbox as a whole), rlimit (per process only: "
+            "the machine allowed no cgroup), tmpfs (a hard bound), poll (measured every budget_poll_s: late "
+            "by up to one poll), none."
+        )
+    )
+    peak: int | None = Field(description="Highest use observed; None where it could not be measured.")
+    exceeded: bool = Field(description="This budget ended the rollout.")
 
 
 class SupervisorReceipt(_Frozen):
@@ -475,6 +505,13 @@ class SupervisorReceipt(_Frozen):
     result_error: RunnerError | None = Field(default=None, description="The result's error, if any.")
     model_calls_captured: int | None = Field(
         default=None, description="Exchanges in model_capture.jsonl; None without the egress proxy."
+    )
+    budgets: list[BudgetUse] = Field(
+        default_factory=list,
+        description="Each per-rollout budget: its bound, mechanism and peak (bwrap only).",
+    )
+    budget_exceeded: str | None = Field(
+        default=None, description="The budget that ended the rollout (outcome agent_error), if one did."
     )
 
 

@@ -15,6 +15,21 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from rollcage.commands._sandbox_options import (
+    Cgroups,
+    DiskBudgets,
+    ExecutorCage,
+    MaxProcesses,
+    MemoryBudget,
+    ShmBudget,
+    ShmInodes,
+    TmpBudget,
+    TmpInodes,
+    WorkspaceBudget,
+    WorkspaceInodes,
+    bwrap_fields,
+)
+
 if TYPE_CHECKING:
     from rollcage.controller import RunConfig, RunSummary
     from rollcage.controller._progress import RichReporter
@@ -74,6 +89,17 @@ def command(
     sandbox: Annotated[
         _Sandbox, typer.Option(help="bwrap: contained (default); none: agent code runs uncontained.")
     ] = _Sandbox.bwrap,
+    memory_budget: MemoryBudget = None,
+    max_processes: MaxProcesses = None,
+    workspace_budget: WorkspaceBudget = None,
+    workspace_inodes: WorkspaceInodes = None,
+    tmp_budget: TmpBudget = None,
+    tmp_inodes: TmpInodes = None,
+    shm_budget: ShmBudget = None,
+    shm_inodes: ShmInodes = None,
+    cgroups: Cgroups = None,
+    disk_budgets: DiskBudgets = None,
+    executor_cage: ExecutorCage = None,
     backend: Annotated[
         _Backend, typer.Option(help="Where rollouts run: this machine, or a Ray cluster (rollcage[ray]).")
     ] = _Backend.local,
@@ -145,6 +171,26 @@ def command(
         if ray_max_artifact_mib is not None:
             ray_values["max_artifact_bytes"] = ray_max_artifact_mib * 1024 * 1024
         where = RayBackendConfig(**ray_values)
+    from rollcage.supervisor import BwrapSandbox
+
+    try:
+        bwrap = BwrapSandbox(
+            **bwrap_fields(
+                memory_budget=memory_budget,
+                max_processes=max_processes,
+                workspace_budget=workspace_budget,
+                workspace_inodes=workspace_inodes,
+                tmp_budget=tmp_budget,
+                tmp_inodes=tmp_inodes,
+                shm_budget=shm_budget,
+                shm_inodes=shm_inodes,
+                cgroups=cgroups,
+                disk_budgets=disk_budgets,
+                executor_cage=executor_cage,
+            )
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     reporter = RichReporter(quiet=quiet)
     _log_through(reporter)
     source: EmbeddedPolicyConfig | ModelEndpointConfig
@@ -165,6 +211,7 @@ def command(
             deadline_s=deadline,
             grace_s=grace,
             sandbox=sandbox.value,
+            bwrap=bwrap,
             grade_timeouts=grade_timeouts,
             strict=strict,
             backend=where,

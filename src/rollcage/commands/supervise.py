@@ -14,6 +14,21 @@ from typing import Annotated
 
 import typer
 
+from rollcage.commands._sandbox_options import (
+    Cgroups,
+    DiskBudgets,
+    ExecutorCage,
+    MaxProcesses,
+    MemoryBudget,
+    ShmBudget,
+    ShmInodes,
+    TmpBudget,
+    TmpInodes,
+    WorkspaceBudget,
+    WorkspaceInodes,
+    bwrap_fields,
+)
+
 __all__ = ["EXIT_CODES", "SandboxChoice", "command"]
 
 EXIT_CODES = {"completed": 0, "agent_error": 0, "infra_failure": 1, "timeout": 3, "cancelled": 4}
@@ -53,6 +68,17 @@ def command(
         ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the receipt as JSON.")] = False,
+    memory_budget: MemoryBudget = None,
+    max_processes: MaxProcesses = None,
+    workspace_budget: WorkspaceBudget = None,
+    workspace_inodes: WorkspaceInodes = None,
+    tmp_budget: TmpBudget = None,
+    tmp_inodes: TmpInodes = None,
+    shm_budget: ShmBudget = None,
+    shm_inodes: ShmInodes = None,
+    cgroups: Cgroups = None,
+    disk_budgets: DiskBudgets = None,
+    executor_cage: ExecutorCage = None,
 ) -> None:
     """Run one prepared rollout under a supervisor; always ends with receipt.json."""
     import asyncio
@@ -68,7 +94,22 @@ def command(
         config = SupervisorConfig(
             deadline_s=deadline,
             grace_s=grace,
-            sandbox=BwrapSandbox(extra_ro_paths=[str(p.absolute()) for p in ro_path or []])
+            sandbox=BwrapSandbox(
+                extra_ro_paths=[str(p.absolute()) for p in ro_path or []],
+                **bwrap_fields(
+                    memory_budget=memory_budget,
+                    max_processes=max_processes,
+                    workspace_budget=workspace_budget,
+                    workspace_inodes=workspace_inodes,
+                    tmp_budget=tmp_budget,
+                    tmp_inodes=tmp_inodes,
+                    shm_budget=shm_budget,
+                    shm_inodes=shm_inodes,
+                    cgroups=cgroups,
+                    disk_budgets=disk_budgets,
+                    executor_cage=executor_cage,
+                ),
+            )
             if sandbox is SandboxChoice.bwrap
             else NoSandbox(),
             api_key_env=api_key_env,

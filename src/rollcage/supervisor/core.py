@@ -3,12 +3,14 @@
 The sequence, for one rollout::
 
     check      the rollout directory and the sandbox (errors raised before anything is written)
-    prepare    validate input.json, start the egress proxy, write the worker's view of the input
+    prepare    validate input.json, start the egress proxy, write the worker's view of the input,
+               make the rollout's budgets (cgroups, bounded file systems; see budgets.py)
     launch     the worker in a new session (bwrap or plain), stdout+stderr to worker.log
-    watch      until it exits, the deadline passes, or a stop arrives (event, stop file, cancellation)
+    watch      until it exits, the deadline passes, a budget is exceeded, or a stop arrives
     stop       SIGTERM to the worker's process group, grace, SIGKILL to the whole tree
-    clean up   find every remaining descendant through /proc, SIGKILL it, reap it; confirm none is left
-    collect    result.json into the rollout directory, leftover temporary files swept, journal's last seq
+    clean up   find every remaining descendant (/proc, the cgroups), SIGKILL it, reap it; confirm none left
+    collect    the budgets' last reading, the workspace back from its bounded file system, result.json
+               into the rollout directory, leftover temporary files swept, journal's last seq
     receipt    classify the outcome (one pure function), publish receipt.json atomically, last
 
 Many rollouts can be supervised concurrently in one event loop: all state is
@@ -30,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -39,7 +42,8 @@ from pydantic import ValidationError
 from rollcage.durable import is_temp_artifact, publish_json, read_journal
 from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
 from rollcage.protocol import SignalEvent, SupervisorReceipt, WorkerInput, WorkerResult
-from rollcage.supervisor.config import TOKEN_ENV, SupervisorConfig
+from rollcage.supervisor.budgets import RolloutBudgets, release_leftovers
+from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.procs import (
     ChildProcess,
@@ -68,7 +72,8 @@ __all__ = ["default_worker_command", "kill_leftovers", "supervise"]
 logger = logging.getLogger("rollcage.supervisor")
 
 _T = TypeVar("_T")
-_Reason = Literal["deadline", "stop", "grace_expired", "cleanup"]
+_Reason = Literal["deadline", "stop", "budget", "grace_expired", "cleanup"]
+_Cause = Literal["deadline", "stop", "budget"]
 _MAX_RESULT_BYTES = 1 << 30
 _LOG_TAIL_BYTES = 4096
 
@@ -87,6 +92,7 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
     try:
         token = layout.token.read_text().strip()
     except OSError:
+        release_leftovers(layout)
         return 0
     killed = 0
     for info in scan_processes().values():
@@ -99,6 +105,8 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
             killed += handle.send(signal.SIGKILL)
         finally:
             handle.close()
+    # Its mounts and cgroups go once nothing is left inside.
+    release_leftovers(layout)
     with contextlib.suppress(OSError):
         layout.token.unlink()
     return killed
@@ -203,10 +211,11 @@ class _Supervision:
         self.plan: LaunchPlan | None = None
         self.child: ChildProcess | None = None
         self.proxy: EgressProxy | None = None
-        self.socket_dir: str | None = None
+        self.private_dir: str | None = None
+        self.budgets: RolloutBudgets | None = None
         self.log_fd: int | None = None
         self.signals: list[SignalEvent] = []
-        self.stop_cause: Literal["deadline", "stop"] | None = None
+        self.stop_cause: _Cause | None = None
         self.stop_requested = False
         self.deadline_fired = False
         self.sigterm_sent = False
@@ -317,22 +326,41 @@ class _Supervision:
                 "rollout %s: stop asked for before the start; the worker is not started", self.rollout_id
             )
             return
+        if self.config.proxy is not None or self.launcher.kind == "bwrap":
+            # The supervisor's own directory: the proxy socket, the bounded file systems' mount points.
+            self.private_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix="rollcage-")
         if self.config.proxy is not None:
-            self.socket_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix="rollcage-")
-            self.layout = RolloutLayout(self.layout.root, Path(self.socket_dir) / "proxy.sock")
+            assert self.private_dir is not None
+            self.layout = RolloutLayout(self.layout.root, Path(self.private_dir) / "proxy.sock")
         env = worker_environment(
             allow=self.config.env_allow, extra=self.config.env, sandbox=self.launcher.kind
         )
         command = self.config.worker_command or default_worker_command()
         status_read, status_write = os.pipe() if self.launcher.kind == "bwrap" else (None, None)
         try:
-            self.plan = plan = self.launcher.plan(
-                self.layout,
-                worker_command=command,
-                worker_env=env,
-                token_env={TOKEN_ENV: self.token},
-                status_fd=status_write,
-            )
+            if isinstance(self.launcher, BwrapLauncher):
+                assert isinstance(self.config.sandbox, BwrapSandbox) and self.private_dir is not None
+                self.budgets = RolloutBudgets(
+                    self.config.sandbox,
+                    self.layout,
+                    Path(self.private_dir),
+                    owner=self.launcher.owner,
+                    name=f"rollcage-{self.token[:16]}",
+                )
+                scratch = await asyncio.to_thread(self.budgets.prepare)
+                self.plan = plan = self.launcher.plan(
+                    self.layout,
+                    worker_command=command,
+                    worker_env=env,
+                    token_env={TOKEN_ENV: self.token},
+                    status_fd=status_write,
+                    scratch=scratch,
+                    enter=self.budgets.enter_prefix(),
+                )
+            else:
+                self.plan = plan = self.launcher.plan(
+                    self.layout, worker_command=command, worker_env=env, token_env={TOKEN_ENV: self.token}
+                )
             await self._launch(plan, status_write)
         except BaseException:
             if status_read is not None:
@@ -412,23 +440,43 @@ class _Supervision:
         handle = self._handle(info)
         if handle is not None:
             self.sandbox_init = handle
+            if self.budgets is not None:
+                self.budgets.set_sandbox_root(pid)
 
     async def _watch(self, child: ChildProcess) -> None:
         exited = asyncio.ensure_future(child.wait())
         stopped = asyncio.ensure_future(self._stop_arrives())
+        over = asyncio.ensure_future(self._budget_exceeded())
         try:
             await asyncio.wait(
-                {exited, stopped},
+                {exited, stopped, over},
                 timeout=max(self.deadline_at - time.monotonic(), 0.0),
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
-            for task in (exited, stopped):
+            for task in (exited, stopped, over):
                 task.cancel()
-            await asyncio.gather(exited, stopped, return_exceptions=True)
+            await asyncio.gather(exited, stopped, over, return_exceptions=True)
         if child.status is not None or (exited.done() and not exited.cancelled()):
             return
-        await self._terminate("stop" if stopped.done() and not stopped.cancelled() else "deadline")
+        if over.done() and not over.cancelled() and over.exception() is None:
+            await self._terminate("budget")
+        else:
+            await self._terminate("stop" if stopped.done() and not stopped.cancelled() else "deadline")
+
+    async def _budget_exceeded(self) -> None:
+        """Return once the sandbox has gone over one of its budgets (never without budgets)."""
+        budgets = self.budgets
+        if budgets is None:
+            await asyncio.Event().wait()
+            return
+        assert isinstance(self.config.sandbox, BwrapSandbox)
+        while True:
+            await asyncio.sleep(self.config.sandbox.budget_poll_s)
+            breach = await asyncio.to_thread(budgets.check)
+            if breach is not None:
+                logger.info("rollout %s: %s", self.rollout_id, breach[1])
+                return
 
     async def _stop_arrives(self) -> None:
         """Return once a stop is asked for: the event, or the stop file."""
@@ -450,10 +498,14 @@ class _Supervision:
         self.signals.append(SignalEvent(signal=sig.name, target=target, at=time.time(), reason=reason))
 
     async def _tree(self) -> list[ProcInfo]:
-        """The worker's process tree (its direct child included) and the reparented stragglers."""
+        """The worker's process tree (its direct child included), the reparented stragglers, and
+        everything in the rollout's cgroups."""
         assert self.child is not None
-        table = await asyncio.to_thread(scan_processes)
-        roots = [self.child.pid]
+        budgets = self.budgets
+        table, members = await asyncio.to_thread(
+            lambda: (scan_processes(), budgets.members() if budgets is not None else [])
+        )
+        roots = [self.child.pid, *members]
         init = self.sandbox_init
         if init is not None:
             now = table.get(init.info.pid)
@@ -489,7 +541,7 @@ class _Supervision:
         init = max(inits, key=lambda info: len(nspids[info.pid]))
         return [info for info in tree if info.pgid == init.pid and info.pid != init.pid]
 
-    async def _terminate(self, cause: Literal["deadline", "stop"]) -> None:
+    async def _terminate(self, cause: _Cause) -> None:
         """SIGTERM the worker's process group, wait the grace period, SIGKILL the whole tree."""
         child = self.child
         assert child is not None and self.plan is not None
@@ -497,7 +549,7 @@ class _Supervision:
             self.stop_cause = cause
         if cause == "deadline":
             self.deadline_fired = True
-        else:
+        elif cause == "stop":
             self.stop_requested = True
         logger.info("rollout %s: %s; stopping the worker", self.rollout_id, cause)
         if not self.sigterm_sent:
@@ -613,6 +665,11 @@ class _Supervision:
                 self.stop_cause = "stop"
             confirmed, killed = await self._clean_up()
             status = self.child.release() if self.child is not None else None
+            if self.budgets is not None:
+                if not confirmed:
+                    await asyncio.to_thread(self.budgets.kill)
+                # The last reading, the workspace back into the rollout directory, mounts and cgroups gone.
+                await asyncio.to_thread(self.budgets.finish)
         finally:
             if self.status_task is not None:
                 self.status_task.cancel()
@@ -625,9 +682,9 @@ class _Supervision:
                 self.log_fd = None
             if self.proxy is not None:
                 await self.proxy.aclose()
-            if self.socket_dir is not None:
+            if self.private_dir is not None:
                 with contextlib.suppress(OSError):
-                    os.rmdir(self.socket_dir)
+                    os.rmdir(self.private_dir)
         return await asyncio.to_thread(self._conclude, status, confirmed, killed)
 
     def _conclude(self, status: ExitStatus | None, confirmed: bool, killed: int) -> SupervisorReceipt:
@@ -644,7 +701,9 @@ class _Supervision:
             if result is None or result.error is not None:
                 self.stop_cause = "stop"
         shutil.rmtree(layout.staging, ignore_errors=True)
+        journal = _journal_summary(layout.checkpoint)
         exit_code, exit_signal = self._exit(status)
+        breach = self.budgets.breach if self.budgets is not None else None
         evidence = OutcomeEvidence(
             stop_cause=self.stop_cause,
             deadline_s=self.config.deadline_s,
@@ -656,6 +715,8 @@ class _Supervision:
             result_problem=problem,
             setup_failure=self.setup_failure,
             log_tail=_log_tail(layout.log) if not present else None,
+            budget_exceeded=None if breach is None else f"{breach[0]}: {breach[1]}",
+            journal_responses=journal.responses,
         )
         outcome, reason = classify_outcome(evidence)
         ended = time.time()
@@ -677,11 +738,13 @@ class _Supervision:
             cleanup_confirmed=confirmed,
             descendants_killed=killed,
             temp_files_swept=swept,
-            last_checkpoint_seq=_last_seq(layout.checkpoint),
+            last_checkpoint_seq=journal.last_seq,
             result_present=present,
             result_valid=result is not None,
             result_error=None if result is None else result.error,
             model_calls_captured=None if self.proxy is None else self.proxy.exchanges["model"],
+            budgets=self.budgets.report() if self.budgets is not None else [],
+            budget_exceeded=None if breach is None else breach[0],
         )
         try:
             publish_json(layout.receipt, receipt, mode=0o644)
@@ -793,13 +856,26 @@ def _log_tail(path: Path) -> str | None:
     return lines[-1].decode("utf-8", "replace")[:300]
 
 
-def _last_seq(path: Path) -> int | None:
+@dataclass(frozen=True)
+class _JournalSummary:
+    last_seq: int | None
+    responses: int
+
+
+def _journal_summary(path: Path) -> _JournalSummary:
     try:
         records = read_journal(path)
     except (OSError, JournalCorruptError) as exc:
         logger.warning("cannot read %s: %s", path, exc)
-        return None
+        return _JournalSummary(None, 0)
     if not records:
-        return None
+        return _JournalSummary(None, 0)
     seq = records[-1].get("seq")
-    return seq if isinstance(seq, int) else None
+    responses = sum(
+        1
+        for record in records
+        if record.get("kind") == "model_call"
+        and isinstance(record.get("model_call"), dict)
+        and record["model_call"].get("status") != "failed"
+    )
+    return _JournalSummary(seq if isinstance(seq, int) else None, responses)
