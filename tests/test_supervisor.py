@@ -28,6 +28,7 @@ from rollcage.supervisor import (
     OutcomeEvidence,
     SupervisorConfig,
     classify_outcome,
+    kill_leftovers,
     supervise,
 )
 from rollcage.supervisor.procs import PidHandle, ensure_subreaper, is_subreaper, read_proc
@@ -645,3 +646,7 @@ def test_nothing_outlives_a_supervisor_that_is_sigkilled(tmp_path: Path, sandbox
         finally:
             proc.kill()
     wait_for(lambda: not processes_with_token(), timeout=10, what="every supervised process to be gone")
+    # What the supervisor made for the rollout (bounded mounts, cgroups) is released the next run's way.
+    kill_leftovers(root)
+    with open("/proc/self/mountinfo", encoding="utf-8") as file:
+        assert str(tmp_path) not in file.read(), "a mount of the killed supervisor's rollout was left"

@@ -22,6 +22,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "AgentSettings",
     "BoundaryRecord",
+    "BudgetMechanism",
+    "BudgetName",
     "BudgetUse",
     "CaptureExchange",
     "CapturedBody",
@@ -451,23 +453,30 @@ class SignalEvent(_Model):
     )
 
 
+BudgetName = Literal[
+    "memory_bytes",
+    "processes",
+    "workspace_bytes",
+    "workspace_inodes",
+    "tmp_bytes",
+    "tmp_inodes",
+    "shm_bytes",
+    "shm_inodes",
+]
+"""The per-rollout budgets the supervisor enforces (see ``rollcage.cage``)."""
+
+BudgetMechanism = Literal["cgroup2", "cgroup1", "rlimit", "tmpfs", "poll", "none"]
+"""How a budget is enforced: a cgroup, a per-process rlimit only, a bounded tmpfs, a poll, or not at all."""
+
+
 class BudgetUse(_Model):
     """One per-rollout budget, as the receipt reports it."""
 
-    budget: Literal[
-        "memory_bytes",
-        "processes",
-        "workspace_bytes",
-        "workspace_inodes",
-        "tmp_bytes",
-        "tmp_inodes",
-        "shm_bytes",
-        "shm_inodes",
-    ] = Field(description="Which budget.")
+    budget: BudgetName = Field(description="Which budget.")
     limit: int | None = Field(
         description="The bound (bytes, processes and threads, or entries); None: unbounded."
     )
-    mechanism: Literal["cgroup2", "cgroup1", "rlimit", "tmpfs", "poll", "none"] = Field(
+    mechanism: BudgetMechanism = Field(
         description=(
             "How it was enforced: a cgroup (v2 or v1: the sandbox as a whole), rlimit (per process only: "
             "the machine allowed no cgroup), tmpfs (a hard bound), poll (measured every budget_poll_s: late "

@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from rollcage.protocol import BudgetMechanism, BudgetName
+
 __all__ = [
     "BudgetName",
     "CgroupSet",
@@ -75,20 +77,8 @@ __all__ = [
 
 logger = logging.getLogger("rollcage.cage")
 
-Mechanism = Literal["cgroup2", "cgroup1", "rlimit", "tmpfs", "poll", "none"]
-"""How a budget is enforced: a cgroup, a per-process rlimit only, a bounded tmpfs, a poll, or not at all."""
-
-BudgetName = Literal[
-    "memory_bytes",
-    "processes",
-    "workspace_bytes",
-    "workspace_inodes",
-    "tmp_bytes",
-    "tmp_inodes",
-    "shm_bytes",
-    "shm_inodes",
-]
-"""The per-rollout budgets the supervisor enforces."""
+Mechanism = BudgetMechanism
+"""How a budget is enforced (the receipt's word for it)."""
 
 _MS_NOSUID = 2
 _MS_NODEV = 4
@@ -466,6 +456,9 @@ class Volume:
         """Whether the bytes and the inodes budget are exhausted at this usage."""
         return used_bytes > self.max_bytes, used_inodes > self.max_inodes
 
+    def close(self) -> None:
+        """Let go of what the volume holds (idempotent)."""
+
     def check(self) -> list[str]:
         """Measure (recording the peak) and name the budgets breached: ``workspace_bytes`` etc. (blocking)."""
         used = self.usage()
@@ -480,8 +473,8 @@ class Volume:
         ]
 
 
-def _statvfs_usage(path: str) -> tuple[int, int, int, int] | None:
-    """(bytes used, bytes free, inodes used, inodes free) of the file system at ``path``."""
+def _statvfs_usage(path: str | int) -> tuple[int, int, int, int] | None:
+    """(bytes used, bytes free, inodes used, inodes free) of the file system at ``path`` (or an fd)."""
     try:
         st = os.statvfs(path)
     except OSError:
@@ -537,7 +530,9 @@ class ProcRootTmpfs(Volume):
     """A tmpfs bubblewrap made inside the cage (``--size``), measured through ``/proc/<pid>/root``.
 
     The bytes are a hard bound (``tmpfs``); bubblewrap cannot bound the inodes, so
-    they are polled.
+    they are polled. The file system is held by a descriptor from the first poll
+    that finds it (recognised by its size), so the last reading, after the cage is
+    gone, still sees it.
     """
 
     bytes_mechanism: Mechanism = "tmpfs"
@@ -550,12 +545,30 @@ class ProcRootTmpfs(Volume):
         self._inside = inside.lstrip("/")
         self._root_of = root_of
         self._free_bytes = max_bytes
+        self._fd: int | None = None
 
-    def usage(self) -> tuple[int, int] | None:
+    def _held(self) -> int | None:
+        if self._fd is not None:
+            return self._fd
         root = self._root_of()
         if root is None:
             return None
-        found = _statvfs_usage(os.path.join(root, self._inside))
+        try:
+            fd = os.open(os.path.join(root, self._inside), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        # Until bubblewrap has mounted it, the path shows something else: only the bounded tmpfs is kept.
+        found = _statvfs_usage(fd)
+        page = 4096
+        if found is None or found[0] + found[1] != -(-self.max_bytes // page) * page:
+            os.close(fd)
+            return None
+        self._fd = fd
+        return fd
+
+    def usage(self) -> tuple[int, int] | None:
+        fd = self._held()
+        found = None if fd is None else _statvfs_usage(fd)
         if found is None:
             return None
         used_bytes, self._free_bytes, used_inodes, _ = found
@@ -563,6 +576,11 @@ class ProcRootTmpfs(Volume):
 
     def full(self, used_bytes: int, used_inodes: int) -> tuple[bool, bool]:
         return self._free_bytes < 4096, used_inodes > self.max_inodes
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class PolledTree(Volume):

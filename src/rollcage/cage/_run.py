@@ -263,6 +263,52 @@ async def _feed(writer: asyncio.StreamWriter | None, data: bytes) -> None:
     writer.close()
 
 
+@dataclass
+class _Finished:
+    returncode: int | None
+    out: _Sink
+    err: _Sink
+    timed_out: bool
+
+
+async def _communicate(
+    command: Sequence[str],
+    *,
+    stdin: bytes,
+    timeout_s: float,
+    out: _Sink,
+    err: _Sink,
+    env: Mapping[str, str],
+    cwd: str,
+    pass_fds: Sequence[int] = (),
+    cgroups: CgroupSet | None = None,
+) -> _Finished:
+    """Run ``command`` in a new session: feed ``stdin``, keep bounded output, kill everything at the end."""
+    proc = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        pass_fds=pass_fds,
+        env=dict(env),
+        cwd=cwd,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    timed_out = False
+    try:
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(
+                _feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()
+            )
+    except TimeoutError:
+        timed_out = True
+    finally:
+        # Shielded: whatever happened, the whole cage dies and is reaped.
+        await asyncio.shield(_kill(proc, cgroups))
+    return _Finished(proc.returncode, out, err, timed_out)
+
+
 async def _supervise(
     command: list[str],
     fds: list[int],
@@ -272,47 +318,40 @@ async def _supervise(
     limits: RunLimits,
     cgroups: CgroupSet,
 ) -> ContainedRun:
-    proc = await asyncio.create_subprocess_exec(
-        *command,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        pass_fds=fds,
+    done = await _communicate(
+        command,
+        stdin=stdin,
+        timeout_s=timeout_s,
+        out=_Sink(limits.output_limit + len(marker)),
+        err=_Sink(limits.output_limit),
         env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
         cwd="/",
-        start_new_session=True,
+        pass_fds=fds,
+        cgroups=cgroups,
     )
-    assert proc.stdout is not None and proc.stderr is not None
-    timed_out = False
-    out, err = _Sink(limits.output_limit + len(marker)), _Sink(limits.output_limit)
-    try:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await asyncio.gather(
-                    _feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()
-                )
-        except TimeoutError:
-            timed_out = True
-    finally:
-        # Shielded: whatever happened, the whole cage dies and is reaped.
-        await asyncio.shield(_kill(proc, cgroups))
+    out, err = done.out, done.err
     started = out.kept.startswith(marker)
-    returncode = proc.returncode
     if not started:
         why = err.kept.decode("utf-8", "replace").strip()[-500:] or (
-            f"it did not start within {timeout_s:g} s" if timed_out else f"exit status {returncode}"
+            f"it did not start within {timeout_s:g} s" if done.timed_out else f"exit status {done.returncode}"
         )
         raise SandboxError(f"the sandbox for the contained command could not be made: {why}")
-    code, sig = _decode(returncode)
+    return _result(done, out.kept[len(marker) :], memory_exceeded=cgroups.oom_kills() > 0, contained=True)
+
+
+def _result(
+    done: _Finished, stdout: bytes | bytearray, *, memory_exceeded: bool, contained: bool
+) -> ContainedRun:
+    code, sig = _decode(done.returncode)
     return ContainedRun(
-        exit_code=None if timed_out else code,
+        exit_code=None if done.timed_out else code,
         signal=sig,
-        stdout=bytes(out.kept[len(marker) :]),
-        stderr=bytes(err.kept),
-        truncated=out.dropped or err.dropped,
-        timed_out=timed_out,
-        memory_exceeded=cgroups.oom_kills() > 0,
-        contained=True,
+        stdout=bytes(stdout),
+        stderr=bytes(done.err.kept),
+        truncated=done.out.dropped or done.err.dropped,
+        timed_out=done.timed_out,
+        memory_exceeded=memory_exceeded,
+        contained=contained,
     )
 
 
@@ -364,37 +403,15 @@ async def _run_uncontained(
             open_files=limits.open_files,
         )
         command = [prlimit, *per_process.prlimit_args(), "--", *argv] if prlimit else list(argv)
-        proc = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+        done = await _communicate(
+            command,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            out=_Sink(limits.output_limit),
+            err=_Sink(limits.output_limit),
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, **(env or {})},
             cwd=workdir,
-            start_new_session=True,
         )
-        assert proc.stdout is not None and proc.stderr is not None
-        timed_out = False
-        out, err = _Sink(limits.output_limit), _Sink(limits.output_limit)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await asyncio.gather(
-                    _feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()
-                )
-        except TimeoutError:
-            timed_out = True
-        finally:
-            await asyncio.shield(_kill(proc, None))
-        code, sig = _decode(proc.returncode)
-        return ContainedRun(
-            exit_code=None if timed_out else code,
-            signal=sig,
-            stdout=bytes(out.kept),
-            stderr=bytes(err.kept),
-            truncated=out.dropped or err.dropped,
-            timed_out=timed_out,
-            memory_exceeded=False,
-            contained=False,
-        )
+        return _result(done, done.out.kept, memory_exceeded=False, contained=False)
     finally:
         await asyncio.to_thread(shutil.rmtree, workdir, True)

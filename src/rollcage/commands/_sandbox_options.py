@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import typer
 
 __all__ = [
+    "BUDGET_FLAGS",
     "CgroupsChoice",
     "DiskChoice",
     "ExecutorCageChoice",
@@ -131,32 +133,44 @@ ExecutorCage = Annotated[
 ]
 
 
-def bwrap_fields(
-    *,
-    memory_budget: str | None,
-    max_processes: int | None,
-    workspace_budget: str | None,
-    workspace_inodes: int | None,
-    tmp_budget: str | None,
-    tmp_inodes: int | None,
-    shm_budget: str | None,
-    shm_inodes: int | None,
-    cgroups: CgroupsChoice | None,
-    disk_budgets: DiskChoice | None,
-    executor_cage: ExecutorCageChoice | None,
-) -> dict[str, Any]:
-    """The ``BwrapSandbox`` fields the flags set (flags left out keep the defaults)."""
-    values: dict[str, Any] = {
-        "memory_bytes": None if memory_budget is None else parse_size(memory_budget),
-        "max_processes": max_processes,
-        "workspace_bytes": None if workspace_budget is None else parse_size(workspace_budget),
-        "workspace_inodes": workspace_inodes,
-        "tmp_size_bytes": None if tmp_budget is None else parse_size(tmp_budget),
-        "tmp_inodes": tmp_inodes,
-        "shm_bytes": None if shm_budget is None else parse_size(shm_budget),
-        "shm_inodes": shm_inodes,
-        "cgroups": None if cgroups is None else cgroups.value,
-        "disk_budgets": None if disk_budgets is None else disk_budgets.value,
-        "executor_cage": None if executor_cage is None else executor_cage.value,
-    }
-    return {key: value for key, value in values.items() if value is not None}
+BUDGET_FLAGS = (
+    "memory_budget",
+    "max_processes",
+    "workspace_budget",
+    "workspace_inodes",
+    "tmp_budget",
+    "tmp_inodes",
+    "shm_budget",
+    "shm_inodes",
+    "cgroups",
+    "disk_budgets",
+    "executor_cage",
+)
+"""The commands' parameter names of the flags above."""
+
+_SIZES = {"memory_budget", "workspace_budget", "tmp_budget", "shm_budget"}
+_FIELDS = {
+    "memory_budget": "memory_bytes",
+    "workspace_budget": "workspace_bytes",
+    "tmp_budget": "tmp_size_bytes",
+    "shm_budget": "shm_bytes",
+}
+
+
+def bwrap_fields(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``BwrapSandbox`` fields the flags set (flags left out keep the defaults).
+
+    Args:
+        flags: The command's parameters (e.g. its ``locals()``); only :data:`BUDGET_FLAGS` are read.
+    """
+    fields: dict[str, Any] = {}
+    for name in BUDGET_FLAGS:
+        value = flags.get(name)
+        if value is None:
+            continue
+        if name in _SIZES:
+            value = parse_size(value)
+        elif isinstance(value, enum.Enum):
+            value = value.value
+        fields[_FIELDS.get(name, name)] = value
+    return fields

@@ -133,6 +133,7 @@ def command(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a dataset of tasks in sandboxes, grade outside them, and report."""
+    flags = dict(locals())  # the parameters, before anything else is bound: the budget flags among them
     import asyncio
 
     from rollcage.controller import (
@@ -174,21 +175,7 @@ def command(
     from rollcage.supervisor import BwrapSandbox
 
     try:
-        bwrap = BwrapSandbox(
-            **bwrap_fields(
-                memory_budget=memory_budget,
-                max_processes=max_processes,
-                workspace_budget=workspace_budget,
-                workspace_inodes=workspace_inodes,
-                tmp_budget=tmp_budget,
-                tmp_inodes=tmp_inodes,
-                shm_budget=shm_budget,
-                shm_inodes=shm_inodes,
-                cgroups=cgroups,
-                disk_budgets=disk_budgets,
-                executor_cage=executor_cage,
-            )
-        )
+        bwrap = BwrapSandbox(**bwrap_fields(flags))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     reporter = RichReporter(quiet=quiet)

@@ -81,6 +81,7 @@ def command(
     executor_cage: ExecutorCage = None,
 ) -> None:
     """Run one prepared rollout under a supervisor; always ends with receipt.json."""
+    flags = dict(locals())  # the parameters, before anything else is bound: the budget flags among them
     import asyncio
     import logging
     import signal
@@ -96,19 +97,7 @@ def command(
             grace_s=grace,
             sandbox=BwrapSandbox(
                 extra_ro_paths=[str(p.absolute()) for p in ro_path or []],
-                **bwrap_fields(
-                    memory_budget=memory_budget,
-                    max_processes=max_processes,
-                    workspace_budget=workspace_budget,
-                    workspace_inodes=workspace_inodes,
-                    tmp_budget=tmp_budget,
-                    tmp_inodes=tmp_inodes,
-                    shm_budget=shm_budget,
-                    shm_inodes=shm_inodes,
-                    cgroups=cgroups,
-                    disk_budgets=disk_budgets,
-                    executor_cage=executor_cage,
-                ),
+                **bwrap_fields(flags),
             )
             if sandbox is SandboxChoice.bwrap
             else NoSandbox(),

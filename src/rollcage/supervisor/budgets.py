@@ -287,6 +287,8 @@ class RolloutBudgets:
         if self.workspace_mount is not None:
             self._copy_out(self.workspace_mount)
         self._unmount()
+        for volume in self.volumes:
+            volume.close()
         self.cgroups.remove()
         # Only empty mount points are removed: never a tree that might still be a mounted file system.
         for volume in self.volumes:

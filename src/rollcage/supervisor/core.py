@@ -471,8 +471,11 @@ class _Supervision:
             await asyncio.Event().wait()
             return
         assert isinstance(self.config.sandbox, BwrapSandbox)
+        # Early polls come quickly (a short rollout's /tmp is only seen while its sandbox lives).
+        interval = min(0.02, self.config.sandbox.budget_poll_s)
         while True:
-            await asyncio.sleep(self.config.sandbox.budget_poll_s)
+            await asyncio.sleep(interval)
+            interval = min(interval * 2, self.config.sandbox.budget_poll_s)
             breach = await asyncio.to_thread(budgets.check)
             if breach is not None:
                 logger.info("rollout %s: %s", self.rollout_id, breach[1])

@@ -1,5 +1,8 @@
 """Sandbox launchers: the command line that starts the worker, contained (bwrap) or not (none).
 
+The cage itself (namespaces, the two-stage launch that keeps root out of the
+sandbox, limits) is :mod:`rollcage.cage`'s; this module lays one rollout out in it.
+
 Layout of one rollout under bubblewrap
 ======================================
 
@@ -12,8 +15,10 @@ and is removed when the rollout ends::
     R/.sandbox/input.json              /rollout/input.json         read       rewritten: endpoints -> proxy
     R/.sandbox/root/                   /rollout/                   write      where result.json is published
     R/checkpoint.jsonl                 /rollout/checkpoint.jsonl   append     live evidence, in place
-    R/workspace/                       /rollout/workspace/         write      the agent's working directory
-    <tmp>/proxy.sock                   /run/rollcage/proxy.sock    connect    the egress proxy
+    R/workspace/ (a bounded tmpfs      /rollout/workspace/         write      the agent's working directory
+      as root, see budgets.py)
+    <private>/fs/tmp, fs/shm (root)    /tmp, /dev/shm              write      bounded tmpfs
+    <private>/proxy.sock               /run/rollcage/proxy.sock    connect    the egress proxy
     R/worker.log                       (stdout and stderr)         write      through the inherited fd only
     R/result.json                      (not visible)               -          moved from R/.sandbox/root/
     R/model_capture.jsonl, R/receipt.json   (not visible)          -          supervisor only
@@ -30,26 +35,15 @@ workspace beside RESULT) line up with this tree.
 Also visible, read-only at their host paths: the system directories
 (``/usr``, ``/etc``, ...), the Python environment (``sys.prefix``,
 ``sys.base_prefix``) and the directory the ``rollcage`` package is imported
-from (mounted over the private ``/tmp`` if they live there). ``/tmp`` is a
-private, size-limited tmpfs; ``/proc`` shows only the sandbox's processes;
-``/dev`` is minimal. The network namespace has only a loopback interface with
-nothing listening.
+from (mounted over the private ``/tmp`` if they live there). ``/proc`` shows only
+the sandbox's processes; ``/dev`` is minimal. The network namespace has only a
+loopback interface with nothing listening.
 
-Root and RLIMIT_NPROC
-=====================
-
-The kernel never enforces ``RLIMIT_NPROC`` for processes of (host) root, and a
-user namespace created by root maps the sandbox's uid to host root. So when the
-supervisor runs as root, the sandbox is started in two stages: an outer
-``bwrap`` (root, mount namespace only) builds the file tree above, then drops to
-an unprivileged uid (``setpriv``) and runs the inner ``bwrap``, which creates
-the user, PID, network, IPC, UTS and cgroup namespaces over that tree. The
-sandbox then runs as that unprivileged uid on the host, the process limit holds
-(a fork bomb is contained), and the files it creates are owned by that uid.
-The outer stage has a PID namespace of its own: when its init dies (the
-supervisor died, or killed it), the kernel kills everything inside, the
-unprivileged stages included. When the supervisor is not root, one ``bwrap``
-does both.
+The agent's code does not see all of this: the worker runs its executor in a
+cage of its own (:mod:`rollcage.cage`, ``executor_cage``) where ``/rollout`` and
+``/run/rollcage`` are covered and only the workspace, ``/tmp`` and ``/dev/shm``
+stay. The worker's sandbox therefore keeps the right to make one more user
+namespace; with ``executor_cage="shared"`` it gets ``--disable-userns`` instead.
 
 Without bubblewrap
 ==================
