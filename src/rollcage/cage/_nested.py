@@ -43,7 +43,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 from rollcage.cage._bwrap import which
 from rollcage.errors import SandboxError
@@ -51,8 +50,9 @@ from rollcage.errors import SandboxError
 __all__ = ["CAGE_ENV", "NestedCage", "nested_prefix"]
 
 CAGE_ENV = "ROLLCAGE_EXECUTOR_CAGE"
-"""Set by the supervisor in the worker's environment: ``bwrap`` cages the executor (see the module
-docstring); unset or ``none``: the executor shares the worker's sandbox (or the host, uncontained)."""
+"""Set by the supervisor in the worker's environment: ``bwrap`` (or ``bwrap:PATH``, the program as the
+worker sees it) cages the executor (see the module docstring); unset or ``none``: the executor shares
+the worker's sandbox (or the host, uncontained)."""
 
 _IGNORE_SIGINT = 'trap "" INT; exec "$@"'
 
@@ -84,12 +84,13 @@ class NestedCage:
         Raises:
             SandboxError: A cage was asked for and bwrap cannot be found, or a path to hide is ``/``.
         """
-        mode: Literal["bwrap", "none"] | str = os.environ.get(CAGE_ENV, "none")
+        mode = os.environ.get(CAGE_ENV, "none")
         if mode == "none":
             return None
-        if mode != "bwrap":
-            raise SandboxError(f"{CAGE_ENV}={mode!r}: expected 'bwrap' or 'none'")
-        bwrap = which("bwrap")
+        kind, _, program = mode.partition(":")
+        if kind != "bwrap":
+            raise SandboxError(f"{CAGE_ENV}={mode!r}: expected 'bwrap', 'bwrap:PATH' or 'none'")
+        bwrap = program or which("bwrap")
         if bwrap is None:
             raise SandboxError(f"{CAGE_ENV}=bwrap but bwrap is not visible in the worker's sandbox")
         hide = sorted({os.path.dirname(os.path.abspath(path)) for path in worker_paths})

@@ -370,7 +370,9 @@ class BwrapLauncher:
             ro.append(os.path.dirname(worker_command[0]))
         env = dict(worker_env)
         if self.config.executor_cage == "bwrap":
-            env[CAGE_ENV] = "bwrap"
+            # The worker cages its executor with the same bubblewrap, wherever it is installed.
+            env[CAGE_ENV] = f"bwrap:{tools.bwrap}"
+            ro.append(tools.bwrap)
         full = bwrap_argv(
             self.config,
             tools=tools,
