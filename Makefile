@@ -33,7 +33,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: system-test $(STAMP)
-	$(BIN)/pytest -q
+	ROLLCAGE_TEST_NO_SKIPS=1 $(BIN)/pytest -q
 
 test: lint typecheck unit
 
