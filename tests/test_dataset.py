@@ -69,13 +69,24 @@ def test_row_without_environment_gets_python_and_exact_grader(tmp_path: Path) ->
 
 def test_external_environment_is_an_url(tmp_path: Path) -> None:
     spec = {"type": "resource", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
-    task = one(tmp_path, {"id": "x", "input": "hi", "environment": "http://10.0.0.5:8000/", "tools": [spec]})
+    task = one(tmp_path, {"id": "x", "input": "hi", "environment": "HTTP://10.0.0.5:8000/", "tools": [spec]})
     assert isinstance(task, Task)
-    assert task.environment is not None and (task.environment.key, task.environment.url) == (
-        "env",
-        "http://10.0.0.5:8000",
-    )
-    assert isinstance(task.tools[0], ResourceToolSpec) and task.tools[0].resource == "env"
+    assert task.environment is not None and task.environment.url == "http://10.0.0.5:8000"
+    key = task.environment.key
+    assert key.startswith("env-10.0.0.5-8000-")
+    assert isinstance(task.tools[0], ResourceToolSpec) and task.tools[0].resource == key
+
+
+def test_each_external_url_gets_its_own_deterministic_key(tmp_path: Path) -> None:
+    def key(url: str) -> str:
+        task = one(tmp_path, {"id": "x", "input": "hi", "environment": url, "tools": ["python"]})
+        assert isinstance(task, Task) and task.environment is not None
+        return task.environment.key
+
+    same = {key("http://127.0.0.1:8001"), key("http://127.0.0.1:8001/"), key("http://127.0.0.1:8001/")}
+    assert len(same) == 1
+    others = {key("http://127.0.0.1:8002"), key("http://127.0.0.1:8001/v2"), key("https://127.0.0.1:8001")}
+    assert len(others | same) == 4
 
 
 @pytest.mark.parametrize(

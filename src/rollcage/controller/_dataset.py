@@ -22,7 +22,9 @@ reason and skipped; the others still run.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +56,11 @@ __all__ = [
     "RowResourceTool",
     "Task",
     "iter_dataset",
+    "normalise_url",
+    "url_key",
 ]
 
-_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$", re.IGNORECASE)
 _MAX_ID = 256
 
 
@@ -128,7 +132,9 @@ class EnvironmentRef:
     """The environment a task runs against.
 
     Attributes:
-        key: The resource key in ``WorkerInput.resources`` (the bundled name, or ``env``).
+        key: The resource key in ``WorkerInput.resources``: the bundled name, or for an
+            external URL ``env-<host>-<hash of the URL>`` (see ``url_key``), so rows naming
+            different URLs never share a key, and the same URL always gets the same one.
         bundled: The bundled environment, or ``None`` for an external URL.
         url: The external URL, or ``None`` for a bundled environment (started by the controller).
     """
@@ -186,11 +192,31 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
+def normalise_url(url: str) -> str:
+    """An environment URL in one spelling: scheme and host lower case, no trailing slash."""
+    parts = urllib.parse.urlsplit(url.strip())
+    path = parts.path.rstrip("/")
+    return urllib.parse.urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, parts.query, ""))
+
+
+def url_key(url: str) -> str:
+    """The resource key of an external environment: a readable host plus a hash of the whole URL.
+
+    Derived from the URL alone, so a resumed run gives the same rows the same keys;
+    the hash keeps two URLs on one host (other ports or paths) apart.
+    """
+    normalised = normalise_url(url)
+    host = re.sub(r"[^a-z0-9.]+", "-", urllib.parse.urlsplit(normalised).netloc)[:40].strip("-")
+    digest = hashlib.sha256(normalised.encode()).hexdigest()[:12]
+    return f"env-{host}-{digest}" if host else f"env-{digest}"
+
+
 def _environment(name: str | None) -> EnvironmentRef | None:
     if name is None:
         return None
     if _URL.match(name):
-        return EnvironmentRef(key="env", bundled=None, url=name.rstrip("/"))
+        url = normalise_url(name)
+        return EnvironmentRef(key=url_key(url), bundled=None, url=url)
     bundled = bundled_environments()
     if name not in bundled:
         raise ConfigError(
@@ -211,9 +237,11 @@ def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
         if isinstance(tool, PythonToolSpec):
             specs.append(tool)
         elif isinstance(tool, RowResourceTool):
-            resource = tool.resource or (env.key if env is not None else None)
-            if resource is None or env is None or resource != env.key:
+            # A row has one environment: its tools name it by key, by the row's own spelling,
+            # or by the historical alias "env".
+            if env is None or tool.resource not in (None, env.key, row.environment, "env"):
                 raise ConfigError(f"tool {tool.name!r} needs the row's environment as its resource")
+            resource = env.key
             specs.append(
                 ResourceToolSpec(
                     name=tool.name,
