@@ -63,11 +63,9 @@ async def test_weather_tool_errors_are_explained(weather: httpx.AsyncClient) -> 
 
 async def test_weather_verify_needs_the_token_and_grades_the_answer(weather: httpx.AsyncClient) -> None:
     lookup = await weather.post("/get_weather", json={"city": "Oslo"})
-    body = {
-        "output_text": " Cold; sum = 42 ",
-        "expected": "cold;sum=42",
-        "resource_cookies": {"cw_session": lookup.cookies["cw_session"]},
-    }
+    assert "cw_session" in weather.cookies  # the client sends it back as a Cookie header
+    body = {"output_text": " Cold; sum = 42 ", "expected": "cold;sum=42"}
+    assert lookup.status_code == 200
     assert (await weather.post("/verify", json=body)).status_code == 403
     graded = (await weather.post("/verify", json=body, headers=AUTH)).json()
     assert graded == {

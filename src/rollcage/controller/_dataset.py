@@ -15,9 +15,13 @@ A row (one JSON object a line)::
 
 Model-visible: ``input``, ``instructions``, ``tools``. Settings: ``agent``,
 ``executor``, ``model`` (everything of the endpoint but its URL and name).
-Controller-only: ``expected``, ``grader``, ``metadata``; they never reach
+Controller-only: ``expected``, ``grader``, ``metadata``, ``verifier`` (fields sent to
+the environment's ``/seed_session`` and ``/verify``); they never reach
 ``input.json``. A row that fails validation is reported with its line number and
 reason and skipped; the others still run.
+
+Rows written for NeMo Gym or Inspect are read as they are (``rollcage.controller._formats``):
+``iter_dataset(path, format=...)``, with ``detect_format`` for ``--format auto``.
 """
 
 from __future__ import annotations
@@ -26,14 +30,15 @@ import hashlib
 import re
 import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rollcage.controller._graders import ExactGrader, GraderSpec, VerifyGrader
+from rollcage.controller._formats import DatasetFormat, detect_format_of, from_inspect, from_nemo_gym
+from rollcage.controller._graders import ExactGrader, GraderSpec, VerifyGrader, check_pattern
 from rollcage.environments import EnvironmentInfo, bundled_environments
 from rollcage.errors import ConfigError, ControllerOnlyFieldError
 from rollcage.protocol import (
@@ -55,6 +60,7 @@ __all__ = [
     "RowModelSettings",
     "RowResourceTool",
     "Task",
+    "detect_format",
     "iter_dataset",
     "normalise_url",
     "url_key",
@@ -62,6 +68,8 @@ __all__ = [
 
 _URL = re.compile(r"^https?://[^\s/]+(/\S*)?$", re.IGNORECASE)
 _MAX_ID = 256
+_BOM = b"\xef\xbb\xbf"
+_DETECT_LINES = 100
 
 
 class _Row(BaseModel):
@@ -116,6 +124,11 @@ class DatasetRow(_Row):
     expected: Any = Field(default=None, description="Controller-only: the reference answer for the grader.")
     grader: GraderSpec | None = Field(default=None, description="Controller-only: how to grade.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Controller-only, free-form.")
+    verifier: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Controller-only: fields sent to the environment's /seed_session and /verify beside "
+        "responses_create_params (NeMo Gym's verifier fields, e.g. expected_count).",
+    )
 
     @field_validator("id", mode="before")
     @classmethod
@@ -169,6 +182,9 @@ class Task:
         environment: Its environment, if any.
         tools: Tool specs for ``WorkerInput.tools``.
         grader: The grader to apply; ``None``: not graded.
+        verifier: Controller-only fields sent to the environment (seed, verify, close).
+        create_params: The row's own ``responses_create_params`` (NeMo Gym rows); ``None``:
+            built from the row when the rollout is prepared.
     """
 
     line: int
@@ -176,6 +192,8 @@ class Task:
     environment: EnvironmentRef | None
     tools: tuple[ToolSpec, ...]
     grader: GraderSpec | None
+    verifier: dict[str, Any] = field(default_factory=dict)
+    create_params: dict[str, Any] | None = None
 
     @property
     def id(self) -> str:
@@ -284,8 +302,13 @@ def _grader(row: DatasetRow, env: EnvironmentRef | None) -> GraderSpec | None:
         raise ConfigError("grader 'verify' needs an 'environment' to send the rollout to")
     if spec.type in ("exact", "normalized", "numeric") and row.expected is None:
         raise ConfigError(f"grader {spec.type!r} needs 'expected'")
-    if spec.type == "regex" and spec.pattern is None and not isinstance(row.expected, str):
-        raise ConfigError("grader 'regex' needs 'pattern' or a string 'expected'")
+    if spec.type == "regex":
+        pattern = spec.pattern if spec.pattern is not None else row.expected
+        if not isinstance(pattern, str):
+            raise ConfigError("grader 'regex' needs 'pattern' or a string 'expected'")
+        problem = check_pattern(pattern, ignore_case=spec.ignore_case)
+        if problem is not None:
+            raise ConfigError(f"grader 'regex': {problem}")
     return spec
 
 
@@ -306,7 +329,18 @@ def _check_worker_input(row: DatasetRow, tools: tuple[ToolSpec, ...], env: Envir
     )
 
 
-def validate_row(line: int, raw: bytes) -> Task | InvalidRow:
+def _lines(handle: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    """Numbered non-blank lines; a UTF-8 byte order mark opening the file is not part of line 1."""
+    for number, raw in enumerate(handle, start=1):
+        if number == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM) :]  # some editors start a UTF-8 file with one
+        if raw.strip():
+            yield number, raw
+
+
+def validate_row(
+    line: int, raw: bytes, *, format: DatasetFormat = "rollcage", environment: str | None = None
+) -> Task | InvalidRow:
     """Parse and resolve one line (see ``iter_dataset``; duplicates are not checked here)."""
     try:
         value = orjson.loads(raw)
@@ -316,6 +350,17 @@ def validate_row(line: int, raw: bytes) -> Task | InvalidRow:
         return InvalidRow(line, f"a row must be a JSON object, got {type(value).__name__}")
     raw_id = value.get("id")
     task_id = str(raw_id) if isinstance(raw_id, str | int) and not isinstance(raw_id, bool) else None
+    verifier: dict[str, Any] | None = None
+    params: dict[str, Any] | None = None
+    try:
+        if format == "nemo-gym":
+            value, verifier, params = from_nemo_gym(value, line, environment)
+        elif format == "inspect":
+            value = from_inspect(value, line, environment)
+        elif environment is not None and value.get("environment") is None:
+            value = {**value, "environment": environment}
+    except ConfigError as exc:
+        return InvalidRow(line, f"{format} row: {exc}", task_id)
     try:
         row = DatasetRow.model_validate(value)
     except ValidationError as exc:
@@ -331,15 +376,56 @@ def validate_row(line: int, raw: bytes) -> Task | InvalidRow:
         return InvalidRow(line, _describe(exc), row.id)
     except ConfigError as exc:
         return InvalidRow(line, str(exc), row.id)
-    return Task(line=line, row=row, environment=env, tools=tools, grader=grader)
+    if verifier is None:
+        # rollcage rows: the reference answer travels as 'expected' (what the bundled environments read).
+        verifier = {**row.verifier, "expected": row.expected}
+    return Task(
+        line=line,
+        row=row,
+        environment=env,
+        tools=tools,
+        grader=grader,
+        verifier=verifier,
+        create_params=params,
+    )
 
 
-def iter_dataset(path: Path) -> Iterator[Task | InvalidRow]:
+def detect_format(path: Path) -> DatasetFormat:
+    """The format of a dataset, from its first parseable rows (rollcage when they say nothing else).
+
+    Raises:
+        ConfigError: The file cannot be opened.
+    """
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
+    with handle:
+        for seen, (_, raw) in enumerate(_lines(handle)):
+            if seen >= _DETECT_LINES:
+                break
+            try:
+                found = detect_format_of(orjson.loads(raw))
+            except orjson.JSONDecodeError:
+                continue
+            if found is not None:
+                return found
+    return "rollcage"
+
+
+def iter_dataset(
+    path: Path, *, format: DatasetFormat = "rollcage", environment: str | None = None
+) -> Iterator[Task | InvalidRow]:
     """Stream a dataset: each non-blank line becomes a ``Task`` or an ``InvalidRow``.
 
     The file is read a line at a time, never whole; only the set of ids seen is
     kept, to reject a repeated id (a second row with the same id would make rollout
     ids collide and resume ambiguous).
+
+    Args:
+        path: The JSONL file.
+        format: How its rows are written (see ``rollcage.controller._formats``).
+        environment: The environment of rows that name none (a bundled name or a URL).
 
     Raises:
         ConfigError: The file cannot be opened.
@@ -350,10 +436,8 @@ def iter_dataset(path: Path) -> Iterator[Task | InvalidRow]:
         raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
     seen: dict[str, int] = {}
     with handle:
-        for number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            item = validate_row(number, raw)
+        for number, raw in _lines(handle):
+            item = validate_row(number, raw, format=format, environment=environment)
             if isinstance(item, Task):
                 first = seen.get(item.id)
                 if first is not None:
