@@ -322,6 +322,7 @@ async def verify_remote(
     timeout_s: float,
     cookies: dict[str, str] | None = None,
     client: httpx.AsyncClient | None = None,
+    sent: frozenset[str] = frozenset(),
 ) -> GradeResult:
     """POST ``payload`` (JSON bytes) to an environment's ``/verify`` and read its grade.
 
@@ -332,6 +333,7 @@ async def verify_remote(
         timeout_s: Deadline of the whole request, answer included.
         cookies: The rollout's session cookies, sent as a ``Cookie`` header.
         client: An open client to use; ``None``: a fresh one for this request.
+        sent: Top-level keys of the request, not kept in the detail when echoed back.
 
     Returns:
         The grade (see ``parse_verify_answer``), or ``reward=None`` with an ``error``
@@ -369,7 +371,7 @@ async def verify_remote(
     if body is None:
         return GradeResult(None, detail, f"verify answer is over {_VERIFY_ANSWER_LIMIT} bytes")
     # Parsing a large answer is CPU work: not on the loop.
-    return await asyncio.to_thread(parse_verify_answer, response.status_code, body)
+    return await asyncio.to_thread(parse_verify_answer, response.status_code, body, sent)
 
 
 async def read_bounded(response: httpx.Response, limit: int) -> bytes | None:
@@ -392,13 +394,14 @@ def cookie_header(cookies: dict[str, str]) -> str:
     return "; ".join(f"{name}={value}" for name, value in cookies.items())
 
 
-def parse_verify_answer(status: int, body: bytes) -> GradeResult:
+def parse_verify_answer(status: int, body: bytes, sent: frozenset[str] = frozenset()) -> GradeResult:
     """Read a ``/verify`` answer: NeMo Gym's ``BaseVerifyResponse`` or rollcage's ``{reward, detail}``.
 
     ``reward`` (a finite number) is required; ``mask_sample`` (bool) and
     ``failure_kind`` (string) are honoured when present. Any other top-level field
     the environment adds (NeMo Gym servers add their own metrics beside the echoed
-    request) is kept in the detail, bounded in size. A non-2xx status, a body that
+    request; echoed keys named in ``sent`` are dropped) is kept in the detail,
+    bounded in size. A non-2xx status, a body that
     is not a JSON object, or a field of the wrong type is a grader error.
     """
     import orjson
@@ -429,7 +432,7 @@ def parse_verify_answer(status: int, body: bytes) -> GradeResult:
     extra = answer.get("detail")
     if isinstance(extra, dict):
         detail.update({k: v for k, v in extra.items() if k != "name"})
-    others = {k: v for k, v in answer.items() if k not in _ANSWER_KEYS and k not in detail}
+    others = {k: v for k, v in answer.items() if k not in _ANSWER_KEYS and k not in detail and k not in sent}
     if others:
         dumped = orjson.dumps(others)
         if len(dumped) <= _DETAIL_LIMIT:

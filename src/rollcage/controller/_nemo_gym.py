@@ -297,7 +297,9 @@ async def _post(
     if cookies:
         headers["cookie"] = cookie_header(dict(cookies))
     async with asyncio.timeout(timeout_s):
-        request = client.build_request("POST", url.rstrip("/") + path, content=body, headers=headers)
+        request = client.build_request(
+            "POST", url.rstrip("/") + path, content=body, headers=headers, timeout=timeout_s
+        )
         response = await client.send(request, stream=True)
         try:
             data = await read_bounded(response, _ANSWER_LIMIT)

@@ -286,8 +286,9 @@ def _verify_payload(
     result: WorkerResult,
     outcome: Outcome,
     files: dict[str, str],
-) -> bytes:
-    """The /verify body: rollcage's fields, the row's verifier fields over them, NeMo Gym's over all."""
+) -> tuple[bytes, frozenset[str]]:
+    """The /verify body and its top-level keys: rollcage's fields, the row's verifier fields over them,
+    NeMo Gym's over all."""
     import orjson
 
     params = plan.run_request.get("responses_create_params") or {}
@@ -300,10 +301,12 @@ def _verify_payload(
     if files:
         extras["workspace_files"] = files
     body = {**extras, **plan.run_request, "response": to_nemo_response(result, params)}
-    return orjson.dumps(body)
+    return orjson.dumps(body), frozenset(body)
 
 
-async def _grade(prepared: PreparedRollout, result: WorkerResult, outcome: Outcome) -> GradeResult:
+async def _grade(
+    prepared: PreparedRollout, result: WorkerResult, outcome: Outcome, client: Any
+) -> GradeResult:
     plan = prepared.grading
     assert plan is not None
     spec: GraderSpec = plan.grader
@@ -317,9 +320,15 @@ async def _grade(prepared: PreparedRollout, result: WorkerResult, outcome: Outco
     workspace = os.path.join(prepared.rollout_dir, "workspace")
     files = await asyncio.to_thread(read_workspace_files, workspace, plan.files) if plan.files else {}
     # Serialising a large result is CPU work: not on the loop.
-    payload = await asyncio.to_thread(_verify_payload, prepared, env, result, outcome, files)
+    payload, sent = await asyncio.to_thread(_verify_payload, prepared, env, result, outcome, files)
     return await verify_remote(
-        env.url, token=env.token, payload=payload, timeout_s=spec.timeout_s, cookies=result.resource_cookies
+        env.url,
+        client=client,
+        token=env.token,
+        payload=payload,
+        timeout_s=spec.timeout_s,
+        cookies=result.resource_cookies,
+        sent=sent,
     )
 
 
@@ -424,9 +433,14 @@ async def run_rollout(
     """
     if prepared.environment is None:
         return await _run_and_grade(prepared, settings, stop, supervise, supervisor_config, None)
+    from http.cookiejar import CookieJar, DefaultCookiePolicy
+
     import httpx
 
-    async with httpx.AsyncClient(trust_env=False, follow_redirects=False) as client:
+    # The session is the rollout's cookies, sent explicitly: a client jar that accepts
+    # nothing, so no cookie of one call leaks into the next.
+    jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+    async with httpx.AsyncClient(trust_env=False, follow_redirects=False, cookies=jar) as client:
         return await _run_and_grade(prepared, settings, stop, supervise, supervisor_config, client)
 
 
@@ -465,7 +479,7 @@ async def _run_and_grade(
         if result is None:
             grade = GradeResult(None, {"name": prepared.grading.grader.type}, "no valid result.json to grade")
         else:
-            grade = await _grade(prepared, result, receipt.outcome)
+            grade = await _grade(prepared, result, receipt.outcome, client)
         grader = grade.as_record()
         graded = grade.reward is not None
         reward = grade.reward

@@ -107,6 +107,28 @@ _BUNDLED: dict[str, EnvironmentInfo] = {
         ),
         default_tools=("python", "get_weather", "set_units"),
     ),
+    "nemo-counter": EnvironmentInfo(
+        name="nemo-counter",
+        description="A stateful counter written the NeMo Gym way (seed/verify/close sessions by cookie).",
+        app="rollcage.environments.counter:create_app",
+        tools=(
+            ToolInfo(
+                name="increment_counter",
+                description="Add count to this session's counter.",
+                parameters={
+                    "type": "object",
+                    "properties": {"count": {"type": "integer"}},
+                    "required": ["count"],
+                },
+            ),
+            ToolInfo(
+                name="get_counter_value",
+                description="This session's counter value.",
+                parameters={"type": "object", "properties": {}},
+            ),
+        ),
+        default_tools=("increment_counter", "get_counter_value"),
+    ),
     "code-fn": EnvironmentInfo(
         name="code-fn",
         description="Write a Python function to solution.py; graded by hidden tests run outside the sandbox.",
