@@ -329,6 +329,13 @@ def _check_worker_input(row: DatasetRow, tools: tuple[ToolSpec, ...], env: Envir
     )
 
 
+def _open(path: Path) -> BinaryIO:
+    try:
+        return path.open("rb")
+    except OSError as exc:
+        raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
+
+
 def _lines(handle: BinaryIO) -> Iterator[tuple[int, bytes]]:
     """Numbered non-blank lines; a UTF-8 byte order mark opening the file is not part of line 1."""
     for number, raw in enumerate(handle, start=1):
@@ -396,10 +403,7 @@ def detect_format(path: Path) -> DatasetFormat:
     Raises:
         ConfigError: The file cannot be opened.
     """
-    try:
-        handle = path.open("rb")
-    except OSError as exc:
-        raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
+    handle = _open(path)
     with handle:
         for seen, (_, raw) in enumerate(_lines(handle)):
             if seen >= _DETECT_LINES:
@@ -430,10 +434,7 @@ def iter_dataset(
     Raises:
         ConfigError: The file cannot be opened.
     """
-    try:
-        handle = path.open("rb")
-    except OSError as exc:
-        raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
+    handle = _open(path)
     seen: dict[str, int] = {}
     with handle:
         for number, raw in _lines(handle):

@@ -429,7 +429,8 @@ async def run_rollout(
 
     **Cancellation:** cancelling the call cancels the supervisor, which stops and
     reaps the worker (see ``rollcage.supervisor``); no record is returned, so the
-    attempt is rerun on resume.
+    attempt is rerun on resume. A session already seeded is not closed (the
+    environment's own session limits reclaim it); the rerun seeds a new one.
     """
     if prepared.environment is None:
         return await _run_and_grade(prepared, settings, stop, supervise, supervisor_config, None)
