@@ -38,6 +38,13 @@ class _Api(enum.StrEnum):
     responses = "responses"
 
 
+class _Format(enum.StrEnum):
+    auto = "auto"
+    rollcage = "rollcage"
+    nemo_gym = "nemo-gym"
+    inspect = "inspect"
+
+
 _GENERIC_STEMS = frozenset({"dataset", "data", "train", "test", "eval", "tasks"})
 
 
@@ -103,6 +110,15 @@ def command(
         ),
     ] = None,
     strict: Annotated[bool, typer.Option(help="Stop before running anything if a row is malformed.")] = False,
+    format: Annotated[
+        _Format, typer.Option("--format", help="How rows are written; auto: detected (and printed).")
+    ] = _Format.auto,
+    environment: Annotated[
+        str | None,
+        typer.Option(
+            help="Environment (bundled name or resource server URL) of rows naming none, e.g. NeMo Gym's."
+        ),
+    ] = None,
     grade_timeouts: Annotated[bool, typer.Option(help="Grade results of rollouts that timed out.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
@@ -168,6 +184,8 @@ def command(
             grade_timeouts=grade_timeouts,
             strict=strict,
             backend=where,
+            dataset_format=format.value,
+            environment=environment,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -153,6 +153,14 @@ class RunConfig(_Config):
     pass_threshold: float = Field(default=1.0, description="A reward at least this passes (pass@k).")
     metrics_interval_s: float = Field(default=2.0, gt=0, description="How often metrics.json is refreshed.")
     backend: BackendConfig = Field(default_factory=LocalBackendConfig, description="Where rollouts run.")
+    dataset_format: Literal["auto", "rollcage", "nemo-gym", "inspect"] = Field(
+        default="auto", description="How the dataset's rows are written; auto: detected from its first rows."
+    )
+    environment: str | None = Field(
+        default=None,
+        description="Environment (bundled name or resource server URL) of rows that name none; "
+        "NeMo Gym rows never do. None: such rows have no environment.",
+    )
 
     def rollout_settings(self) -> RolloutSettings:
         """The per-rollout settings handed to the backend."""

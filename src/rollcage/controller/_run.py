@@ -35,7 +35,8 @@ from typing import Protocol
 
 from rollcage.controller._backend import Backend
 from rollcage.controller._config import EmbeddedPolicyConfig, LocalBackendConfig, RunConfig
-from rollcage.controller._dataset import EnvironmentRef, InvalidRow, Task, iter_dataset
+from rollcage.controller._dataset import EnvironmentRef, InvalidRow, Task, detect_format, iter_dataset
+from rollcage.controller._formats import DatasetFormat
 from rollcage.controller._health import inspect_rollout, load_result
 from rollcage.controller._ledger import RunLedger
 from rollcage.controller._records import RecordLog, load_records
@@ -45,6 +46,7 @@ from rollcage.errors import ConfigError, DurableWriteError, SandboxError
 from rollcage.protocol import ModelEndpoint, RolloutRecord, RunMetrics
 
 __all__ = [
+    "EXIT_ALL_GRADER_ERRORS",
     "EXIT_ALL_INFRA",
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
@@ -66,6 +68,8 @@ EXIT_USAGE = 2
 """Bad command line, dataset or configuration; nothing (more) was run."""
 EXIT_ALL_INFRA = 3
 """Every sample that ended, ended in infra_failure after its retries: the setup is broken."""
+EXIT_ALL_GRADER_ERRORS = 4
+"""Rollouts were up for grading and the grader failed on every one (grader_error): the grader is broken."""
 EXIT_INTERRUPTED = 130
 """Stopped by Ctrl-C/SIGTERM; rerun the same command to resume."""
 
@@ -129,6 +133,7 @@ class RunSummary:
         attempts_run: Attempts finished by this invocation.
         error: Why the controller failed, if it did.
         all_infra: Every sample that ended, ended in ``infra_failure``.
+        all_grader_errors: Every rollout up for grading hit ``grader_error``.
     """
 
     out_dir: Path
@@ -138,6 +143,7 @@ class RunSummary:
     attempts_run: int = 0
     error: str | None = None
     all_infra: bool = False
+    all_grader_errors: bool = False
 
     @property
     def exit_code(self) -> int:
@@ -148,6 +154,8 @@ class RunSummary:
             return EXIT_INTERRUPTED
         if self.all_infra:
             return EXIT_ALL_INFRA
+        if self.all_grader_errors:
+            return EXIT_ALL_GRADER_ERRORS
         return EXIT_OK
 
 
@@ -226,6 +234,7 @@ class Controller:
             pass_threshold=config.pass_threshold,
         )
         self._scan = _Scan()
+        self._format: DatasetFormat = "rollcage" if config.dataset_format == "auto" else config.dataset_format
         self._started = time.monotonic()
         self._attempts_run = 0
         self._error: str | None = None
@@ -254,6 +263,7 @@ class Controller:
             attempts_run=self._attempts_run,
             error=self._error,
             all_infra=self._ledger.all_infra_failures(),
+            all_grader_errors=self._ledger.all_grader_errors(),
         )
 
     async def run(self) -> RunSummary:
@@ -271,6 +281,9 @@ class Controller:
         self._reporter.notice(self._model_line())
         lock_fd: int | None = None
         try:
+            if self.config.dataset_format == "auto":
+                self._format = await asyncio.to_thread(detect_format, self.config.dataset)
+                self._reporter.notice(f"Dataset format: {self._format} (detected; --format to choose)")
             self._scan = await asyncio.to_thread(self._prescan_rows)
             for bad in self._scan.invalid:
                 self._reporter.invalid_row(bad)
@@ -313,7 +326,7 @@ class Controller:
 
     def _prescan_rows(self) -> _Scan:
         scan = _Scan()
-        for item in iter_dataset(self.config.dataset):
+        for item in self._rows():
             if isinstance(item, InvalidRow):
                 scan.invalid_count += 1
                 if len(scan.invalid) < _MAX_INVALID_KEPT:
@@ -341,6 +354,9 @@ class Controller:
             build_supervisor_config(self.config.rollout_settings()).sandbox.launcher().check()
         except SandboxError as exc:
             raise ConfigError(str(exc)) from exc
+
+    def _rows(self) -> Iterator[Task | InvalidRow]:
+        return iter_dataset(self.config.dataset, format=self._format, environment=self.config.environment)
 
     def _lock_out_dir(self) -> int:
         try:
@@ -383,7 +399,7 @@ class Controller:
 
     def _count_pending(self) -> int:
         pending = 0
-        for item in iter_dataset(self.config.dataset):
+        for item in self._rows():
             if isinstance(item, Task):
                 pending += sum(1 for s in range(self.config.attempts) if not self._ledger.is_done(item.id, s))
         return pending
@@ -432,7 +448,7 @@ class Controller:
                 await asyncio.shield(asyncio.to_thread(policy.stop))
 
     async def _tasks(self) -> AsyncIterator[Task]:
-        rows: Iterator[Task | InvalidRow] = iter_dataset(self.config.dataset)
+        rows: Iterator[Task | InvalidRow] = self._rows()
         while True:
             # The file is read on a thread, a batch at a time: no blocking read on the loop,
             # and never more than one batch of rows in memory.
