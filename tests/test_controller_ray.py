@@ -332,10 +332,11 @@ async def test_bundled_dataset_gives_the_same_records_on_ray_as_locally(
     assert scratch_leftovers(ray_cluster.nodes, [r.rollout_id for r in on_ray.values()]) == []
 
 
-@real_rollouts
-async def test_killing_the_ray_worker_of_a_rollout_is_an_infra_failure_then_retried(
-    tmp_path: Path, ray_cluster: RayCluster
-) -> None:
+async def run_and_kill_the_first_worker(tmp_path: Path, retries: int) -> tuple[RunSummary, str, int]:
+    """Run one task whose first attempt hangs at its model call, SIGKILL that attempt's Ray worker.
+
+    Returns the summary, the first attempt's id and the killed pid.
+    """
     from rollcage.controller._ray import RayBackend
     from rollcage.policy import PolicyServer
 
@@ -351,7 +352,7 @@ async def test_killing_the_ray_worker_of_a_rollout_is_an_infra_failure_then_retr
             model=ModelEndpointConfig(base_url=policy.base_url, model_name="scripted"),
             sandbox=SANDBOX,
             deadline_s=60,
-            max_infra_retries=1,
+            max_infra_retries=retries,
             retry_backoff_s=0,
             backend=RayBackendConfig(),
         )
@@ -367,8 +368,13 @@ async def test_killing_the_ray_worker_of_a_rollout_is_an_infra_failure_then_retr
             sandboxed = [p for p in processes_mentioning(first) if p != pid]  # bwrap and the worker
             assert sandboxed and all(pid in ancestors(p) for p in sandboxed)  # it runs the supervisor
             os.kill(pid, signal.SIGKILL)
-        summary = job.result()
-    got = records(config.out)
+    return job.result(), first, pid
+
+
+@real_rollouts
+async def test_killing_the_ray_worker_of_a_rollout_is_an_infra_failure_then_retried(tmp_path: Path) -> None:
+    summary, first, pid = await run_and_kill_the_first_worker(tmp_path, retries=1)
+    got = records(tmp_path / "out")
     assert [(r.try_index, r.outcome, r.reward) for r in got] == [
         (0, "infra_failure", None),
         (1, "completed", 1.0),
@@ -378,8 +384,17 @@ async def test_killing_the_ray_worker_of_a_rollout_is_an_infra_failure_then_retr
     assert (Path(got[0].rollout_dir) / "input.json").is_file()  # what was attempted, as locally
     assert summary.exit_code == EXIT_OK and summary.metrics.retries == 1
     wait_until_gone(first)  # the sandbox died with its parent, the Ray worker
-    # The killed task's scratch on its node was swept by the end of the run.
-    assert scratch_leftovers(ray_cluster.nodes, [first, rollout_id(task, 0, 1)]) == []
+
+
+@real_rollouts
+async def test_a_killed_tasks_scratch_on_its_node_is_swept_when_the_run_ends(
+    tmp_path: Path, ray_cluster: RayCluster
+) -> None:
+    # No retry: no later task on that node sweeps it; only the run's end does.
+    _, first, _ = await run_and_kill_the_first_worker(tmp_path, retries=0)
+    (record,) = records(tmp_path / "out")
+    assert record.outcome == "infra_failure"
+    assert scratch_leftovers(ray_cluster.nodes, [first]) == []
 
 
 @real_rollouts

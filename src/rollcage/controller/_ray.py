@@ -148,6 +148,8 @@ _SECRET_TIMEOUT_S = 30.0
 """Bound on one redemption of a ticket, on either side of the connection."""
 _SECRET_MESSAGE_LIMIT = 64 * 1024
 """Longest line either side of the secret channel reads."""
+_SECRET_CONNECTIONS = 1024
+"""Connections the secret channel serves at once; more are closed unanswered (retried as lost tasks)."""
 _SWEEP_TIMEOUT_S = 60.0
 """Bound on sweeping the nodes' scratch at the start and at the end of a run."""
 _SCRATCH_NAME = "rollcage-ray"
@@ -372,6 +374,10 @@ class _SecretServer:
             self._handlers.add(task)
         peer = writer.get_extra_info("peername")
         try:
+            if len(self._handlers) > _SECRET_CONNECTIONS:
+                # Someone holding connections open (each waits up to _SECRET_TIMEOUT_S) must
+                # not exhaust the driver's file descriptors.
+                return
             async with asyncio.timeout(_SECRET_TIMEOUT_S):
                 answer = self._answer(await reader.readuntil(b"\n"))
                 if "error" in answer:
@@ -705,21 +711,28 @@ def _alive(pid: int) -> bool:
 
 
 def _process_start(pid: int) -> str:
-    """When process ``pid`` started (clock ticks since boot, from /proc), or "?" where unknown.
+    """When process ``pid`` started (clock ticks since boot, from /proc), "" if it is gone or a
+    zombie, "?" where /proc cannot tell.
 
     With the pid, it names a process for good: a pid reused by a later process has
     another start time.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as file:
-            return file.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError, UnicodeDecodeError):
+            fields = file.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return "" if os.path.exists("/proc/self/stat") else "?"  # gone, or no /proc here
+    except OSError:
+        return "?"
+    try:
+        return "" if fields[0] in (b"Z", b"X", b"x") else fields[19].decode()
+    except (IndexError, UnicodeDecodeError):
         return "?"
 
 
 def _owner_alive(pid: int, start: str) -> bool:
     now = _process_start(pid)
-    return _alive(pid) if now == "?" else now == start
+    return _alive(pid) if now == "?" else bool(now) and now == start
 
 
 def _scratch_root() -> Path:
