@@ -934,8 +934,9 @@ class RayBackend:
     """Runs each rollout as a Ray task on whichever node has room (see the module docstring).
 
     Lifecycle: ``async with backend:`` connects to the cluster (or starts a private
-    local instance) and creates the run's stop flag; leaving disconnects (stopping an
-    instance it started). At most one Ray task per ``run`` call is in flight, so the
+    local instance), creates the run's stop flag, opens its secret channel and starts
+    sweeping the nodes' scratch; leaving finishes the sweeps, closes the channel and
+    disconnects (stopping an instance it started). At most one Ray task per ``run`` call is in flight, so the
     controller's ``concurrency`` bounds the tasks in flight.
     """
 
@@ -985,11 +986,13 @@ class RayBackend:
         return where
 
     async def __aenter__(self) -> Self:
-        """Connect to the cluster, check the settings, create the run's stop flag.
+        """Connect to the cluster, check the settings, create the run's stop flag, open its
+        secret channel, start sweeping every node's scratch.
 
         Raises:
-            ConfigError: The cluster cannot be reached, the shared directory is missing,
-                or the supervisor refuses the settings.
+            ConfigError: The cluster cannot be reached or refuses this driver (the message
+                says what was tried), the shared directory is missing, the supervisor
+                refuses the settings, or the secret channel cannot listen.
 
         **Cancellation:** a connection being made completes on its thread and is then closed.
         """
@@ -1089,7 +1092,7 @@ class RayBackend:
         except (TimeoutError, asyncio.CancelledError) as exc:
             for ref in refs:
                 with contextlib.suppress(Exception):
-                    ray.cancel(ref, force=True)
+                    ray.cancel(ref, force=True)  # only sends the request: never blocks
             if isinstance(exc, asyncio.CancelledError):
                 raise
             logger.warning(
