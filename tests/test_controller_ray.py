@@ -697,13 +697,13 @@ async def test_a_ticket_gives_its_secrets_once_and_never_after_its_attempt() -> 
 def test_the_attempt_handed_to_ray_holds_no_secret() -> None:
     from rollcage.controller._graders import VerifyGrader
     from rollcage.controller._ray import RayBackend
-    from rollcage.controller._unit import GradingPlan, PreparedRollout, RolloutSettings
+    from rollcage.controller._unit import EnvironmentPlan, GradingPlan, PreparedRollout, RolloutSettings
     from rollcage.protocol import WorkerInput
 
     worker_input = WorkerInput.model_validate(
         {"rollout_id": "r", "task_id": "t", "input": "q", "model": {"base_url": "http://m/v1", "model": "m"}}
     )
-    plan = GradingPlan(grader=VerifyGrader(), verify_url="http://env", verify_token="tok-secret")
+    plan = GradingPlan(grader=VerifyGrader(), verify_url="http://env")
     prepared = PreparedRollout(
         rollout_id="r",
         task_id="t",
@@ -712,6 +712,7 @@ def test_the_attempt_handed_to_ray_holds_no_secret() -> None:
         rollout_dir="/x",
         worker_input=worker_input,
         grading=plan,
+        environment=EnvironmentPlan(url="http://env", token="tok-secret", run_request={}),
     )
     backend = RayBackend(RayBackendConfig(), RolloutSettings(api_key_env="K"))
     backend._api_key = "sk-secret"
@@ -719,6 +720,7 @@ def test_the_attempt_handed_to_ray_holds_no_secret() -> None:
     assert values == {"api_key": "sk-secret", "verify_token": "tok-secret"}
     assert "secret" not in shipped.model_dump_json()
     assert shipped.grading is not None and shipped.grading.verify_url == "http://env"
+    assert shipped.environment is not None and shipped.environment.url == "http://env"
 
 
 @needs_ray

@@ -793,11 +793,11 @@ def _unshippable(exc: BaseException, record: RolloutRecord) -> ArtifactsTooLarge
 def _with_secrets(
     prepared: PreparedRollout, settings: RolloutSettings, values: Mapping[str, str]
 ) -> tuple[PreparedRollout, dict[str, str] | None]:
-    """Put the redeemed secrets back: the verify token into the grading plan, the key aside."""
+    """Put the redeemed secrets back: the environment's token into its plan, the key aside."""
     token = values.get("verify_token")
-    if token is not None and prepared.grading is not None:
-        grading = prepared.grading.model_copy(update={"verify_token": token})
-        prepared = prepared.model_copy(update={"grading": grading})
+    if token is not None and prepared.environment is not None:
+        environment = prepared.environment.model_copy(update={"token": token})
+        prepared = prepared.model_copy(update={"environment": environment})
     key = values.get("api_key")
     credentials = {settings.api_key_env: key} if key is not None and settings.api_key_env else None
     return prepared, credentials
@@ -1188,10 +1188,10 @@ class RayBackend:
         values: dict[str, str] = {}
         if self._api_key is not None:
             values["api_key"] = self._api_key
-        plan = prepared.grading
-        if plan is not None and plan.verify_token is not None:
-            values["verify_token"] = plan.verify_token
-            prepared = prepared.model_copy(update={"grading": plan.model_copy(update={"verify_token": None})})
+        plan = prepared.environment
+        if plan is not None and plan.token is not None:
+            values["verify_token"] = plan.token
+            prepared = prepared.model_copy(update={"environment": plan.model_copy(update={"token": None})})
         return prepared, values
 
     def _disconnect(self) -> None:
@@ -1210,6 +1210,8 @@ class RayBackend:
         urls += [endpoint.base_url for endpoint in prepared.worker_input.resources.values()]
         if prepared.grading is not None and prepared.grading.verify_url is not None:
             urls.append(prepared.grading.verify_url)
+        if prepared.environment is not None:
+            urls.append(prepared.environment.url)
         for url in urls:
             if url not in self._warned and _is_loopback(url):
                 self._warned.add(url)
