@@ -52,6 +52,10 @@ try:
 except ImportError:  # pragma: no cover - CI installs the ray extra
     HAVE_RAY = False
 
+# Under pytest-xdist (make test) every test here runs in one worker, which starts the session's
+# two-node cluster once: a worker of its own per test would start a cluster each.
+pytestmark = pytest.mark.xdist_group("ray")
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SANDBOX: Any = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
 
