@@ -102,6 +102,13 @@ def command(
             help="Largest rollout directory shipped to the driver, MiB (default 64). With --backend ray.",
         ),
     ] = None,
+    max_capture_mib: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Budget of one rollout's model_capture.jsonl, MiB; past it the rollout ends as agent_error.",
+        ),
+    ] = 256,
     strict: Annotated[bool, typer.Option(help="Stop before running anything if a row is malformed.")] = False,
     grade_timeouts: Annotated[bool, typer.Option(help="Grade results of rollouts that timed out.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
@@ -168,6 +175,7 @@ def command(
             grade_timeouts=grade_timeouts,
             strict=strict,
             backend=where,
+            max_capture_bytes=max_capture_mib * 1024 * 1024,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

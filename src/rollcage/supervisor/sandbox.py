@@ -66,6 +66,7 @@ import functools
 import logging
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -438,6 +439,18 @@ def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/bin:/usr/sbin:/bin:/sbin")
 
 
+def _within_hard_nofile(config: BwrapSandbox) -> BwrapSandbox:
+    """``config`` with ``open_files`` at most this process's hard limit, which the sandbox inherits.
+
+    The sandbox cannot raise a hard limit (no privilege), so asking for more than the
+    supervisor has would make every launch fail in ``prlimit``.
+    """
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if config.open_files is None or hard == resource.RLIM_INFINITY or config.open_files <= hard:
+        return config
+    return config.model_copy(update={"open_files": hard})
+
+
 class BwrapLauncher:
     """Builds launch plans that run the worker under bubblewrap."""
 
@@ -522,7 +535,7 @@ class BwrapLauncher:
         if os.path.isabs(worker_command[0]):
             ro.append(os.path.dirname(worker_command[0]))
         full = bwrap_argv(
-            self.config,
+            _within_hard_nofile(self.config),
             tools=tools,
             layout=layout,
             worker_argv=argv,
