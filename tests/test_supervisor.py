@@ -39,7 +39,7 @@ from tests.helpers.supervisor_env import (
     processes_with_token,
     requires_bwrap,
 )
-from tests.helpers.waiting import wait_for, wait_for_async
+from tests.helpers.waiting import processes_mentioning, wait_for, wait_for_async
 
 SANDBOXES = [
     pytest.param("none", id="none"),
@@ -508,6 +508,46 @@ async def test_missing_bubblewrap_is_refused_and_nothing_is_written(tmp_path: Pa
     with pytest.raises(SandboxError, match="--sandbox none"):
         await supervise(root, cfg)
     assert sorted(p.name for p in root.iterdir()) == ["input.json", "workspace"]
+
+
+@pytest.fixture
+def slow_bwrap() -> Any:
+    """A bwrap whose self-check hangs while a ``slow`` file lies beside it (world-readable: run_as)."""
+    import shutil
+    import tempfile
+
+    real = shutil.which("bwrap")
+    if real is None:
+        pytest.skip("needs bubblewrap")
+    directory = Path(tempfile.mkdtemp(prefix="rc-bwrap-"))
+    directory.chmod(0o755)
+    wrapper = directory / "bwrap"
+    wrapper.write_text(
+        f'#!/bin/sh\n[ "$1" != --version ] && [ -e {directory}/slow ] && exec sleep 60\nexec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    (directory / "slow").touch()
+    try:
+        yield wrapper
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.bwrap
+@requires_bwrap()
+def test_a_slow_bwrap_self_check_says_it_timed_out_and_is_tried_again(
+    slow_bwrap: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollcage.supervisor import sandbox
+
+    monkeypatch.setattr(sandbox, "_SELF_CHECK_TIMEOUTS_S", (0.2, 0.4))
+    launcher = BwrapSandbox(bwrap_path=str(slow_bwrap)).launcher()
+    with pytest.raises(SandboxError, match=r"did not finish within 0.2 s, then 0.4 s") as caught:
+        launcher.check()
+    assert "did not refuse" in str(caught.value) and "namespaces" not in str(caught.value)
+    assert processes_mentioning(str(slow_bwrap.parent)) == []  # the hung check was killed, whole
+    (slow_bwrap.parent / "slow").unlink()
+    launcher.check()  # a timeout is no answer: it was not kept, and the check now passes
 
 
 async def test_missing_credential_variable_is_refused(
