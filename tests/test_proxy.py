@@ -27,7 +27,14 @@ import pytest
 from rollcage.protocol import CaptureExchange, WorkerInput, WorkerResult
 from rollcage.supervisor import ProxyConfig, supervise
 from rollcage.supervisor.proxy import EgressProxy, Route, sandbox_input
-from tests.helpers.supervisor_env import bwrap_usable, config, fake, make_rollout, processes_with_token
+from tests.helpers.supervisor_env import (
+    HELPERS,
+    bwrap_usable,
+    config,
+    fake,
+    make_rollout,
+    processes_with_token,
+)
 from tests.helpers.supervisor_upstream import Upstream
 from tests.helpers.waiting import wait_for_async
 
@@ -616,3 +623,21 @@ async def test_fatal_error_after_a_model_response_is_the_agents(tmp_path: Path, 
     receipt = await supervise(root, config(SANDBOX, *fake("model-then-fatal")))
     assert receipt.outcome == "agent_error", receipt.outcome_reason
     assert receipt.result_error is not None and receipt.result_error.type == "ToolError"
+
+
+@pytest.mark.usefixtures("_no_strays")
+@pytest.mark.timeout(60)
+async def test_a_rollout_over_its_capture_budget_ends_as_the_policys_fault(
+    tmp_path: Path, upstream: Upstream
+) -> None:
+    root = make_rollout(tmp_path, model_url=f"{upstream.base_url}/v1")
+    noisy = [sys.executable, str(HELPERS / "noisy_worker.py"), "20", "20000"]
+    proxy = ProxyConfig(max_capture_bytes=64 * 1024)
+    receipt = await supervise(root, config(SANDBOX, *noisy, proxy=proxy, deadline_s=30))
+    assert receipt.outcome == "agent_error" and receipt.budget_exceeded == "capture_bytes"
+    assert "capture_bytes budget" in receipt.outcome_reason and not receipt.deadline_fired
+    assert receipt.signals_sent[0].signal == "SIGTERM" and receipt.signals_sent[0].reason == "budget"
+    size = (root / "model_capture.jsonl").stat().st_size
+    assert receipt.capture_bytes == size and size < 72 * 1024  # the budget, and one line without bodies
+    assert receipt.capture_failures == 0 and receipt.model_calls_captured is not None
+    assert receipt.model_calls_captured < 20  # the proxy stopped taking requests once it was spent
