@@ -289,6 +289,25 @@ async def test_request_body_over_the_bound_is_refused_and_captured(
     assert all("over 1024 bytes" in r["error"] for r in records)
 
 
+@pytest.mark.parametrize("harness", [{"max_request_bytes": 1024}], indirect=True)
+async def test_request_bytes_held_at_once_are_bounded_per_rollout(harness: Harness) -> None:
+    # Each body is under the per-request bound; together they pass twice that.
+    head = b"POST /model/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+    held = []
+    for _ in range(2):
+        reader, writer = await harness.connect()
+        writer.write(head + b"x" * 900)
+        held.append((reader, writer))
+    await wait_for_async(lambda: harness.proxy._buffered == 1800, within_s=10, what="two bodies in progress")
+    answer = await harness.raw(head + b"x" * 900)
+    assert answer.startswith(b"HTTP/1.1 503") and b"hold over 2048 bytes" in answer
+    for _, writer in held:
+        writer.close()
+    await harness.idle()
+    assert harness.proxy._buffered == 0  # released with each exchange, however it ended
+    assert len(harness.records()) == 3
+
+
 @pytest.mark.parametrize("harness", [{"max_response_bytes": 64 * 1024}], indirect=True)
 async def test_response_body_over_the_bound_is_not_passed_back(harness: Harness, upstream: Upstream) -> None:
     response = await harness.client.post("/resource/weather/big", json={})

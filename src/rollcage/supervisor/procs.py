@@ -80,7 +80,7 @@ async def in_proc_thread(fn: Callable[..., _T], *args: object) -> _T:
     with _executor_lock:
         if _executor is None:
             _executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=4, thread_name_prefix="rollcage-procs"
+                max_workers=4, thread_name_prefix="supervisor-proc"
             )
     return await asyncio.get_running_loop().run_in_executor(_executor, functools.partial(fn, *args))
 

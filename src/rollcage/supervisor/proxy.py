@@ -357,6 +357,8 @@ class _Exchange:
     credential_added: bool = False
     refusal: _Refusal | None = None
     """Set when the request could not even be read (malformed, too slow): the proxy answers it."""
+    held: int = 0
+    """Request bytes of this exchange counted in the rollout's buffered bytes."""
 
     @property
     def kind(self) -> Literal["model", "resource", "denied"]:
@@ -754,7 +756,10 @@ class EgressProxy:
                 raise
             finally:
                 # Exactly one capture line per exchange, whatever ended it.
-                await _complete(self._record(exchange))
+                try:
+                    await _complete(self._record(exchange))
+                finally:
+                    self._buffered -= exchange.held
             if (
                 not reusable
                 or self.over_budget
@@ -822,43 +827,41 @@ class EgressProxy:
             method=method, target=target, request_headers=[], started_at=started_at, refusal=refusal
         )
 
-    async def _read_body(self, conn: h11.Connection, sock: socket.socket) -> bytes:
-        """The request body, whole and bounded; raises ``_Refusal`` past a bound or a timeout."""
+    async def _read_body(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bytes:
+        """The request body, whole and bounded; raises ``_Refusal`` past a bound or a timeout.
+
+        Its bytes count towards the rollout's buffered bytes (``ex.held``) until the
+        exchange has been captured.
+        """
         limit = self._config.max_request_bytes
         deadline = asyncio.get_running_loop().time() + self._config.body_timeout_s
         body = bytearray()
-        try:
-            while True:
-                event = conn.next_event()
-                if isinstance(event, h11.Data):
-                    body += event.data
-                    self._buffered += len(event.data)
-                    if len(body) > limit:
-                        raise _Refusal(413, f"request body over {limit} bytes")
-                    if self._buffered > 2 * limit:
-                        raise _Refusal(
-                            503, f"this rollout's requests in progress hold over {2 * limit} bytes; retry"
-                        )
-                elif isinstance(event, h11.EndOfMessage):
-                    return bytes(body)
-                elif event is h11.NEED_DATA:
-                    if conn.they_are_waiting_for_100_continue:
-                        await self._send(
-                            sock, conn.send(h11.InformationalResponse(status_code=100, headers=[]))
-                        )
-                    try:
-                        data = await self._recv(sock, deadline)
-                    except TimeoutError:
-                        raise _Refusal(
-                            408, f"the request body did not arrive within {self._config.body_timeout_s:g}s"
-                        ) from None
-                    conn.receive_data(data)
-                else:  # ConnectionClosed
-                    raise ConnectionResetError(
-                        "the client closed the connection in the middle of its request"
+        while True:
+            event = conn.next_event()
+            if isinstance(event, h11.Data):
+                body += event.data
+                ex.held += len(event.data)
+                self._buffered += len(event.data)
+                if len(body) > limit:
+                    raise _Refusal(413, f"request body over {limit} bytes")
+                if self._buffered > 2 * limit:
+                    raise _Refusal(
+                        503, f"this rollout's requests in progress hold over {2 * limit} bytes; retry"
                     )
-        finally:
-            self._buffered -= len(body)
+            elif isinstance(event, h11.EndOfMessage):
+                return bytes(body)
+            elif event is h11.NEED_DATA:
+                if conn.they_are_waiting_for_100_continue:
+                    await self._send(sock, conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+                try:
+                    data = await self._recv(sock, deadline)
+                except TimeoutError:
+                    raise _Refusal(
+                        408, f"the request body did not arrive within {self._config.body_timeout_s:g}s"
+                    ) from None
+                conn.receive_data(data)
+            else:  # ConnectionClosed
+                raise ConnectionResetError("the client closed the connection in the middle of its request")
 
     async def _answer(
         self, conn: h11.Connection, sock: socket.socket, ex: _Exchange, refusal: _Refusal
@@ -948,7 +951,7 @@ class EgressProxy:
                 and int(length) > self._config.max_request_bytes
             ):
                 raise _Refusal(413, f"request body over {self._config.max_request_bytes} bytes")
-            ex.request_body = await self._read_body(conn, sock)
+            ex.request_body = await self._read_body(conn, sock, ex)
         except _Refusal as refusal:
             await self._answer(conn, sock, ex, refusal)
             return False
