@@ -180,7 +180,7 @@ class ProxyConfig(_Config):
         description="From the first byte of a request to the end of its head; past it: 408 and close.",
     )
     body_timeout_s: float = Field(
-        default=60.0,
+        default=30.0,
         gt=0,
         allow_inf_nan=False,
         description="From the end of a request's head to the end of its body; past it: 408 and close.",
