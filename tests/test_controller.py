@@ -363,3 +363,21 @@ async def test_resume_sweeps_the_temporary_files_a_killed_run_left(tmp_path: Pat
     (moved,) = [p for p in (out / "interrupted").iterdir() if p.name.startswith(unfinished.name)]
     assert sorted(p.name for p in moved.iterdir()) == ["input.json"]
     assert sorted(p.name for p in earlier.iterdir()) == [".notes.tmp", "input.json"]
+
+
+async def test_a_machine_that_cannot_sandbox_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    real_which = shutil.which
+
+    def which(name: str, mode: int = 1, path: str | None = None) -> str | None:
+        return None if name == "bwrap" else real_which(name, mode, path)
+
+    monkeypatch.setattr(shutil, "which", which)
+    dataset = write_rows(tmp_path / "d.jsonl", [row("a"), row("b")])
+    cfg = config(tmp_path, dataset, sandbox="bwrap")
+    with pytest.raises(ConfigError, match=r"bubblewrap \(bwrap\) is not installed"):
+        await Controller(cfg).run()
+    assert not cfg.out.exists(), "nothing may be written when the sandbox cannot run"

@@ -717,6 +717,7 @@ class Forker:
         self.fd = self.proc.stdout.fileno()
         self.buffer = b""
         self.live: int | None = None
+        self.early: list[list[str]] = []
 
     def send(self, line: str) -> None:
         self.stdin.write(line.encode() + b"\n")
@@ -740,18 +741,24 @@ class Forker:
 
     def spawn(self, kind: str, path: Path) -> int:
         self.send(f"{kind} {path}")
-        words = self.line()
+        # The child shares the forker's stdout and may acknowledge a write before the forker
+        # has printed its pid: keep such acks for the calls below instead of assuming an order.
+        while (words := self.line())[0] == "ack":
+            self.early.append(words)
         assert words[0] == "pid", words
         self.live = int(words[1])
+        assert all(int(ack[1]) == self.live for ack in self.early), (self.live, self.early)
         return self.live
 
     def wait_for_ack(self, pid: int, acks: list[int]) -> None:
-        words = self.line()
+        words = self.early.pop(0) if self.early else self.line()
         assert words[0] == "ack" and int(words[1]) == pid, words
         acks.append(int(words[2]))
 
     def kill_and_reap(self, pid: int, acks: list[int]) -> int:
         os.kill(pid, signal.SIGKILL)
+        acks.extend(int(words[2]) for words in self.early)
+        self.early.clear()
         self.send(f"reap {pid}")
         while True:
             words = self.line()

@@ -343,7 +343,7 @@ def test_a_process_group_is_signalled_whole_through_its_leaders_pidfd() -> None:
         finally:
             handle.close()
         if sent is None:
-            pytest.skip("pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP) needs Linux 6.9")
+            pytest.skip("optional: pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP) needs Linux 6.9")
         assert sent is True
         assert leader.wait(timeout=10) == -signal.SIGTERM
         wait_for(lambda: not any(alive(pid) for pid in members), what="every member to die")

@@ -581,6 +581,14 @@ class RolloutRecord(_Frozen):
     outcome: Outcome = Field(description="The supervisor's classification.")
     graded: bool = Field(description="Whether the outcome allowed grading.")
     reward: float | None = Field(description="The grade; None when not graded.")
+    masked: bool = Field(
+        default=False,
+        description="The environment asked to leave this sample out (NeMo Gym's mask_sample): its reward is "
+        "kept as evidence but excluded from reward metrics and pass@k; train on it at your own risk.",
+    )
+    failure_kind: str | None = Field(
+        default=None, description="The environment's label for why the sample failed (verify's failure_kind)."
+    )
     grader: dict[str, Any] | None = Field(default=None, description="Grader name and detail.")
     termination_reason: TerminationReason | None = Field(default=None, description="From the result.")
     receipt: SupervisorReceipt = Field(description="The supervisor's receipt.")
@@ -616,7 +624,13 @@ class RunMetrics(_Model):
     outcomes: dict[Outcome, int] = Field(
         description="Records per outcome (every outcome present, 0 if none)."
     )
-    graded: int = Field(ge=0, description="Records that were graded.")
+    graded: int = Field(
+        ge=0, description="Records that were graded and not masked (the reward metrics' base)."
+    )
+    masked: int = Field(default=0, ge=0, description="Graded records the environment masked (mask_sample).")
+    failure_kinds: dict[str, int] = Field(
+        default_factory=dict, description="Records per failure_kind the environment reported."
+    )
     mean_reward: float | None = Field(description="Mean reward over graded records; None if none graded.")
     pass_at_1: float | None = Field(description="Mean over tasks of the fraction of samples that passed.")
     pass_at_k: float | None = Field(description="Unbiased pass@k over tasks, k = samples per task.")

@@ -160,6 +160,14 @@ class RunConfig(_Config):
         ),
     )
     backend: BackendConfig = Field(default_factory=LocalBackendConfig, description="Where rollouts run.")
+    dataset_format: Literal["auto", "rollcage", "nemo-gym", "inspect"] = Field(
+        default="auto", description="How the dataset's rows are written; auto: detected from its first rows."
+    )
+    environment: str | None = Field(
+        default=None,
+        description="Environment (bundled name or resource server URL) of rows that name none; "
+        "NeMo Gym rows never do. None: such rows have no environment.",
+    )
 
     def rollout_settings(self) -> RolloutSettings:
         """The per-rollout settings handed to the backend."""

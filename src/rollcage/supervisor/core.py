@@ -32,7 +32,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -121,6 +121,7 @@ async def supervise(
     config: SupervisorConfig | None = None,
     *,
     stop: asyncio.Event | None = None,
+    credentials: Mapping[str, str] | None = None,
 ) -> SupervisorReceipt:
     """Run the worker on one prepared rollout directory and return its receipt.
 
@@ -137,6 +138,10 @@ async def supervise(
         config: How to supervise; ``None``: the defaults (bubblewrap, 600 s).
         stop: Set it to stop the rollout early (outcome ``cancelled``). A file
             named ``stop`` in the rollout directory has the same effect.
+        credentials: Where the credential variables the config names are read:
+            ``None``, this process's environment; else this mapping, so a caller that
+            holds a key in memory (the Ray backend) never puts it in an environment
+            that every child process inherits.
 
     Returns:
         The receipt, as written to ``receipt.json``.
@@ -156,7 +161,7 @@ async def supervise(
     the grace period. The wait is bounded by ``grace_s + 2 * kill_wait_s`` (plus
     up to a second for a sandbox to wind down) and the time to write the receipt.
     """
-    run = _Supervision(Path(rollout_dir), config or SupervisorConfig(), stop)
+    run = _Supervision(Path(rollout_dir), config or SupervisorConfig(), stop, credentials)
     await asyncio.to_thread(run.check)
     cancelled = False
     try:
@@ -195,8 +200,15 @@ async def _within(awaitable: Awaitable[_T], seconds: float) -> _T | None:
 class _Supervision:
     """The state of one ``supervise()`` call."""
 
-    def __init__(self, root: Path, config: SupervisorConfig, stop: asyncio.Event | None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        config: SupervisorConfig,
+        stop: asyncio.Event | None,
+        credentials: Mapping[str, str] | None = None,
+    ) -> None:
         self.config = config
+        self.credential_source: Mapping[str, str] = os.environ if credentials is None else credentials
         self.layout = RolloutLayout(root)
         self.stop_event = stop
         self.started_at = time.time()
@@ -245,7 +257,7 @@ class _Supervision:
         self.launcher.check()
         key: str | None = None
         if self.config.api_key_env is not None:
-            key = os.environ.get(self.config.api_key_env)
+            key = self.credential_source.get(self.config.api_key_env)
             if not key:
                 raise ConfigError(
                     f"api_key_env names {self.config.api_key_env}, which is not set in the "
@@ -253,7 +265,7 @@ class _Supervision:
                 )
         resource_keys: dict[str, str] = {}
         for name, variable in self.config.resource_api_key_envs.items():
-            value = os.environ.get(variable)
+            value = self.credential_source.get(variable)
             if not value:
                 raise ConfigError(
                     f"resource_api_key_envs[{name!r}] names {variable}, which is not set in the supervisor's "
