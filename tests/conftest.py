@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -58,3 +62,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for line in unexpected[:50]:
             reporter.write_line(line)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 16 KiB tmpfs mounted for the test (needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount, umount = shutil.which("mount"), shutil.which("umount")
+    if mount is None or umount is None:
+        pytest.skip("mount/umount are not installed")
+    directory = tmp_path / "tiny"
+    directory.mkdir()
+    done = subprocess.run(
+        [mount, "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(directory)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        if subprocess.run([umount, str(directory)], capture_output=True).returncode != 0:
+            subprocess.run([umount, "-l", str(directory)], check=False)

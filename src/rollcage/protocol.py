@@ -445,7 +445,9 @@ class SignalEvent(_Model):
     signal: str = Field(description="Signal name, e.g. 'SIGTERM'.")
     target: Literal["group", "descendants"] = Field(description="The worker's group, or stray descendants.")
     at: float = Field(description="Unix time it was sent.")
-    reason: Literal["deadline", "stop", "grace_expired", "cleanup"] = Field(description="Why it was sent.")
+    reason: Literal["deadline", "stop", "budget", "grace_expired", "cleanup"] = Field(
+        description="Why it was sent (budget: the rollout exceeded one of its budgets)."
+    )
 
 
 class SupervisorReceipt(_Frozen):
@@ -474,7 +476,30 @@ class SupervisorReceipt(_Frozen):
     result_valid: bool = Field(description="result.json parsed as a WorkerResult.")
     result_error: RunnerError | None = Field(default=None, description="The result's error, if any.")
     model_calls_captured: int | None = Field(
-        default=None, description="Exchanges in model_capture.jsonl; None without the egress proxy."
+        default=None, description="Model-route lines in model_capture.jsonl; None without the egress proxy."
+    )
+    capture_bytes: int | None = Field(
+        default=None, ge=0, description="Size of model_capture.jsonl; None without the egress proxy."
+    )
+    capture_failures: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Exchanges whose capture line could not be written (disk full, I/O error; the failed write is "
+            "cut back off the file, never left torn); None without the egress proxy."
+        ),
+    )
+    proxy_connections_refused: int | None = Field(
+        default=None,
+        ge=0,
+        description="Connections to the egress proxy refused at accept (over the rollout's connection cap).",
+    )
+    budget_exceeded: str | None = Field(
+        default=None,
+        description=(
+            "The per-rollout budget the policy exceeded (e.g. 'capture_bytes'), which ended the rollout as "
+            "agent_error; None: none was."
+        ),
     )
 
 
@@ -485,6 +510,11 @@ class CapturedBody(_Model):
     json_value: Any = Field(default=None, alias="json", description="The parsed body, when it was JSON.")
     text: str | None = Field(default=None, description="The body as UTF-8 text, when it was not JSON.")
     base64: str | None = Field(default=None, description="The body in base64, when it was not UTF-8.")
+    truncated: bool = Field(
+        default=False,
+        description="The body was over the capture's bound: text/base64 hold only its first bytes.",
+    )
+    sha256: str | None = Field(default=None, description="Hex SHA-256 of the whole body, when truncated.")
 
     model_config = ConfigDict(
         extra="forbid", defer_build=True, populate_by_name=True, serialize_by_alias=True
@@ -504,11 +534,16 @@ class CaptureExchange(_Model):
 
     seq: int = Field(ge=1, description="1-based position in the capture.")
     rollout_id: str = Field(description="The rollout whose sandbox made the request.")
-    route: Literal["model", "resource", "denied"] = Field(description="Where it went; denied: answered 403.")
+    route: Literal["model", "resource", "denied"] = Field(
+        description=(
+            "The allowed route the path names (even when the proxy answered itself: 408, 413); denied: off "
+            "the allow-list (403) or not a parseable request (400)."
+        )
+    )
     name: str | None = Field(description="The resource name (resource route), else None.")
     method: str = Field(description="HTTP method.")
     path: str = Field(description="The path the sandbox asked for.")
-    upstream_url: str | None = Field(description="Where it was forwarded; None when denied.")
+    upstream_url: str | None = Field(description="Where it was forwarded; None when it was not.")
     credential_added: bool = Field(description="Whether the proxy added the configured credential.")
     request: CapturedMessage = Field(description="What the sandbox sent (credentials redacted).")
     response: CapturedMessage | None = Field(description="What came back; None if nothing did.")

@@ -109,6 +109,13 @@ def command(
             help="Largest rollout directory shipped to the driver, MiB (default 64). With --backend ray.",
         ),
     ] = None,
+    max_capture_mib: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Budget of one rollout's model_capture.jsonl, MiB; past it the rollout ends as agent_error.",
+        ),
+    ] = 256,
     strict: Annotated[bool, typer.Option(help="Stop before running anything if a row is malformed.")] = False,
     format: Annotated[
         _Format, typer.Option("--format", help="How rows are written; auto: detected (and printed).")
@@ -184,6 +191,7 @@ def command(
             grade_timeouts=grade_timeouts,
             strict=strict,
             backend=where,
+            max_capture_bytes=max_capture_mib * 1024 * 1024,
             dataset_format=format.value,
             environment=environment,
         )

@@ -6,8 +6,10 @@ One ``Controller`` drives one output directory. Its life, in order:
 2. validate the whole dataset as a stream (every bad row reported by line; with
    ``strict`` a bad row stops the run before anything runs), and try the sandbox
    once (a machine that cannot contain agent code is refused before anything is written);
-3. take the output directory's lock, read ``rollouts.jsonl`` (repairing a torn
-   last line) into the ledger: finished samples are skipped, unfinished ones rerun;
+3. take the output directory's lock, kill what an earlier killed run left running,
+   sweep the temporary files it left (``metrics.json``'s, and those in rollout
+   directories set aside in ``interrupted/``), read ``rollouts.jsonl`` (repairing a
+   torn last line) into the ledger: finished samples are skipped, unfinished ones rerun;
 4. start the model (embedded policy) and the bundled environments on loopback;
 5. stream the dataset again, keeping at most ``concurrency`` samples in flight;
    each sample runs attempts until one is final or the infrastructure retry
@@ -76,6 +78,8 @@ EXIT_INTERRUPTED = 130
 _READ_BATCH = 256
 _MAX_INVALID_KEPT = 1000
 _SLOT_POLL_S = 0.25
+_FDS_PER_ROLLOUT = 16
+"""Open files one supervised rollout holds besides its proxy connections (log, capture, pidfds, pipes)."""
 
 
 class Reporter(Protocol):
@@ -296,9 +300,12 @@ class Controller:
                 )
             if self._scan.tasks == 0:
                 raise ConfigError(f"{self.config.dataset} has no valid rows to run")
+            if isinstance(self.config.backend, LocalBackendConfig):
+                self._check_open_files()
             await asyncio.to_thread(self._check_sandbox)
             lock_fd = await asyncio.to_thread(self._lock_out_dir)
             await asyncio.to_thread(self._kill_leftovers)
+            await asyncio.to_thread(self._sweep_leftovers)
             await asyncio.to_thread(self._load_ledger)
             self._loaded = True
             self._scan.pending = await asyncio.to_thread(self._count_pending)
@@ -382,6 +389,37 @@ class Controller:
         )
         if killed:
             self._reporter.notice(f"Killed {killed} process(es) left running by an earlier, interrupted run")
+
+    def _check_open_files(self) -> None:
+        """Raise the open-file limit; refuse a concurrency whose rollouts' own files exceed the reserve.
+
+        Proxy connections never use the reserve (``rollcage.supervisor.fds``), so
+        what the rollouts open themselves must fit in it for no rollout to starve
+        another of descriptors.
+        """
+        from rollcage.supervisor.fds import raise_open_file_limit, reserve_for
+
+        limit = raise_open_file_limit()
+        reserve = reserve_for(limit)
+        need = self.config.concurrency * _FDS_PER_ROLLOUT
+        if need > reserve:
+            raise ConfigError(
+                f"--concurrency {self.config.concurrency} needs about {need} open files besides proxy "
+                f"connections, and this process may open {limit} (ulimit -n), of which {reserve} are kept "
+                f"for them: raise the hard limit (ulimit -Hn) or lower --concurrency to "
+                f"{max(1, reserve // _FDS_PER_ROLLOUT)}"
+            )
+
+    def _sweep_leftovers(self) -> None:
+        """Remove the temporary files a killed earlier run left (never a published artifact)."""
+        from rollcage.durable import sweep_temp_artifacts
+
+        attic = self._out / "interrupted"
+        swept = sweep_temp_artifacts(self._out)
+        if attic.is_dir():
+            swept += sum(sweep_temp_artifacts(entry) for entry in attic.iterdir() if entry.is_dir())
+        if swept:
+            self._reporter.notice(f"Removed {swept} temporary file(s) left by an earlier, interrupted run")
 
     def _load_ledger(self) -> None:
         def fold(record: RolloutRecord) -> None:

@@ -132,6 +132,13 @@ class RolloutSettings(_Model):
     )
     grade_timeouts: bool = Field(default=False, description="Grade the result of a rollout that timed out.")
     input_mode: int = Field(default=0o644, description="File mode of input.json.")
+    max_capture_bytes: int | None = Field(
+        default=256 * 1024 * 1024,
+        ge=64 * 1024,
+        description=(
+            "Budget of a rollout's model_capture.jsonl; past it the rollout ends as agent_error; None: none."
+        ),
+    )
 
 
 class SuperviseFn(Protocol):
@@ -247,10 +254,12 @@ def may_grade(outcome: Outcome, *, grade_timeouts: bool) -> bool:
 
 def _lay_out(directory: Path, worker_input: WorkerInput, mode: int) -> None:
     from rollcage.durable import publish_json
+    from rollcage.supervisor.fds import retry_on_emfile
 
     directory.mkdir(parents=True, exist_ok=False)
     (directory / "workspace").mkdir()
-    publish_json(directory / "input.json", worker_input, mode=mode)
+    # Another rollout may hold every descriptor for a moment: wait for one rather than fail this one.
+    retry_on_emfile(publish_json, directory / "input.json", worker_input, mode=mode)
 
 
 def _read_result(directory: Path) -> WorkerResult | None:
@@ -385,7 +394,7 @@ def _failed_receipt(
 
 def build_supervisor_config(settings: RolloutSettings) -> Any:
     """The ``rollcage.supervisor.SupervisorConfig`` for ``settings`` (imported now, lazily)."""
-    from rollcage.supervisor import BwrapSandbox, NoSandbox, SupervisorConfig
+    from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig
 
     sandbox = BwrapSandbox() if settings.sandbox == "bwrap" else NoSandbox()
     return SupervisorConfig(
@@ -393,6 +402,7 @@ def build_supervisor_config(settings: RolloutSettings) -> Any:
         grace_s=settings.grace_s,
         sandbox=sandbox,
         api_key_env=settings.api_key_env,
+        proxy=ProxyConfig(max_capture_bytes=settings.max_capture_bytes),
     )
 
 
@@ -515,8 +525,12 @@ def set_aside(rollout_dir: Path, attic: Path) -> Path | None:
     Returns:
         Its new path, or ``None`` when there was nothing to move.
     """
+    from rollcage.durable import sweep_temp_artifacts
+
     if not rollout_dir.exists():
         return None
+    # A controller killed while publishing left temporary files: evidence of nothing, not worth keeping.
+    sweep_temp_artifacts(rollout_dir)
     attic.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     target = attic / f"{rollout_dir.name}.{stamp}"
