@@ -26,7 +26,7 @@ import pytest
 
 from rollcage.protocol import CaptureExchange, WorkerInput, WorkerResult
 from rollcage.supervisor import ProxyConfig, supervise
-from rollcage.supervisor.proxy import EgressProxy, Route, sandbox_input
+from rollcage.supervisor.proxy import EgressProxy, Route, routes_for, sandbox_input
 from tests.helpers.supervisor_env import (
     HELPERS,
     bwrap_usable,
@@ -244,6 +244,58 @@ async def test_anything_off_the_allow_list_gets_403_with_a_message(
     (record,) = await harness.settled()
     assert record["route"] == "denied" and record["status"] == 403 and record["upstream_url"] is None
     assert record["credential_added"] is False
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("POST", "/get_weather", True),
+        ("POST", "/tools/forecast?unit=c", True),
+        ("POST", "/verify", False),
+        ("POST", "/seed_session", False),
+        ("POST", "/close_session", False),
+        ("GET", "/get_weather", False),
+        ("POST", "/get_weather/x", False),
+        ("POST", "/", False),
+    ],
+)
+async def test_a_resource_route_forwards_only_posts_to_its_tools(
+    short_dir: Path, upstream: Upstream, method: str, path: str, allowed: bool
+) -> None:
+    original = WorkerInput.model_validate(
+        {
+            "rollout_id": "r1",
+            "task_id": "t1",
+            "input": "hi",
+            "model": {"base_url": f"{upstream.base_url}/v1", "model": "m"},
+            "resources": {"env": {"base_url": f"{upstream.base_url}/env"}},
+            "tools": [
+                {"type": "resource", "name": "get_weather", "resource": "env"},
+                {"type": "resource", "name": "forecast", "resource": "env", "path": "tools/forecast"},
+            ],
+        }
+    )
+    capture = short_dir / "capture.jsonl"
+    proxy = EgressProxy(
+        short_dir / "p.sock",
+        routes_for(original, model_credential=None, resource_credentials={}),
+        capture_path=capture,
+        rollout_id="r1",
+        config=ProxyConfig(),
+        identity=IDENTITY,
+    )
+    async with proxy:
+        transport = httpx.AsyncHTTPTransport(uds=str(proxy.socket_path))
+        async with httpx.AsyncClient(transport=transport, base_url="http://rollcage-proxy") as client:
+            response = await client.request(method, f"/resource/env{path}", json={})
+    if allowed:
+        assert response.status_code == 200
+        assert [seen.path for seen in upstream.requests] == [f"/env{path}"]
+    else:
+        assert response.status_code == 403 and b"forwards only POST to its tools" in response.content
+        assert upstream.requests == []
+        record = json.loads(capture.read_text().splitlines()[-1])
+        assert record["route"] == "denied"
 
 
 async def test_unreachable_upstream_is_a_502_with_the_reason(harness: Harness) -> None:
@@ -621,7 +673,12 @@ async def test_worker_calls_model_and_resource_through_the_proxy_with_the_creden
     assert KEY not in (model / "model_capture.jsonl").read_text()
 
     monkeypatch.setenv("ROLLCAGE_TEST_RESOURCE_KEY", "rk-" + KEY)
-    resource = make_rollout(tmp_path, "r1", resources={"weather": f"{upstream.base_url}/weather"})
+    resource = make_rollout(
+        tmp_path,
+        "r1",
+        resources={"weather": f"{upstream.base_url}/weather"},
+        tools=[{"type": "resource", "name": "forecast", "resource": "weather"}],
+    )
     cfg = config(
         SANDBOX,
         *fake("resource", "weather", "/forecast"),

@@ -15,7 +15,10 @@ The model route is itself an allow-list of methods and paths
 (``ProxyConfig.model_routes``; by default ``POST /chat/completions``, ``POST
 /responses`` and ``GET /models``): anything else under ``/model/v1`` is answered
 403 too, so the injected credential never reaches ``DELETE /files/...`` or
-``POST /fine_tuning/jobs``.
+``POST /fine_tuning/jobs``. A resource route forwards only ``POST`` to the paths of
+the tools that ``input.json`` names for it: an environment's controller-only
+endpoints (``/verify``, ``/seed_session``, ``/close_session``) are out of reach, so
+agent code can neither grade itself nor reset or replace its session.
 
 The worker's ``input.json`` is rewritten to match (:func:`sandbox_input`):
 ``model.base_url`` becomes ``http://rollcage-proxy/model/v1`` and each
@@ -103,7 +106,7 @@ import orjson
 
 from rollcage.durable import AppendCursor
 from rollcage.errors import SupervisorError
-from rollcage.protocol import WorkerInput
+from rollcage.protocol import ResourceToolSpec, WorkerInput
 from rollcage.supervisor.config import ProxyConfig
 from rollcage.supervisor.fds import connection_budget, is_out_of_descriptors, retry_on_emfile
 
@@ -179,6 +182,11 @@ class Route:
         upstream: The upstream's base URL as the host reaches it.
         uds: Unix socket to reach the upstream through; ``None``: TCP.
         credential: Bearer token added upstream; ``None``: none (never logged or captured).
+        tool_paths: For a resource route, the only paths it forwards, and only as ``POST``: its
+            tools' endpoints. The environment's controller-only endpoints (``/verify``,
+            ``/seed_session``, ``/close_session``) are never among them, so agent code cannot
+            grade itself or reset its session. ``None``: every method and path (a route built
+            by hand; ``routes_for`` always sets it).
     """
 
     kind: Literal["model", "resource"]
@@ -187,6 +195,7 @@ class Route:
     upstream: str
     uds: str | None = None
     credential: str | None = field(default=None, repr=False)
+    tool_paths: frozenset[str] | None = None
 
 
 def routes_for(
@@ -204,6 +213,11 @@ def routes_for(
         )
     ]
     for name, endpoint in original.resources.items():
+        paths = frozenset(
+            _tool_path(tool.path if tool.path is not None else tool.name)
+            for tool in original.tools
+            if isinstance(tool, ResourceToolSpec) and tool.resource == name
+        )
         routes.append(
             Route(
                 kind="resource",
@@ -212,9 +226,15 @@ def routes_for(
                 upstream=endpoint.base_url,
                 uds=endpoint.uds,
                 credential=resource_credentials.get(name),
+                tool_paths=paths,
             )
         )
     return routes
+
+
+def _tool_path(path: str) -> str:
+    """A tool's endpoint as the proxy sees it: the worker joins it to the route with one '/'."""
+    return "/" + path.partition("?")[0].lstrip("/")
 
 
 def identity_headers(original: WorkerInput) -> dict[str, str]:
@@ -917,6 +937,12 @@ class EgressProxy:
                 if route.kind == "model" and not self._model_allows(method, rest.partition("?")[0]):
                     allowed = ", ".join(self._config.model_routes)
                     return f"the model route forwards only {allowed}"
+                paths = route.tool_paths
+                if paths is not None and (method != "POST" or rest.partition("?")[0] not in paths):
+                    tools = ", ".join(sorted(paths)) or "none"
+                    return (
+                        f"the resource route {route.name!r} forwards only POST to its tools' paths ({tools})"
+                    )
                 return route, rest
         return "no allowed upstream for this path"
 
