@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist workers: most tests wait on processes and sockets, so more workers than cores pays.
+TEST_WORKERS ?= 3
 
 .PHONY: run test test-under-load lint typecheck unit bench clean system-run system-test
 
@@ -33,7 +35,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: system-test $(STAMP)
-	$(BIN)/pytest -q
+	ROLLCAGE_TEST_NO_SKIPS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test: lint typecheck unit
 

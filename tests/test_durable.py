@@ -12,7 +12,6 @@ import logging
 import os
 import random
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -658,28 +657,6 @@ async def test_cancelled_append_is_still_written(tmp_path: Path, monkeypatch: py
 
 
 # --------------------------------------------------------------------------- a real full disk
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 16 KiB tmpfs mounted for the test (needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount, umount = shutil.which("mount"), shutil.which("umount")
-    if mount is None or umount is None:
-        pytest.skip("mount/umount are not installed")
-    directory = tmp_path / "tiny"
-    directory.mkdir()
-    done = subprocess.run(
-        [mount, "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(directory)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield directory
-    finally:
-        if subprocess.run([umount, str(directory)], capture_output=True).returncode != 0:
-            subprocess.run([umount, "-l", str(directory)], check=False)
 
 
 async def test_full_disk_gives_clear_errors_and_keeps_old_artifacts(tiny_tmpfs: Path) -> None:

@@ -23,16 +23,22 @@ when its init dies. A caller that is not root needs one stage.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollcage.errors import SandboxError
+
+logger = logging.getLogger("rollcage.cage")
 
 __all__ = [
     "SYSTEM_PATHS",
@@ -388,9 +394,31 @@ def _bwrap_version(bwrap: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.groups() if part is not None)
 
 
-@functools.cache
+_SELF_CHECK_TIMEOUTS_S = (30.0, 90.0)
+"""The self-check's time bound, per try: a slow answer is retried once with more time."""
+
+_self_check_lock = threading.Lock()
+_self_checks: dict[tuple[str, str | None, tuple[int, int] | None, bool], str | None] = {}
+
+
 def _try_sandbox(bwrap: str, setpriv: str | None, run_as: tuple[int, int] | None, nested: bool) -> str | None:
-    """Run ``true`` in a minimal sandbox the way a cage will; ``None`` if it works, else why not."""
+    """Run ``true`` in a minimal sandbox the way a cage will; ``None`` if it works, else why not.
+
+    A definite answer is kept for the process (one check, however many rollouts
+    start at once); a check that cannot finish is no answer and is not kept.
+
+    Raises:
+        SandboxError: The check did not finish in time even when retried, or could not be started:
+            the sandbox may work, but this process cannot tell now.
+    """
+    key = (bwrap, setpriv, run_as, nested)
+    with _self_check_lock:
+        if key not in _self_checks:
+            _self_checks[key] = _self_check(bwrap, setpriv, run_as, nested)
+        return _self_checks[key]
+
+
+def _self_check(bwrap: str, setpriv: str | None, run_as: tuple[int, int] | None, nested: bool) -> str | None:
     inner = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/"]
     if nested:
         # A cage that makes cages (the worker caging its executor) needs one more user namespace.
@@ -399,11 +427,35 @@ def _try_sandbox(bwrap: str, setpriv: str | None, run_as: tuple[int, int] | None
         argv = [*inner, "--", "true"]
     if run_as is not None and setpriv is not None:
         argv = [setpriv, "--reuid", str(run_as[0]), "--regid", str(run_as[1]), "--clear-groups", "--", *argv]
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, cwd="/")
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    return None if out.returncode == 0 else (out.stderr.strip() or f"exit code {out.returncode}")
+    for timeout in _SELF_CHECK_TIMEOUTS_S:
+        try:
+            # A session of its own, so that a hung check is killed with everything it started.
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                cwd="/",
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise SandboxError(f"cannot run the bubblewrap self-check ({argv[0]}): {exc}") from exc
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            logger.warning("the bubblewrap self-check took over %gs", timeout)
+            continue
+        if proc.returncode == 0:
+            return None
+        return stderr.decode("utf-8", "replace").strip() or f"exit code {proc.returncode}"
+    raise SandboxError(
+        f"the bubblewrap self-check ({argv[0]} ... true) did not finish within "
+        f"{' s, then '.join(f'{t:g}' for t in _SELF_CHECK_TIMEOUTS_S)} s: the machine is overloaded or "
+        "bwrap hangs here. bubblewrap did not refuse; retry when the machine is less busy"
+    )
 
 
 def which(name: str) -> str | None:

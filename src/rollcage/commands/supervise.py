@@ -67,6 +67,13 @@ def command(
             help="Another host path the sandbox sees read-only (e.g. a custom worker's code); repeatable."
         ),
     ] = None,
+    max_capture_mib: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Budget of model_capture.jsonl, MiB; past it the rollout ends as agent_error.",
+        ),
+    ] = 256,
     json_output: Annotated[bool, typer.Option("--json", help="Print the receipt as JSON.")] = False,
     memory_budget: MemoryBudget = None,
     max_processes: MaxProcesses = None,
@@ -88,7 +95,7 @@ def command(
 
     from rollcage.errors import ConfigError, SandboxError
     from rollcage.protocol import SupervisorReceipt
-    from rollcage.supervisor import BwrapSandbox, NoSandbox, SupervisorConfig, supervise
+    from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig, supervise
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -103,6 +110,7 @@ def command(
             else NoSandbox(),
             api_key_env=api_key_env,
             worker_command=shlex.split(worker_command) if worker_command else None,
+            proxy=ProxyConfig(max_capture_bytes=max_capture_mib * 1024 * 1024),
         )
     except ValueError as exc:
         typer.echo(f"rollcage supervise: {exc}", err=True)

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -94,6 +95,8 @@ class RolloutBudgets:
         self._processes_peak: int | None = None
         self._last_walk = 0.0
         self._walk_cost = 0.0
+        # A poll still running in its thread when the rollout ends must not race the last reading.
+        self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- before the launch
 
@@ -229,6 +232,10 @@ class RolloutBudgets:
         Args:
             final: The sandbox is gone: walk the workspace whatever the last walk cost.
         """
+        with self._lock:
+            return self._check(final=final)
+
+    def _check(self, *, final: bool) -> tuple[BudgetName, str] | None:
         config = self.config
         current, peak = self.cgroups.memory_usage()
         self._memory_peak = _max(self._memory_peak, peak, current)
@@ -282,8 +289,12 @@ class RolloutBudgets:
 
     def finish(self) -> None:
         """Final reading, the workspace back into the rollout directory, mounts and cgroups removed."""
+        with self._lock:
+            self._finish()
+
+    def _finish(self) -> None:
         with contextlib.suppress(OSError):
-            self.check(final=True)
+            self._check(final=True)
         if self.workspace_mount is not None:
             self._copy_out(self.workspace_mount)
         self._unmount()

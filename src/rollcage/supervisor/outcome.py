@@ -4,8 +4,8 @@ The rules, in order (DESIGN.md's outcome table; the first that applies wins):
 
 1. the worker could not be run under supervision (bad ``input.json``, the
    worker could not be started, the supervisor itself failed) → ``infra_failure``;
-2. the sandbox went over one of its **budgets** (total memory or processes,
-   workspace, ``/tmp`` or ``/dev/shm`` bytes or inodes) after the policy had acted
+2. the rollout went over one of its **budgets** (total memory or processes,
+   workspace, ``/tmp`` or ``/dev/shm`` bytes or inodes, the capture's bytes) after the policy had acted
    (a model response in the result or the journal) → ``agent_error``: the agent's
    code made the sandbox grow, so this is the policy's fault, whatever else
    happened next (the kernel killing the worker for the memory budget, a deadline

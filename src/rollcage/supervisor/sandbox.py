@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -298,6 +299,18 @@ def bwrap_argv(
     return cage_argv(spec, tools=tools, as_root=as_root)
 
 
+def _within_hard_nofile(config: BwrapSandbox) -> BwrapSandbox:
+    """``config`` with ``open_files`` at most this process's hard limit, which the sandbox inherits.
+
+    The sandbox cannot raise a hard limit (no privilege), so asking for more than the
+    supervisor has would make every launch fail in ``prlimit``.
+    """
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if config.open_files is None or hard == resource.RLIM_INFINITY or config.open_files <= hard:
+        return config
+    return config.model_copy(update={"open_files": hard})
+
+
 class BwrapLauncher:
     """Builds launch plans that run the worker under bubblewrap."""
 
@@ -312,8 +325,9 @@ class BwrapLauncher:
 
         Raises:
             SandboxError: bubblewrap, prlimit or setpriv is missing, or bubblewrap cannot create
-                the namespaces here (nor, with ``executor_cage`` bwrap, a cage inside the cage);
-                the message says how to proceed.
+                the namespaces here (nor, with ``executor_cage`` bwrap, a cage inside the cage), or
+                its self-check did not finish in time (a busy machine, not a refusal: it is tried
+                again next time); the message says which, and how to proceed.
         """
         if self._tools is not None:
             return self._tools
@@ -374,7 +388,7 @@ class BwrapLauncher:
             env[CAGE_ENV] = f"bwrap:{tools.bwrap}"
             ro.append(tools.bwrap)
         full = bwrap_argv(
-            self.config,
+            _within_hard_nofile(self.config),
             tools=tools,
             layout=layout,
             worker_argv=argv,
