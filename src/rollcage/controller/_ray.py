@@ -761,9 +761,19 @@ def _sweep_scratch(root: Path) -> int:
                 continue
             pid = int(pid_text)
             if (pid, start) == me or not _owner_alive(pid, start):
+                _release_rollouts(Path(entry.path))
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed += 1
     return removed
+
+
+def _release_rollouts(scratch: Path) -> None:
+    """What a killed supervisor left for the rollouts in ``scratch``: its processes, mounts and cgroups."""
+    from rollcage.supervisor import kill_leftovers
+
+    with contextlib.suppress(OSError):
+        for rollout in scratch.iterdir():
+            kill_leftovers(rollout)
 
 
 def _scratch_dir() -> Path:

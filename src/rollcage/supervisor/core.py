@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -302,6 +303,10 @@ class _Supervision:
             return
         self.rollout_id = self.original.rollout_id
 
+    def _write_token(self) -> None:
+        self.layout.staging.mkdir(mode=0o700, exist_ok=True)
+        self.layout.token.write_text(self.token)
+
     def _prepare_files(self, plan: LaunchPlan, worker_input: WorkerInput) -> None:
         layout = self.layout
         layout.staging.mkdir(mode=0o700, exist_ok=True)
@@ -353,7 +358,9 @@ class _Supervision:
             return
         if self.config.proxy is not None or self.launcher.kind == "bwrap":
             # The supervisor's own directory: the proxy socket, the bounded file systems' mount points.
-            self.private_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix="rollcage-")
+            # Named for the rollout (its mounts say whose they are, in a table of every rollout's).
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:48]
+            self.private_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix=f"rollcage-{name}-")
         if self.config.proxy is not None:
             assert self.private_dir is not None
             self.layout = RolloutLayout(self.layout.root, Path(self.private_dir) / "proxy.sock")
@@ -365,6 +372,9 @@ class _Supervision:
         try:
             if isinstance(self.launcher, BwrapLauncher):
                 assert isinstance(self.config.sandbox, BwrapSandbox) and self.private_dir is not None
+                # Before anything is mounted or made: if this supervisor is SIGKILLed from here on,
+                # the next run finds the rollout by its token and releases what it left (kill_leftovers).
+                await asyncio.to_thread(self._write_token)
                 self.budgets = RolloutBudgets(
                     self.config.sandbox,
                     self.layout,
