@@ -5,7 +5,9 @@ scripted policy, the bundled code-fn environment) plays one dataset row per
 probe, so the whole suite costs one run. Each probe is the agent's own code: a
 codeact cell, or a ``solution.py`` that the grader imports. The run's budgets are
 small so the bombs end quickly; victim rows run beside them and must finish
-untouched. Every test is named after its probe and says which probe failed.
+untouched. Every test is named after its probe and says which probe failed. Under
+pytest-xdist the first worker to need the run makes it and the others read it (a
+file under a lock: ``xdist_group`` does not keep a module on one worker here).
 
 To check that a probe can fail, disable its defence and watch it go red, e.g.
 ``ROLLCAGE_ESCAPE_WEAKEN=executor_cage=shared,cgroups=off pytest tests/test_escape.py``
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import fcntl
 import json
 import os
 import secrets
@@ -23,7 +26,7 @@ import shutil
 import socket
 import tempfile
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,12 +42,10 @@ from rollcage.supervisor import BwrapSandbox
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.waiting import processes_mentioning
 
-# One worker runs the whole module: its run is shared by every test (a module fixture).
 pytestmark = [
     pytest.mark.bwrap,
     requires_bwrap(),
     pytest.mark.timeout(180),
-    pytest.mark.xdist_group("escape"),
 ]
 
 MIB = 1 << 20
@@ -441,6 +442,34 @@ class EscapeRun:
         assert probe in self.records, f"probe {probe}: no record (the run lost it)"
         return self.records[probe]
 
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "records": [r.model_dump_json() for r in self.records.values()],
+                "host_dir": str(self.host_dir),
+                "host_file": str(self.host_file),
+                "secret": self.secret,
+                "secret_file_text": self.secret_file_text,
+                "marker": self.marker,
+                "token": self.token,
+                "mounts_before": sorted(self.mounts_before),
+                "mounts_after": sorted(self.mounts_after),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> EscapeRun:
+        data = json.loads(text)
+        records = [RolloutRecord.model_validate_json(r) for r in data.pop("records")]
+        return cls(
+            records={r.task_id: r for r in records},
+            host_dir=Path(data.pop("host_dir")),
+            host_file=Path(data.pop("host_file")),
+            mounts_before=set(data.pop("mounts_before")),
+            mounts_after=set(data.pop("mounts_after")),
+            **data,
+        )
+
     def findings(self, probe: str) -> dict[str, Any]:
         path = Path(self.record(probe).rollout_dir) / "workspace" / "findings.json"
         assert path.exists(), (
@@ -468,9 +497,26 @@ def _mounts(base: Path) -> set[str]:
     return {p for p in points if any(tag in p for tag in ours) or p.startswith(str(base))}
 
 
-@pytest.fixture(scope="module")
-def escape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EscapeRun]:
-    base = tmp_path_factory.mktemp("escape")
+@pytest.fixture(scope="session")
+def escape(tmp_path_factory: pytest.TempPathFactory) -> EscapeRun:
+    """The one run, once per test session: pytest-xdist workers share it through a file, under a lock."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's directory, above every worker's
+    result = shared / "escape-run.json"
+    with open(shared / "escape-run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if result.exists():
+                return EscapeRun.from_json(result.read_text())
+            run = _run_escape(tmp_path_factory.mktemp("escape"))
+            result.write_text(run.to_json())
+            return run
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _run_escape(base: Path) -> EscapeRun:
     token = f"rollcage-escape-{secrets.token_hex(6)}"
     host_file = Path("/var/tmp") / token
     marker = f"rollcage-daemon-{secrets.token_hex(6)}"
@@ -526,7 +572,7 @@ def escape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EscapeRun]:
         asyncio.run(Controller(config).run())
         lines = (config.out / "rollouts.jsonl").read_bytes().splitlines()
         records = {r.task_id: r for r in (RolloutRecord.model_validate_json(line) for line in lines)}
-        yield EscapeRun(
+        return EscapeRun(
             records=records,
             host_dir=base,
             host_file=host_file,

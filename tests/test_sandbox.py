@@ -39,7 +39,7 @@ from rollcage.cage import (
 from rollcage.commands._sandbox_options import CgroupsChoice, ExecutorCageChoice, bwrap_fields, parse_size
 from rollcage.environments import create_app
 from rollcage.errors import SandboxError
-from rollcage.protocol import BudgetName, SupervisorReceipt
+from rollcage.protocol import BudgetName, ExecutorSettings, SupervisorReceipt
 from rollcage.supervisor import (
     BwrapSandbox,
     NoSandbox,
@@ -49,6 +49,7 @@ from rollcage.supervisor import (
     supervise,
 )
 from rollcage.supervisor.sandbox import BwrapTools, bwrap_argv
+from rollcage.tools import make_executor
 from tests.helpers.supervisor_env import config, fake, make_rollout, processes_with_token, requires_bwrap
 from tests.helpers.waiting import processes_mentioning
 
@@ -537,10 +538,9 @@ async def test_tmp_budget_ends_the_rollout(tmp_path: Path, disk: str) -> None:
     assert not list(root.glob(".sandbox")), "the staging area outlived the rollout"
 
 
+@_bwrap
 def test_every_budget_is_in_the_receipt_with_its_mechanism(probe: dict[str, Any]) -> None:
     receipt: SupervisorReceipt = probe["receipt"]
-    if not receipt.budgets:
-        pytest.skip("bubblewrap is not usable here")
     assert [use.budget for use in receipt.budgets] == list(typing.get_args(BudgetName))
     assert all(use.mechanism != "none" and not use.exceeded for use in receipt.budgets)
     assert receipt.budget_exceeded is None
@@ -605,3 +605,16 @@ def test_budget_flags_are_the_config_fields() -> None:
     assert (sandbox.memory_bytes, sandbox.max_processes, sandbox.workspace_bytes) == (1 << 30, 64, 8 << 20)
     assert (sandbox.shm_inodes, sandbox.cgroups, sandbox.executor_cage) == (500, "off", "shared")
     assert sandbox.tmp_size_bytes == BwrapSandbox().tmp_size_bytes  # flags left out keep the defaults
+
+
+async def test_an_executor_cage_that_cannot_be_made_is_the_infrastructures_failure(
+    tmp_path: Path, broken_bwrap: Path
+) -> None:
+    cage = NestedCage(bwrap=str(broken_bwrap), workspace=str(tmp_path), hide=("/nonexistent-rollout",))
+    executor = make_executor(ExecutorSettings(), cwd=tmp_path, prefix=cage.prefix(), start_timeout_s=30)
+    try:
+        with pytest.raises(SandboxError, match="executor's sandbox could not be made") as caught:
+            await executor.start()
+        assert caught.value.kind == "transient"  # retried, never the agent's fault
+    finally:
+        await executor.aclose()

@@ -837,6 +837,9 @@ def _run_on_node(
         return {"record": record.model_dump_json(), "archive": archive}
     finally:
         if scratch is not None:
+            # A task given up on (its driver gone) may leave a supervisor behind: its processes, mounts
+            # and cgroups go first, or the mounted workspace would keep the directory.
+            _release_rollouts(scratch)
             shutil.rmtree(scratch, ignore_errors=True)
 
 
