@@ -14,6 +14,8 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import typing
 from collections.abc import Iterator
@@ -34,6 +36,7 @@ from rollcage.cage import (
     Tmpfs,
     cage_argv,
     copy_tree,
+    detect_cgroups,
     run_contained,
 )
 from rollcage.commands._sandbox_options import CgroupsChoice, ExecutorCageChoice, bwrap_fields, parse_size
@@ -48,10 +51,18 @@ from rollcage.supervisor import (
     classify_outcome,
     supervise,
 )
+from rollcage.supervisor.procs import ensure_subreaper
 from rollcage.supervisor.sandbox import BwrapTools, bwrap_argv
 from rollcage.tools import make_executor
-from tests.helpers.supervisor_env import config, fake, make_rollout, processes_with_token, requires_bwrap
-from tests.helpers.waiting import processes_mentioning
+from tests.helpers.supervisor_env import (
+    HELPERS,
+    config,
+    fake,
+    make_rollout,
+    processes_with_token,
+    requires_bwrap,
+)
+from tests.helpers.waiting import processes_mentioning, wait_for
 
 
 def _bwrap(test: Any) -> Any:
@@ -618,3 +629,36 @@ async def test_an_executor_cage_that_cannot_be_made_is_the_infrastructures_failu
         assert caught.value.kind == "transient"  # retried, never the agent's fault
     finally:
         await executor.aclose()
+
+
+@_bwrap
+@pytest.mark.timeout(90)
+def test_what_a_killed_supervisor_left_is_released_by_the_next_one(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("optional: only root mounts bounded file systems (and can leave them behind)")
+    ensure_subreaper()
+    root = make_rollout(tmp_path)
+    kept = root / "workspace" / "kept.bin"
+    worker = " ".join(fake("fill-hang", "/rollout/workspace/kept.bin", "1"))
+    argv = [sys.executable, "-m", "rollcage", "supervise", str(root), "--worker-command", worker]
+    proc = subprocess.Popen(
+        [*argv, "--ro-path", str(HELPERS)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        wait_for(lambda: kept.exists() and kept.stat().st_size == 1 << 20, what="the worker's file")
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: not processes_with_token(), what="the sandbox to die with its supervisor")
+    assert os.path.ismount(root / "workspace"), "the test needs a supervisor that left its mounts"
+    mine = f"rollcage-{proc.pid}."
+    support = detect_cgroups()
+    parents = [found[1] for found in (support.memory, support.pids) if found is not None]
+    # Another supervisor (a fresh process: the sweep runs once per process) releases them.
+    sweep = "from rollcage.supervisor.budgets import sweep_orphans; sweep_orphans()"
+    subprocess.run([sys.executable, "-c", sweep], check=True, timeout=60)
+    assert not os.path.ismount(root / "workspace")
+    assert kept.stat().st_size == 1 << 20  # the agent's files, kept on the disk as evidence
+    with open("/proc/self/mountinfo", encoding="utf-8") as file:
+        assert f"-{proc.pid}." not in file.read(), "a mount of the killed supervisor is left"
+    assert not [c for parent in parents for c in parent.iterdir() if c.name.startswith(mine)]

@@ -15,6 +15,11 @@ then ends the rollout as the policy's fault); :meth:`RolloutBudgets.report` is t
 receipt's ``budgets``. Everything made is recorded in the staging area, so a
 later run can remove what a killed supervisor left (:func:`release_leftovers`).
 Every method blocks: run them in a thread.
+
+Whatever a supervisor makes carries its owner (``PID.STARTTIME`` of the supervising
+process) in its name, so that any later supervisor on the machine can tell what
+was left by one that is gone (SIGKILLed, its Ray node lost) and release it
+(:func:`sweep_orphans`, once per process).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -37,6 +43,7 @@ from rollcage.cage import (
     TmpfsVolume,
     Volume,
     copy_tree,
+    detect_cgroups,
     kill_cgroup,
     remove_cgroup,
     unmount,
@@ -44,13 +51,34 @@ from rollcage.cage import (
 from rollcage.cage import BudgetName as BudgetName
 from rollcage.protocol import BudgetUse
 from rollcage.supervisor.config import BwrapSandbox
+from rollcage.supervisor.procs import read_proc
 from rollcage.supervisor.sandbox import RolloutLayout, Scratch
 
-__all__ = ["RolloutBudgets", "release_leftovers"]
+__all__ = ["RolloutBudgets", "owner_tag", "release_leftovers", "sweep_orphans"]
 
 logger = logging.getLogger("rollcage.supervisor")
 
 _RECORD = "budgets.json"
+_PRIVATE_RECORD = "rollout.json"
+_OWNED = re.compile(r"rollcage-(?:.+-)?(\d+)\.(\d+)-[^/]+$")
+"""A private directory or cgroup of a supervisor: ``rollcage-[ROLLOUT-]PID.START-RANDOM``."""
+
+
+def owner_tag() -> str:
+    """``PID.STARTTIME`` of this process: with it, a later process can tell whether its maker still lives."""
+    info = read_proc(os.getpid())
+    return f"{os.getpid()}.{info.starttime if info is not None else 0}"
+
+
+def _owner_gone(name: str) -> bool:
+    match = _OWNED.search(name)
+    if match is None:
+        return False
+    pid, start = int(match.group(1)), int(match.group(2))
+    if pid == os.getpid():
+        return False
+    info = read_proc(pid)
+    return info is None or info.starttime != start
 
 
 def _size(value: int) -> str:
@@ -208,8 +236,10 @@ class RolloutBudgets:
             "workspace_bounds": [self.config.workspace_bytes, self.config.workspace_inodes],
             "owner": list(self.owner) if self.owner else None,
         }
-        with contextlib.suppress(OSError):
-            (self.layout.staging / _RECORD).write_text(json.dumps(record))
+        record["rollout_dir"] = str(self.layout.root.absolute())
+        for path in (self.layout.staging / _RECORD, self.private_dir / _PRIVATE_RECORD):
+            with contextlib.suppress(OSError):
+                path.write_text(json.dumps(record))
 
     # ----------------------------------------------------------------- while it runs
 
@@ -415,31 +445,88 @@ def release_leftovers(layout: RolloutLayout) -> None:
         record = json.loads((layout.staging / _RECORD).read_text())
     except (OSError, ValueError):
         return
-    for mount in record.get("mounts", []):
+    _release(record, layout)
+    with contextlib.suppress(OSError):
+        (layout.staging / _RECORD).unlink()
+
+
+def _release(record: dict[str, object], layout: RolloutLayout) -> None:
+    mounts = record.get("mounts")
+    for mount in mounts if isinstance(mounts, list) else []:
         with contextlib.suppress(OSError):
-            if Path(mount) == layout.workspace.absolute():
+            if Path(str(mount)) == layout.workspace.absolute():
                 # The agent's files are evidence of the interrupted attempt: onto the disk first.
-                bounds = record.get("workspace_bounds") or [1 << 30, 65_536]
+                bounds = record.get("workspace_bounds")
+                limits = bounds if isinstance(bounds, list) and len(bounds) == 2 else [1 << 30, 65_536]
                 owner = record.get("owner")
                 _settle_workspace(
                     layout.workspace,
                     layout.staging,
-                    max_bytes=int(bounds[0]),
-                    max_inodes=int(bounds[1]),
-                    owner=tuple(owner) if owner else None,
+                    max_bytes=int(limits[0]),
+                    max_inodes=int(limits[1]),
+                    owner=(int(owner[0]), int(owner[1])) if isinstance(owner, list) and owner else None,
                 )
             else:
-                unmount(Path(mount))
-    for directory in record.get("cgroups", []):
-        kill_cgroup(Path(directory))
-        remove_cgroup(Path(directory))
+                unmount(Path(str(mount)))
+    cgroups = record.get("cgroups")
+    for directory in cgroups if isinstance(cgroups, list) else []:
+        kill_cgroup(Path(str(directory)))
+        remove_cgroup(Path(str(directory)))
     private = record.get("private_dir")
     if isinstance(private, str) and private:
-        for mount in record.get("mounts", []):
-            if Path(mount).is_relative_to(private):
+        for mount in mounts if isinstance(mounts, list) else []:
+            if Path(str(mount)).is_relative_to(private):
                 with contextlib.suppress(OSError):
-                    Path(mount).rmdir()
+                    Path(str(mount)).rmdir()
         with contextlib.suppress(OSError):
             (Path(private) / "fs").rmdir()
-    with contextlib.suppress(OSError):
-        (layout.staging / _RECORD).unlink()
+        with contextlib.suppress(OSError):
+            (Path(private) / _PRIVATE_RECORD).unlink()
+
+
+_swept = False
+_sweep_lock = threading.Lock()
+
+
+def sweep_orphans() -> None:
+    """Release what supervisors that are gone left on this machine: mounts, cgroups (once per process).
+
+    Found by name (see :func:`owner_tag`): the private directories in the mount table
+    and the cgroups beside this process's, whose maker no longer runs. A workspace
+    still mounted is copied onto the disk in its place first. Blocking; never raises.
+    """
+    global _swept
+    with _sweep_lock:
+        if _swept:
+            return
+        _swept = True
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as file:
+            points = [line.split()[4] for line in file]
+    except OSError:
+        points = []
+    privates = {
+        str(Path(point).parent.parent)
+        for point in points
+        if point.endswith(("/fs/tmp", "/fs/shm")) and _owner_gone(Path(point).parent.parent.name)
+    }
+    for private in sorted(privates):
+        try:
+            record = json.loads((Path(private) / _PRIVATE_RECORD).read_text())
+            root = Path(str(record.get("rollout_dir", "")))
+            _release(record, RolloutLayout(root))
+        except (OSError, ValueError):
+            pass
+        for name in ("tmp", "shm"):
+            with contextlib.suppress(OSError):
+                unmount(Path(private) / "fs" / name)
+        logger.warning("released the mounts of a supervisor that is gone: %s", private)
+    support = detect_cgroups()
+    for found in (support.memory, support.pids):
+        if found is None:
+            continue
+        with contextlib.suppress(OSError):
+            for child in found[1].iterdir():
+                if child.is_dir() and _owner_gone(child.name):
+                    kill_cgroup(child)
+                    remove_cgroup(child)

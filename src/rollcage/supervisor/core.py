@@ -46,7 +46,7 @@ from pydantic import ValidationError
 from rollcage.durable import publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
 from rollcage.protocol import SignalEvent, SupervisorReceipt, WorkerInput, WorkerResult
-from rollcage.supervisor.budgets import RolloutBudgets, release_leftovers
+from rollcage.supervisor.budgets import RolloutBudgets, owner_tag, release_leftovers, sweep_orphans
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
@@ -344,6 +344,9 @@ class _Supervision:
     async def run(self) -> None:
         """Prepare, launch and watch the worker until it exits or has been stopped."""
         ensure_subreaper()
+        if self.launcher.kind == "bwrap":
+            # Once per process: what supervisors that are gone left on this machine (mounts, cgroups).
+            await asyncio.to_thread(sweep_orphans)
         raise_open_file_limit()
         await asyncio.to_thread(retry_on_emfile, self._read_input)
         if self.setup_failure is not None or self.original is None:
@@ -360,7 +363,8 @@ class _Supervision:
             # The supervisor's own directory: the proxy socket, the bounded file systems' mount points.
             # Named for the rollout (its mounts say whose they are, in a table of every rollout's).
             name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:48]
-            self.private_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix=f"rollcage-{name}-")
+            prefix = f"rollcage-{name}-{owner_tag()}-"
+            self.private_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix=prefix)
         if self.config.proxy is not None:
             assert self.private_dir is not None
             self.layout = RolloutLayout(self.layout.root, Path(self.private_dir) / "proxy.sock")
@@ -380,7 +384,7 @@ class _Supervision:
                     self.layout,
                     Path(self.private_dir),
                     owner=self.launcher.owner,
-                    name=f"rollcage-{self.token[:16]}",
+                    name=f"rollcage-{owner_tag()}-{self.token[:12]}",
                 )
                 scratch = await asyncio.to_thread(self.budgets.prepare)
                 self.plan = plan = self.launcher.plan(
