@@ -14,6 +14,8 @@ from typing import Annotated
 
 import typer
 
+from rollcage.commands import fail, finite
+
 __all__ = ["EXIT_CODES", "SandboxChoice", "command"]
 
 EXIT_CODES = {"completed": 0, "agent_error": 0, "infra_failure": 1, "timeout": 3, "cancelled": 4}
@@ -32,9 +34,9 @@ def command(
         Path, typer.Argument(metavar="ROLLOUT_DIR", help="A prepared rollout directory (with input.json).")
     ],
     deadline: Annotated[
-        float, typer.Option(help="Wall-clock deadline of the whole rollout, seconds.")
+        float, typer.Option(help="Wall-clock deadline of the whole rollout, seconds.", callback=finite)
     ] = 600.0,
-    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 5.0,
+    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.", callback=finite)] = 5.0,
     sandbox: Annotated[
         SandboxChoice, typer.Option(help="bwrap (contained) or none (NOT contained: trusted code only).")
     ] = SandboxChoice.bwrap,
@@ -59,8 +61,10 @@ def command(
     import logging
     import signal
 
+    from pydantic import ValidationError
+
     from rollcage.errors import ConfigError, SandboxError
-    from rollcage.protocol import SupervisorReceipt
+    from rollcage.protocol import SupervisorReceipt, describe_validation_error
     from rollcage.supervisor import BwrapSandbox, NoSandbox, SupervisorConfig, supervise
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -74,9 +78,10 @@ def command(
             api_key_env=api_key_env,
             worker_command=shlex.split(worker_command) if worker_command else None,
         )
-    except ValueError as exc:
-        typer.echo(f"rollcage supervise: {exc}", err=True)
-        raise typer.Exit(2) from exc
+    except ValidationError as exc:
+        fail("supervise", describe_validation_error(exc))
+    except ValueError as exc:  # --worker-command that does not split into words
+        fail("supervise", f"--worker-command: {exc}")
 
     async def main() -> SupervisorReceipt:
         stop = asyncio.Event()
@@ -90,8 +95,7 @@ def command(
     try:
         receipt = asyncio.run(main())
     except (ConfigError, SandboxError) as exc:
-        typer.echo(f"rollcage supervise: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail("supervise", str(exc))
     if json_output:
         typer.echo(receipt.model_dump_json(indent=2))
     else:
