@@ -48,8 +48,8 @@ __all__ = [
     "is_temp_artifact",
     "open_regular",
     "publish_json",
+    "read_bounded",
     "read_journal",
-    "read_regular",
 ]
 
 logger = logging.getLogger("rollcage.durable")
@@ -341,7 +341,7 @@ def open_regular(path: str | os.PathLike[str]) -> IO[bytes]:
         raise
 
 
-def read_regular(path: str | os.PathLike[str], *, limit: int) -> bytes:
+def read_bounded(path: str | os.PathLike[str], *, limit: int) -> bytes:
     """The whole content of a regular file of at most ``limit`` bytes (see ``open_regular``).
 
     Raises:

@@ -42,7 +42,7 @@ from typing import Any, NoReturn
 
 from rollcage.agent import SUBMIT, Agent, AgentResult
 from rollcage.checkpoint import RequestCompactor
-from rollcage.durable import CheckpointJournal, publish_json, read_regular
+from rollcage.durable import CheckpointJournal, publish_json, read_bounded
 from rollcage.errors import ConfigError, RollcageError
 from rollcage.protocol import (
     BoundaryRecord,
@@ -145,7 +145,7 @@ def load_input(path: Path) -> WorkerInput:
 
 def _read_input(path: Path) -> bytes:
     try:
-        return read_regular(path, limit=MAX_INPUT_BYTES)
+        return read_bounded(path, limit=MAX_INPUT_BYTES)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the input file: {exc.strerror or exc}") from exc
 

@@ -64,7 +64,7 @@ def command(
     from pydantic import ValidationError
 
     from rollcage.errors import ConfigError, SandboxError
-    from rollcage.protocol import SupervisorReceipt, describe_validation_error
+    from rollcage.protocol import SupervisorReceipt
     from rollcage.supervisor import BwrapSandbox, NoSandbox, SupervisorConfig, supervise
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -79,6 +79,8 @@ def command(
             worker_command=shlex.split(worker_command) if worker_command else None,
         )
     except ValidationError as exc:
+        from rollcage.protocol import describe_validation_error
+
         fail("supervise", describe_validation_error(exc))
     except ValueError as exc:  # --worker-command that does not split into words
         fail("supervise", f"--worker-command: {exc}")

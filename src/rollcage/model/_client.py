@@ -389,7 +389,7 @@ class ModelClient:
             self._keep_cookies(response)
             status = response.status_code
             if not 200 <= status < 300:
-                raw = await _read_bounded(response, _ERROR_BODY_BYTES, cut=True)
+                raw = await _read_body(response, _ERROR_BODY_BYTES, cut=True)
                 raise _status_failure(status, raw, response.headers)
             limit = endpoint.max_response_bytes
             declared = response.headers.get("content-length", "")
@@ -401,7 +401,7 @@ class ModelClient:
                     streamed = await assemble_stream(endpoint.api, sse_events(sse_lines(chunks)))
                     payload, first = streamed.payload, streamed.first_event_at or first_byte_at
                 else:
-                    payload, first = _json_object(await _read_bounded(response, limit)), first_byte_at
+                    payload, first = _json_object(await _read_body(response, limit)), first_byte_at
                 problem = json_problem(payload, max_depth=MAX_JSON_DEPTH)
                 if problem is not None:
                     raise WireError(f"the answer cannot be kept: {problem}")
@@ -615,7 +615,7 @@ async def _bounded(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[by
         yield chunk
 
 
-async def _read_bounded(response: httpx.Response, limit: int, *, cut: bool = False) -> bytes:
+async def _read_body(response: httpx.Response, limit: int, *, cut: bool = False) -> bytes:
     """The decoded body, at most ``limit`` bytes: over it a ``WireError``, or with ``cut`` the first bytes."""
     parts: list[bytes] = []
     total = 0

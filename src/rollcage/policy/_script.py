@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollcage.durable import read_regular
+from rollcage.durable import read_bounded
 from rollcage.errors import ConfigError
 from rollcage.protocol import describe_validation_error
 
@@ -152,7 +152,7 @@ def load_script(source: PolicyScript | Mapping[str, Any] | str | os.PathLike[str
         return _validate(source, "the script")
     path = Path(source)
     try:
-        text = read_regular(path, limit=MAX_SCRIPT_BYTES).decode("utf-8")
+        text = read_bounded(path, limit=MAX_SCRIPT_BYTES).decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read policy script {path}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:

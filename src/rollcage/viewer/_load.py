@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from rollcage.durable import open_regular, read_regular
+from rollcage.durable import open_regular, read_bounded
 from rollcage.errors import ViewerError
 from rollcage.protocol import (
     Checkpoint,
@@ -153,7 +153,7 @@ def resolve_target(path: Path) -> ViewTarget:
 
 def _parses(path: Path, model: type[BaseModel]) -> bool:
     try:
-        model.model_validate_json(read_regular(path, limit=MAX_ARTIFACT_BYTES))
+        model.model_validate_json(read_bounded(path, limit=MAX_ARTIFACT_BYTES))
     except (OSError, ValidationError, ValueError):
         return False
     return True
@@ -275,7 +275,7 @@ def _read_model(path: Path, model: type[_M], problems: list[str]) -> _M | None:
     if not path.exists():
         return None
     try:
-        return model.model_validate_json(read_regular(path, limit=MAX_ARTIFACT_BYTES))
+        return model.model_validate_json(read_bounded(path, limit=MAX_ARTIFACT_BYTES))
     except OSError as exc:
         problems.append(f"{path.name}: cannot read: {exc}")
     except ValidationError as exc:
@@ -294,7 +294,7 @@ def _read_json_object(path: Path, problems: list[str], *, required: bool) -> dic
             problems.append(f"{path.name}: missing")
         return None
     try:
-        value = orjson.loads(read_regular(path, limit=MAX_ARTIFACT_BYTES))
+        value = orjson.loads(read_bounded(path, limit=MAX_ARTIFACT_BYTES))
     except (OSError, orjson.JSONDecodeError) as exc:
         problems.append(f"{path.name}: cannot read: {exc}")
         return None
@@ -363,7 +363,7 @@ def load_metrics(run_dir: Path) -> RunMetrics | None:
     if not path.exists():
         return None
     try:
-        return RunMetrics.model_validate_json(read_regular(path, limit=MAX_ARTIFACT_BYTES))
+        return RunMetrics.model_validate_json(read_bounded(path, limit=MAX_ARTIFACT_BYTES))
     except (OSError, ValidationError) as exc:
         raise ViewerError(f"{path}: cannot read run metrics: {exc}") from exc
 
