@@ -1,11 +1,14 @@
-# The README's two set-up commands: `make run` and `make test`. Both create or
-# reuse .venv and install the project into it, so a fresh clone needs nothing else.
+# The README's two set-up commands: `make run` and `make test`. Both install the system packages
+# they need when missing (scripts/system-deps: bubblewrap, util-linux; chromium for the tests),
+# create or reuse .venv and install the project into it, so a fresh clone needs nothing else.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist workers: most tests wait on processes and sockets, so more workers than cores pays.
+TEST_WORKERS ?= 3
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test test-under-load lint typecheck unit bench clean system-run system-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +18,13 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
-run: $(STAMP)
+system-run:
+	@scripts/system-deps run
+
+system-test:
+	@scripts/system-deps test
+
+run: system-run $(STAMP)
 	$(BIN)/rollcage run examples/calc-weather/dataset.jsonl --out runs/quickstart
 
 lint: $(STAMP)
@@ -25,10 +34,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
-	$(BIN)/pytest -q
+unit: system-test $(STAMP)
+	ROLLCAGE_TEST_NO_SKIPS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test: lint typecheck unit
+
+# The whole suite beside a busy loop on every core (HOGS_PER_CORE=2 for more): it must pass.
+test-under-load: system-test $(STAMP)
+	scripts/with-cpu-hog $(MAKE) --no-print-directory test
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

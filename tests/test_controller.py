@@ -337,3 +337,49 @@ async def test_health_findings_have_stable_names_and_count_unobserved_tokens(tmp
     assert health["zero_completion_tokens"].count == 0  # unobserved is not counted as healthy or as zero
     assert (health["hollow_turn"].count, health["hollow_turn"].rollouts) == (1, [rollout_id("b", 0, 0)])
     assert summary.metrics.tokens.total_tokens is None
+
+
+async def test_resume_sweeps_the_temporary_files_a_killed_run_left(tmp_path: Path) -> None:
+    dataset = write_rows(tmp_path / "d.jsonl", [row("a")])
+    cfg = config(tmp_path, dataset)
+    out = cfg.out
+    # What a controller SIGKILLed mid-publish leaves: metrics.json's temporary file, and an unfinished
+    # rollout directory (no record) with input.json's, which resume sets aside into interrupted/.
+    unfinished = out / "rollouts" / rollout_id("a", 0, 0)
+    earlier = out / "interrupted" / "b-s0-t0.20240101T000000Z"
+    for directory in (unfinished, earlier):
+        directory.mkdir(parents=True)
+        (directory / "input.json").write_text("{}")
+    leftovers = [
+        out / ".metrics.json.0123456789abcdef.tmp",
+        unfinished / ".input.json.fedcba9876543210.tmp",
+        earlier / ".receipt.json.00112233445566aa.tmp",
+    ]
+    for path in leftovers:
+        path.write_text("partial")
+    kept = earlier / ".notes.tmp"  # not a name publish_json makes: left alone
+    kept.write_text("mine")
+    summary = await run(cfg, FakeSupervisor({"a": "42"}))
+    assert summary.exit_code == EXIT_OK
+    assert not any(path.exists() for path in leftovers)
+    (moved,) = [p for p in (out / "interrupted").iterdir() if p.name.startswith(unfinished.name)]
+    assert sorted(p.name for p in moved.iterdir()) == ["input.json"]
+    assert sorted(p.name for p in earlier.iterdir()) == [".notes.tmp", "input.json"]
+
+
+async def test_a_machine_that_cannot_sandbox_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    real_which = shutil.which
+
+    def which(name: str, mode: int = 1, path: str | None = None) -> str | None:
+        return None if name == "bwrap" else real_which(name, mode, path)
+
+    monkeypatch.setattr(shutil, "which", which)
+    dataset = write_rows(tmp_path / "d.jsonl", [row("a"), row("b")])
+    cfg = config(tmp_path, dataset, sandbox="bwrap")
+    with pytest.raises(ConfigError, match=r"bubblewrap \(bwrap\) is not installed"):
+        await Controller(cfg).run()
+    assert not cfg.out.exists(), "nothing may be written when the sandbox cannot run"

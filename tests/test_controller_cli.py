@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - only while the supervisor is being bui
 pytestmark = [
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (CI installs it)"),
     pytest.mark.skipif(not HAVE_SUPERVISOR, reason="rollcage.supervisor.supervise is not available yet"),
-    pytest.mark.timeout(150),
+    pytest.mark.timeout(300),
 ]
 
 SLOW_POLICY = """

@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.bwrap,
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (CI installs it)"),
     pytest.mark.skipif(not HAVE_SUPERVISOR, reason="rollcage.supervisor.supervise is not available yet"),
-    pytest.mark.timeout(120),
+    pytest.mark.timeout(300),
 ]
 
 

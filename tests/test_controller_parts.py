@@ -49,7 +49,7 @@ def test_grader_that_cannot_grade_gives_no_reward_and_says_why() -> None:
 
 
 async def test_unreachable_verify_endpoint_is_an_error_not_a_zero() -> None:
-    result = await verify_remote("http://127.0.0.1:9", token=None, payload={}, timeout_s=2)
+    result = await verify_remote("http://127.0.0.1:9", token=None, payload=b"{}", timeout_s=2)
     assert result.reward is None and result.error is not None and "verify request failed" in result.error
 
 

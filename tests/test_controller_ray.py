@@ -1,7 +1,11 @@
-"""The Ray backend on a local Ray instance: same records as locally, lost tasks, resume, stop, shipping.
+"""The Ray backend on a real two-node cluster: same records as locally, faults, secrets, resume, stop.
 
-One Ray instance serves the whole module (``ray_address``); every backend here
-connects to it, and the ``rollcage run`` subprocesses connect to it by address.
+One cluster serves the whole session (``ray_cluster``): two ``ray start`` processes on
+this machine, 1 CPU each, each with its own Ray temp dir and ``$TMPDIR`` (where the
+node scratch lives), started once outside every test's timeout and stopped at the end
+even on failure, with no process left behind. This process is its driver; the
+``rollcage run`` subprocesses connect to it by address. A token-authenticated head is
+started only for the tests that need one.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +42,7 @@ from rollcage.controller import (
     rollout_id,
 )
 from rollcage.protocol import RolloutRecord
+from tests.helpers.ray_cluster import RayCluster, RayNode, free_port
 from tests.helpers.waiting import alive, processes_mentioning, wait_for, wait_for_records
 
 try:
@@ -43,6 +51,10 @@ try:
     HAVE_RAY = True
 except ImportError:  # pragma: no cover - CI installs the ray extra
     HAVE_RAY = False
+
+# Under pytest-xdist (make test) every test here runs in one worker, which starts the session's
+# two-node cluster once: a worker of its own per test would start a cluster each.
+pytestmark = pytest.mark.xdist_group("ray")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SANDBOX: Any = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
@@ -54,8 +66,12 @@ needs_bwrap = pytest.mark.skipif(
 
 
 def real_rollouts(test: Any) -> Any:
-    """Marks of a test that runs real rollouts (bubblewrap, worker, policy) on the module's Ray."""
-    for mark in (needs_ray, needs_bwrap, pytest.mark.bwrap, pytest.mark.timeout(90)):
+    """Marks of a test that runs real rollouts (bubblewrap, worker, policy) on the session's cluster.
+
+    The limit covers the test's own call only (``func_only``): starting the cluster is the
+    session fixture's, and takes ~35 s on a loaded machine.
+    """
+    for mark in (needs_ray, needs_bwrap, pytest.mark.bwrap, pytest.mark.timeout(150, func_only=True)):
         test = mark(test)
     return pytest.mark.usefixtures("ray_address")(test)
 
@@ -70,31 +86,64 @@ SIX_BY_SEVEN = {
 }
 
 
-@pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    """A private local Ray instance (2 CPUs, no dashboard) for the module; its GCS address."""
+def short_root(prefix: str) -> Path:
+    # Ray's Unix sockets live under each node's temp dir, and a socket path is limited to
+    # 107 bytes: pytest's tmp_path is too deep for them.
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    """A head and a worker node (1 CPU each) for the session, this process connected as driver."""
     if not HAVE_RAY:
         pytest.skip("needs ray")
-    previous = os.environ.get("RAY_USAGE_STATS_ENABLED")
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage report attempts from a test machine
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "RAY_ADDRESS")}
+    root = short_root("rc-ray-")
+    cluster = RayCluster(root)
     try:
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level="WARNING",
-            _node_ip_address="127.0.0.1",  # loopback only
-        )
-        try:
-            yield str(ray.get_runtime_context().gcs_address)
-        finally:
-            ray.shutdown()
+        os.environ.pop("RAY_ADDRESS", None)
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # set explicitly, as Ray documents it
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no usage report attempts from a test machine
+        cluster.start_head()
+        cluster.add_worker()
+        ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
+        yield cluster
     finally:
-        if previous is None:
-            os.environ.pop("RAY_USAGE_STATS_ENABLED", None)
-        else:
-            os.environ["RAY_USAGE_STATS_ENABLED"] = previous
+        if ray.is_initialized():
+            ray.shutdown()
+        survivors = cluster.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(root, ignore_errors=True)
+        assert survivors == [], f"processes of the test cluster survived its teardown: {survivors}"
+
+
+@pytest.fixture
+def ray_address(ray_cluster: RayCluster) -> str:
+    """The session cluster's address, with two live nodes (a node a test killed is replaced)."""
+    if sum(node.running() for node in ray_cluster.nodes) < 2:
+        ray_cluster.add_worker()
+    wait_for(lambda: len([n for n in ray.nodes() if n["Alive"]]) >= 2, timeout=60, what="two live Ray nodes")
+    return ray_cluster.address
+
+
+def scratch_roots(nodes: list[RayNode]) -> list[Path]:
+    """Where rollcage's node scratch lives on each node (under the node's ``$TMPDIR``)."""
+    return [node.scratch_tmp / "rollcage-ray" for node in nodes]
+
+
+def scratch_leftovers(nodes: list[RayNode], rollout_ids: list[str]) -> list[Path]:
+    return [p for root in scratch_roots(nodes) for rid in rollout_ids for p in root.glob(f"*/{rid}")]
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
 def records(out: Path) -> list[RolloutRecord]:
@@ -254,11 +303,6 @@ def comparable(record: RolloutRecord) -> tuple[Any, ...]:
     )
 
 
-def scratch_leftovers(rollout_ids: list[str]) -> list[Path]:
-    root = Path("/tmp", "rollcage-ray")
-    return [p for rid in rollout_ids for p in root.glob(f"*/{rid}")]
-
-
 async def run_example(out: Path, name: str, backend: LocalBackendConfig | RayBackendConfig) -> RunSummary:
     config = RunConfig(
         dataset=EXAMPLES / name / "dataset.jsonl",
@@ -273,7 +317,9 @@ async def run_example(out: Path, name: str, backend: LocalBackendConfig | RayBac
 
 @real_rollouts
 @pytest.mark.parametrize("name", ["calc-weather", "code-fn"])
-async def test_bundled_dataset_gives_the_same_records_on_ray_as_locally(tmp_path: Path, name: str) -> None:
+async def test_bundled_dataset_gives_the_same_records_on_ray_as_locally(
+    tmp_path: Path, name: str, ray_cluster: RayCluster
+) -> None:
     local = await run_example(tmp_path / "local", name, LocalBackendConfig())
     remote = await run_example(tmp_path / "ray", name, RayBackendConfig())
     assert (local.exit_code, remote.exit_code) == (EXIT_OK, EXIT_OK)
@@ -287,11 +333,14 @@ async def test_bundled_dataset_gives_the_same_records_on_ray_as_locally(tmp_path
     assert remote.metrics.mean_reward == local.metrics.mean_reward
     assert remote.metrics.pass_at_1 == local.metrics.pass_at_1
     assert remote.metrics.health == local.metrics.health
-    assert scratch_leftovers(list(r.rollout_id for r in on_ray.values())) == []
+    assert scratch_leftovers(ray_cluster.nodes, [r.rollout_id for r in on_ray.values()]) == []
 
 
-@real_rollouts
-async def test_killing_the_ray_worker_of_a_rollout_is_an_infra_failure_then_retried(tmp_path: Path) -> None:
+async def run_and_kill_the_first_worker(tmp_path: Path, retries: int) -> tuple[RunSummary, str, int]:
+    """Run one task whose first attempt hangs at its model call, SIGKILL that attempt's Ray worker.
+
+    Returns the summary, the first attempt's id and the killed pid.
+    """
     from rollcage.controller._ray import RayBackend
     from rollcage.policy import PolicyServer
 
@@ -307,7 +356,7 @@ async def test_killing_the_ray_worker_of_a_rollout_is_an_infra_failure_then_retr
             model=ModelEndpointConfig(base_url=policy.base_url, model_name="scripted"),
             sandbox=SANDBOX,
             deadline_s=60,
-            max_infra_retries=1,
+            max_infra_retries=retries,
             retry_backoff_s=0,
             backend=RayBackendConfig(),
         )
@@ -323,16 +372,33 @@ async def test_killing_the_ray_worker_of_a_rollout_is_an_infra_failure_then_retr
             sandboxed = [p for p in processes_mentioning(first) if p != pid]  # bwrap and the worker
             assert sandboxed and all(pid in ancestors(p) for p in sandboxed)  # it runs the supervisor
             os.kill(pid, signal.SIGKILL)
-        summary = job.result()
-    got = records(config.out)
+    return job.result(), first, pid
+
+
+@real_rollouts
+async def test_killing_the_ray_worker_of_a_rollout_is_an_infra_failure_then_retried(tmp_path: Path) -> None:
+    summary, first, pid = await run_and_kill_the_first_worker(tmp_path, retries=1)
+    got = records(tmp_path / "out")
     assert [(r.try_index, r.outcome, r.reward) for r in got] == [
         (0, "infra_failure", None),
         (1, "completed", 1.0),
     ]
     assert "WorkerCrashedError" in got[0].receipt.outcome_reason
+    assert f"pid {pid}" in got[0].receipt.outcome_reason  # where it was lost
     assert (Path(got[0].rollout_dir) / "input.json").is_file()  # what was attempted, as locally
     assert summary.exit_code == EXIT_OK and summary.metrics.retries == 1
     wait_until_gone(first)  # the sandbox died with its parent, the Ray worker
+
+
+@real_rollouts
+async def test_a_killed_tasks_scratch_on_its_node_is_swept_when_the_run_ends(
+    tmp_path: Path, ray_cluster: RayCluster
+) -> None:
+    # No retry: no later task on that node sweeps it; only the run's end does.
+    _, first, _ = await run_and_kill_the_first_worker(tmp_path, retries=0)
+    (record,) = records(tmp_path / "out")
+    assert record.outcome == "infra_failure"
+    assert scratch_leftovers(ray_cluster.nodes, [first]) == []
 
 
 @real_rollouts
@@ -440,7 +506,7 @@ def finish(proc: subprocess.Popen[str], timeout: float = 90) -> tuple[int, str]:
 
 @real_rollouts
 def test_rerun_after_the_driver_is_killed_runs_every_sample_exactly_once(
-    tmp_path: Path, ray_address: str
+    tmp_path: Path, ray_address: str, ray_cluster: RayCluster
 ) -> None:
     token = secrets.token_hex(3)
     ids = [f"resume{token}-{i}" for i in range(6)]
@@ -463,7 +529,8 @@ def test_rerun_after_the_driver_is_killed_runs_every_sample_exactly_once(
     got = records(out)
     assert Counter((r.task_id, r.sample) for r in got) == {(i, 0): 1 for i in ids}
     assert {r.outcome for r in got} == {"completed"} and all(r.reward == 1.0 for r in got)
-    assert scratch_leftovers([r.rollout_id for r in got]) == []
+    # What the killed run's tasks left on the nodes is gone after the resumed run.
+    assert scratch_leftovers(ray_cluster.nodes, [rollout_id(i, 0, 0) for i in ids]) == []
 
 
 @real_rollouts
@@ -531,32 +598,60 @@ async def test_artifacts_over_the_limit_are_an_infra_failure_that_says_what_to_d
     assert sorted(layout(Path(record.rollout_dir))) == ["input.json", "workspace"]
 
 
-@real_rollouts
-async def test_api_key_reaches_the_proxy_on_the_node_and_no_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from rollcage.controller._servers import AppServer
+def files_holding(roots: list[Path], needles: list[str]) -> list[str]:
+    """Every regular file under ``roots`` that holds any of ``needles``, as ``path: needle``."""
+    found = []
+    for root in roots:
+        for path in root.rglob("*"):
+            try:
+                if not path.is_file() or path.is_symlink():
+                    continue
+                data = path.read_bytes()
+            except OSError:  # a socket, or a file Ray removed meanwhile
+                continue
+            found += [f"{path}: {needle}" for needle in needles if needle.encode() in data]
+    return found
+
+
+def keyed_policy(script: Any, seen: list[bytes | None]) -> Any:
+    """The scripted policy as an ASGI app that notes each model request's Authorization header."""
     from rollcage.policy import PolicyApp, load_script
 
-    variable = f"ROLLCAGE_TEST_KEY_{secrets.token_hex(4).upper()}"
-    key = f"sk-canary-{secrets.token_hex(8)}"
-    # Set only in this process: the Ray workers were started before it existed, so the key can
-    # reach the node's supervisor only through the task's runtime_env.
-    monkeypatch.setenv(variable, key)
-    seen: list[bytes | None] = []
-    policy_app = PolicyApp(load_script(SIX_BY_SEVEN))
+    policy_app = PolicyApp(load_script(script))
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].endswith("/chat/completions"):
             seen.append(dict(scope["headers"]).get(b"authorization"))
         await policy_app(scope, receive, send)
 
-    server = AppServer(app, name="keyed-policy")
+    return app
+
+
+@real_rollouts
+async def test_secrets_reach_the_node_and_no_file_of_any_node_or_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_cluster: RayCluster
+) -> None:
+    from types import SimpleNamespace
+
+    from rollcage.controller import _servers
+    from rollcage.controller._servers import AppServer
+
+    variable = f"ROLLCAGE_TEST_KEY_{secrets.token_hex(4).upper()}"
+    key = f"sk-canary-{secrets.token_hex(8)}"
+    verify_token = f"verify-canary-{secrets.token_hex(8)}"
+    # Set only in this process: the nodes were started before it existed, so the key can reach
+    # a node's supervisor only from the driver.
+    monkeypatch.setenv(variable, key)
+    # The bundled environment's /verify token, a secret the graders on the nodes need too.
+    monkeypatch.setattr(_servers, "secrets", SimpleNamespace(token_urlsafe=lambda n: verify_token))
+    seen: list[bytes | None] = []
+    server = AppServer(keyed_policy(EXAMPLES / "code-fn" / "policy.yaml", seen), name="keyed-policy")
     url = await asyncio.to_thread(server.start)
     try:
-        dataset = write_dataset(
-            tmp_path / "data", [{"id": "keyed", "input": "6*7?", "tools": ["python"], "expected": "42"}]
-        )
+        rows = [
+            json.loads(line) for line in (EXAMPLES / "code-fn" / "dataset.jsonl").read_text().splitlines()
+        ]
+        dataset = write_dataset(tmp_path / "data", [r for r in rows if r["id"] == "fizzbuzz"])
         config = RunConfig(
             dataset=dataset,
             out=tmp_path / "out",
@@ -570,7 +665,284 @@ async def test_api_key_reaches_the_proxy_on_the_node_and_no_file(
     finally:
         await asyncio.to_thread(server.stop)
     (record,) = records(config.out)
-    assert (record.outcome, record.reward) == ("completed", 1.0)
+    # The proxy on the node sent the key; the grader on the node passed the environment's check.
+    assert (record.outcome, record.reward) == ("completed", 1.0), record.receipt.outcome_reason
     assert seen and set(seen) == {f"Bearer {key}".encode()}
-    leaks = [path for path, data in file_texts(config.out).items() if key.encode() in data]
-    assert leaks == []
+    # Ray's temp dirs (logs, runtime-env agent, spill), the node scratch, the run directory.
+    assert files_holding([ray_cluster.root, tmp_path], [key, verify_token]) == []
+
+
+@needs_ray
+async def test_a_ticket_gives_its_secrets_once_and_never_after_its_attempt() -> None:
+    from rollcage.controller._ray import _redeem, _SecretServer
+    from rollcage.errors import RayTaskLostError
+
+    server = _SecretServer()
+    await server.start("127.0.0.1")
+    try:
+        host, port = server.address
+        ticket = server.issue({"api_key": "k1"})
+        unredeemed = server.issue({"api_key": "k2"})
+        assert await asyncio.to_thread(_redeem, (host, port, ticket)) == {"api_key": "k1"}
+        with pytest.raises(RayTaskLostError, match="already redeemed"):
+            await asyncio.to_thread(_redeem, (host, port, ticket))
+        server.revoke(unredeemed)  # its attempt ended
+        with pytest.raises(RayTaskLostError, match="its attempt has ended"):
+            await asyncio.to_thread(_redeem, (host, port, unredeemed))
+        with pytest.raises(RayTaskLostError, match="unknown"):
+            await asyncio.to_thread(_redeem, (host, port, secrets.token_urlsafe(32)))
+    finally:
+        await server.close()
+    with pytest.raises(RayTaskLostError, match="cannot fetch this attempt's credentials"):
+        await asyncio.to_thread(_redeem, (host, port, ticket))
+
+
+@needs_ray
+def test_the_attempt_handed_to_ray_holds_no_secret() -> None:
+    from rollcage.controller._graders import VerifyGrader
+    from rollcage.controller._ray import RayBackend
+    from rollcage.controller._unit import EnvironmentPlan, GradingPlan, PreparedRollout, RolloutSettings
+    from rollcage.protocol import WorkerInput
+
+    worker_input = WorkerInput.model_validate(
+        {"rollout_id": "r", "task_id": "t", "input": "q", "model": {"base_url": "http://m/v1", "model": "m"}}
+    )
+    plan = GradingPlan(grader=VerifyGrader(), verify_url="http://env")
+    prepared = PreparedRollout(
+        rollout_id="r",
+        task_id="t",
+        sample=0,
+        try_index=0,
+        rollout_dir="/x",
+        worker_input=worker_input,
+        grading=plan,
+        environment=EnvironmentPlan(url="http://env", token="tok-secret", run_request={}),
+    )
+    backend = RayBackend(RayBackendConfig(), RolloutSettings(api_key_env="K"))
+    backend._api_key = "sk-secret"
+    shipped, values = backend._secrets_of(prepared)
+    assert values == {"api_key": "sk-secret", "verify_token": "tok-secret"}
+    assert "secret" not in shipped.model_dump_json()
+    assert shipped.grading is not None and shipped.grading.verify_url == "http://env"
+    assert shipped.environment is not None and shipped.environment.url == "http://env"
+
+
+@needs_ray
+@pytest.mark.timeout(120)
+def test_an_address_where_no_ray_answers_fails_fast_saying_what_was_tried(tmp_path: Path) -> None:
+    dataset = write_dataset(tmp_path, [{"id": "a", "input": "q"}], SIX_BY_SEVEN)
+    address = f"127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [sys.executable, "-m", "rollcage", "run", str(dataset), "--backend", "ray", "--ray-address", address],
+        capture_output=True,
+        text=True,
+        timeout=90,  # ray.init alone retries for minutes
+        check=False,
+        cwd=tmp_path,
+    )
+    text = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2, text
+    assert f"cannot connect to the Ray cluster at {address} (--ray-address)" in text
+    assert "a TCP connection there failed" in text and "Connection refused" in text
+
+
+@real_rollouts
+async def test_a_run_start_sweeps_scratch_of_dead_processes_on_every_node(
+    tmp_path: Path, ray_cluster: RayCluster
+) -> None:
+    from rollcage.controller._ray import RayBackend, _process_start
+    from rollcage.controller._unit import RolloutSettings
+
+    host = socket.gethostname()
+    dead = await asyncio.to_thread(dead_pid)
+    stale, kept = [], []
+    for root in scratch_roots(ray_cluster.nodes):
+        root.mkdir(parents=True, exist_ok=True)
+        (stale_dir := root / f"{dead}.12345@{host}.abc" / "r-1" / "workspace").mkdir(parents=True)
+        stale.append(stale_dir.parent.parent)
+        # A live process's directory (this one's): a rollout of another run may be using it.
+        (live_dir := root / f"{os.getpid()}.{_process_start(os.getpid())}@{host}.def").mkdir()
+        kept.append(live_dir)
+    backend = RayBackend(RayBackendConfig(), RolloutSettings(sandbox=SANDBOX))
+    async with backend:
+        pass  # a resumed run with nothing left to do still sweeps
+    assert [d for d in stale if d.exists()] == []
+    assert all(d.is_dir() for d in kept)
+    for directory in kept:
+        directory.rmdir()
+
+
+@pytest.fixture(scope="module")
+def token_cluster() -> Iterator[tuple[str, str]]:
+    """A one-node cluster with Ray's token authentication on; its address and token."""
+    if not HAVE_RAY:
+        pytest.skip("needs ray")
+    token = secrets.token_hex(16)
+    root = short_root("rc-auth-")
+    cluster = RayCluster(root, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+    try:
+        cluster.start_head()
+        yield cluster.address, token
+    finally:
+        survivors = cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        assert survivors == [], f"processes of the token cluster survived its teardown: {survivors}"
+
+
+def driver_env(tmp_path: Path, **ray: str) -> dict[str, str]:
+    """This environment without Ray's settings (and a HOME without ~/.ray), plus ``ray``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    (home := tmp_path / "home").mkdir(exist_ok=True)
+    return {**env, "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0", **ray}
+
+
+@needs_ray
+@pytest.mark.timeout(150, func_only=True)
+@pytest.mark.parametrize("auth", ["no token", "wrong token"])
+def test_a_token_cluster_refuses_a_driver_without_its_token_naming_authentication(
+    tmp_path: Path, token_cluster: tuple[str, str], auth: str
+) -> None:
+    address, _ = token_cluster
+    ray_env = {} if auth == "no token" else {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-token"}
+    dataset = write_dataset(tmp_path, [{"id": "a", "input": "q"}], SIX_BY_SEVEN)
+    done = subprocess.run(
+        [sys.executable, "-m", "rollcage", "run", str(dataset), "--backend", "ray", "--ray-address", address],
+        capture_output=True,
+        text=True,
+        timeout=90,  # ray.init alone retries for ~2 minutes, then says only "Failed to connect"
+        check=False,
+        cwd=tmp_path,
+        env=driver_env(tmp_path, **ray_env),
+    )
+    text = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2, text
+    assert f"the Ray cluster at {address} (--ray-address) refused this driver's authentication" in text
+    assert "InvalidAuthToken" in text
+    if auth == "no token":
+        assert "RAY_AUTH_MODE=unset, which sends no token" in text and "set RAY_AUTH_MODE=token" in text
+    else:
+        assert "the token from RAY_AUTH_TOKEN" in text and "does not accept that token" in text
+    assert "not-the-token" not in text  # a token is named by its source, never shown
+
+
+@real_rollouts
+def test_a_token_cluster_runs_when_the_driver_has_its_token_as_ray_documents(
+    tmp_path: Path, token_cluster: tuple[str, str]
+) -> None:
+    address, token = token_cluster
+    dataset = write_dataset(
+        tmp_path / "data", [{"id": "t", "input": "6*7?", "tools": ["python"], "expected": "42"}], SIX_BY_SEVEN
+    )
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "rollcage", "run", str(dataset), "--out", str(out), "--sandbox", SANDBOX]
+    proc = subprocess.run(
+        [*command, "--backend", "ray", "--ray-address", address, "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+        env=driver_env(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (record,) = records(out)
+    assert (record.outcome, record.reward) == ("completed", 1.0)
+
+
+class GatedPolicy:
+    """The scripted policy behind a gate: model requests of the gated rollouts wait until ``release``."""
+
+    def __init__(self, script: Any, gated: set[str]) -> None:
+        from rollcage.policy import PolicyApp, load_script
+
+        self._app = PolicyApp(load_script(script))
+        self._gated = gated
+        self._arrived: set[str] = set()
+        self._changed = threading.Condition()
+        self._released = threading.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].endswith("/chat/completions"):
+            rid = dict(scope["headers"]).get(b"x-rollout-id", b"").decode()
+            if rid in self._gated:
+                with self._changed:
+                    self._arrived.add(rid)
+                    self._changed.notify_all()
+                await asyncio.to_thread(self._released.wait, 120)
+        await self._app(scope, receive, send)
+
+    def wait_arrived(self, rollout_ids: set[str], timeout: float = 90) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: rollout_ids <= self._arrived, timeout)
+
+    def release(self) -> None:
+        self._released.set()
+
+
+@real_rollouts
+async def test_losing_a_node_mid_run_is_an_infra_failure_retried_on_the_other_node(
+    tmp_path: Path, ray_cluster: RayCluster
+) -> None:
+    from rollcage.controller._ray import RayBackend
+    from rollcage.controller._servers import AppServer
+
+    token = secrets.token_hex(3)
+    tasks = [f"node{token}-a", f"node{token}-b"]
+    firsts = {rollout_id(t, 0, 0) for t in tasks}
+    gate = GatedPolicy(SIX_BY_SEVEN, firsts)
+    server = AppServer(gate, name="gated-policy")
+    url = await asyncio.to_thread(server.start)
+    try:
+        dataset = write_dataset(
+            tmp_path / "data",
+            [{"id": t, "input": "6*7?", "tools": ["python"], "expected": "42"} for t in tasks],
+        )
+        config = RunConfig(
+            dataset=dataset,
+            out=tmp_path / "out",
+            model=ModelEndpointConfig(base_url=f"{url}/v1", model_name="scripted"),
+            sandbox=SANDBOX,
+            deadline_s=60,
+            concurrency=2,
+            max_infra_retries=1,
+            retry_backoff_s=0,
+            backend=RayBackendConfig(),
+        )
+        backend = config.backend.build(config.rollout_settings())
+        assert isinstance(backend, RayBackend)
+        driver_node = ray.get_runtime_context().get_node_id()
+        try:
+            async with asyncio.TaskGroup() as group:
+                job = group.create_task(Controller(config, backend=backend).run())
+                # Both first attempts are mid-flight, one on each node (1 CPU each).
+                assert await asyncio.to_thread(gate.wait_arrived, firsts)
+                async with asyncio.timeout(30):
+                    where = {rid: await backend.placement(rid) for rid in firsts}
+                (lost,) = [rid for rid, w in where.items() if w.node_id != driver_node]
+                (info,) = [n for n in ray.nodes() if n["NodeID"] == where[lost].node_id]
+                (node,) = [n for n in ray_cluster.nodes if n.owns(info)]
+                os.kill(node.raylet_pid(), signal.SIGKILL)
+                # Its Ray worker, the rollout's supervisor, dies with the raylet; the sandbox with it.
+                await asyncio.to_thread(wait_until_dead, where[lost].pid, 60)
+                gate.release()
+            summary = job.result()
+        finally:
+            gate.release()
+    finally:
+        await asyncio.to_thread(server.stop)
+    got = records(config.out)
+    by_attempt = {r.rollout_id: r for r in got}
+    assert len(got) == 3 and len(by_attempt) == 3  # exactly once each
+    lost_record = by_attempt[lost]
+    assert (lost_record.outcome, lost_record.graded, lost_record.reward) == ("infra_failure", False, None)
+    reason = lost_record.receipt.outcome_reason
+    assert "was lost" in reason and f"pid {where[lost].pid}" in reason, reason
+    assert Counter((r.task_id, r.outcome) for r in got if r.outcome == "completed") == {
+        (t, "completed"): 1 for t in tasks
+    }
+    assert all(r.reward == 1.0 for r in got if r.outcome == "completed")
+    assert summary.exit_code == EXIT_OK and summary.metrics.retries == 1
+    for rid in firsts:
+        wait_until_gone(rid)  # no sandbox of either first attempt survives
+    live = [n for n in ray_cluster.nodes if n.running() and n is not node]
+    assert scratch_leftovers(live, [r.rollout_id for r in got]) == []

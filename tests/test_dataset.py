@@ -7,10 +7,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from rollcage.controller import InvalidRow, Task, iter_dataset, rollout_id
+from rollcage.controller import (
+    Endpoints,
+    EnvironmentEndpoint,
+    InvalidRow,
+    Task,
+    iter_dataset,
+    prepare_rollout,
+    rollout_id,
+)
+from rollcage.controller._dataset import detect_format, validate_row
 from rollcage.errors import ConfigError
-from rollcage.protocol import PythonToolSpec, ResourceToolSpec
+from rollcage.protocol import ModelEndpoint, PythonToolSpec, ResourceToolSpec, WorkerInput
 
 FULL_ROW: dict[str, Any] = {
     "id": "oslo-sum",
@@ -69,13 +80,24 @@ def test_row_without_environment_gets_python_and_exact_grader(tmp_path: Path) ->
 
 def test_external_environment_is_an_url(tmp_path: Path) -> None:
     spec = {"type": "resource", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
-    task = one(tmp_path, {"id": "x", "input": "hi", "environment": "http://10.0.0.5:8000/", "tools": [spec]})
+    task = one(tmp_path, {"id": "x", "input": "hi", "environment": "HTTP://10.0.0.5:8000/", "tools": [spec]})
     assert isinstance(task, Task)
-    assert task.environment is not None and (task.environment.key, task.environment.url) == (
-        "env",
-        "http://10.0.0.5:8000",
-    )
-    assert isinstance(task.tools[0], ResourceToolSpec) and task.tools[0].resource == "env"
+    assert task.environment is not None and task.environment.url == "http://10.0.0.5:8000"
+    key = task.environment.key
+    assert key.startswith("env-10.0.0.5-8000-")
+    assert isinstance(task.tools[0], ResourceToolSpec) and task.tools[0].resource == key
+
+
+def test_each_external_url_gets_its_own_deterministic_key(tmp_path: Path) -> None:
+    def key(url: str) -> str:
+        task = one(tmp_path, {"id": "x", "input": "hi", "environment": url, "tools": ["python"]})
+        assert isinstance(task, Task) and task.environment is not None
+        return task.environment.key
+
+    same = {key("http://127.0.0.1:8001"), key("http://127.0.0.1:8001/"), key("http://127.0.0.1:8001/")}
+    assert len(same) == 1
+    others = {key("http://127.0.0.1:8002"), key("http://127.0.0.1:8001/v2"), key("https://127.0.0.1:8001")}
+    assert len(others | same) == 4
 
 
 @pytest.mark.parametrize(
@@ -140,3 +162,212 @@ def test_bundled_example_datasets_are_valid() -> None:
     for name in ("calc-weather", "code-fn"):
         items = list(iter_dataset(root / name / "dataset.jsonl"))
         assert items and all(isinstance(i, Task) for i in items), name
+    counter = root / "nemo-counter" / "dataset.jsonl"
+    assert detect_format(counter) == "nemo-gym"
+    items = list(iter_dataset(counter, format="nemo-gym", environment="nemo-counter"))
+    assert len(items) == 4 and all(isinstance(i, Task) for i in items)
+
+
+# --------------------------------------------------------------------------- BOM, patterns, verifier fields
+
+
+def test_a_bom_on_line_one_is_not_part_of_the_row(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"id": "a", "input": "x"}).encode() + b"\n")
+    assert [type(i).__name__ for i in iter_dataset(path)] == ["Task"]
+    path.write_bytes(b"\xef\xbb\xbf\n" + json.dumps({"id": "a", "input": "x"}).encode() + b"\n")
+    assert [(type(i).__name__, i.line) for i in iter_dataset(path)] == [("Task", 2)]
+
+
+@pytest.mark.parametrize(
+    "grader",
+    [{"type": "regex", "pattern": "(unclosed"}, {"type": "regex", "pattern": "a{2,1}"}, {"type": "regex"}],
+)
+def test_a_regex_that_does_not_compile_is_rejected_with_its_line(
+    tmp_path: Path, grader: dict[str, Any]
+) -> None:
+    path = tmp_path / "d.jsonl"
+    rows = [{"id": "ok", "input": "x"}, {"id": "bad", "input": "x", "expected": "[z-a]", "grader": grader}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = list(iter_dataset(path))
+    assert isinstance(items[1], InvalidRow) and items[1].line == 2
+    assert "grader 'regex': bad pattern" in items[1].reason
+
+
+def test_verifier_fields_are_controller_only(tmp_path: Path) -> None:
+    task = one(
+        tmp_path, {"id": "v", "input": "x", "environment": "nemo-counter", "verifier": {"expected_count": 6}}
+    )
+    assert isinstance(task, Task) and task.verifier == {"expected_count": 6, "expected": None}
+
+
+# --------------------------------------------------------------------------- other harnesses' rows
+
+COUNTER_TOOL = {
+    "type": "function",
+    "name": "increment_counter",
+    "parameters": {"type": "object", "properties": {"count": {"type": "integer"}}},
+    "strict": True,
+}
+NEMO = {
+    "responses_create_params": {
+        "input": [{"role": "user", "content": "add 1"}],
+        "instructions": "be brief",
+        "tools": [COUNTER_TOOL],
+        "temperature": 0.2,
+        "max_tool_calls": 5,
+        "parallel_tool_calls": False,
+    },
+    "expected_count": 4,
+    "agent_ref": {"name": "simple_agent"},
+}
+
+
+def rows_of(tmp_path: Path, rows: list[Any], **options: Any) -> list[Task | InvalidRow]:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return list(iter_dataset(path, **options))
+
+
+def test_nemo_gym_rows_map_to_model_side_and_controller_side(tmp_path: Path) -> None:
+    (task,) = rows_of(tmp_path, [NEMO], format="nemo-gym", environment="http://127.0.0.1:8123")
+    assert isinstance(task, Task) and task.id == "line-1"
+    row = task.row
+    assert row.input == [{"type": "message", "role": "user", "content": "add 1"}]
+    assert row.instructions == "be brief" and row.agent.max_tool_calls == 5
+    assert row.model.sampling is not None and row.model.sampling.temperature == 0.2
+    assert [(t.name, t.resource) for t in task.tools] == [("increment_counter", task.environment.key)]  # type: ignore[union-attr]
+    assert task.grader is not None and task.grader.type == "verify"
+    assert task.verifier == {"expected_count": 4, "agent_ref": {"name": "simple_agent"}}
+    assert task.create_params == NEMO["responses_create_params"]
+    assert row.expected is None and row.metadata == {}
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ({"responses_create_params": {"input": "x"}}, "pass --environment"),
+        ({"responses_create_params": "x"}, "must be an object"),
+        ({"responses_create_params": {"input": []}}, "non-empty list"),
+        ({"responses_create_params": {"input": "x", "stream": True}}, "non-streaming"),
+        ({"responses_create_params": {"input": "x", "seed": 1}}, "responses_create_params.seed: not a field"),
+        (
+            {"responses_create_params": {"input": "x", "tools": [{"type": "web_search"}]}},
+            "only function tools",
+        ),
+        ({"responses_create_params": {"input": ["x"]}}, "input[0] must be an object"),
+    ],
+)
+def test_unusable_nemo_gym_rows_say_which_field(tmp_path: Path, row: dict[str, Any], reason: str) -> None:
+    env = None if reason == "pass --environment" else "http://127.0.0.1:8123"
+    (item,) = rows_of(tmp_path, [row], format="nemo-gym", environment=env)
+    assert isinstance(item, InvalidRow) and reason in item.reason and item.reason.startswith("nemo-gym row: ")
+
+
+def test_inspect_samples_map_target_to_expected_and_choices_to_the_prompt(tmp_path: Path) -> None:
+    samples = [
+        {"input": "2+2?", "target": "4", "id": 7, "metadata": {"src": "x"}},
+        {
+            "input": [
+                {"role": "system", "content": "Be terse."},
+                {"role": "user", "content": [{"type": "text", "text": "Pick"}]},
+            ],
+            "target": "B",
+            "choices": ["red", "blue"],
+        },
+        {"input": "no target"},
+        {"input": "x", "files": {"a.txt": "hi"}},
+        {"input": [{"role": "tool", "content": "x"}], "target": "x"},
+    ]
+    first, second, third, files, tool = rows_of(tmp_path, samples, format="inspect")
+    assert isinstance(first, Task) and first.id == "7" and first.row.expected == "4"
+    assert (
+        first.grader is not None and first.grader.type == "normalized" and first.row.metadata == {"src": "x"}
+    )
+    assert isinstance(second, Task) and second.id == "line-2"
+    assert second.row.input[-1]["content"] == "Pick\n\nA) red\nB) blue"  # type: ignore[index]
+    assert isinstance(third, Task) and third.grader is None
+    assert isinstance(files, InvalidRow) and "files" in files.reason
+    assert isinstance(tool, InvalidRow) and "role: 'tool'" in tool.reason
+
+
+def test_format_is_detected_from_the_first_rows(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    for rows, expected in [
+        ([NEMO], "nemo-gym"),
+        (["{bad", {"input": "q", "target": "a"}], "inspect"),
+        ([FULL_ROW], "rollcage"),
+        ([{"input": "q", "target": "a", "instructions": "x"}], "rollcage"),
+        (["[1]"], "rollcage"),
+    ]:
+        path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+        assert detect_format(path) == expected, rows
+
+
+# --------------------------------------------------------------------------- property: an error, or it runs
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=12,
+)
+KEYS = [
+    "id", "input", "instructions", "environment", "tools", "agent", "executor", "model", "expected", "grader",
+    "metadata", "verifier", "responses_create_params", "target", "choices", "expected_count",
+]  # fmt: skip
+PLAUSIBLE = st.dictionaries(st.sampled_from(KEYS), JSON, max_size=6) | st.fixed_dictionaries(
+    {"id": st.text(max_size=4) | st.integers(), "input": st.text(max_size=8) | st.lists(JSON, max_size=2)},
+    optional={
+        "grader": JSON,
+        "tools": JSON,
+        "environment": st.sampled_from(["calc-weather", "http://h:1/", "x"]),
+    },
+)
+NEMO_PLAUSIBLE = st.fixed_dictionaries(
+    {
+        "responses_create_params": st.fixed_dictionaries(
+            {
+                "input": st.text(max_size=8)
+                | st.lists(st.fixed_dictionaries({"role": st.text(max_size=9), "content": JSON}), max_size=2)
+            },
+            optional={
+                "tools": st.lists(
+                    st.fixed_dictionaries({"name": st.text(max_size=5)}, optional={"type": JSON}), max_size=2
+                ),
+                "temperature": JSON,
+                "instructions": JSON,
+                "max_tool_calls": JSON,
+                "stream": JSON,
+            },
+        )
+    },
+    optional={"id": JSON, "task_id": JSON},
+)
+CANARY = "CANARY-7f3e"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    value=PLAUSIBLE | JSON,
+    fmt=st.sampled_from(["rollcage", "nemo-gym", "inspect"]),
+    line=st.integers(1, 10**6),
+)
+def test_any_row_is_a_clear_error_on_its_line_or_a_task_that_runs(value: Any, fmt: Any, line: int) -> None:
+    if isinstance(value, dict):
+        value = {**value, "expected_count": CANARY}
+    raw = json.dumps(value).encode()
+    item = validate_row(line, raw, format=fmt, environment="http://127.0.0.1:9")
+    if isinstance(item, InvalidRow):
+        assert item.line == line and item.reason and "\n" not in item.reason
+        return
+    endpoints = Endpoints(
+        model=ModelEndpoint(base_url="http://127.0.0.1:1/v1", model="m"),
+        environments={item.environment.key: EnvironmentEndpoint(url="http://127.0.0.1:9")}
+        if item.environment
+        else {},
+    )
+    prepared = prepare_rollout(item, 0, 0, out_dir=Path("/nonexistent"), endpoints=endpoints)
+    text = prepared.worker_input.model_dump_json()
+    assert WorkerInput.model_validate_json(text) == prepared.worker_input  # input.json round-trips: it runs
+    if fmt == "nemo-gym":
+        assert CANARY not in text  # verifier fields stay on the controller's side

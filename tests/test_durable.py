@@ -12,7 +12,6 @@ import logging
 import os
 import random
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -660,28 +659,6 @@ async def test_cancelled_append_is_still_written(tmp_path: Path, monkeypatch: py
 # --------------------------------------------------------------------------- a real full disk
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 16 KiB tmpfs mounted for the test (needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount, umount = shutil.which("mount"), shutil.which("umount")
-    if mount is None or umount is None:
-        pytest.skip("mount/umount are not installed")
-    directory = tmp_path / "tiny"
-    directory.mkdir()
-    done = subprocess.run(
-        [mount, "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(directory)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield directory
-    finally:
-        if subprocess.run([umount, str(directory)], capture_output=True).returncode != 0:
-            subprocess.run([umount, "-l", str(directory)], check=False)
-
-
 async def test_full_disk_gives_clear_errors_and_keeps_old_artifacts(tiny_tmpfs: Path) -> None:
     result = tiny_tmpfs / "result.json"
     journal_path = tiny_tmpfs / "checkpoint.jsonl"
@@ -740,6 +717,7 @@ class Forker:
         self.fd = self.proc.stdout.fileno()
         self.buffer = b""
         self.live: int | None = None
+        self.early: list[list[str]] = []
 
     def send(self, line: str) -> None:
         self.stdin.write(line.encode() + b"\n")
@@ -763,18 +741,24 @@ class Forker:
 
     def spawn(self, kind: str, path: Path) -> int:
         self.send(f"{kind} {path}")
-        words = self.line()
+        # The child shares the forker's stdout and may acknowledge a write before the forker
+        # has printed its pid: keep such acks for the calls below instead of assuming an order.
+        while (words := self.line())[0] == "ack":
+            self.early.append(words)
         assert words[0] == "pid", words
         self.live = int(words[1])
+        assert all(int(ack[1]) == self.live for ack in self.early), (self.live, self.early)
         return self.live
 
     def wait_for_ack(self, pid: int, acks: list[int]) -> None:
-        words = self.line()
+        words = self.early.pop(0) if self.early else self.line()
         assert words[0] == "ack" and int(words[1]) == pid, words
         acks.append(int(words[2]))
 
     def kill_and_reap(self, pid: int, acks: list[int]) -> int:
         os.kill(pid, signal.SIGKILL)
+        acks.extend(int(words[2]) for words in self.early)
+        self.early.clear()
         self.send(f"reap {pid}")
         while True:
             words = self.line()

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -59,11 +63,9 @@ async def test_weather_tool_errors_are_explained(weather: httpx.AsyncClient) -> 
 
 async def test_weather_verify_needs_the_token_and_grades_the_answer(weather: httpx.AsyncClient) -> None:
     lookup = await weather.post("/get_weather", json={"city": "Oslo"})
-    body = {
-        "output_text": " Cold; sum = 42 ",
-        "expected": "cold;sum=42",
-        "resource_cookies": {"cw_session": lookup.cookies["cw_session"]},
-    }
+    assert "cw_session" in weather.cookies  # the client sends it back as a Cookie header
+    body = {"output_text": " Cold; sum = 42 ", "expected": "cold;sum=42"}
+    assert lookup.status_code == 200
     assert (await weather.post("/verify", json=body)).status_code == 403
     graded = (await weather.post("/verify", json=body, headers=AUTH)).json()
     assert graded == {
@@ -138,3 +140,75 @@ async def test_pool_serves_bundled_environments_on_loopback_and_stops_them() -> 
             assert (await client.post("/verify", json={"expected": "x"})).status_code == 403
         await asyncio.to_thread(pool.close)
     assert not [t for t in threading.enumerate() if t.name.startswith("rollcage-")]
+
+
+# --------------------------------------------------------------------------- external environments by URL
+
+
+def _tagged_environment(tag: str, seen: list[str]) -> Any:
+    """A minimal external environment that says who it is and logs every request it gets."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def lookup(request: Request) -> JSONResponse:
+        seen.append("lookup")
+        return JSONResponse({"server": tag})
+
+    async def verify(request: Request) -> JSONResponse:
+        seen.append("verify")
+        return JSONResponse({"reward": 1.0, "detail": {"server": tag}})
+
+    return Starlette(
+        routes=[Route("/lookup", lookup, methods=["POST"]), Route("/verify", verify, methods=["POST"])]
+    )
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (CI installs it)")
+async def test_rows_naming_different_urls_reach_their_own_server(tmp_path: Path) -> None:
+    from rollcage.controller import Controller, ModelEndpointConfig, RunConfig
+    from rollcage.controller._servers import AppServer
+    from rollcage.policy import PolicyServer
+    from rollcage.protocol import RolloutRecord
+
+    seen: dict[str, list[str]] = {"A": [], "B": []}
+    servers = {tag: AppServer(_tagged_environment(tag, seen[tag]), name=f"env-{tag}") for tag in seen}
+    script = {"tasks": {"*": [{"tool_calls": [{"name": "lookup", "arguments": {}}]}, {"text": "done"}]}}
+    try:
+        urls = {tag: await asyncio.to_thread(server.start) for tag, server in servers.items()}
+        tool = {"type": "resource", "name": "lookup"}
+        dataset = tmp_path / "d.jsonl"
+        dataset.write_text(
+            "".join(
+                json.dumps({"id": f"row-{tag}", "input": "go", "environment": urls[tag], "tools": [tool]})
+                + "\n"
+                for tag in ("A", "B")
+            )
+        )
+        with PolicyServer(script) as policy:
+            config = RunConfig(
+                dataset=dataset,
+                out=tmp_path / "out",
+                model=ModelEndpointConfig(base_url=policy.base_url, model_name="scripted"),
+                deadline_s=60,
+                concurrency=1,
+            )
+            summary = await Controller(config).run()
+    finally:
+        for server in servers.values():
+            await asyncio.to_thread(server.stop)
+    records = [
+        RolloutRecord.model_validate_json(line)
+        for line in (config.out / "rollouts.jsonl").read_bytes().splitlines()
+    ]
+    assert summary.exit_code == 0
+    assert {r.task_id: (r.reward, (r.grader or {}).get("server")) for r in records} == {
+        "row-A": (1.0, "A"),
+        "row-B": (1.0, "B"),
+    }
+    # Each server got exactly its own row's tool call and verify, nothing of the other's.
+    assert seen == {"A": ["lookup", "verify"], "B": ["lookup", "verify"]}
+    inputs = [json.loads((Path(r.rollout_dir) / "input.json").read_text()) for r in records]
+    keys = [next(iter(i["resources"])) for i in inputs]
+    assert len(set(keys)) == 2

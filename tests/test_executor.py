@@ -229,10 +229,24 @@ async def test_process_dying_mid_cell_is_reported_as_restarted(executor: Executo
     assert (await executor.run("'kept' in dir()", CELL_TIMEOUT_S)).value == "False"
 
 
-async def test_process_dying_between_cells_is_restarted_with_a_note(executor: Executor) -> None:
+async def test_process_dying_between_cells_is_restarted_with_a_note(
+    executor: Executor, tmp_path: Path
+) -> None:
     pid = executor.pid
     assert pid is not None
-    await executor.run("import os, threading\nthreading.Timer(0.05, os._exit, (0,)).start()", CELL_TIMEOUT_S)
+    trigger = tmp_path / "die-now"
+    # The process exits only once the test says so, after the cell's reply is in: on a busy
+    # machine a timer could fire before the reply and make it a death *during* the cell.
+    code = (
+        "import os, threading, time\n"
+        "def _die():\n"
+        f"    while not os.path.exists({str(trigger)!r}): time.sleep(0.005)\n"
+        "    os._exit(0)\n"
+        "threading.Thread(target=_die, daemon=True).start()"
+    )
+    first = await executor.run(code, CELL_TIMEOUT_S)
+    assert first.status == "ok", first
+    trigger.touch()
     await wait_until(lambda: not alive(pid), "the child to exit")
     result = await executor.run("1 + 1", CELL_TIMEOUT_S)
     assert (result.status, result.value) == ("ok", "2")

@@ -463,5 +463,5 @@ def test_request_log_limit_keeps_the_latest_records_and_exact_counts(
         assert response.status_code == 200
     assert [r.rollout_id for r in server.request_log] == ["r1", "r2"]
     assert server.state.calls == 3
-    assert server.state.wait_for_requests(3, timeout=5)
-    assert server.state.wait_for_requests(1, timeout=5, rollout_id="r2")
+    assert server.state.wait_for_requests(3, timeout=30)
+    assert server.state.wait_for_requests(1, timeout=30, rollout_id="r2")

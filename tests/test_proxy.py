@@ -1,4 +1,4 @@
-"""The egress proxy: allow-list routing, injected credentials, streaming, bounds, and the capture.
+"""The egress proxy: allow-list routing, headers, credentials, streaming, bounds, and the capture.
 
 The proxy is driven directly over its Unix socket with httpx (and raw bytes where
 httpx would tidy a malicious request up), against a small recording upstream;
@@ -8,8 +8,13 @@ the last tests go end to end through ``supervise()`` with a fake worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
+import os
+import resource
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -21,12 +26,20 @@ import pytest
 
 from rollcage.protocol import CaptureExchange, WorkerInput, WorkerResult
 from rollcage.supervisor import ProxyConfig, supervise
-from rollcage.supervisor.proxy import EgressProxy, Route, sandbox_input
-from tests.helpers.supervisor_env import bwrap_usable, config, fake, make_rollout, processes_with_token
+from rollcage.supervisor.proxy import EgressProxy, Route, routes_for, sandbox_input
+from tests.helpers.supervisor_env import (
+    HELPERS,
+    bwrap_usable,
+    config,
+    fake,
+    make_rollout,
+    processes_with_token,
+)
 from tests.helpers.supervisor_upstream import Upstream
 from tests.helpers.waiting import wait_for_async
 
 KEY = "sk-test-" + "0123456789abcdef"
+IDENTITY = {"X-Rollout-Id": "r1", "X-Task-Id": "t1"}
 
 
 @pytest.fixture
@@ -45,11 +58,16 @@ def short_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 class Harness:
     def __init__(self, proxy: EgressProxy, client: httpx.AsyncClient, capture: Path) -> None:
         self.proxy = proxy
         self.client = client
         self.capture = capture
+        self.budget_events: list[tuple[str, str]] = []
 
     def records(self) -> list[dict[str, Any]]:
         lines = self.capture.read_text().splitlines()
@@ -66,9 +84,12 @@ class Harness:
 
         return await wait_for_async(enough, within_s=10, what=f"{count} capture lines")
 
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_unix_connection(str(self.proxy.socket_path))
+
     async def raw(self, request: bytes) -> bytes:
         """Send raw bytes (for requests httpx would normalise) and read the whole answer."""
-        reader, writer = await asyncio.open_unix_connection(str(self.proxy.socket_path))
+        reader, writer = await self.connect()
         try:
             writer.write(request)
             await writer.drain()
@@ -77,13 +98,13 @@ class Harness:
         finally:
             writer.close()
 
+    async def idle(self) -> None:
+        """Wait until the proxy holds no connection (each handler has ended and captured)."""
+        await wait_for_async(lambda: not self.proxy._handlers, within_s=10, what="the proxy to go idle")
 
-@pytest.fixture
-async def harness(
-    upstream: Upstream, short_dir: Path, request: pytest.FixtureRequest
-) -> AsyncIterator[Harness]:
-    limits: dict[str, Any] = getattr(request, "param", {})
-    routes = [
+
+def routes(upstream: Upstream) -> list[Route]:
+    return [
         Route(
             kind="model", name="model", prefix="/model/v1", upstream=f"{upstream.base_url}/v1", credential=KEY
         ),
@@ -96,19 +117,35 @@ async def harness(
         Route(kind="resource", name="stuck", prefix="/resource/stuck", upstream=f"{upstream.base_url}/hang"),
         Route(kind="resource", name="down", prefix="/resource/down", upstream="http://127.0.0.1:1"),
     ]
-    capture = short_dir / "model_capture.jsonl"
+
+
+@pytest.fixture
+async def harness(
+    upstream: Upstream, short_dir: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[Harness]:
+    limits: dict[str, Any] = dict(getattr(request, "param", {}))
+    capture = Path(limits.pop("capture_dir", short_dir)) / "model_capture.jsonl"
+    events: list[tuple[str, str]] = []
     proxy = EgressProxy(
-        short_dir / "proxy.sock", routes, capture_path=capture, rollout_id="r1", config=ProxyConfig(**limits)
+        short_dir / "proxy.sock",
+        routes(upstream),
+        capture_path=capture,
+        rollout_id="r1",
+        config=ProxyConfig(**limits),
+        identity=IDENTITY,
+        on_budget_exceeded=lambda name, reason: events.append((name, reason)),
     )
     async with proxy:
         transport = httpx.AsyncHTTPTransport(uds=str(proxy.socket_path))
         async with httpx.AsyncClient(
             transport=transport, base_url="http://rollcage-proxy", timeout=10
         ) as client:
-            yield Harness(proxy, client, capture)
+            harness = Harness(proxy, client, capture)
+            harness.budget_events = events
+            yield harness
 
 
-# --------------------------------------------------------------------------- routing and credentials
+# --------------------------------------------------------------------------- routing and headers
 
 
 async def test_model_request_carries_the_injected_credential_upstream(
@@ -126,6 +163,47 @@ async def test_model_request_carries_the_injected_credential_upstream(
     assert seen.json() == body
 
 
+async def test_identity_and_credential_headers_from_the_sandbox_are_replaced(
+    harness: Harness, upstream: Upstream
+) -> None:
+    forged = {
+        "X-Task-Id": "someone-elses-task",
+        "X-Rollout-Id": "someone-elses-rollout",
+        "X-Rollcage-Attempt": "9",
+        "X-Api-Key": "sk-stolen",
+        "Api-Key": "sk-stolen",
+        "Proxy-Authorization": "Basic c3RvbGVu",
+        "Connection": "keep-alive, X-Hop",
+        "X-Hop": "hop-by-hop by nomination",
+        "X-Kept": "yes",
+    }
+    for path in ("/model/v1/chat/completions", "/resource/weather/x"):
+        assert (await harness.client.post(path, json={}, headers=forged)).status_code == 200
+    for seen in upstream.requests:
+        assert (seen.headers["x-task-id"], seen.headers["x-rollout-id"]) == ("t1", "r1")
+        assert seen.headers["x-kept"] == "yes"
+        for name in ("x-rollcage-attempt", "x-api-key", "api-key", "proxy-authorization", "x-hop"):
+            assert name not in seen.headers, name
+    model, resource = upstream.requests
+    assert model.headers["authorization"] == f"Bearer {KEY}"
+    assert "authorization" not in resource.headers  # no credential configured for this resource
+    first = (await harness.settled(2))[0]
+    assert ["X-Api-Key", "[redacted]"] in first["request"]["headers"]  # the evidence keeps what was sent
+    assert "sk-stolen" not in harness.capture.read_text()
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/chat/completions"), ("POST", "/responses"), ("GET", "/models")],
+)
+async def test_model_route_forwards_its_allow_list(
+    harness: Harness, upstream: Upstream, method: str, path: str
+) -> None:
+    response = await harness.client.request(method, f"/model/v1{path}")
+    assert response.status_code == 200 and "x-rollcage-proxy" not in response.headers
+    assert [(seen.method, seen.path) for seen in upstream.requests] == [(method, f"/v1{path}")]
+
+
 async def test_resource_request_keeps_its_path_query_and_cookies(
     harness: Harness, upstream: Upstream
 ) -> None:
@@ -136,31 +214,88 @@ async def test_resource_request_keeps_its_path_query_and_cookies(
     (seen,) = upstream.requests
     assert seen.path == "/weather/forecast?city=Oslo"
     assert seen.headers["cookie"] == "session=abc"
-    assert "authorization" not in seen.headers  # no credential configured for this resource
 
 
 @pytest.mark.parametrize(
-    "target",
+    "request_line",
     [
-        b"/admin",
-        b"/model/v2/chat/completions",
-        b"/model/v1x/chat/completions",
-        b"/resource/other/x",
-        b"/model/v1/../../admin",
-        b"/model/v1/%2e%2e/admin",
-        b"/resource/weather/a%2Fb",
-        b"http://169.254.169.254/latest/meta-data",
+        b"GET /admin",
+        b"GET /model/v2/chat/completions",
+        b"GET /model/v1x/chat/completions",
+        b"GET /resource/other/x",
+        b"GET /model/v1/../../admin",
+        b"GET /model/v1/%2e%2e/admin",
+        b"GET /resource/weather/a%2Fb",
+        b"GET http://169.254.169.254/latest/meta-data",
+        b"DELETE /model/v1/files/file-123",
+        b"POST /model/v1/fine_tuning/jobs",
+        b"GET /model/v1/chat/completions",
+        b"POST /model/v1/models",
+        b"POST /model/v1/chat/completions/x",
     ],
 )
 async def test_anything_off_the_allow_list_gets_403_with_a_message(
-    harness: Harness, upstream: Upstream, target: bytes
+    harness: Harness, upstream: Upstream, request_line: bytes
 ) -> None:
-    answer = await harness.raw(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    answer = await harness.raw(request_line + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 403"), answer[:100]
     assert b"rollcage egress proxy" in answer and b"allowed: /model/v1/..." in answer
     assert upstream.requests == []
     (record,) = await harness.settled()
     assert record["route"] == "denied" and record["status"] == 403 and record["upstream_url"] is None
+    assert record["credential_added"] is False
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("POST", "/get_weather", True),
+        ("POST", "/tools/forecast?unit=c", True),
+        ("POST", "/verify", False),
+        ("POST", "/seed_session", False),
+        ("POST", "/close_session", False),
+        ("GET", "/get_weather", False),
+        ("POST", "/get_weather/x", False),
+        ("POST", "/", False),
+    ],
+)
+async def test_a_resource_route_forwards_only_posts_to_its_tools(
+    short_dir: Path, upstream: Upstream, method: str, path: str, allowed: bool
+) -> None:
+    original = WorkerInput.model_validate(
+        {
+            "rollout_id": "r1",
+            "task_id": "t1",
+            "input": "hi",
+            "model": {"base_url": f"{upstream.base_url}/v1", "model": "m"},
+            "resources": {"env": {"base_url": f"{upstream.base_url}/env"}},
+            "tools": [
+                {"type": "resource", "name": "get_weather", "resource": "env"},
+                {"type": "resource", "name": "forecast", "resource": "env", "path": "tools/forecast"},
+            ],
+        }
+    )
+    capture = short_dir / "capture.jsonl"
+    proxy = EgressProxy(
+        short_dir / "p.sock",
+        routes_for(original, model_credential=None, resource_credentials={}),
+        capture_path=capture,
+        rollout_id="r1",
+        config=ProxyConfig(),
+        identity=IDENTITY,
+    )
+    async with proxy:
+        transport = httpx.AsyncHTTPTransport(uds=str(proxy.socket_path))
+        async with httpx.AsyncClient(transport=transport, base_url="http://rollcage-proxy") as client:
+            response = await client.request(method, f"/resource/env{path}", json={})
+    if allowed:
+        assert response.status_code == 200
+        assert [seen.path for seen in upstream.requests] == [f"/env{path}"]
+    else:
+        assert response.status_code == 403 and b"forwards only POST to its tools" in response.content
+        assert upstream.requests == []
+        record = json.loads(capture.read_text().splitlines()[-1])
+        assert record["route"] == "denied"
 
 
 async def test_unreachable_upstream_is_a_502_with_the_reason(harness: Harness) -> None:
@@ -178,7 +313,7 @@ async def test_server_sent_events_stream_through_as_they_are_produced(
 ) -> None:
     upstream.sse_gap_s = 0.3
     arrivals: list[float] = []
-    async with harness.client.stream("POST", "/model/v1/stream", json={"stream": True}) as response:
+    async with harness.client.stream("POST", "/resource/weather/stream", json={"stream": True}) as response:
         assert response.headers["content-type"] == "text/event-stream"
         async for _ in response.aiter_raw():
             arrivals.append(time.monotonic())
@@ -190,10 +325,39 @@ async def test_server_sent_events_stream_through_as_they_are_produced(
 
 
 @pytest.mark.parametrize("harness", [{"max_request_bytes": 1024}], indirect=True)
-async def test_request_body_over_the_bound_is_refused(harness: Harness, upstream: Upstream) -> None:
-    response = await harness.client.post("/model/v1/chat/completions", content=b"x" * 4096)
-    assert response.status_code == 413
+async def test_request_body_over_the_bound_is_refused_and_captured(
+    harness: Harness, upstream: Upstream
+) -> None:
+    async def chunked() -> AsyncIterator[bytes]:
+        yield b"x" * 4096
+
+    # Told up front (content-length), or found out while reading (chunked).
+    for content in (b"x" * 4096, chunked()):
+        response = await harness.client.post("/model/v1/chat/completions", content=content)
+        assert response.status_code == 413
     assert upstream.requests == []
+    records = await harness.settled(2)
+    assert [(r["route"], r["status"], r["upstream_url"]) for r in records] == [("model", 413, None)] * 2
+    assert all("over 1024 bytes" in r["error"] for r in records)
+
+
+@pytest.mark.parametrize("harness", [{"max_request_bytes": 1024}], indirect=True)
+async def test_request_bytes_held_at_once_are_bounded_per_rollout(harness: Harness) -> None:
+    # Each body is under the per-request bound; together they pass twice that.
+    head = b"POST /model/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+    held = []
+    for _ in range(2):
+        reader, writer = await harness.connect()
+        writer.write(head + b"x" * 900)
+        held.append((reader, writer))
+    await wait_for_async(lambda: harness.proxy._buffered == 1800, within_s=10, what="two bodies in progress")
+    answer = await harness.raw(head + b"x" * 900)
+    assert answer.startswith(b"HTTP/1.1 503") and b"hold over 2048 bytes" in answer
+    for _, writer in held:
+        writer.close()
+    await harness.idle()
+    assert harness.proxy._buffered == 0  # released with each exchange, however it ended
+    assert len(harness.records()) == 3
 
 
 @pytest.mark.parametrize("harness", [{"max_response_bytes": 64 * 1024}], indirect=True)
@@ -214,6 +378,114 @@ async def test_a_client_that_goes_away_abandons_the_upstream_request(
     assert record["status"] is None and "closed the connection" in record["error"]
 
 
+@pytest.mark.parametrize("harness", [{"max_connections": 2}], indirect=True)
+async def test_connections_over_the_cap_are_refused_at_accept_not_queued(harness: Harness) -> None:
+    # One exchange first: the proxy's pooled upstream connection (and the in-process upstream's end
+    # of it) stays open, and is not a leak.
+    close = {"Connection": "close"}
+    assert (await harness.client.post("/resource/weather/x", json={}, headers=close)).status_code == 200
+    await harness.idle()
+    before = open_fds()
+    held = [await harness.connect() for _ in range(2)]
+    await wait_for_async(lambda: len(harness.proxy._handlers) == 2, within_s=10, what="2 connections")
+    reader, writer = await harness.connect()
+    async with asyncio.timeout(10):
+        answer = await reader.read()  # answered and closed at once, not left waiting
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
+    assert harness.proxy.refused == 1
+    held[0][1].close()
+    await wait_for_async(lambda: len(harness.proxy._handlers) == 1, within_s=10, what="a free slot")
+    assert (await harness.client.post("/resource/weather/x", json={}, headers=close)).status_code == 200
+    held[1][1].close()
+    await harness.idle()
+    assert open_fds() <= before  # every accepted and refused socket was closed
+
+
+CLIENT = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(30)
+s.connect(sys.argv[1])
+s.sendall(b"GET /model/v1/models HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n")
+print(s.recv(100).split(b"\\r\\n")[0].decode())
+"""
+
+
+async def test_out_of_descriptors_the_proxy_backs_off_and_then_serves(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The client is another process: its descriptors are its own.
+    client = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CLIENT, str(harness.proxy.socket_path), stdout=asyncio.subprocess.PIPE
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_fds() + 8, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+        await wait_for_async(
+            lambda: "cannot accept" in caplog.text, within_s=30, what="the proxy to run out of descriptors"
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in fillers:
+            os.close(fd)
+    async with asyncio.timeout(30):
+        out, _ = await client.communicate()
+    # The connection waited in the backlog, then was served.
+    assert out.decode().startswith("HTTP/1.1 200"), out
+    assert "Invalid file descriptor" not in caplog.text and harness.proxy.refused == 0
+
+
+SLOW = {"idle_timeout_s": 0.5, "header_timeout_s": 0.5, "body_timeout_s": 0.5}
+
+
+@pytest.mark.parametrize("harness", [SLOW], indirect=True)
+@pytest.mark.parametrize(
+    ("case", "sent", "status"),
+    [
+        ("silent", b"", None),
+        ("half a head", b"POST /model/v1/chat/completions HTTP/1.1\r\nHost: x\r\n", b"408"),
+        (
+            "half a body",
+            b"POST /model/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n{",
+            b"408",
+        ),
+    ],
+)
+async def test_a_client_that_stalls_is_cut_off(
+    harness: Harness, upstream: Upstream, case: str, sent: bytes, status: bytes | None
+) -> None:
+    reader, writer = await harness.connect()
+    writer.write(sent)
+    async with asyncio.timeout(10):
+        answer = await reader.read()  # the proxy closes the connection; it is not held open
+    writer.close()
+    await harness.idle()
+    records = harness.records()
+    assert upstream.requests == []
+    if status is None:
+        assert answer == b"" and records == []  # no request: nothing to capture
+    else:
+        assert answer.startswith(b"HTTP/1.1 " + status), answer[:80]
+        (record,) = records
+        assert record["status"] == 408 and "did not arrive within 0.5s" in record["error"]
+
+
+@pytest.mark.parametrize("harness", [SLOW], indirect=True)
+async def test_a_client_that_stops_reading_is_cut_off(harness: Harness, upstream: Upstream) -> None:
+    upstream.big_bytes = 8 << 20  # far more than the socket buffers hold
+    _reader, writer = await harness.connect()
+    writer.write(b"POST /resource/weather/big HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    await harness.settled()  # the line is written without the client reading anything
+    writer.close()
+    (record,) = harness.records()
+    assert record["status"] == 200 and "read nothing of the response for 0.5s" in record["error"]
+
+
 # --------------------------------------------------------------------------- capture
 
 
@@ -227,13 +499,119 @@ async def test_capture_has_exactly_one_line_per_exchange_and_never_the_key(
     records = await harness.settled(5)
     assert [r["seq"] for r in records] == [1, 2, 3, 4, 5]
     assert [r["route"] for r in records] == ["model", "model", "model", "resource", "denied"]
-    assert harness.proxy.exchanges == {"model": 3, "resource": 1, "denied": 1}
+    counts = {"model": 3, "resource": 1, "denied": 1}
+    # The counters follow the line's write by a moment (they are updated once it is synced).
+    await wait_for_async(lambda: harness.proxy.captured == counts, within_s=10, what="the counters")
+    assert harness.proxy.exchanges == counts
+    assert harness.proxy.capture_bytes == harness.capture.stat().st_size
     first = records[0]
     assert first["rollout_id"] == "r1" and first["credential_added"] is True
     assert first["request"]["body"]["json"] == {"n": 1}
     assert first["response"]["body"]["json"]["object"] == "chat.completion"
     assert first["started_at"] <= first["first_byte_at"] <= first["ended_at"]
     assert KEY not in harness.capture.read_text()
+
+
+@pytest.mark.parametrize(
+    ("case", "request_bytes", "read_first"),
+    [
+        (
+            "mid-stream",
+            b"POST /resource/weather/stream HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+            True,
+        ),
+        ("refused", b"GET /model/v1/files HTTP/1.1\r\nHost: x\r\n\r\n", False),
+        ("answered", b"POST /resource/weather/x HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", False),
+        (
+            "oversized",
+            b"POST /model/v1/responses HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n",
+            False,
+        ),
+        ("malformed", b"GET /model/v1/models HTTP/1.1\r\n\r\n", False),
+    ],
+)
+async def test_every_exchange_is_captured_even_when_the_client_resets(
+    harness: Harness, upstream: Upstream, case: str, request_bytes: bytes, read_first: bool
+) -> None:
+    upstream.sse_gap_s = 0.2
+    for _ in range(5):  # a race by nature: the reset lands at a different moment each time
+        reader, writer = await harness.connect()
+        writer.write(request_bytes)
+        await writer.drain()
+        if read_first:
+            await reader.readexactly(1)
+        writer.transport.abort()
+    await harness.idle()
+    records = harness.records()
+    assert len(records) == 5 and [r["seq"] for r in records] == [1, 2, 3, 4, 5]
+    if read_first:
+        assert all(r["error"] for r in records)
+
+
+@pytest.mark.parametrize("harness", [{"capture_body_bytes": 1024}], indirect=True)
+async def test_a_large_body_is_captured_as_size_hash_and_prefix(harness: Harness) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "é" * 20_000}]}).encode()
+    response = await harness.client.post(
+        "/model/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200
+    (record,) = await harness.settled()
+    captured = record["request"]["body"]
+    assert captured["size"] == len(body) and captured["truncated"] is True
+    assert captured["sha256"] == hashlib.sha256(body).hexdigest()
+    assert body.decode().startswith(captured["text"]) and 1000 < len(captured["text"].encode()) <= 1024
+    assert "json" not in captured
+    assert record["response"]["body"]["json"]["object"] == "chat.completion"  # small: kept whole
+    assert harness.capture.stat().st_size < 8 * 1024
+
+
+BUDGET = {"max_capture_bytes": 64 * 1024, "capture_body_bytes": 1 << 20}
+
+
+@pytest.mark.parametrize("harness", [BUDGET], indirect=True)
+async def test_passing_the_capture_budget_drops_bodies_and_ends_the_rollout(harness: Harness) -> None:
+    body = {"messages": [{"role": "user", "content": "x" * 25_000}]}
+    for _ in range(3):
+        assert (await harness.client.post("/model/v1/chat/completions", json=body)).status_code == 200
+    records = await harness.settled(3)
+    assert [r["request"]["body"].get("json") == body for r in records] == [True, True, False]
+    last = records[-1]
+    assert last["request"]["body"]["truncated"] is True and "text" not in last["request"]["body"]
+    assert "capture budget of 65536 bytes exceeded" in last["error"]
+    assert harness.capture.stat().st_size <= 64 * 1024
+    (event,) = harness.budget_events
+    assert event[0] == "capture_bytes" and "65536" in event[1]
+    answer = await harness.raw(b"GET /model/v1/models HTTP/1.1\r\n\r\n")  # no more requests taken
+    assert answer.startswith(b"HTTP/1.1 503") or answer == b""
+    assert len(harness.records()) == 3
+
+
+async def test_a_capture_line_that_cannot_be_written_is_cut_back_and_counted(
+    upstream: Upstream, short_dir: Path, tiny_tmpfs: Path
+) -> None:
+    capture = tiny_tmpfs / "model_capture.jsonl"
+    proxy = EgressProxy(
+        short_dir / "proxy.sock",
+        routes(upstream),
+        capture_path=capture,
+        rollout_id="r1",
+        config=ProxyConfig(),
+    )
+    async with proxy:
+        transport = httpx.AsyncHTTPTransport(uds=str(proxy.socket_path))
+        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=10) as client:
+            for n in range(40):  # about 1 KiB a line: the 16 KiB disk fills up
+                body = {"n": n, "pad": "y" * 700}
+                assert (await client.post("/model/v1/chat/completions", json=body)).status_code == 200
+                if proxy.capture_failures >= 2:
+                    break
+    lines = capture.read_bytes().split(b"\n")
+    assert lines[-1] == b""  # whole lines only: the failed writes were cut back off
+    records = [CaptureExchange.model_validate_json(line) for line in lines[:-1]]
+    assert [r.seq for r in records] == list(range(1, len(records) + 1))
+    assert proxy.capture_failures >= 2 and proxy.captured["model"] == len(records)
+    assert proxy.exchanges["model"] == len(records) + proxy.capture_failures
+    assert proxy.capture_bytes == capture.stat().st_size
 
 
 def test_the_workers_input_points_every_endpoint_at_the_proxy() -> None:
@@ -255,6 +633,13 @@ def test_the_workers_input_points_every_endpoint_at_the_proxy() -> None:
     assert view.resources["weather"].uds == "/run/rollcage/proxy.sock"
     assert original.model.base_url == "https://api.example.com/v1"  # the controller's copy is untouched
     WorkerInput.model_validate_json(view.model_dump_json())
+
+
+def test_model_routes_must_be_method_and_path() -> None:
+    with pytest.raises(ValueError, match="must be 'METHOD /path'"):
+        ProxyConfig(model_routes=["chat/completions"])
+    with pytest.raises(ValueError, match="finite"):
+        ProxyConfig(header_timeout_s=float("inf"))
 
 
 # --------------------------------------------------------------------------- end to end
@@ -288,7 +673,12 @@ async def test_worker_calls_model_and_resource_through_the_proxy_with_the_creden
     assert KEY not in (model / "model_capture.jsonl").read_text()
 
     monkeypatch.setenv("ROLLCAGE_TEST_RESOURCE_KEY", "rk-" + KEY)
-    resource = make_rollout(tmp_path, "r1", resources={"weather": f"{upstream.base_url}/weather"})
+    resource = make_rollout(
+        tmp_path,
+        "r1",
+        resources={"weather": f"{upstream.base_url}/weather"},
+        tools=[{"type": "resource", "name": "forecast", "resource": "weather"}],
+    )
     cfg = config(
         SANDBOX,
         *fake("resource", "weather", "/forecast"),
@@ -309,3 +699,21 @@ async def test_fatal_error_after_a_model_response_is_the_agents(tmp_path: Path, 
     receipt = await supervise(root, config(SANDBOX, *fake("model-then-fatal")))
     assert receipt.outcome == "agent_error", receipt.outcome_reason
     assert receipt.result_error is not None and receipt.result_error.type == "ToolError"
+
+
+@pytest.mark.usefixtures("_no_strays")
+@pytest.mark.timeout(60)
+async def test_a_rollout_over_its_capture_budget_ends_as_the_policys_fault(
+    tmp_path: Path, upstream: Upstream
+) -> None:
+    root = make_rollout(tmp_path, model_url=f"{upstream.base_url}/v1")
+    noisy = [sys.executable, str(HELPERS / "noisy_worker.py"), "20", "20000"]
+    proxy = ProxyConfig(max_capture_bytes=64 * 1024)
+    receipt = await supervise(root, config(SANDBOX, *noisy, proxy=proxy, deadline_s=30))
+    assert receipt.outcome == "agent_error" and receipt.budget_exceeded == "capture_bytes"
+    assert "capture_bytes budget" in receipt.outcome_reason and not receipt.deadline_fired
+    assert receipt.signals_sent[0].signal == "SIGTERM" and receipt.signals_sent[0].reason == "budget"
+    size = (root / "model_capture.jsonl").stat().st_size
+    assert receipt.capture_bytes == size and size < 72 * 1024  # the budget, and one line without bodies
+    assert receipt.capture_failures == 0 and receipt.model_calls_captured is not None
+    assert receipt.model_calls_captured < 20  # the proxy stopped taking requests once it was spent

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from tests.helpers.supervisor_env import (
     processes_with_token,
     requires_bwrap,
 )
-from tests.helpers.waiting import wait_for, wait_for_async
+from tests.helpers.waiting import alive, processes_mentioning, wait_for, wait_for_async
 
 SANDBOXES = [
     pytest.param("none", id="none"),
@@ -300,6 +301,65 @@ async def test_deadline_while_the_model_hangs_times_out_and_keeps_the_cancelled_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.bwrap
+@requires_bwrap()
+async def test_the_deadline_signal_does_not_wait_for_a_blocked_thread_pool(tmp_path: Path) -> None:
+    """Slow fsyncs can fill the default executor; the deadline's SIGTERM must not queue behind them."""
+    root = make_rollout(tmp_path)
+    job = asyncio.ensure_future(supervise(root, config("bwrap", *fake("hang"), deadline_s=3, grace_s=5)))
+    release = threading.Event()
+    loop = asyncio.get_running_loop()
+    try:
+        await wait_file(root / "workspace" / "started")
+        # More blocked calls than the default executor has threads: nothing else runs there.
+        blockers = [loop.run_in_executor(None, release.wait, 60) for _ in range(64)]
+        # The hang worker publishes its cancelled result when SIGTERM arrives.
+        await wait_file(root / ".sandbox" / "root" / "result.json", within_s=20)
+    finally:
+        release.set()
+    await asyncio.gather(*blockers)
+    receipt = await job
+    assert receipt.outcome == "timeout" and receipt.result_valid
+    assert [(s.signal, s.target, s.reason) for s in receipt.signals_sent] == [
+        ("SIGTERM", "group", "deadline")
+    ]
+
+
+def test_a_process_group_is_signalled_whole_through_its_leaders_pidfd() -> None:
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True, stdin=subprocess.DEVNULL
+    )
+    try:
+        members = wait_for(
+            lambda: [p for p in processes_in_group(leader.pid) if p != leader.pid] or None,
+            what="the group's members",
+        )
+        info = read_proc(leader.pid)
+        assert info is not None
+        handle = PidHandle.open(info)
+        assert handle is not None
+        try:
+            sent = handle.send_group(signal.SIGTERM)
+        finally:
+            handle.close()
+        if sent is None:
+            pytest.skip("optional: pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP) needs Linux 6.9")
+        assert sent is True
+        assert leader.wait(timeout=10) == -signal.SIGTERM
+        wait_for(lambda: not any(alive(pid) for pid in members), what="every member to die")
+    finally:
+        if leader.poll() is None:
+            os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    from rollcage.supervisor.procs import scan_processes
+
+    return [info.pid for info in scan_processes().values() if info.pgid == pgid and info.alive]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("sandbox", SANDBOXES)
 async def test_worker_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path, sandbox: str) -> None:
     root = make_rollout(tmp_path)
@@ -508,6 +568,46 @@ async def test_missing_bubblewrap_is_refused_and_nothing_is_written(tmp_path: Pa
     with pytest.raises(SandboxError, match="--sandbox none"):
         await supervise(root, cfg)
     assert sorted(p.name for p in root.iterdir()) == ["input.json", "workspace"]
+
+
+@pytest.fixture
+def slow_bwrap() -> Any:
+    """A bwrap whose self-check hangs while a ``slow`` file lies beside it (world-readable: run_as)."""
+    import shutil
+    import tempfile
+
+    real = shutil.which("bwrap")
+    if real is None:
+        pytest.skip("needs bubblewrap")
+    directory = Path(tempfile.mkdtemp(prefix="rc-bwrap-"))
+    directory.chmod(0o755)
+    wrapper = directory / "bwrap"
+    wrapper.write_text(
+        f'#!/bin/sh\n[ "$1" != --version ] && [ -e {directory}/slow ] && exec sleep 60\nexec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    (directory / "slow").touch()
+    try:
+        yield wrapper
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.bwrap
+@requires_bwrap()
+def test_a_slow_bwrap_self_check_says_it_timed_out_and_is_tried_again(
+    slow_bwrap: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollcage.supervisor import sandbox
+
+    monkeypatch.setattr(sandbox, "_SELF_CHECK_TIMEOUTS_S", (0.2, 0.4))
+    launcher = BwrapSandbox(bwrap_path=str(slow_bwrap)).launcher()
+    with pytest.raises(SandboxError, match=r"did not finish within 0.2 s, then 0.4 s") as caught:
+        launcher.check()
+    assert "did not refuse" in str(caught.value) and "namespaces" not in str(caught.value)
+    assert processes_mentioning(str(slow_bwrap.parent)) == []  # the hung check was killed, whole
+    (slow_bwrap.parent / "slow").unlink()
+    launcher.check()  # a timeout is no answer: it was not kept, and the check now passes
 
 
 async def test_missing_credential_variable_is_refused(

@@ -43,6 +43,7 @@ from pydantic import BaseModel
 from rollcage.errors import DurableWriteError, JournalCorruptError
 
 __all__ = [
+    "AppendCursor",
     "CheckpointJournal",
     "JournalState",
     "is_temp_artifact",
@@ -50,6 +51,7 @@ __all__ = [
     "publish_json",
     "read_bounded",
     "read_journal",
+    "sweep_temp_artifacts",
 ]
 
 logger = logging.getLogger("rollcage.durable")
@@ -80,6 +82,25 @@ def is_temp_artifact(name: str) -> bool:
         True for names of the form ``.<target name>.<16 hex digits>.tmp``.
     """
     return _TEMP_NAME.match(os.path.basename(name)) is not None
+
+
+def sweep_temp_artifacts(directory: str | os.PathLike[str]) -> int:
+    """Remove the temporary files a killed publisher left in ``directory``; return how many.
+
+    Only names :func:`is_temp_artifact` recognises are touched, never a published
+    artifact; a directory that cannot be listed has nothing to sweep. Blocking.
+    """
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    swept = 0
+    for name in names:
+        if is_temp_artifact(name):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(os.path.join(directory, name))
+                swept += 1
+    return swept
 
 
 def publish_json(path: str | os.PathLike[str], value: BaseModel | Any, *, mode: int = 0o600) -> None:
@@ -652,7 +673,7 @@ class CheckpointJournal:
             raise
 
     def _serve(self, loop: asyncio.AbstractEventLoop, fd: int, good_size: int) -> None:
-        file = _FileState(fd, good_size)
+        file = AppendCursor(fd, good_size)
         stopping = False
         while not stopping:
             batch, stopping = self._next_batch()
@@ -674,40 +695,58 @@ class CheckpointJournal:
             except queue.Empty:
                 return batch, stopping
 
-    def _commit(self, file: _FileState, batch: list[_Append]) -> list[_Outcome]:
+    def _commit(self, file: AppendCursor, batch: list[_Append]) -> list[_Outcome]:
         """Write and sync one batch; the outcome of each append in it."""
         seq = self._seq
         try:
             data = b"".join(_frame(seq + i, entry.payload) for i, entry in enumerate(batch, start=1))
-            if file.dirty:
-                os.ftruncate(file.fd, file.good_size)
-                file.dirty = False
-            file.dirty = True
-            _pwrite_all(file.fd, data, file.good_size)
-            _sync_data(file.fd)
+            # A failed batch is cut off again: the next batch reuses these seqs.
+            file.append(data)
         except Exception as exc:
-            # Cut off whatever part of the batch reached the file, now if possible,
-            # else before the next write: the next batch reuses these seqs.
-            with contextlib.suppress(OSError):
-                os.ftruncate(file.fd, file.good_size)
-                file.dirty = False
             message = f"journal {self._path}: appending {len(batch)} record(s) failed"
             return [(entry.future, _write_error(message, exc)) for entry in batch]
-        file.dirty = False
-        file.good_size += len(data)
         self._seq = seq + len(batch)
         return [(entry.future, seq + i) for i, entry in enumerate(batch, start=1)]
 
 
 @dataclass(slots=True)
-class _FileState:
-    """The writer thread's view of the journal file."""
+class AppendCursor:
+    """The intact end of an append-only file: each append lands there whole and synced, or not at all.
+
+    A write or sync that fails (disk full, EIO) is cut back off the file, now if
+    possible, else before the next append, so a reader never meets a torn line
+    that a later append was written after. Blocking: use it from a thread.
+
+    Attributes:
+        fd: The file, open for writing (without ``O_APPEND``: appends use ``pwrite``).
+        good_size: Bytes of intact, synced data: where the next append is written.
+        dirty: Bytes of a failed append may lie past ``good_size`` and must be cut off first.
+    """
 
     fd: int
     good_size: int
-    """Bytes of intact, synced lines: where the next batch is written."""
     dirty: bool = False
-    """Bytes of a failed batch may lie past good_size and must be cut off first."""
+
+    def append(self, data: bytes) -> None:
+        """Write ``data`` at ``good_size`` and sync it; on failure cut it back off and raise.
+
+        Raises:
+            OSError: Writing, syncing or cutting back a previous failure failed.
+        """
+        if self.dirty:
+            os.ftruncate(self.fd, self.good_size)
+            self.dirty = False
+        self.dirty = True
+        try:
+            _pwrite_all(self.fd, data, self.good_size)
+            _sync_data(self.fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, self.good_size)
+                self.dirty = False
+            raise
+        self.dirty = False
+        self.good_size += len(data)
 
 
 def _sync_data(fd: int) -> None:

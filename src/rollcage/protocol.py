@@ -586,7 +586,9 @@ class SignalEvent(_Model):
     signal: str = Field(description="Signal name, e.g. 'SIGTERM'.")
     target: Literal["group", "descendants"] = Field(description="The worker's group, or stray descendants.")
     at: float = Field(description="Unix time it was sent.")
-    reason: Literal["deadline", "stop", "grace_expired", "cleanup"] = Field(description="Why it was sent.")
+    reason: Literal["deadline", "stop", "budget", "grace_expired", "cleanup"] = Field(
+        description="Why it was sent (budget: the rollout exceeded one of its budgets)."
+    )
 
 
 class SupervisorReceipt(_Frozen):
@@ -615,7 +617,30 @@ class SupervisorReceipt(_Frozen):
     result_valid: bool = Field(description="result.json parsed as a WorkerResult.")
     result_error: RunnerError | None = Field(default=None, description="The result's error, if any.")
     model_calls_captured: int | None = Field(
-        default=None, description="Exchanges in model_capture.jsonl; None without the egress proxy."
+        default=None, description="Model-route lines in model_capture.jsonl; None without the egress proxy."
+    )
+    capture_bytes: int | None = Field(
+        default=None, ge=0, description="Size of model_capture.jsonl; None without the egress proxy."
+    )
+    capture_failures: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Exchanges whose capture line could not be written (disk full, I/O error; the failed write is "
+            "cut back off the file, never left torn); None without the egress proxy."
+        ),
+    )
+    proxy_connections_refused: int | None = Field(
+        default=None,
+        ge=0,
+        description="Connections to the egress proxy refused at accept (over the rollout's connection cap).",
+    )
+    budget_exceeded: str | None = Field(
+        default=None,
+        description=(
+            "The per-rollout budget the policy exceeded (e.g. 'capture_bytes'), which ended the rollout as "
+            "agent_error; None: none was."
+        ),
     )
 
 
@@ -626,6 +651,11 @@ class CapturedBody(_Model):
     json_value: Any = Field(default=None, alias="json", description="The parsed body, when it was JSON.")
     text: str | None = Field(default=None, description="The body as UTF-8 text, when it was not JSON.")
     base64: str | None = Field(default=None, description="The body in base64, when it was not UTF-8.")
+    truncated: bool = Field(
+        default=False,
+        description="The body was over the capture's bound: text/base64 hold only its first bytes.",
+    )
+    sha256: str | None = Field(default=None, description="Hex SHA-256 of the whole body, when truncated.")
 
     model_config = ConfigDict(
         extra="forbid", defer_build=True, populate_by_name=True, serialize_by_alias=True, allow_inf_nan=False
@@ -645,11 +675,16 @@ class CaptureExchange(_Model):
 
     seq: int = Field(ge=1, description="1-based position in the capture.")
     rollout_id: str = Field(description="The rollout whose sandbox made the request.")
-    route: Literal["model", "resource", "denied"] = Field(description="Where it went; denied: answered 403.")
+    route: Literal["model", "resource", "denied"] = Field(
+        description=(
+            "The allowed route the path names (even when the proxy answered itself: 408, 413); denied: off "
+            "the allow-list (403) or not a parseable request (400)."
+        )
+    )
     name: str | None = Field(description="The resource name (resource route), else None.")
     method: str = Field(description="HTTP method.")
     path: str = Field(description="The path the sandbox asked for.")
-    upstream_url: str | None = Field(description="Where it was forwarded; None when denied.")
+    upstream_url: str | None = Field(description="Where it was forwarded; None when it was not.")
     credential_added: bool = Field(description="Whether the proxy added the configured credential.")
     request: CapturedMessage = Field(description="What the sandbox sent (credentials redacted).")
     response: CapturedMessage | None = Field(description="What came back; None if nothing did.")
@@ -687,6 +722,14 @@ class RolloutRecord(_Frozen):
     outcome: Outcome = Field(description="The supervisor's classification.")
     graded: bool = Field(description="Whether the outcome allowed grading.")
     reward: float | None = Field(description="The grade; None when not graded.")
+    masked: bool = Field(
+        default=False,
+        description="The environment asked to leave this sample out (NeMo Gym's mask_sample): its reward is "
+        "kept as evidence but excluded from reward metrics and pass@k; train on it at your own risk.",
+    )
+    failure_kind: str | None = Field(
+        default=None, description="The environment's label for why the sample failed (verify's failure_kind)."
+    )
     grader: dict[str, Any] | None = Field(default=None, description="Grader name and detail.")
     termination_reason: TerminationReason | None = Field(default=None, description="From the result.")
     receipt: SupervisorReceipt = Field(description="The supervisor's receipt.")
@@ -722,7 +765,13 @@ class RunMetrics(_Model):
     outcomes: dict[Outcome, int] = Field(
         description="Records per outcome (every outcome present, 0 if none)."
     )
-    graded: int = Field(ge=0, description="Records that were graded.")
+    graded: int = Field(
+        ge=0, description="Records that were graded and not masked (the reward metrics' base)."
+    )
+    masked: int = Field(default=0, ge=0, description="Graded records the environment masked (mask_sample).")
+    failure_kinds: dict[str, int] = Field(
+        default_factory=dict, description="Records per failure_kind the environment reported."
+    )
     mean_reward: float | None = Field(description="Mean reward over graded records; None if none graded.")
     pass_at_1: float | None = Field(description="Mean over tasks of the fraction of samples that passed.")
     pass_at_k: float | None = Field(description="Unbiased pass@k over tasks, k = samples per task.")

@@ -24,7 +24,7 @@ __all__ = [
     "wait_for_records",
 ]
 
-DEADLINE_S = 30.0
+DEADLINE_S = 120.0
 _T = TypeVar("_T")
 
 

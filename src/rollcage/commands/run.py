@@ -40,6 +40,13 @@ class _Api(enum.StrEnum):
     responses = "responses"
 
 
+class _Format(enum.StrEnum):
+    auto = "auto"
+    rollcage = "rollcage"
+    nemo_gym = "nemo-gym"
+    inspect = "inspect"
+
+
 _GENERIC_STEMS = frozenset({"dataset", "data", "train", "test", "eval", "tasks"})
 
 
@@ -110,7 +117,23 @@ def command(
             help="Largest rollout directory shipped to the driver, MiB (default 64). With --backend ray.",
         ),
     ] = None,
+    max_capture_mib: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Budget of one rollout's model_capture.jsonl, MiB; past it the rollout ends as agent_error.",
+        ),
+    ] = 256,
     strict: Annotated[bool, typer.Option(help="Stop before running anything if a row is malformed.")] = False,
+    format: Annotated[
+        _Format, typer.Option("--format", help="How rows are written; auto: detected (and printed).")
+    ] = _Format.auto,
+    environment: Annotated[
+        str | None,
+        typer.Option(
+            help="Environment (bundled name or resource server URL) of rows naming none, e.g. NeMo Gym's."
+        ),
+    ] = None,
     grade_timeouts: Annotated[bool, typer.Option(help="Grade results of rollouts that timed out.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
@@ -183,6 +206,9 @@ def command(
             grade_timeouts=grade_timeouts,
             strict=strict,
             backend=where,
+            max_capture_bytes=max_capture_mib * 1024 * 1024,
+            dataset_format=format.value,
+            environment=environment,
         )
     except ValidationError as exc:
         raise typer.BadParameter(describe_validation_error(exc)) from exc

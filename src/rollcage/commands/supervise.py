@@ -54,6 +54,13 @@ def command(
             help="Another host path the sandbox sees read-only (e.g. a custom worker's code); repeatable."
         ),
     ] = None,
+    max_capture_mib: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Budget of model_capture.jsonl, MiB; past it the rollout ends as agent_error.",
+        ),
+    ] = 256,
     json_output: Annotated[bool, typer.Option("--json", help="Print the receipt as JSON.")] = False,
 ) -> None:
     """Run one prepared rollout under a supervisor; always ends with receipt.json."""
@@ -65,7 +72,7 @@ def command(
 
     from rollcage.errors import ConfigError, SandboxError
     from rollcage.protocol import SupervisorReceipt
-    from rollcage.supervisor import BwrapSandbox, NoSandbox, SupervisorConfig, supervise
+    from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig, supervise
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -77,6 +84,7 @@ def command(
             else NoSandbox(),
             api_key_env=api_key_env,
             worker_command=shlex.split(worker_command) if worker_command else None,
+            proxy=ProxyConfig(max_capture_bytes=max_capture_mib * 1024 * 1024),
         )
     except ValidationError as exc:
         from rollcage.protocol import describe_validation_error

@@ -33,6 +33,7 @@ from rollcage.controller._ids import rollout_id
 from rollcage.controller._ledger import RunLedger, pass_at_k
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._run import (
+    EXIT_ALL_GRADER_ERRORS,
     EXIT_ALL_INFRA,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -46,6 +47,7 @@ from rollcage.controller._run import (
 from rollcage.controller._unit import (
     Endpoints,
     EnvironmentEndpoint,
+    EnvironmentPlan,
     GradingPlan,
     PreparedRollout,
     RolloutSettings,
@@ -54,6 +56,7 @@ from rollcage.controller._unit import (
 )
 
 __all__ = [
+    "EXIT_ALL_GRADER_ERRORS",
     "EXIT_ALL_INFRA",
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
@@ -67,6 +70,7 @@ __all__ = [
     "EmbeddedPolicyConfig",
     "Endpoints",
     "EnvironmentEndpoint",
+    "EnvironmentPlan",
     "EnvironmentRef",
     "ExactGrader",
     "GradeResult",

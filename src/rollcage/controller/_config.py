@@ -153,7 +153,22 @@ class RunConfig(_Config):
     strict: bool = Field(default=False, description="Stop before running anything if a row is malformed.")
     pass_threshold: float = Field(default=1.0, description="A reward at least this passes (pass@k).")
     metrics_interval_s: float = Field(default=2.0, gt=0, description="How often metrics.json is refreshed.")
+    max_capture_bytes: int | None = Field(
+        default=256 * 1024 * 1024,
+        ge=64 * 1024,
+        description=(
+            "Budget of a rollout's model_capture.jsonl; past it the rollout ends as agent_error; None: none."
+        ),
+    )
     backend: BackendConfig = Field(default_factory=LocalBackendConfig, description="Where rollouts run.")
+    dataset_format: Literal["auto", "rollcage", "nemo-gym", "inspect"] = Field(
+        default="auto", description="How the dataset's rows are written; auto: detected from its first rows."
+    )
+    environment: str | None = Field(
+        default=None,
+        description="Environment (bundled name or resource server URL) of rows that name none; "
+        "NeMo Gym rows never do. None: such rows have no environment.",
+    )
 
     def rollout_settings(self) -> RolloutSettings:
         """The per-rollout settings handed to the backend."""
@@ -164,6 +179,7 @@ class RunConfig(_Config):
             sandbox=self.sandbox,
             api_key_env=key,
             grade_timeouts=self.grade_timeouts,
+            max_capture_bytes=self.max_capture_bytes,
         )
 
     @model_validator(mode="after")

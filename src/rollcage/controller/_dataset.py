@@ -15,23 +15,30 @@ A row (one JSON object a line)::
 
 Model-visible: ``input``, ``instructions``, ``tools``. Settings: ``agent``,
 ``executor``, ``model`` (everything of the endpoint but its URL and name).
-Controller-only: ``expected``, ``grader``, ``metadata``; they never reach
+Controller-only: ``expected``, ``grader``, ``metadata``, ``verifier`` (fields sent to
+the environment's ``/seed_session`` and ``/verify``); they never reach
 ``input.json``. A row that fails validation is reported with its line number and
 reason and skipped; the others still run.
+
+Rows written for NeMo Gym or Inspect are read as they are (``rollcage.controller._formats``):
+``iter_dataset(path, format=...)``, with ``detect_format`` for ``--format auto``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rollcage.controller._graders import ExactGrader, GraderSpec, VerifyGrader
+from rollcage.controller._formats import DatasetFormat, detect_format_of, from_inspect, from_nemo_gym
+from rollcage.controller._graders import ExactGrader, GraderSpec, VerifyGrader, check_pattern
 from rollcage.environments import EnvironmentInfo, bundled_environments
 from rollcage.errors import ConfigError, ControllerOnlyFieldError
 from rollcage.protocol import (
@@ -53,11 +60,16 @@ __all__ = [
     "RowModelSettings",
     "RowResourceTool",
     "Task",
+    "detect_format",
     "iter_dataset",
+    "normalise_url",
+    "url_key",
 ]
 
-_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$", re.IGNORECASE)
 _MAX_ID = 256
+_BOM = b"\xef\xbb\xbf"
+_DETECT_LINES = 100
 
 
 class _Row(BaseModel):
@@ -112,6 +124,11 @@ class DatasetRow(_Row):
     expected: Any = Field(default=None, description="Controller-only: the reference answer for the grader.")
     grader: GraderSpec | None = Field(default=None, description="Controller-only: how to grade.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Controller-only, free-form.")
+    verifier: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Controller-only: fields sent to the environment's /seed_session and /verify beside "
+        "responses_create_params (NeMo Gym's verifier fields, e.g. expected_count).",
+    )
 
     @field_validator("id", mode="before")
     @classmethod
@@ -128,7 +145,9 @@ class EnvironmentRef:
     """The environment a task runs against.
 
     Attributes:
-        key: The resource key in ``WorkerInput.resources`` (the bundled name, or ``env``).
+        key: The resource key in ``WorkerInput.resources``: the bundled name, or for an
+            external URL ``env-<host>-<hash of the URL>`` (see ``url_key``), so rows naming
+            different URLs never share a key, and the same URL always gets the same one.
         bundled: The bundled environment, or ``None`` for an external URL.
         url: The external URL, or ``None`` for a bundled environment (started by the controller).
     """
@@ -163,6 +182,9 @@ class Task:
         environment: Its environment, if any.
         tools: Tool specs for ``WorkerInput.tools``.
         grader: The grader to apply; ``None``: not graded.
+        verifier: Controller-only fields sent to the environment (seed, verify, close).
+        create_params: The row's own ``responses_create_params`` (NeMo Gym rows); ``None``:
+            built from the row when the rollout is prepared.
     """
 
     line: int
@@ -170,6 +192,8 @@ class Task:
     environment: EnvironmentRef | None
     tools: tuple[ToolSpec, ...]
     grader: GraderSpec | None
+    verifier: dict[str, Any] = field(default_factory=dict)
+    create_params: dict[str, Any] | None = None
 
     @property
     def id(self) -> str:
@@ -186,11 +210,31 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
+def normalise_url(url: str) -> str:
+    """An environment URL in one spelling: scheme and host lower case, no trailing slash."""
+    parts = urllib.parse.urlsplit(url.strip())
+    path = parts.path.rstrip("/")
+    return urllib.parse.urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, parts.query, ""))
+
+
+def url_key(url: str) -> str:
+    """The resource key of an external environment: a readable host plus a hash of the whole URL.
+
+    Derived from the URL alone, so a resumed run gives the same rows the same keys;
+    the hash keeps two URLs on one host (other ports or paths) apart.
+    """
+    normalised = normalise_url(url)
+    host = re.sub(r"[^a-z0-9.]+", "-", urllib.parse.urlsplit(normalised).netloc)[:40].strip("-")
+    digest = hashlib.sha256(normalised.encode()).hexdigest()[:12]
+    return f"env-{host}-{digest}" if host else f"env-{digest}"
+
+
 def _environment(name: str | None) -> EnvironmentRef | None:
     if name is None:
         return None
     if _URL.match(name):
-        return EnvironmentRef(key="env", bundled=None, url=name.rstrip("/"))
+        url = normalise_url(name)
+        return EnvironmentRef(key=url_key(url), bundled=None, url=url)
     bundled = bundled_environments()
     if name not in bundled:
         raise ConfigError(
@@ -211,9 +255,11 @@ def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
         if isinstance(tool, PythonToolSpec):
             specs.append(tool)
         elif isinstance(tool, RowResourceTool):
-            resource = tool.resource or (env.key if env is not None else None)
-            if resource is None or env is None or resource != env.key:
+            # A row has one environment: its tools name it by key, by the row's own spelling,
+            # or by the historical alias "env".
+            if env is None or tool.resource not in (None, env.key, row.environment, "env"):
                 raise ConfigError(f"tool {tool.name!r} needs the row's environment as its resource")
+            resource = env.key
             specs.append(
                 ResourceToolSpec(
                     name=tool.name,
@@ -256,8 +302,13 @@ def _grader(row: DatasetRow, env: EnvironmentRef | None) -> GraderSpec | None:
         raise ConfigError("grader 'verify' needs an 'environment' to send the rollout to")
     if spec.type in ("exact", "normalized", "numeric") and row.expected is None:
         raise ConfigError(f"grader {spec.type!r} needs 'expected'")
-    if spec.type == "regex" and spec.pattern is None and not isinstance(row.expected, str):
-        raise ConfigError("grader 'regex' needs 'pattern' or a string 'expected'")
+    if spec.type == "regex":
+        pattern = spec.pattern if spec.pattern is not None else row.expected
+        if not isinstance(pattern, str):
+            raise ConfigError("grader 'regex' needs 'pattern' or a string 'expected'")
+        problem = check_pattern(pattern, ignore_case=spec.ignore_case)
+        if problem is not None:
+            raise ConfigError(f"grader 'regex': {problem}")
     return spec
 
 
@@ -278,7 +329,25 @@ def _check_worker_input(row: DatasetRow, tools: tuple[ToolSpec, ...], env: Envir
     )
 
 
-def validate_row(line: int, raw: bytes) -> Task | InvalidRow:
+def _open(path: Path) -> BinaryIO:
+    try:
+        return path.open("rb")
+    except OSError as exc:
+        raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
+
+
+def _lines(handle: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    """Numbered non-blank lines; a UTF-8 byte order mark opening the file is not part of line 1."""
+    for number, raw in enumerate(handle, start=1):
+        if number == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM) :]  # some editors start a UTF-8 file with one
+        if raw.strip():
+            yield number, raw
+
+
+def validate_row(
+    line: int, raw: bytes, *, format: DatasetFormat = "rollcage", environment: str | None = None
+) -> Task | InvalidRow:
     """Parse and resolve one line (see ``iter_dataset``; duplicates are not checked here)."""
     try:
         value = orjson.loads(raw)
@@ -288,6 +357,17 @@ def validate_row(line: int, raw: bytes) -> Task | InvalidRow:
         return InvalidRow(line, f"a row must be a JSON object, got {type(value).__name__}")
     raw_id = value.get("id")
     task_id = str(raw_id) if isinstance(raw_id, str | int) and not isinstance(raw_id, bool) else None
+    verifier: dict[str, Any] | None = None
+    params: dict[str, Any] | None = None
+    try:
+        if format == "nemo-gym":
+            value, verifier, params = from_nemo_gym(value, line, environment)
+        elif format == "inspect":
+            value = from_inspect(value, line, environment)
+        elif environment is not None and value.get("environment") is None:
+            value = {**value, "environment": environment}
+    except ConfigError as exc:
+        return InvalidRow(line, f"{format} row: {exc}", task_id)
     try:
         row = DatasetRow.model_validate(value)
     except ValidationError as exc:
@@ -303,29 +383,62 @@ def validate_row(line: int, raw: bytes) -> Task | InvalidRow:
         return InvalidRow(line, _describe(exc), row.id)
     except ConfigError as exc:
         return InvalidRow(line, str(exc), row.id)
-    return Task(line=line, row=row, environment=env, tools=tools, grader=grader)
+    if verifier is None:
+        # rollcage rows: the reference answer travels as 'expected' (what the bundled environments read).
+        verifier = {**row.verifier, "expected": row.expected}
+    return Task(
+        line=line,
+        row=row,
+        environment=env,
+        tools=tools,
+        grader=grader,
+        verifier=verifier,
+        create_params=params,
+    )
 
 
-def iter_dataset(path: Path) -> Iterator[Task | InvalidRow]:
+def detect_format(path: Path) -> DatasetFormat:
+    """The format of a dataset, from its first parseable rows (rollcage when they say nothing else).
+
+    Raises:
+        ConfigError: The file cannot be opened.
+    """
+    handle = _open(path)
+    with handle:
+        for seen, (_, raw) in enumerate(_lines(handle)):
+            if seen >= _DETECT_LINES:
+                break
+            try:
+                found = detect_format_of(orjson.loads(raw))
+            except orjson.JSONDecodeError:
+                continue
+            if found is not None:
+                return found
+    return "rollcage"
+
+
+def iter_dataset(
+    path: Path, *, format: DatasetFormat = "rollcage", environment: str | None = None
+) -> Iterator[Task | InvalidRow]:
     """Stream a dataset: each non-blank line becomes a ``Task`` or an ``InvalidRow``.
 
     The file is read a line at a time, never whole; only the set of ids seen is
     kept, to reject a repeated id (a second row with the same id would make rollout
     ids collide and resume ambiguous).
 
+    Args:
+        path: The JSONL file.
+        format: How its rows are written (see ``rollcage.controller._formats``).
+        environment: The environment of rows that name none (a bundled name or a URL).
+
     Raises:
         ConfigError: The file cannot be opened.
     """
-    try:
-        handle = path.open("rb")
-    except OSError as exc:
-        raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
+    handle = _open(path)
     seen: dict[str, int] = {}
     with handle:
-        for number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            item = validate_row(number, raw)
+        for number, raw in _lines(handle):
+            item = validate_row(number, raw, format=format, environment=environment)
             if isinstance(item, Task):
                 first = seen.get(item.id)
                 if first is not None:

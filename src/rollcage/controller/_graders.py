@@ -13,20 +13,36 @@ only ``expected`` by ``exact``, and a row with neither is not graded.
 =============  ==========================================================================
 
 Built-in graders give 1.0 or 0.0. A grader that cannot give a grade (the verify
-endpoint is down, answers garbage) yields ``reward=None`` with an ``error``: that
-is the infrastructure's failure, and it is never counted as the policy's.
+endpoint is down, answers garbage, a pattern runs past its timeout) yields
+``reward=None`` with an ``error``: the ``grader_error`` health check, never counted
+as the policy's failure.
+
+Grading never runs on the controller's event loop (``grade_builtin_off_loop``): a
+grade is computed in a worker thread under a per-grade timeout, so one expensive
+grade cannot stall the other rollouts' supervision. What truly bounds the one
+unbounded built-in, ``regex``, is the ``regex`` module: its matcher checks a
+``timeout`` as it backtracks and raises, and with ``concurrent=True`` it releases
+the GIL while matching, so a catastrophic pattern (``(a|aa)+$`` on ``"a"*60+"!"``)
+neither holds the interpreter nor outlives its timeout. (A thread around the
+standard ``re`` would keep the GIL and could not be stopped; a process per grade
+would cost a fork per rollout for graders that take microseconds.) The other
+built-ins are linear in the answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
 import stat
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = [
     "ExactGrader",
@@ -36,12 +52,24 @@ __all__ = [
     "NumericGrader",
     "RegexGrader",
     "VerifyGrader",
+    "check_pattern",
     "grade_builtin",
+    "grade_builtin_off_loop",
+    "parse_verify_answer",
     "read_workspace_files",
     "verify_remote",
 ]
 
 _REGEX_TEXT_LIMIT = 100_000
+_PATTERN_LIMIT = 10_000
+_VERIFY_ANSWER_LIMIT = 16 * 1024 * 1024
+_DETAIL_LIMIT = 16 * 1024
+_FAILURE_KIND_LIMIT = 200
+# Keys of a verify answer that are not the grade's detail: the grade itself, and
+# NeMo Gym's echo of the request (BaseVerifyResponse extends BaseVerifyRequest).
+_ANSWER_KEYS = frozenset(
+    {"reward", "detail", "mask_sample", "failure_kind", "responses_create_params", "response"}
+)
 _FILE_LIMIT = 256 * 1024
 _FILES_TOTAL_LIMIT = 1024 * 1024
 
@@ -85,8 +113,13 @@ class RegexGrader(_Spec):
     """``pattern`` is found (``re.search``) in the final answer."""
 
     type: Literal["regex"] = "regex"
-    pattern: str | None = Field(default=None, description="The pattern; None: the row's expected string.")
+    pattern: str | None = Field(
+        default=None, max_length=_PATTERN_LIMIT, description="The pattern; None: the row's expected string."
+    )
     ignore_case: bool = Field(default=False, description="Match case-insensitively.")
+    timeout_s: float = Field(
+        default=5.0, gt=0, le=300, description="Longest the match may run; past it: grader_error."
+    )
 
 
 GraderSpec = Annotated[
@@ -103,11 +136,16 @@ class GradeResult:
         reward: The reward; ``None`` when the grader could not grade (see ``error``).
         detail: What the grader reports (the record's ``grader`` field, with ``name``).
         error: Why no reward could be given; ``None`` on success.
+        masked: The environment asked that this sample be left out of training and of
+            reward metrics (NeMo Gym's ``mask_sample``); its reward is kept as evidence.
+        failure_kind: The environment's label for why the sample failed, if it gave one.
     """
 
     reward: float | None
     detail: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    masked: bool = False
+    failure_kind: str | None = None
 
     def as_record(self) -> dict[str, Any]:
         """The ``grader`` field of a RolloutRecord."""
@@ -168,17 +206,55 @@ def grade_builtin(spec: GraderSpec, *, expected: Any, answer: str) -> GradeResul
         ok = math.isfinite(got) and abs(got - target) <= bound
         return GradeResult(1.0 if ok else 0.0, {"name": name, "match": ok, "found": got})
     if isinstance(spec, RegexGrader):
+        import regex
+
         pattern = spec.pattern if spec.pattern is not None else expected
         if not isinstance(pattern, str):
             return GradeResult(None, {"name": name}, "regex grader needs 'pattern' or a string 'expected'")
+        problem = check_pattern(pattern, ignore_case=spec.ignore_case)
+        if problem is not None:
+            return GradeResult(None, {"name": name}, problem)
+        compiled = regex.compile(pattern, regex.IGNORECASE if spec.ignore_case else 0)
         try:
-            compiled = re.compile(pattern, re.IGNORECASE if spec.ignore_case else 0)
-        except re.error as exc:
-            return GradeResult(None, {"name": name}, f"bad pattern: {exc}")
-        # Bounded text: a pathological pattern on a huge answer must not stall the controller.
-        ok = compiled.search(answer[:_REGEX_TEXT_LIMIT]) is not None
+            # The matcher itself enforces the timeout, and releases the GIL while it runs.
+            hit = compiled.search(answer[:_REGEX_TEXT_LIMIT], timeout=spec.timeout_s, concurrent=True)
+        except TimeoutError:
+            return GradeResult(None, {"name": name}, f"regex grader timed out after {spec.timeout_s:g} s")
+        ok = hit is not None
         return GradeResult(1.0 if ok else 0.0, {"name": name, "match": ok})
     return GradeResult(None, {"name": name}, f"{name} is not a built-in grader")
+
+
+def check_pattern(pattern: str, *, ignore_case: bool = False) -> str | None:
+    """Why ``pattern`` cannot be a regex grader's pattern, or ``None`` when it compiles."""
+    import regex
+
+    if len(pattern) > _PATTERN_LIMIT:
+        return f"pattern of {len(pattern)} characters is over the {_PATTERN_LIMIT} character limit"
+    try:
+        regex.compile(pattern, regex.IGNORECASE if ignore_case else 0)
+    except (regex.error, RecursionError, OverflowError, ValueError) as exc:
+        return f"bad pattern {pattern[:80]!r}: {exc}"
+    return None
+
+
+async def grade_builtin_off_loop(
+    spec: GraderSpec, *, expected: Any, answer: str, timeout_s: float
+) -> GradeResult:
+    """``grade_builtin`` in a worker thread, bounded by ``timeout_s``; a timeout is a grader error.
+
+    The regex grader bounds itself (see the module docstring); ``timeout_s`` is the
+    backstop for the whole grade, so a grade that overruns ends in ``grader_error``
+    rather than holding the rollout's record back.
+
+    **Cancellation:** the caller stops waiting at once; the thread finishes its
+    (bounded) grade on its own and its answer is dropped.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.to_thread(grade_builtin, spec, expected=expected, answer=answer)
+    except TimeoutError:
+        return GradeResult(None, {"name": spec.type}, f"grader timed out after {timeout_s:g} s")
 
 
 def read_workspace_files(workspace: str, names: list[str]) -> dict[str, str]:
@@ -239,42 +315,133 @@ def _read_one(workspace: str, parts: list[str]) -> str | None:
 
 
 async def verify_remote(
-    url: str, *, token: str | None, payload: dict[str, Any], timeout_s: float
+    url: str,
+    *,
+    token: str | None,
+    payload: bytes,
+    timeout_s: float,
+    cookies: dict[str, str] | None = None,
+    client: httpx.AsyncClient | None = None,
+    sent: frozenset[str] = frozenset(),
 ) -> GradeResult:
-    """POST ``payload`` to an environment's ``/verify`` and read its reward.
+    """POST ``payload`` (JSON bytes) to an environment's ``/verify`` and read its grade.
 
     Args:
         url: The environment's base URL (``/verify`` is appended).
         token: Bearer token of a bundled environment; ``None`` sends none.
-        payload: The verify request body (see ``rollcage.environments``).
-        timeout_s: Deadline of the whole request.
+        payload: The verify request body, already serialised (see ``rollcage.environments``).
+        timeout_s: Deadline of the whole request, answer included.
+        cookies: The rollout's session cookies, sent as a ``Cookie`` header.
+        client: An open client to use; ``None``: a fresh one for this request.
+        sent: Top-level keys of the request, not kept in the detail when echoed back.
 
     Returns:
-        The reward, or ``reward=None`` with an ``error`` when the endpoint failed.
+        The grade (see ``parse_verify_answer``), or ``reward=None`` with an ``error``
+        when the endpoint failed, answered non-2xx, or answered something unusable.
 
     **Cancellation:** the request is abandoned and the connection closed.
     """
     import httpx
 
-    headers = {"authorization": f"Bearer {token}"} if token else {}
     detail: dict[str, Any] = {"name": "verify"}
+    headers = {"content-type": "application/json"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    if cookies:
+        headers["cookie"] = cookie_header(cookies)
+    own = client is None
+    http = client if client is not None else httpx.AsyncClient(trust_env=False, follow_redirects=False)
     try:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), trust_env=False) as client:
-            response = await client.post(url.rstrip("/") + "/verify", json=payload, headers=headers)
+        async with asyncio.timeout(timeout_s):
+            request = http.build_request(
+                "POST", url.rstrip("/") + "/verify", content=payload, headers=headers, timeout=timeout_s
+            )
+            response = await http.send(request, stream=True)
+            try:
+                body = await read_bounded(response, _VERIFY_ANSWER_LIMIT)
+            finally:
+                await response.aclose()
+    except TimeoutError:
+        return GradeResult(None, detail, f"verify gave no answer within {timeout_s:g} s")
     except httpx.HTTPError as exc:
         return GradeResult(None, detail, f"verify request failed: {type(exc).__name__}: {exc}")
-    if response.status_code != 200:
-        return GradeResult(
-            None, detail, f"verify answered HTTP {response.status_code}: {response.text[:300]}"
-        )
+    finally:
+        if own:
+            await http.aclose()
+    if body is None:
+        return GradeResult(None, detail, f"verify answer is over {_VERIFY_ANSWER_LIMIT} bytes")
+    # Parsing a large answer is CPU work: not on the loop.
+    return await asyncio.to_thread(parse_verify_answer, response.status_code, body, sent)
+
+
+async def read_bounded(response: httpx.Response, limit: int) -> bytes | None:
+    """A streamed response's body, or ``None`` once it grows past ``limit`` bytes.
+
+    **Cancellation:** the read stops; the caller closes the response.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def cookie_header(cookies: dict[str, str]) -> str:
+    """The ``Cookie`` header value for ``cookies``."""
+    return "; ".join(f"{name}={value}" for name, value in cookies.items())
+
+
+def parse_verify_answer(status: int, body: bytes, sent: frozenset[str] = frozenset()) -> GradeResult:
+    """Read a ``/verify`` answer: NeMo Gym's ``BaseVerifyResponse`` or rollcage's ``{reward, detail}``.
+
+    ``reward`` (a finite number) is required; ``mask_sample`` (bool) and
+    ``failure_kind`` (string) are honoured when present. Any other top-level field
+    the environment adds (NeMo Gym servers add their own metrics beside the echoed
+    request; echoed keys named in ``sent`` are dropped) is kept in the detail,
+    bounded in size. A non-2xx status, a body that
+    is not a JSON object, or a field of the wrong type is a grader error.
+    """
+    import orjson
+
+    detail: dict[str, Any] = {"name": "verify"}
+    text = body[:300].decode("utf-8", "replace")
+    if not 200 <= status < 300:
+        return GradeResult(None, detail, f"verify answered HTTP {status}: {text}")
     try:
-        body = response.json()
-    except ValueError:
-        return GradeResult(None, detail, f"verify answered non-JSON: {response.text[:300]}")
-    reward = body.get("reward") if isinstance(body, dict) else None
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return GradeResult(None, detail, f"verify answered non-JSON: {text}")
+    if not isinstance(answer, dict):
+        return GradeResult(None, detail, f"verify answered a JSON {type(answer).__name__}, not an object")
+    reward = answer.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        return GradeResult(None, detail, f"verify answered no numeric 'reward': {str(body)[:300]}")
-    extra = body.get("detail")
+        return GradeResult(None, detail, f"verify answered no finite numeric 'reward': {text}")
+    masked = answer.get("mask_sample", False)
+    if masked is None:
+        masked = False
+    if not isinstance(masked, bool):
+        return GradeResult(None, detail, f"verify answered a non-boolean 'mask_sample': {masked!r}"[:300])
+    failure_kind = answer.get("failure_kind")
+    if failure_kind is not None and not isinstance(failure_kind, str):
+        return GradeResult(
+            None, detail, f"verify answered a non-string 'failure_kind': {failure_kind!r}"[:300]
+        )
+    extra = answer.get("detail")
     if isinstance(extra, dict):
         detail.update({k: v for k, v in extra.items() if k != "name"})
-    return GradeResult(float(reward), detail)
+    others = {k: v for k, v in answer.items() if k not in _ANSWER_KEYS and k not in detail and k not in sent}
+    if others:
+        dumped = orjson.dumps(others)
+        if len(dumped) <= _DETAIL_LIMIT:
+            detail.update(others)
+        else:
+            detail["fields"] = sorted(others)[:100]
+    if masked:
+        detail["mask_sample"] = True
+    kind = failure_kind[:_FAILURE_KIND_LIMIT] if failure_kind is not None else None
+    if kind is not None:
+        detail["failure_kind"] = kind
+    return GradeResult(float(reward), detail, masked=masked, failure_kind=kind)

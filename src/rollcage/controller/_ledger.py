@@ -35,6 +35,7 @@ class SampleState:
         graded: The latest attempt was graded (a reward exists).
         reward: Its reward.
         grader_failed: The outcome allowed grading but the grader could not grade.
+        masked: The latest attempt was masked by its environment (left out of reward metrics).
     """
 
     tries: int = 0
@@ -43,6 +44,7 @@ class SampleState:
     graded: bool = False
     reward: float | None = None
     grader_failed: bool = False
+    masked: bool = False
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -88,6 +90,9 @@ class RunLedger:
         self._model_success: dict[str, bool] = {}
         self._outcomes: dict[Outcome, int] = dict.fromkeys(_OUTCOMES, 0)
         self._graded = 0
+        self._masked = 0
+        self._failure_kinds: dict[str, int] = {}
+        self._grader_errors = 0
         self._reward_sum = 0.0
         self._retries = 0
         self._tokens: list[int | None] = [None, None, None]
@@ -137,12 +142,21 @@ class RunLedger:
         state.graded = record.graded and record.reward is not None
         state.reward = record.reward if state.graded else None
         state.grader_failed = record.grader is not None and "error" in record.grader
+        state.masked = state.graded and record.masked
 
         self.rollouts += 1
         self._outcomes[record.outcome] += 1
-        if state.graded and record.reward is not None:
+        if state.masked:
+            self._masked += 1
+        elif state.graded and record.reward is not None:
             self._graded += 1
             self._reward_sum += record.reward
+        if state.grader_failed:
+            self._grader_errors += 1
+        if record.failure_kind is not None and (
+            record.failure_kind in self._failure_kinds or len(self._failure_kinds) < _MAX_IDS
+        ):
+            self._failure_kinds[record.failure_kind] = self._failure_kinds.get(record.failure_kind, 0) + 1
         m = record.metrics
         for index, value in enumerate((m.input_tokens, m.output_tokens, m.total_tokens)):
             if value is not None:
@@ -172,13 +186,17 @@ class RunLedger:
         ended = [s.last_outcome for s in self._samples.values() if s.last_outcome not in (None, "cancelled")]
         return bool(ended) and all(o == "infra_failure" for o in ended)
 
+    def all_grader_errors(self) -> bool:
+        """True when rollouts were up for grading and the grader failed on every one of them."""
+        return self._grader_errors > 0 and self._graded == 0 and self._masked == 0
+
     def _pass_rates(self) -> tuple[float | None, float | None]:
         # pass@k counts samples whose result is the policy's: final outcomes whose
-        # grading did not fail. Infrastructure-exhausted samples and grader failures
-        # are left out rather than counted as the policy failing.
+        # grading did not fail. Infrastructure-exhausted samples, grader failures and
+        # masked samples are left out rather than counted as the policy failing.
         per_task: dict[str, list[int]] = {}
         for (task_id, _), state in self._samples.items():
-            if state.last_outcome not in FINAL_OUTCOMES or state.grader_failed:
+            if state.last_outcome not in FINAL_OUTCOMES or state.grader_failed or state.masked:
                 continue
             counts = per_task.setdefault(task_id, [0, 0])
             counts[0] += 1
@@ -208,6 +226,8 @@ class RunLedger:
             rollouts=self.rollouts,
             outcomes=dict(self._outcomes),
             graded=self._graded,
+            masked=self._masked,
+            failure_kinds=dict(self._failure_kinds),
             mean_reward=self._reward_sum / self._graded if self._graded else None,
             pass_at_1=pass1,
             pass_at_k=passk,

@@ -118,7 +118,8 @@ def render_summary(summary: RunSummary, console: Console) -> None:
     table.add_row("output", str(summary.out_dir))
     table.add_row("tasks / rollouts", f"{m.tasks} / {m.rollouts} (this run: {summary.attempts_run})")
     table.add_row("outcomes", ", ".join(f"{o}={n}" for o, n in m.outcomes.items()))
-    table.add_row("graded / mean reward", f"{m.graded} / {_fmt(m.mean_reward)}")
+    masked = f" (+{m.masked} masked)" if m.masked else ""
+    table.add_row("graded / mean reward", f"{m.graded}{masked} / {_fmt(m.mean_reward)}")
     table.add_row(f"pass@1 / pass@{m.k}", f"{_fmt(m.pass_at_1)} / {_fmt(m.pass_at_k)}")
     t = m.tokens
     table.add_row(

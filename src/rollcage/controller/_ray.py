@@ -4,21 +4,62 @@ One attempt, end to end::
 
     driver (RayBackend.run)                     node (a Ray worker process)
     ───────────────────────                     ───────────────────────────
+    issue a one-time ticket for the attempt's
+      secrets (API key, verify token)
     submit _rollout_task ─────────────────────► yield its placement (node, pid)
-      PreparedRollout + settings as JSON;       lay out the rollout directory: a private
-      the API key in the task's runtime_env       scratch directory, or in place (shared_dir)
+      PreparedRollout without its secrets,
+      settings, the ticket
+    _SecretServer (TCP, on the driver) ◄──────► present the ticket, receive the secrets (memory only)
+                                                lay out the rollout directory: a private
+                                                  scratch directory, or in place (shared_dir)
                                                 run_rollout: supervisor, sandbox and egress
-    on stop: set the _StopFlag actor ◄────────►   proxy here; the task long-polls the flag
-                                                  and stops the supervisor when it is set;
-                                                  grading here, outside the sandbox
+    on stop: set the _StopFlag actor ◄────────►   proxy here, the key handed to the supervisor
+                                                  in memory; the task long-polls the flag and
+                                                  stops the supervisor when it is set; grading
+                                                  here, outside the sandbox
     unpack under --out/rollouts/<id>/ ◄──────── yield the record and the packed directory
     return the record; the Controller             (tar.gz, size-bounded; none with shared_dir)
     appends it, as with the local backend
 
-A task lost to a dead worker process or node (any ``ray.exceptions.RayError``), or
-one overdue, becomes an ``infra_failure`` record whose receipt says why, and the
-controller retries it like any other; Ray itself never retries (``max_retries=0``),
-so no attempt runs twice behind the controller's back.
+**Lost tasks.** A task lost to a dead worker process or node (any ``ray.exceptions.RayError``),
+or one overdue, becomes an ``infra_failure`` record whose receipt says why and where, and the
+controller retries it like any other; Ray itself never retries (``max_retries=0``), so no
+attempt runs twice behind the controller's back.
+
+**Secrets never reach a disk.** Whatever Ray is handed may be written down by Ray: a
+``runtime_env`` is logged whole by every node's runtime-env agent and kept in the GCS, the
+dashboard and the task events; task arguments are kept in the owner's lineage and, past
+100 KiB, put in the object store, which spills to disk under memory pressure. So nothing
+secret is handed to Ray. The driver serves each attempt's secrets (the model API key named by
+``--api-key-env``, an environment's verify token) from ``_SecretServer``, a small TCP server
+in the driver process on the address Ray registered for the driver's node (every node
+already reaches the driver there; that is how Ray's own workers reach their owner). The task
+gets only a *ticket*: 32 random bytes, valid for that one attempt, redeemable once, and
+forgotten by the server when the attempt ends, so a ticket that Ray does write down is worth
+nothing by the time anyone reads it. The task redeems it before anything else, keeps the
+secrets in memory and hands the key to its supervisor as a mapping (``supervise(...,
+credentials=...)``), never through an environment variable that child processes would
+inherit; the egress proxy adds it upstream, the sandbox never sees it. On the wire the
+channel is as private as Ray's own RPCs (plain TCP, like Ray without TLS): it keeps secrets
+off disks, not off a network a hostile party can read. A key unset on the driver is not
+served: each node's supervisor then reads it from that node's own environment (set it
+before ``ray start``).
+
+**Connecting.** ``ray.init`` against an address where no Ray answers, or one whose cluster
+rejects this driver's token, retries for minutes and ends with "Failed to connect". Before
+it, ``_probe_cluster`` opens a TCP connection and does one GCS handshake, both bounded by
+``_CONNECT_TIMEOUT_S``, and fails with what was tried: nothing listening, no Ray answering,
+or Ray's authentication refusal with how to give the driver the cluster's token
+(``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` /
+``~/.ray/auth_token``, as Ray documents).
+
+**Node scratch.** Without a shared directory a task works in a private scratch directory
+under the node's ``$TMPDIR/rollcage-ray/`` named for its process, and removes it when it
+ends. A task whose process was killed (with its node's raylet, by ``ray.cancel``, with its
+driver) leaves its directory behind; the scratch of dead processes is swept by every task
+that starts on the node, by a sweep of every node when a run starts (so a resumed run
+cleans what its killed predecessor left), and at the end of a run on each node that lost
+one of its tasks.
 
 Ray is imported at the top of this module, which only ``RayBackendConfig.build``
 imports: the local backend never loads Ray.
@@ -28,10 +69,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import ipaddress
+import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -50,11 +94,13 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 import ray
 from pydantic import ValidationError
 from ray.exceptions import RayError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollcage import __version__
 from rollcage.controller._unit import (
     PreparedRollout,
     RolloutSettings,
+    SuperviseFn,
     _failed_receipt,
     _lay_out,
     build_supervisor_config,
@@ -67,7 +113,7 @@ from rollcage.errors import (
     RayTaskOverdueError,
     RollcageError,
 )
-from rollcage.protocol import RolloutMetrics, RolloutRecord
+from rollcage.protocol import RolloutMetrics, RolloutRecord, SupervisorReceipt
 
 if TYPE_CHECKING:
     from rollcage.controller._config import RayBackendConfig
@@ -96,6 +142,16 @@ _STOP_FLAG_CONCURRENCY = 10_000
 """Long-polls the stop flag serves at once: one per rollout in flight, plus stragglers."""
 _MAX_FORWARDED_LOGS = 50
 """Warnings of one rollout's node-side run forwarded to the driver's log."""
+_CONNECT_TIMEOUT_S = 20.0
+"""Bound on each step of ``_probe_cluster``: the TCP connection, then the GCS handshake."""
+_SECRET_TIMEOUT_S = 30.0
+"""Bound on one redemption of a ticket, on either side of the connection."""
+_SECRET_MESSAGE_LIMIT = 64 * 1024
+"""Longest line either side of the secret channel reads."""
+_SECRET_CONNECTIONS = 1024
+"""Connections the secret channel serves at once; more are closed unanswered (retried as lost tasks)."""
+_SWEEP_TIMEOUT_S = 60.0
+"""Bound on sweeping the nodes' scratch at the start and at the end of a run."""
 _SCRATCH_NAME = "rollcage-ray"
 
 _ray: Any = ray
@@ -234,6 +290,252 @@ def lost_record(
     )
 
 
+# ---------------------------------------------------------------------------- secrets
+
+
+def _digest(ticket: str) -> bytes:
+    return hashlib.sha256(ticket.encode()).digest()
+
+
+class _SecretServer:
+    """Hands each attempt's secrets to its Ray task, once, over TCP (driver side).
+
+    A ticket is 32 random bytes issued for one attempt. The server keeps only the
+    ticket's SHA-256 and the secrets in memory, answers the first connection that
+    presents the ticket, and forgets it then, or when the attempt ends unredeemed
+    (``revoke``). Each connection carries one request line and one answer line,
+    both bounded in size and time.
+
+    Lifecycle: ``start`` then ``close``; ``issue`` and ``revoke`` in between.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[bytes, dict[str, str]] = {}
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self.address: tuple[str, int] = ("", 0)
+
+    async def start(self, host: str) -> None:
+        """Listen on ``host`` (an ephemeral port; see ``address``).
+
+        Raises:
+            OSError: ``host`` cannot be bound.
+
+        **Cancellation:** nothing is left listening.
+        """
+        self._server = await asyncio.start_server(self._serve, host, 0, limit=_SECRET_MESSAGE_LIMIT)
+        bound = self._server.sockets[0].getsockname()
+        self.address = (str(bound[0]), int(bound[1]))
+
+    def issue(self, values: Mapping[str, str]) -> str:
+        """A new one-time ticket for ``values``."""
+        ticket = secrets.token_urlsafe(32)
+        self._pending[_digest(ticket)] = dict(values)
+        return ticket
+
+    def revoke(self, ticket: str) -> None:
+        """Forget ``ticket`` whether or not it was redeemed."""
+        self._pending.pop(_digest(ticket), None)
+
+    async def close(self) -> None:
+        """Stop listening, end every open connection and forget every ticket.
+
+        **Cancellation:** the connections are cancelled all the same.
+        """
+        self._pending.clear()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for handler in list(self._handlers):
+            handler.cancel()
+        if self._handlers:
+            await asyncio.gather(*self._handlers, return_exceptions=True)
+        if server is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_SECRET_TIMEOUT_S):
+                    await server.wait_closed()
+
+    def _answer(self, line: bytes) -> dict[str, Any]:
+        try:
+            request = json.loads(line)
+            ticket = request["ticket"]
+            if not isinstance(ticket, str):
+                raise TypeError("ticket")
+        except (ValueError, KeyError, TypeError):
+            return {"error": "the request is not a ticket"}
+        values = self._pending.pop(_digest(ticket), None)
+        if values is None:
+            return {"error": "the ticket is unknown, already redeemed, or its attempt has ended"}
+        return {"secrets": values}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        peer = writer.get_extra_info("peername")
+        try:
+            if len(self._handlers) > _SECRET_CONNECTIONS:
+                # Someone holding connections open (each waits up to _SECRET_TIMEOUT_S) must
+                # not exhaust the driver's file descriptors.
+                return
+            async with asyncio.timeout(_SECRET_TIMEOUT_S):
+                answer = self._answer(await reader.readuntil(b"\n"))
+                if "error" in answer:
+                    # Never the ticket itself: a refused one may be a replay, worth a line in the log.
+                    logger.warning("secret channel: refused a request from %s: %s", peer, answer["error"])
+                writer.write(json.dumps(answer).encode() + b"\n")
+                await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+            pass  # a peer that does not finish its request gets nothing
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1):
+                    await writer.wait_closed()
+            if task is not None:
+                self._handlers.discard(task)
+
+
+def _redeem(channel: tuple[str, int, str]) -> dict[str, str]:
+    """Fetch this attempt's secrets from the driver's ``_SecretServer`` (node side, blocking).
+
+    Raises:
+        RayTaskLostError: The driver cannot be reached or refuses the ticket.
+    """
+    host, port, ticket = channel
+    where = f"{host}:{port}"
+    deadline = time.monotonic() + _SECRET_TIMEOUT_S
+    data = b""
+    try:
+        with socket.create_connection((host, port), timeout=_SECRET_TIMEOUT_S) as conn:
+            conn.sendall(json.dumps({"ticket": ticket}).encode() + b"\n")
+            while not data.endswith(b"\n") and len(data) <= _SECRET_MESSAGE_LIMIT:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError as exc:
+        raise RayTaskLostError(
+            f"cannot fetch this attempt's credentials from the driver at {where}: "
+            f"{exc or type(exc).__name__} (every node must reach the driver's address on that port)"
+        ) from exc
+    try:
+        answer = json.loads(data)
+        if "secrets" in answer:
+            values = answer["secrets"]
+            if isinstance(values, dict) and all(isinstance(v, str) for v in values.values()):
+                return values
+        reason = str(answer.get("error", "a malformed answer"))
+    except (ValueError, AttributeError):
+        reason = "a malformed answer" if data else "no answer"
+    raise RayTaskLostError(f"the driver at {where} did not hand over this attempt's credentials: {reason}")
+
+
+# ---------------------------------------------------------------------------- connecting
+
+
+_DEFAULT_TOKEN_PATH = Path("~/.ray/auth_token")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _is_auth_refusal(exc: BaseException) -> bool:
+    auth_error: Any = getattr(ray.exceptions, "AuthenticationError", ())
+    return isinstance(exc, auth_error) or any(
+        word in str(exc) for word in ("InvalidAuthToken", "Unauthenticated", "UNAUTHENTICATED")
+    )
+
+
+def _token_source() -> str:
+    """Where Ray would read this driver's token from (never the token itself)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH ({os.environ['RAY_AUTH_TOKEN_PATH']})"
+    if _DEFAULT_TOKEN_PATH.expanduser().is_file():
+        return str(_DEFAULT_TOKEN_PATH)
+    return "none found"
+
+
+def _auth_refused(address: str, source: str, exc: BaseException) -> ConfigError:
+    mode = os.environ.get("RAY_AUTH_MODE")
+    said = _first_line(exc).split(". ")[0]
+    found = _token_source()
+    if (mode or "").lower() == "token":
+        tried = f"RAY_AUTH_MODE=token and the token from {found}"
+        fix = "the cluster does not accept that token: give this driver the cluster's token"
+    else:
+        tried = f"RAY_AUTH_MODE={mode or 'unset'}, which sends no token"
+        fix = (
+            "the cluster uses token authentication: set RAY_AUTH_MODE=token (Ray reads a token for an "
+            "explicit address only then) and give this driver the cluster's token"
+        )
+    return ConfigError(
+        f"the Ray cluster at {address} ({source}) refused this driver's authentication ({said}). "
+        f"Tried: a TCP connection (accepted), then a GCS handshake with {tried}. "
+        f"Fix: {fix} in RAY_AUTH_TOKEN, in a file named by RAY_AUTH_TOKEN_PATH, or in {_DEFAULT_TOKEN_PATH} "
+        "(`ray get-auth-token` on the head prints it), as Ray's token authentication guide says"
+    )
+
+
+def _probe_cluster(address: str, source: str) -> None:
+    """Fail fast, naming the cause, where ``ray.init(address)`` would retry for minutes (blocking).
+
+    Two steps, each bounded by ``_CONNECT_TIMEOUT_S``: a TCP connection to the address,
+    then one handshake with the GCS there (Ray's own client, with this process's
+    authentication settings, as ``ray.init`` would use them). An address that is not
+    ``HOST:PORT`` is left to Ray.
+
+    Raises:
+        ConfigError: Nothing accepts connections there, no GCS answers, or the cluster
+            refuses this driver's authentication.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    prefix = f"cannot connect to the Ray cluster at {address} ({source})"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{prefix}: a TCP connection there failed ({exc or type(exc).__name__}; tried for up to "
+            f"{_CONNECT_TIMEOUT_S:.0f} s); is the head running (`ray status` there), and is this its GCS "
+            "port (`ray start --head --port`, default 6379)?"
+        ) from exc
+    client = getattr(_ray._raylet, "GcsClient", None)
+    if client is None:  # a Ray without it: ray.init will say what it says
+        return
+    outcome: list[BaseException | None] = []
+
+    def handshake() -> None:
+        try:
+            client(address=address)
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    # A daemon thread: a GCS that never answers keeps it, not this process, waiting.
+    thread = threading.Thread(target=handshake, name="rollcage-ray-probe", daemon=True)
+    thread.start()
+    thread.join(_CONNECT_TIMEOUT_S)
+    if not outcome:
+        raise ConfigError(
+            f"{prefix}: it accepts TCP connections but no Ray GCS answered within {_CONNECT_TIMEOUT_S:.0f} s "
+            "(is this the head's GCS port, `ray start --head --port`?)"
+        )
+    error = outcome[0]
+    if error is None:
+        return
+    if _is_auth_refusal(error):
+        raise _auth_refused(address, source, error) from error
+    raise ConfigError(f"{prefix}: the GCS handshake failed: {_first_line(error)}") from error
+
+
 # ---------------------------------------------------------------------------- node side
 
 
@@ -280,13 +582,32 @@ async def _watch_stop(flag: Any, stop: asyncio.Event) -> None:
             stop.set()
 
 
+def _supervise_with(credentials: Mapping[str, str]) -> SuperviseFn:
+    """The supervisor's entry point, reading credentials from ``credentials``, not the environment."""
+    from rollcage.supervisor import supervise
+
+    async def supervise_here(
+        rollout_dir: Path, config: Any, *, stop: asyncio.Event | None = None
+    ) -> SupervisorReceipt:
+        return await supervise(rollout_dir, config, stop=stop, credentials=credentials)
+
+    return supervise_here
+
+
 class _RolloutThread:
     """``run_rollout`` on its own thread and event loop, inside a Ray task."""
 
-    def __init__(self, prepared: PreparedRollout, settings: RolloutSettings, flag: Any) -> None:
+    def __init__(
+        self,
+        prepared: PreparedRollout,
+        settings: RolloutSettings,
+        flag: Any,
+        credentials: Mapping[str, str] | None,
+    ) -> None:
         self._prepared = prepared
         self._settings = settings
         self._flag = flag
+        self._credentials = credentials
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._stop_requested = threading.Event()
@@ -350,10 +671,16 @@ class _RolloutThread:
         self._stop = stop = asyncio.Event()
         if self._stop_requested.is_set():
             stop.set()
+        supervise: SuperviseFn | None = None
+        config: Any = None
+        if self._credentials is not None:
+            supervise, config = _supervise_with(self._credentials), build_supervisor_config(self._settings)
         async with asyncio.TaskGroup() as group:
             watcher = group.create_task(_watch_stop(self._flag, stop))
             try:
-                return await run_rollout(self._prepared, self._settings, stop=stop)
+                return await run_rollout(
+                    self._prepared, self._settings, stop=stop, supervise=supervise, supervisor_config=config
+                )
             finally:
                 watcher.cancel()
 
@@ -383,21 +710,76 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _scratch_dir() -> Path:
-    """A fresh private directory for one rollout on this node; sweeps ones left by dead workers."""
+def _process_start(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot, from /proc), "" if it is gone or a
+    zombie, "?" where /proc cannot tell.
+
+    With the pid, it names a process for good: a pid reused by a later process has
+    another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            fields = file.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return "" if os.path.exists("/proc/self/stat") else "?"  # gone, or no /proc here
+    except OSError:
+        return "?"
+    try:
+        return "" if fields[0] in (b"Z", b"X", b"x") else fields[19].decode()
+    except (IndexError, UnicodeDecodeError):
+        return "?"
+
+
+def _owner_alive(pid: int, start: str) -> bool:
+    now = _process_start(pid)
+    return _alive(pid) if now == "?" else bool(now) and now == start
+
+
+def _scratch_root() -> Path:
     root = Path(tempfile.gettempdir()) / _SCRATCH_NAME
     root.mkdir(mode=0o700, exist_ok=True)
+    return root
+
+
+def _sweep_scratch(root: Path) -> int:
+    """Remove the scratch directories under ``root`` whose process is gone; returns how many.
+
+    A directory is named ``PID.START@HOST.RANDOM`` for the worker process that made it. A
+    worker runs one task at a time and its task removes its directory when it ends, so
+    one named for a process that is gone (killed with its task, its node's raylet or its
+    driver) is garbage, and so is one named for this process, which runs no task now.
+    Directories of other hosts (a shared ``$TMPDIR``) and of live processes are kept.
+    """
     host = socket.gethostname()
-    # A worker process runs one task at a time and removes its directory when the task
-    # ends, so a directory named for a dead process (killed with its task, or its task
-    # force-cancelled) is garbage, and one named for this process is a leftover.
-    for entry in os.scandir(root):
-        pid_text, _, rest = entry.name.partition("-")
-        if pid_text.isdigit() and rest.startswith(f"{host}-"):
+    me = (os.getpid(), _process_start(os.getpid()))
+    removed = 0
+    with os.scandir(root) as entries:
+        for entry in entries:
+            owner, at, rest = entry.name.partition("@")
+            pid_text, _, start = owner.partition(".")
+            if not at or not pid_text.isdigit() or rest.rpartition(".")[0] != host:
+                continue
             pid = int(pid_text)
-            if pid == os.getpid() or not _alive(pid):
+            if (pid, start) == me or not _owner_alive(pid, start):
                 shutil.rmtree(entry.path, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{host}-", dir=root))
+                removed += 1
+    return removed
+
+
+def _scratch_dir() -> Path:
+    """A fresh private directory for one rollout on this node; sweeps ones left by dead workers."""
+    root = _scratch_root()
+    _sweep_scratch(root)
+    pid = os.getpid()
+    return Path(tempfile.mkdtemp(prefix=f"{pid}.{_process_start(pid)}@{socket.gethostname()}.", dir=root))
+
+
+def _sweep_task() -> int:
+    """The Ray task that sweeps one node's scratch (see ``_sweep_scratch``)."""
+    return _sweep_scratch(_scratch_root())
+
+
+_sweep_remote: Any = ray.remote(_sweep_task)
 
 
 def _unshippable(exc: BaseException, record: RolloutRecord) -> ArtifactsTooLargeError:
@@ -408,15 +790,33 @@ def _unshippable(exc: BaseException, record: RolloutRecord) -> ArtifactsTooLarge
     )
 
 
+def _with_secrets(
+    prepared: PreparedRollout, settings: RolloutSettings, values: Mapping[str, str]
+) -> tuple[PreparedRollout, dict[str, str] | None]:
+    """Put the redeemed secrets back: the environment's token into its plan, the key aside."""
+    token = values.get("verify_token")
+    if token is not None and prepared.environment is not None:
+        environment = prepared.environment.model_copy(update={"token": token})
+        prepared = prepared.model_copy(update={"environment": environment})
+    key = values.get("api_key")
+    credentials = {settings.api_key_env: key} if key is not None and settings.api_key_env else None
+    return prepared, credentials
+
+
 def _run_on_node(
-    prepared: PreparedRollout, settings: RolloutSettings, node_dir: str | None, limit: int, flag: Any
+    prepared: PreparedRollout,
+    settings: RolloutSettings,
+    node_dir: str | None,
+    limit: int,
+    flag: Any,
+    credentials: Mapping[str, str] | None,
 ) -> dict[str, Any]:
     started = time.time()
     scratch = _scratch_dir() if node_dir is None else None
     local_dir = scratch / prepared.rollout_id if scratch is not None else Path(str(node_dir))
     try:
         here = prepared.model_copy(update={"rollout_dir": str(local_dir)})
-        record = _RolloutThread(here, settings, flag).run()
+        record = _RolloutThread(here, settings, flag, credentials).run()
         record = record.model_copy(update={"rollout_dir": prepared.rollout_dir})
         archive: bytes | None = None
         if scratch is not None:
@@ -436,23 +836,28 @@ def _rollout_task(
     node_dir: str | None,
     max_artifact_bytes: int,
     flag: Any,
+    channel: tuple[str, int, str] | None,
     driver_version: str,
 ) -> Iterator[dict[str, Any]]:
     """The Ray task of one attempt: yields its placement, then its outcome.
 
     Args:
-        prepared: The attempt (its ``rollout_dir`` is the driver's path). Pickled by Ray,
-            not sent as JSON: its grading plan holds typed grader specs.
+        prepared: The attempt (its ``rollout_dir`` is the driver's path) without its
+            secrets. Pickled by Ray, not sent as JSON: its grading plan holds typed grader
+            specs.
         settings: The supervision and grading settings.
         node_dir: Where to lay out the rollout directory in place (shared file system);
             ``None``: a private scratch directory, packed and shipped back.
         max_artifact_bytes: Limit on what is shipped back.
         flag: The run's ``_StopFlag`` actor.
+        channel: ``(host, port, ticket)`` of the driver's ``_SecretServer`` holding this
+            attempt's secrets; ``None``: it has none.
         driver_version: The driver's rollcage version; a different one here is refused.
 
     Yields:
-        ``{node_id, node_ip, hostname, pid}``, then ``{record, archive}``: the record as
-        JSON (``rollout_dir`` the driver's path) and the packed directory or ``None``.
+        ``{node_id, node_ip, hostname, pid}``, then ``{record, archive, logs}``: the record
+        as JSON (``rollout_dir`` the driver's path), the packed directory or ``None``, and
+        the node's warnings.
     """
     context = ray.get_runtime_context()
     yield {
@@ -466,11 +871,14 @@ def _rollout_task(
             f"rollcage {__version__} on node {socket.gethostname()}, but {driver_version} on the driver: "
             "install the same version everywhere"
         )
+    credentials: dict[str, str] | None = None
+    if channel is not None:
+        prepared, credentials = _with_secrets(prepared, settings, _redeem(channel))
     buffer = _LogBuffer()
     source = logging.getLogger("rollcage")
     source.addHandler(buffer)
     try:
-        outcome = _run_on_node(prepared, settings, node_dir, max_artifact_bytes, flag)
+        outcome = _run_on_node(prepared, settings, node_dir, max_artifact_bytes, flag, credentials)
     finally:
         source.removeHandler(buffer)
     outcome["logs"] = buffer.records
@@ -526,8 +934,9 @@ class RayBackend:
     """Runs each rollout as a Ray task on whichever node has room (see the module docstring).
 
     Lifecycle: ``async with backend:`` connects to the cluster (or starts a private
-    local instance) and creates the run's stop flag; leaving disconnects (stopping an
-    instance it started). At most one Ray task per ``run`` call is in flight, so the
+    local instance), creates the run's stop flag, opens its secret channel and starts
+    sweeping the nodes' scratch; leaving finishes the sweeps, closes the channel and
+    disconnects (stopping an instance it started). At most one Ray task per ``run`` call is in flight, so the
     controller's ``concurrency`` bounds the tasks in flight.
     """
 
@@ -544,7 +953,12 @@ class RayBackend:
         self._owns_ray = False
         self._flag: Any = None
         self._stop_sent = False
-        self._runtime_env: dict[str, Any] | None = None
+        self._api_key: str | None = None
+        self._driver_node = ""
+        self._driver_ip = ""
+        self._secrets = _SecretServer()
+        self._sweeping: asyncio.Task[None] | None = None
+        self._dirty_nodes: set[str] = set()
         self._placements: dict[str, RolloutPlacement] = {}
         self._placed = asyncio.Event()  # replaced, after being set, at every new placement
         self._last_progress = time.monotonic()
@@ -572,11 +986,13 @@ class RayBackend:
         return where
 
     async def __aenter__(self) -> Self:
-        """Connect to the cluster, check the settings, create the run's stop flag.
+        """Connect to the cluster, check the settings, create the run's stop flag, open its
+        secret channel, start sweeping every node's scratch.
 
         Raises:
-            ConfigError: The cluster cannot be reached, the shared directory is missing,
-                or the supervisor refuses the settings.
+            ConfigError: The cluster cannot be reached or refuses this driver (the message
+                says what was tried), the shared directory is missing, the supervisor
+                refuses the settings, or the secret channel cannot listen.
 
         **Cancellation:** a connection being made completes on its thread and is then closed.
         """
@@ -592,11 +1008,20 @@ class RayBackend:
         connecting = asyncio.ensure_future(asyncio.to_thread(self._connect))
         try:
             await asyncio.shield(connecting)
+            await self._secrets.start(self._driver_ip)
+        except OSError as exc:
+            await asyncio.shield(self._release())
+            raise ConfigError(
+                f"cannot serve this run's credentials to the nodes on {self._driver_ip}, the driver's "
+                f"address in the Ray cluster: {exc}"
+            ) from exc
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await connecting
-            await asyncio.shield(asyncio.to_thread(self._disconnect))
+            await asyncio.shield(self._release())
             raise
+        # What a killed predecessor (a resumed run) left on the nodes, swept while this run goes.
+        self._sweeping = asyncio.ensure_future(self._sweep(None))
         self._state = "opened"
         self._last_progress = time.monotonic()
         return self
@@ -604,17 +1029,98 @@ class RayBackend:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Remove the stop flag; stop the local instance if this backend started it.
+        """Sweep the scratch of lost tasks' nodes, stop serving secrets, remove the stop flag, and
+        stop the local instance if this backend started it.
 
-        **Cancellation:** shielded: the instance is stopped even when the run is cancelled.
+        **Cancellation:** the sweeps are abandoned (the next run sweeps); the rest is shielded
+        and runs to its end, then the cancellation propagates.
         """
         self._state = "closed"
-        await asyncio.shield(asyncio.to_thread(self._disconnect))
+        sweeping, self._sweeping = self._sweeping, None
+        try:
+            if isinstance(exc, asyncio.CancelledError):
+                if sweeping is not None:
+                    sweeping.cancel()
+                    await asyncio.gather(sweeping, return_exceptions=True)
+            else:
+                if sweeping is not None:
+                    await sweeping
+                if self._dirty_nodes:
+                    await self._sweep(self._dirty_nodes)
+        finally:
+            releasing = asyncio.ensure_future(self._release())
+            cancelled = False
+            while not releasing.done():
+                try:
+                    await asyncio.shield(releasing)
+                except asyncio.CancelledError:
+                    cancelled = True
+            if cancelled:
+                raise asyncio.CancelledError
+
+    async def _release(self) -> None:
+        await self._secrets.close()
+        await asyncio.to_thread(self._disconnect)
+
+    async def _sweep(self, node_ids: set[str] | None) -> None:
+        """Sweep the scratch of dead processes on the live nodes of ``node_ids`` (None: all).
+
+        Bounded by ``_SWEEP_TIMEOUT_S``; a node that cannot be swept is logged, never raised.
+
+        **Cancellation:** the sweep tasks are cancelled on their nodes.
+        """
+        try:
+            nodes = await asyncio.to_thread(_ray.nodes)
+        except Exception as exc:  # Ray's errors for a cluster going away vary
+            logger.warning("cannot list the Ray nodes to sweep their scratch: %s", exc)
+            return
+        alive = sorted(
+            n["NodeID"] for n in nodes if n.get("Alive") and (node_ids is None or n["NodeID"] in node_ids)
+        )
+        refs = [
+            _sweep_remote.options(
+                num_cpus=0,
+                max_retries=0,
+                name="rollcage:sweep",
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote()
+            for node_id in alive
+        ]
+        try:
+            async with asyncio.timeout(_SWEEP_TIMEOUT_S):
+                results = await asyncio.gather(*refs, return_exceptions=True)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            for ref in refs:
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref, force=True)  # only sends the request: never blocks
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            logger.warning(
+                "sweeping the Ray nodes' scratch took over %.0f s; left to the next run", _SWEEP_TIMEOUT_S
+            )
+            return
+        for node_id, result in zip(alive, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("cannot sweep the scratch of Ray node %s: %s", node_id, _first_line(result))
+            elif result:
+                logger.info(
+                    "swept %d scratch directories of dead rollout tasks on Ray node %s", result, node_id
+                )
+
+    def _address(self) -> tuple[str, str]:
+        """The cluster's address, and where it came from (for messages)."""
+        if self._config.address:
+            return self._config.address, "--ray-address"
+        if os.environ.get("RAY_ADDRESS"):
+            return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+        return "local", "no address given: a private local instance"
 
     def _connect(self) -> None:
         self._cwd = os.getcwd()
         if not ray.is_initialized():
-            address = self._config.address or os.environ.get("RAY_ADDRESS") or "local"
+            address, source = self._address()
+            if address not in ("local", "auto") and "://" not in address:
+                _probe_cluster(address, source)
             options: dict[str, Any] = {
                 "address": address,
                 # Task output would interleave with the progress bar; warnings come back
@@ -629,10 +1135,19 @@ class RayBackend:
             try:
                 ray.init(**options)
             except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError...
-                raise ConfigError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
+                if _is_auth_refusal(exc):
+                    raise _auth_refused(address, source, exc) from exc
+                raise ConfigError(
+                    f"cannot connect to the Ray cluster at {address} ({source}): {exc}"
+                ) from exc
             self._owns_ray = True
         try:
             nodes = [node for node in _ray.nodes() if node.get("Alive")]
+            self._driver_node = str(ray.get_runtime_context().get_node_id())
+            self._driver_ip = next(
+                (str(n["NodeManagerAddress"]) for n in nodes if n.get("NodeID") == self._driver_node),
+                str(_ray.util.get_node_ip_address()),
+            )
             self._nodes = len(nodes)
             largest = max((float(n.get("Resources", {}).get("CPU", 0.0)) for n in nodes), default=0.0)
             if largest < self._config.num_cpus_per_rollout:
@@ -642,13 +1157,18 @@ class RayBackend:
                     self._config.num_cpus_per_rollout,
                     largest,
                 )
-            self._flag = _StopFlagActor.options(num_cpus=0, max_concurrency=_STOP_FLAG_CONCURRENCY).remote()
-            self._runtime_env = self._credentials()
+            # With the driver, not on a node that may be lost mid-run: every task polls it.
+            self._flag = _StopFlagActor.options(
+                num_cpus=0,
+                max_concurrency=_STOP_FLAG_CONCURRENCY,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self._driver_node, soft=True),
+            ).remote()
+            self._api_key = self._driver_api_key()
         except BaseException:
             self._disconnect()
             raise
 
-    def _credentials(self) -> dict[str, Any] | None:
+    def _driver_api_key(self) -> str | None:
         name = self._settings.api_key_env
         if name is None:
             return None
@@ -658,10 +1178,21 @@ class RayBackend:
                 "%s is not set here: every node's Ray workers must have it in their environment", name
             )
             return None
-        # An environment variable of the task's worker process: the supervisor there reads it
-        # and its egress proxy adds it to upstream requests. input.json never holds it, and
-        # the sandbox's environment is an allow-list that cannot name it.
-        return {"env_vars": {name: value}}
+        # Served to each task over the secret channel (see the module docstring), never
+        # handed to Ray: the supervisor on the node gets it in memory, its egress proxy adds
+        # it upstream, and neither input.json nor the sandbox ever holds it.
+        return value
+
+    def _secrets_of(self, prepared: PreparedRollout) -> tuple[PreparedRollout, dict[str, str]]:
+        """The attempt as shipped to Ray (no secret in it), and the secrets it needs on its node."""
+        values: dict[str, str] = {}
+        if self._api_key is not None:
+            values["api_key"] = self._api_key
+        plan = prepared.environment
+        if plan is not None and plan.token is not None:
+            values["verify_token"] = plan.token
+            prepared = prepared.model_copy(update={"environment": plan.model_copy(update={"token": None})})
+        return prepared, values
 
     def _disconnect(self) -> None:
         flag, self._flag = self._flag, None
@@ -679,6 +1210,8 @@ class RayBackend:
         urls += [endpoint.base_url for endpoint in prepared.worker_input.resources.values()]
         if prepared.grading is not None and prepared.grading.verify_url is not None:
             urls.append(prepared.grading.verify_url)
+        if prepared.environment is not None:
+            urls.append(prepared.environment.url)
         for url in urls:
             if url not in self._warned and _is_loopback(url):
                 self._warned.add(url)
@@ -712,21 +1245,27 @@ class RayBackend:
             "max_retries": 0,  # the controller retries, and records every attempt
             "name": f"rollcage:{prepared.rollout_id}",
         }
-        if self._runtime_env is not None:
-            options["runtime_env"] = self._runtime_env
-        generator = _rollout_remote.options(**options).remote(
-            prepared,
-            self._settings,
-            node_dir,
-            self._config.max_artifact_bytes,
-            self._flag,
-            __version__,
-        )
-        async with asyncio.TaskGroup() as group:
-            # The relay waits on the run's stop for as long as this attempt lasts, no longer.
-            relay = group.create_task(self._relay_stop(stop))
-            outcome = await self._follow(prepared, generator, group)
-            relay.cancel()
+        shipped, values = self._secrets_of(prepared)
+        ticket = self._secrets.issue(values) if values else None
+        channel = (*self._secrets.address, ticket) if ticket is not None else None
+        try:
+            generator = _rollout_remote.options(**options).remote(
+                shipped,
+                self._settings,
+                node_dir,
+                self._config.max_artifact_bytes,
+                self._flag,
+                channel,
+                __version__,
+            )
+            async with asyncio.TaskGroup() as group:
+                # The relay waits on the run's stop for as long as this attempt lasts, no longer.
+                relay = group.create_task(self._relay_stop(stop))
+                outcome = await self._follow(prepared, generator, group)
+                relay.cancel()
+        finally:
+            if ticket is not None:
+                self._secrets.revoke(ticket)
         if isinstance(outcome, BaseException):
             return await asyncio.to_thread(self._record_lost, prepared, outcome, started)
         record = await asyncio.to_thread(self._land, prepared, outcome, started)
@@ -753,7 +1292,7 @@ class RayBackend:
                 )
             placement = first.result()
             if isinstance(placement, BaseException):
-                return _lost_reason(placement)
+                return _lost_reason(placement, None)
             assert isinstance(placement, dict)
             self._placements[rid] = where = RolloutPlacement(**placement)
             placed, self._placed = self._placed, asyncio.Event()
@@ -765,6 +1304,7 @@ class RayBackend:
                 done, _ = await asyncio.wait({second}, timeout=bound)
                 if not done:
                     second.cancel()
+                    self._dirty_nodes.add(where.node_id)
                     await self._kill(generator)
                     return RayTaskOverdueError(
                         f"the rollout task on {where.hostname} (pid {where.pid}) did not return within "
@@ -772,7 +1312,9 @@ class RayBackend:
                     )
                 outcome = second.result()
                 if isinstance(outcome, BaseException):
-                    return _lost_reason(outcome)
+                    # Its process may be dead with its scratch still on the node.
+                    self._dirty_nodes.add(where.node_id)
+                    return _lost_reason(outcome, where)
                 assert isinstance(outcome, dict)
                 return outcome
             finally:
@@ -869,12 +1411,17 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
-def _lost_reason(exc: BaseException) -> BaseException:
+def _lost_reason(exc: BaseException, where: RolloutPlacement | None) -> BaseException:
     """Why a task produced no record, in a line (a ``RayTaskError`` carries a whole traceback)."""
+    on = f" on {where.hostname} (Ray node {where.node_id[:12]}, pid {where.pid})" if where is not None else ""
     if isinstance(exc, StopAsyncIteration):
-        return RayTaskLostError("the rollout task ended without a result")
+        return RayTaskLostError(f"the rollout task{on} ended without a result")
     if isinstance(exc, RayTaskError):
         cause = _unwrap(exc.cause) if isinstance(exc.cause, BaseException) else exc
-        first_line = (str(cause).strip().splitlines() or [""])[0]
-        return RayTaskLostError(f"the rollout task failed on its node: {type(cause).__name__}: {first_line}")
+        return RayTaskLostError(
+            f"the rollout task failed{on or ' on its node'}: {type(cause).__name__}: {_first_line(cause)}"
+        )
+    if isinstance(exc, RayError):
+        # A dead worker process or node: Ray's message is a paragraph; its first line names it.
+        return RayTaskLostError(f"the rollout task was lost{on}: {type(exc).__name__}: {_first_line(exc)}")
     return exc

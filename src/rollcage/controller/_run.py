@@ -4,9 +4,12 @@ One ``Controller`` drives one output directory. Its life, in order:
 
 1. say which model it uses (the first line of output);
 2. validate the whole dataset as a stream (every bad row reported by line; with
-   ``strict`` a bad row stops the run before anything runs);
-3. take the output directory's lock, read ``rollouts.jsonl`` (repairing a torn
-   last line) into the ledger: finished samples are skipped, unfinished ones rerun;
+   ``strict`` a bad row stops the run before anything runs), and try the sandbox
+   once (a machine that cannot contain agent code is refused before anything is written);
+3. take the output directory's lock, kill what an earlier killed run left running,
+   sweep the temporary files it left (``metrics.json``'s, and those in rollout
+   directories set aside in ``interrupted/``), read ``rollouts.jsonl`` (repairing a
+   torn last line) into the ledger: finished samples are skipped, unfinished ones rerun;
 4. start the model (embedded policy) and the bundled environments on loopback;
 5. stream the dataset again, keeping at most ``concurrency`` samples in flight;
    each sample runs attempts until one is final or the infrastructure retry
@@ -33,17 +36,19 @@ from pathlib import Path
 from typing import Protocol
 
 from rollcage.controller._backend import Backend
-from rollcage.controller._config import EmbeddedPolicyConfig, RunConfig
-from rollcage.controller._dataset import EnvironmentRef, InvalidRow, Task, iter_dataset
+from rollcage.controller._config import EmbeddedPolicyConfig, LocalBackendConfig, RunConfig
+from rollcage.controller._dataset import EnvironmentRef, InvalidRow, Task, detect_format, iter_dataset
+from rollcage.controller._formats import DatasetFormat
 from rollcage.controller._health import inspect_rollout, load_result
 from rollcage.controller._ledger import RunLedger
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
 from rollcage.controller._unit import Endpoints, prepare_rollout, set_aside
-from rollcage.errors import ConfigError, DurableWriteError
+from rollcage.errors import ConfigError, DurableWriteError, SandboxError
 from rollcage.protocol import ModelEndpoint, RolloutRecord, RunMetrics
 
 __all__ = [
+    "EXIT_ALL_GRADER_ERRORS",
     "EXIT_ALL_INFRA",
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
@@ -65,12 +70,16 @@ EXIT_USAGE = 2
 """Bad command line, dataset or configuration; nothing (more) was run."""
 EXIT_ALL_INFRA = 3
 """Every sample that ended, ended in infra_failure after its retries: the setup is broken."""
+EXIT_ALL_GRADER_ERRORS = 4
+"""Rollouts were up for grading and the grader failed on every one (grader_error): the grader is broken."""
 EXIT_INTERRUPTED = 130
 """Stopped by Ctrl-C/SIGTERM; rerun the same command to resume."""
 
 _READ_BATCH = 256
 _MAX_INVALID_KEPT = 1000
 _SLOT_POLL_S = 0.25
+_FDS_PER_ROLLOUT = 16
+"""Open files one supervised rollout holds besides its proxy connections (log, capture, pidfds, pipes)."""
 
 
 class Reporter(Protocol):
@@ -128,6 +137,7 @@ class RunSummary:
         attempts_run: Attempts finished by this invocation.
         error: Why the controller failed, if it did.
         all_infra: Every sample that ended, ended in ``infra_failure``.
+        all_grader_errors: Every rollout up for grading hit ``grader_error``.
     """
 
     out_dir: Path
@@ -137,6 +147,7 @@ class RunSummary:
     attempts_run: int = 0
     error: str | None = None
     all_infra: bool = False
+    all_grader_errors: bool = False
 
     @property
     def exit_code(self) -> int:
@@ -147,6 +158,8 @@ class RunSummary:
             return EXIT_INTERRUPTED
         if self.all_infra:
             return EXIT_ALL_INFRA
+        if self.all_grader_errors:
+            return EXIT_ALL_GRADER_ERRORS
         return EXIT_OK
 
 
@@ -225,6 +238,7 @@ class Controller:
             pass_threshold=config.pass_threshold,
         )
         self._scan = _Scan()
+        self._format: DatasetFormat = "rollcage" if config.dataset_format == "auto" else config.dataset_format
         self._started = time.monotonic()
         self._attempts_run = 0
         self._error: str | None = None
@@ -253,6 +267,7 @@ class Controller:
             attempts_run=self._attempts_run,
             error=self._error,
             all_infra=self._ledger.all_infra_failures(),
+            all_grader_errors=self._ledger.all_grader_errors(),
         )
 
     async def run(self) -> RunSummary:
@@ -270,6 +285,9 @@ class Controller:
         self._reporter.notice(self._model_line())
         lock_fd: int | None = None
         try:
+            if self.config.dataset_format == "auto":
+                self._format = await asyncio.to_thread(detect_format, self.config.dataset)
+                self._reporter.notice(f"Dataset format: {self._format} (detected; --format to choose)")
             self._scan = await asyncio.to_thread(self._prescan_rows)
             for bad in self._scan.invalid:
                 self._reporter.invalid_row(bad)
@@ -282,8 +300,12 @@ class Controller:
                 )
             if self._scan.tasks == 0:
                 raise ConfigError(f"{self.config.dataset} has no valid rows to run")
+            if isinstance(self.config.backend, LocalBackendConfig):
+                self._check_open_files()
+            await asyncio.to_thread(self._check_sandbox)
             lock_fd = await asyncio.to_thread(self._lock_out_dir)
             await asyncio.to_thread(self._kill_leftovers)
+            await asyncio.to_thread(self._sweep_leftovers)
             await asyncio.to_thread(self._load_ledger)
             self._loaded = True
             self._scan.pending = await asyncio.to_thread(self._count_pending)
@@ -311,7 +333,7 @@ class Controller:
 
     def _prescan_rows(self) -> _Scan:
         scan = _Scan()
-        for item in iter_dataset(self.config.dataset):
+        for item in self._rows():
             if isinstance(item, InvalidRow):
                 scan.invalid_count += 1
                 if len(scan.invalid) < _MAX_INVALID_KEPT:
@@ -321,6 +343,27 @@ class Controller:
             if item.environment is not None:
                 scan.environments.setdefault(item.environment.key, item.environment)
         return scan
+
+    def _check_sandbox(self) -> None:
+        """Try the sandbox once, before anything is written.
+
+        A machine that cannot contain agent code is refused with one line (exit 2), instead of
+        every rollout ending in ``infra_failure``. Only for rollouts supervised here: a Ray node
+        checks its own sandbox.
+        """
+        if self._backend is not None or not isinstance(self.config.backend, LocalBackendConfig):
+            return
+        if self.config.sandbox != "bwrap":
+            return
+        from rollcage.controller._unit import build_supervisor_config
+
+        try:
+            build_supervisor_config(self.config.rollout_settings()).sandbox.launcher().check()
+        except SandboxError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def _rows(self) -> Iterator[Task | InvalidRow]:
+        return iter_dataset(self.config.dataset, format=self._format, environment=self.config.environment)
 
     def _lock_out_dir(self) -> int:
         try:
@@ -347,6 +390,37 @@ class Controller:
         if killed:
             self._reporter.notice(f"Killed {killed} process(es) left running by an earlier, interrupted run")
 
+    def _check_open_files(self) -> None:
+        """Raise the open-file limit; refuse a concurrency whose rollouts' own files exceed the reserve.
+
+        Proxy connections never use the reserve (``rollcage.supervisor.fds``), so
+        what the rollouts open themselves must fit in it for no rollout to starve
+        another of descriptors.
+        """
+        from rollcage.supervisor.fds import raise_open_file_limit, reserve_for
+
+        limit = raise_open_file_limit()
+        reserve = reserve_for(limit)
+        need = self.config.concurrency * _FDS_PER_ROLLOUT
+        if need > reserve:
+            raise ConfigError(
+                f"--concurrency {self.config.concurrency} needs about {need} open files besides proxy "
+                f"connections, and this process may open {limit} (ulimit -n), of which {reserve} are kept "
+                f"for them: raise the hard limit (ulimit -Hn) or lower --concurrency to "
+                f"{max(1, reserve // _FDS_PER_ROLLOUT)}"
+            )
+
+    def _sweep_leftovers(self) -> None:
+        """Remove the temporary files a killed earlier run left (never a published artifact)."""
+        from rollcage.durable import sweep_temp_artifacts
+
+        attic = self._out / "interrupted"
+        swept = sweep_temp_artifacts(self._out)
+        if attic.is_dir():
+            swept += sum(sweep_temp_artifacts(entry) for entry in attic.iterdir() if entry.is_dir())
+        if swept:
+            self._reporter.notice(f"Removed {swept} temporary file(s) left by an earlier, interrupted run")
+
     def _load_ledger(self) -> None:
         def fold(record: RolloutRecord) -> None:
             self._ledger.add(record, self._health_of(record))
@@ -363,7 +437,7 @@ class Controller:
 
     def _count_pending(self) -> int:
         pending = 0
-        for item in iter_dataset(self.config.dataset):
+        for item in self._rows():
             if isinstance(item, Task):
                 pending += sum(1 for s in range(self.config.attempts) if not self._ledger.is_done(item.id, s))
         return pending
@@ -412,7 +486,7 @@ class Controller:
                 await asyncio.shield(asyncio.to_thread(policy.stop))
 
     async def _tasks(self) -> AsyncIterator[Task]:
-        rows: Iterator[Task | InvalidRow] = iter_dataset(self.config.dataset)
+        rows: Iterator[Task | InvalidRow] = self._rows()
         while True:
             # The file is read on a thread, a batch at a time: no blocking read on the loop,
             # and never more than one batch of rows in memory.

@@ -3,9 +3,15 @@
 ``run_rollout(prepared, settings)`` is a plain function of its two serialisable
 arguments (plus an optional stop event) and returns a ``RolloutRecord``; it is
 what any backend executes, locally or as a remote task. Everything it needs that
-the sandbox must never see (the reference answer, the grader, the verify token)
-travels in ``PreparedRollout.grading``, in memory only: ``input.json`` is built
-from ``PreparedRollout.worker_input`` alone.
+the sandbox must never see (the reference answer, the grader, the verify token,
+the row's verifier fields) travels in ``PreparedRollout.grading`` and
+``PreparedRollout.environment``, in memory only: ``input.json`` is built from
+``PreparedRollout.worker_input`` alone (plus the session cookies ``/seed_session``
+set, which the agent's tool calls need).
+
+With an environment, one attempt speaks NeMo Gym's resource-server protocol
+(``rollcage.controller._nemo_gym``): seed the session, supervise the worker (whose
+tool calls carry the session cookies), verify, close the session.
 """
 
 from __future__ import annotations
@@ -26,11 +32,19 @@ from rollcage.controller._dataset import Task
 from rollcage.controller._graders import (
     GradeResult,
     GraderSpec,
-    grade_builtin,
+    grade_builtin_off_loop,
     read_workspace_files,
     verify_remote,
 )
 from rollcage.controller._ids import rollout_id
+from rollcage.controller._nemo_gym import (
+    close_session,
+    create_params_for,
+    function_tools,
+    run_request,
+    seed_session,
+    to_nemo_response,
+)
 from rollcage.errors import RollcageError
 from rollcage.protocol import (
     ModelEndpoint,
@@ -46,6 +60,7 @@ from rollcage.protocol import (
 __all__ = [
     "Endpoints",
     "EnvironmentEndpoint",
+    "EnvironmentPlan",
     "GradingPlan",
     "PreparedRollout",
     "RolloutSettings",
@@ -59,6 +74,10 @@ __all__ = [
 
 logger = logging.getLogger("rollcage.controller")
 
+_SESSION_TIMEOUT_S = 30.0
+# A built-in grade is linear in the answer (regex bounds itself): this only backstops it.
+_BUILTIN_GRADE_TIMEOUT_S = 30.0
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -70,8 +89,21 @@ class GradingPlan(_Model):
     grader: Any = Field(description="The GraderSpec to apply.")
     expected: Any = Field(default=None, description="The row's reference answer.")
     verify_url: str | None = Field(default=None, description="Environment base URL for 'verify'.")
-    verify_token: str | None = Field(default=None, description="Bearer token for a bundled '/verify'.")
     files: list[str] = Field(default_factory=list, description="Workspace files sent to '/verify'.")
+
+
+class EnvironmentPlan(_Model):
+    """The rollout's environment as the controller speaks to it (NeMo Gym's protocol); never in input.json."""
+
+    url: str = Field(description="The environment's base URL, as the host reaches it.")
+    token: str | None = Field(
+        default=None, description="Bearer token of a bundled environment's own endpoints."
+    )
+    run_request: dict[str, Any] = Field(
+        description="NeMo Gym's run request: the row's verifier fields and its responses_create_params; "
+        "the body of /seed_session and /close_session, and the base of /verify's."
+    )
+    timeout_s: float = Field(default=_SESSION_TIMEOUT_S, gt=0, description="Deadline of seed and close.")
 
 
 class PreparedRollout(_Model):
@@ -84,6 +116,9 @@ class PreparedRollout(_Model):
     rollout_dir: str = Field(description="Where the rollout directory is laid out (must not exist yet).")
     worker_input: WorkerInput = Field(description="input.json, with endpoints as the host sees them.")
     grading: GradingPlan | None = Field(default=None, description="How to grade; None: not graded.")
+    environment: EnvironmentPlan | None = Field(
+        default=None, description="The environment's session protocol; None: the row has no environment."
+    )
 
 
 class RolloutSettings(_Model):
@@ -97,6 +132,13 @@ class RolloutSettings(_Model):
     )
     grade_timeouts: bool = Field(default=False, description="Grade the result of a rollout that timed out.")
     input_mode: int = Field(default=0o644, description="File mode of input.json.")
+    max_capture_bytes: int | None = Field(
+        default=256 * 1024 * 1024,
+        ge=64 * 1024,
+        description=(
+            "Budget of a rollout's model_capture.jsonl; past it the rollout ends as agent_error; None: none."
+        ),
+    )
 
 
 class SuperviseFn(Protocol):
@@ -153,9 +195,22 @@ def prepare_rollout(
         model = model.model_copy(update={"sampling": row.model.sampling})
     resources: dict[str, ResourceEndpoint] = {}
     env_endpoint: EnvironmentEndpoint | None = None
+    environment: EnvironmentPlan | None = None
     if task.environment is not None:
         env_endpoint = endpoints.environments[task.environment.key]
         resources[task.environment.key] = ResourceEndpoint(base_url=env_endpoint.url)
+        params = task.create_params
+        if params is None:
+            params = create_params_for(
+                input=row.input,
+                instructions=row.instructions,
+                tools=function_tools(list(task.tools), codeact=row.agent.mode == "codeact"),
+                model=model.model,
+                sampling=model.sampling.model_dump(),
+            )
+        environment = EnvironmentPlan(
+            url=env_endpoint.url, token=env_endpoint.token, run_request=run_request(params, task.verifier)
+        )
     worker_input = WorkerInput(
         rollout_id=rid,
         task_id=task.id,
@@ -178,7 +233,6 @@ def prepare_rollout(
             grader=task.grader,
             expected=row.expected,
             verify_url=env_endpoint.url if env_endpoint is not None else None,
-            verify_token=env_endpoint.token if env_endpoint is not None else None,
             files=files,
         )
     return PreparedRollout(
@@ -189,6 +243,7 @@ def prepare_rollout(
         rollout_dir=str(out_dir / "rollouts" / rid),
         worker_input=worker_input,
         grading=grading,
+        environment=environment,
     )
 
 
@@ -199,10 +254,12 @@ def may_grade(outcome: Outcome, *, grade_timeouts: bool) -> bool:
 
 def _lay_out(directory: Path, worker_input: WorkerInput, mode: int) -> None:
     from rollcage.durable import publish_json
+    from rollcage.supervisor.fds import retry_on_emfile
 
     directory.mkdir(parents=True, exist_ok=False)
     (directory / "workspace").mkdir()
-    publish_json(directory / "input.json", worker_input, mode=mode)
+    # Another rollout may hold every descriptor for a moment: wait for one rather than fail this one.
+    retry_on_emfile(publish_json, directory / "input.json", worker_input, mode=mode)
 
 
 def _read_result(directory: Path) -> WorkerResult | None:
@@ -232,30 +289,85 @@ def _metrics(result: WorkerResult | None, receipt: SupervisorReceipt) -> Rollout
     )
 
 
-async def _grade(prepared: PreparedRollout, result: WorkerResult, outcome: Outcome) -> GradeResult:
+def _verify_payload(
+    prepared: PreparedRollout,
+    plan: EnvironmentPlan,
+    result: WorkerResult,
+    outcome: Outcome,
+    files: dict[str, str],
+) -> tuple[bytes, frozenset[str]]:
+    """The /verify body and its top-level keys: rollcage's fields, the row's verifier fields over them,
+    NeMo Gym's over all."""
+    import orjson
+
+    params = plan.run_request.get("responses_create_params") or {}
+    extras: dict[str, Any] = {
+        "task_id": prepared.task_id,
+        "rollout_id": prepared.rollout_id,
+        "outcome": outcome,
+        "output_text": result.response.output_text if result.response is not None else "",
+    }
+    if files:
+        extras["workspace_files"] = files
+    body = {**extras, **plan.run_request, "response": to_nemo_response(result, params)}
+    return orjson.dumps(body), frozenset(body)
+
+
+async def _grade(
+    prepared: PreparedRollout, result: WorkerResult, outcome: Outcome, client: Any
+) -> GradeResult:
     plan = prepared.grading
     assert plan is not None
     spec: GraderSpec = plan.grader
     answer = result.response.output_text if result.response is not None else ""
     if spec.type != "verify":
-        return grade_builtin(spec, expected=plan.expected, answer=answer)
-    if plan.verify_url is None:
-        return GradeResult(None, {"name": "verify"}, "no environment URL to verify against")
+        backstop = _BUILTIN_GRADE_TIMEOUT_S + (spec.timeout_s if spec.type == "regex" else 0.0)
+        return await grade_builtin_off_loop(spec, expected=plan.expected, answer=answer, timeout_s=backstop)
+    env = prepared.environment
+    if env is None:
+        return GradeResult(None, {"name": "verify"}, "no environment to verify against")
     workspace = os.path.join(prepared.rollout_dir, "workspace")
     files = await asyncio.to_thread(read_workspace_files, workspace, plan.files) if plan.files else {}
-    payload = {
-        "task_id": prepared.task_id,
-        "rollout_id": prepared.rollout_id,
-        "outcome": outcome,
-        "output_text": answer,
-        "response": result.response.model_dump(mode="json") if result.response is not None else None,
-        "expected": plan.expected,
-        "resource_cookies": result.resource_cookies,
-        "workspace_files": files,
-    }
+    # Serialising a large result is CPU work: not on the loop.
+    payload, sent = await asyncio.to_thread(_verify_payload, prepared, env, result, outcome, files)
     return await verify_remote(
-        plan.verify_url, token=plan.verify_token, payload=payload, timeout_s=spec.timeout_s
+        env.url,
+        client=client,
+        token=env.token,
+        payload=payload,
+        timeout_s=spec.timeout_s,
+        cookies=result.resource_cookies,
+        sent=sent,
     )
+
+
+async def _seed(prepared: PreparedRollout, client: Any) -> PreparedRollout:
+    """Seed the environment's session; the cookies it sets join ``input.json``'s resource cookies."""
+    import orjson
+
+    env = prepared.environment
+    assert env is not None
+    body = await asyncio.to_thread(orjson.dumps, env.run_request)
+    cookies = await seed_session(client, env.url, token=env.token, body=body, timeout_s=env.timeout_s)
+    if not cookies:
+        return prepared
+    inp = prepared.worker_input
+    worker_input = inp.model_copy(update={"resource_cookies": {**inp.resource_cookies, **cookies}})
+    return prepared.model_copy(update={"worker_input": worker_input})
+
+
+async def _close(prepared: PreparedRollout, client: Any, cookies: dict[str, str]) -> str | None:
+    import orjson
+
+    env = prepared.environment
+    assert env is not None
+    body = await asyncio.to_thread(orjson.dumps, env.run_request)
+    problem = await close_session(
+        client, env.url, token=env.token, body=body, cookies=cookies, timeout_s=env.timeout_s
+    )
+    if problem is not None:
+        logger.warning("rollout %s: /close_session on %s failed: %s", prepared.rollout_id, env.url, problem)
+    return problem
 
 
 def _failed_receipt(
@@ -282,7 +394,7 @@ def _failed_receipt(
 
 def build_supervisor_config(settings: RolloutSettings) -> Any:
     """The ``rollcage.supervisor.SupervisorConfig`` for ``settings`` (imported now, lazily)."""
-    from rollcage.supervisor import BwrapSandbox, NoSandbox, SupervisorConfig
+    from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig
 
     sandbox = BwrapSandbox() if settings.sandbox == "bwrap" else NoSandbox()
     return SupervisorConfig(
@@ -290,6 +402,7 @@ def build_supervisor_config(settings: RolloutSettings) -> Any:
         grace_s=settings.grace_s,
         sandbox=sandbox,
         api_key_env=settings.api_key_env,
+        proxy=ProxyConfig(max_capture_bytes=settings.max_capture_bytes),
     )
 
 
@@ -326,11 +439,37 @@ async def run_rollout(
 
     **Cancellation:** cancelling the call cancels the supervisor, which stops and
     reaps the worker (see ``rollcage.supervisor``); no record is returned, so the
-    attempt is rerun on resume.
+    attempt is rerun on resume. A session already seeded is not closed (the
+    environment's own session limits reclaim it); the rerun seeds a new one.
     """
+    if prepared.environment is None:
+        return await _run_and_grade(prepared, settings, stop, supervise, supervisor_config, None)
+    from http.cookiejar import CookieJar, DefaultCookiePolicy
+
+    import httpx
+
+    # The session is the rollout's cookies, sent explicitly: a client jar that accepts
+    # nothing, so no cookie of one call leaks into the next.
+    jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+    async with httpx.AsyncClient(trust_env=False, follow_redirects=False, cookies=jar) as client:
+        return await _run_and_grade(prepared, settings, stop, supervise, supervisor_config, client)
+
+
+async def _run_and_grade(
+    prepared: PreparedRollout,
+    settings: RolloutSettings,
+    stop: asyncio.Event | None,
+    supervise: SuperviseFn | None,
+    supervisor_config: Any,
+    client: Any,
+) -> RolloutRecord:
     rollout_dir = Path(prepared.rollout_dir)
     started = time.time()
+    seeded = False
     try:
+        if client is not None:
+            prepared = await _seed(prepared, client)
+            seeded = True
         await asyncio.to_thread(_lay_out, rollout_dir, prepared.worker_input, settings.input_mode)
         if supervise is None:
             fn = _default_supervise()
@@ -343,16 +482,25 @@ async def run_rollout(
         receipt = _failed_receipt(prepared, settings, exc, started)
     result = await asyncio.to_thread(_read_result, rollout_dir) if receipt.result_valid else None
     graded = False
+    masked = False
+    failure_kind: str | None = None
     reward: float | None = None
     grader: dict[str, Any] | None = None
     if prepared.grading is not None and may_grade(receipt.outcome, grade_timeouts=settings.grade_timeouts):
         if result is None:
             grade = GradeResult(None, {"name": prepared.grading.grader.type}, "no valid result.json to grade")
         else:
-            grade = await _grade(prepared, result, receipt.outcome)
+            grade = await _grade(prepared, result, receipt.outcome, client)
         grader = grade.as_record()
         graded = grade.reward is not None
         reward = grade.reward
+        masked = grade.masked
+        failure_kind = grade.failure_kind
+    if seeded:
+        cookies = result.resource_cookies if result is not None else prepared.worker_input.resource_cookies
+        problem = await _close(prepared, client, cookies)
+        if problem is not None and grader is not None:
+            grader["close_session_error"] = problem
     return RolloutRecord(
         rollout_id=prepared.rollout_id,
         task_id=prepared.task_id,
@@ -361,6 +509,8 @@ async def run_rollout(
         outcome=receipt.outcome,
         graded=graded,
         reward=reward,
+        masked=masked,
+        failure_kind=failure_kind,
         grader=grader,
         termination_reason=result.termination_reason if result is not None else None,
         receipt=receipt,
@@ -375,8 +525,12 @@ def set_aside(rollout_dir: Path, attic: Path) -> Path | None:
     Returns:
         Its new path, or ``None`` when there was nothing to move.
     """
+    from rollcage.durable import sweep_temp_artifacts
+
     if not rollout_dir.exists():
         return None
+    # A controller killed while publishing left temporary files: evidence of nothing, not worth keeping.
+    sweep_temp_artifacts(rollout_dir)
     attic.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     target = attic / f"{rollout_dir.name}.{stamp}"

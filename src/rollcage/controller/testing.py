@@ -205,6 +205,8 @@ class FakeSupervisor:
                 usage=usage,
             ),
             trajectory=Trajectory(model_calls=[call]),
+            # A worker that called no tool ends with the cookies it started with.
+            resource_cookies=dict(worker_input.resource_cookies),
             termination_reason="completed"
             if error is None
             else ("cancelled" if error.kind == "cancelled" else "error"),

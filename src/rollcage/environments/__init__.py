@@ -9,18 +9,25 @@ any URL serving the same endpoints.
 The registry is plain data: nothing is registered as a side effect of an import,
 and an environment's app module is imported only when it is started.
 
-``/verify`` request body (JSON)::
+The controller speaks NeMo Gym's resource-server protocol to every environment
+(see ``rollcage.controller._nemo_gym``): ``POST /seed_session`` before the rollout
+(404: not offered), the agent's tool calls with the session cookies, ``POST /verify``
+after it, ``POST /close_session`` last (404: not offered); cookies travel as a
+``Cookie`` header. ``/verify`` request body (JSON)::
 
-    {"task_id": str, "rollout_id": str, "outcome": str,
-     "output_text": str, "response": {...} | null,        # the worker's final ResponseOutput
-     "expected": <the row's controller-only value>,
-     "resource_cookies": {str: str},                       # the session the agent ended with
-     "workspace_files": {relative path: text}}             # only the files the grader asked for
+    {"responses_create_params": {...},          # the task's Responses request (NeMo Gym's)
+     "response": {...},                         # the rollout as a complete NeMo Gym response object
+     <the row's verifier fields>,               # NeMo Gym rows' extra fields; 'expected' for rollcage rows
+     "task_id": str, "rollout_id": str, "outcome": str, "output_text": str,
+     "workspace_files": {relative path: text}}  # only when the grader asks for files
 
-and its answer: ``{"reward": float, "detail": {...}}``. Bundled environments
-require ``Authorization: Bearer <token>`` on ``/verify`` with a token only the
-controller knows, because the sandbox can reach the tool endpoints (through the
-egress proxy) and must not be able to probe its own grader.
+and its answer: ``{"reward": float, "mask_sample": bool?, "failure_kind": str?,
+"detail": {...}?}`` plus any other fields (NeMo Gym's ``BaseVerifyResponse`` echoes
+the request; the echo is not kept). Bundled environments require
+``Authorization: Bearer <token>`` on ``/seed_session``, ``/verify`` and
+``/close_session`` with a token only the controller knows, because the sandbox can
+reach the tool endpoints (through the egress proxy) and must not be able to probe
+its own grader or reset its session.
 """
 
 from __future__ import annotations
@@ -99,6 +106,28 @@ _BUNDLED: dict[str, EnvironmentInfo] = {
             ),
         ),
         default_tools=("python", "get_weather", "set_units"),
+    ),
+    "nemo-counter": EnvironmentInfo(
+        name="nemo-counter",
+        description="A stateful counter written the NeMo Gym way (seed/verify/close sessions by cookie).",
+        app="rollcage.environments.counter:create_app",
+        tools=(
+            ToolInfo(
+                name="increment_counter",
+                description="Add count to this session's counter.",
+                parameters={
+                    "type": "object",
+                    "properties": {"count": {"type": "integer"}},
+                    "required": ["count"],
+                },
+            ),
+            ToolInfo(
+                name="get_counter_value",
+                description="This session's counter value.",
+                parameters={"type": "object", "properties": {}},
+            ),
+        ),
+        default_tools=("increment_counter", "get_counter_value"),
     ),
     "code-fn": EnvironmentInfo(
         name="code-fn",

@@ -1,10 +1,13 @@
 """``calc-weather``: a stateful weather resource, with calculation left to the Python tool.
 
 Tools: ``POST /get_weather {"city": ...}`` and ``POST /set_units {"units": "C"|"F"}``.
-State is per session: the first call sets a ``cw_session`` cookie, and the units
-chosen and the cities looked up belong to that session. ``POST /verify`` compares
+State is per session, named by a ``cw_session`` cookie: the controller's
+``POST /seed_session`` opens one (a tool call without a session opens one too), the
+units chosen and the cities looked up belong to it, ``POST /verify`` reads it from
+the ``Cookie`` header, and ``POST /close_session`` drops it. ``/verify`` compares
 the final answer (e.g. ``cold;sum=42``) with the row's ``expected``, ignoring case
-and whitespace, and reports the session's lookups as detail.
+and whitespace, and reports the session's lookups as detail. The three session
+and grading endpoints answer only the controller (its bearer token).
 """
 
 from __future__ import annotations
@@ -116,6 +119,23 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
         session.units = str(units)
         return answer({"units": session.units}, key, new)
 
+    async def seed_session(request: Request) -> Response:
+        if not verify_allowed(request, verify_token):
+            return json_error(403, "seed_session is for the controller only")
+        key = secrets.token_hex(16)
+        sessions[key] = _Session()
+        while len(sessions) > _MAX_SESSIONS:
+            sessions.popitem(last=False)
+        return answer({}, key, True)
+
+    async def close_session(request: Request) -> Response:
+        if not verify_allowed(request, verify_token):
+            return json_error(403, "close_session is for the controller only")
+        key = request.cookies.get(COOKIE)
+        if key is not None:
+            sessions.pop(key, None)
+        return JSONResponse({})
+
     async def verify(request: Request) -> Response:
         if not verify_allowed(request, verify_token):
             return json_error(403, "verify is for the controller only")
@@ -129,9 +149,8 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
         output_text = body.get("output_text")
         given = output_text if isinstance(output_text, str) else ""
         match = normalise_answer(given) == normalise_answer(expected)
-        cookies = body.get("resource_cookies")
-        key = cookies.get(COOKIE) if isinstance(cookies, dict) else None
-        session = sessions.get(key) if isinstance(key, str) else None
+        key = request.cookies.get(COOKIE)
+        session = sessions.get(key) if key is not None else None
         detail = {
             "match": match,
             "answer": given[:200],
@@ -147,6 +166,8 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
             Route("/", index, methods=["GET"]),
             Route("/get_weather", get_weather, methods=["POST"]),
             Route("/set_units", set_units, methods=["POST"]),
+            Route("/seed_session", seed_session, methods=["POST"]),
             Route("/verify", verify, methods=["POST"]),
+            Route("/close_session", close_session, methods=["POST"]),
         ]
     )

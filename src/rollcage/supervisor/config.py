@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
     from rollcage.supervisor.sandbox import BwrapLauncher, NoSandboxLauncher
@@ -155,6 +155,60 @@ class ProxyConfig(_Config):
         ge=1024,
         description="Largest response body passed back; a larger one is cut off and the connection closed.",
     )
+    max_connections: int = Field(
+        default=32,
+        ge=1,
+        le=4096,
+        description=(
+            "Connections the sandbox may hold open to the proxy at once; more are refused at accept. The "
+            "process also shares what its open-file limit affords fairly between rollouts (see "
+            "rollcage.supervisor.fds), so a rollout may get fewer."
+        ),
+    )
+    idle_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "A connection with no request in progress is closed after this long; it also bounds how long "
+            "a response waits for a client that does not read."
+        ),
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="From the first byte of a request to the end of its head; past it: 408 and close.",
+    )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="From the end of a request's head to the end of its body; past it: 408 and close.",
+    )
+    model_routes: list[str] = Field(
+        default_factory=lambda: ["POST /chat/completions", "POST /responses", "GET /models"],
+        min_length=1,
+        description=(
+            "What the model route forwards, as 'METHOD /path' under /model/v1 ('/*' at the end: any path "
+            "below); everything else is answered 403 and captured as denied."
+        ),
+    )
+    capture_body_bytes: int = Field(
+        default=2 * _MIB,
+        ge=0,
+        description=(
+            "Bodies up to this size are captured whole; a larger one as its size, sha256 and first 64 KiB."
+        ),
+    )
+    max_capture_bytes: int | None = Field(
+        default=256 * _MIB,
+        ge=64 * 1024,
+        description=(
+            "The rollout's budget for model_capture.jsonl. The exchange that would pass it is captured "
+            "without bodies, and the rollout ends as agent_error (the policy's fault); None: no budget."
+        ),
+    )
     connect_timeout_s: float = Field(default=10.0, gt=0, description="Deadline for connecting upstream.")
     upstream_timeout_s: float | None = Field(
         default=None,
@@ -164,6 +218,15 @@ class ProxyConfig(_Config):
             "timeouts and the rollout deadline bound it."
         ),
     )
+
+    @field_validator("model_routes")
+    @classmethod
+    def _check_routes(cls, routes: list[str]) -> list[str]:
+        for route in routes:
+            method, _, path = route.partition(" ")
+            if not (method.isalpha() and method.isupper()) or not path.startswith("/") or " " in path:
+                raise ValueError(f"model route {route!r} must be 'METHOD /path' ('POST /chat/completions')")
+        return routes
 
 
 class SupervisorConfig(_Config):

@@ -6,7 +6,8 @@ The sequence, for one rollout::
     prepare    validate input.json, start the egress proxy, write the worker's view of the input
     launch     the worker in a new session (bwrap or plain), stdout+stderr to worker.log
     watch      until it exits, the deadline passes, or a stop arrives (event, stop file, cancellation)
-    stop       SIGTERM to the worker's process group, grace, SIGKILL to the whole tree
+    stop       SIGTERM to the worker's process group (at once, through a pidfd held since launch),
+               grace, SIGKILL to the whole tree
     clean up   find every remaining descendant through /proc, SIGKILL it, reap it; confirm none is left
     collect    result.json into the rollout directory, leftover temporary files swept, journal's last seq
     receipt    classify the outcome (one pure function), publish receipt.json atomically, last
@@ -14,6 +15,8 @@ The sequence, for one rollout::
 Many rollouts can be supervised concurrently in one event loop: all state is
 per call. The only process-wide change is the child-subreaper flag, set once;
 descendants are told apart by a per-rollout token in their environment.
+The open-file limit is raised to its hard limit once, and the egress proxies
+share what it affords (:mod:`rollcage.supervisor.fds`).
 """
 
 from __future__ import annotations
@@ -29,17 +32,18 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import Literal, TypeVar
 
 import orjson
 from pydantic import ValidationError
 
-from rollcage.durable import is_temp_artifact, publish_json, read_journal
+from rollcage.durable import publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
 from rollcage.protocol import SignalEvent, SupervisorReceipt, WorkerInput, WorkerResult
 from rollcage.supervisor.config import TOKEN_ENV, SupervisorConfig
+from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.procs import (
     ChildProcess,
@@ -49,12 +53,14 @@ from rollcage.supervisor.procs import (
     descendants,
     ensure_subreaper,
     has_token,
+    in_proc_thread,
     ns_pids,
     read_proc,
     scan_processes,
+    subtree,
     wait_readable,
 )
-from rollcage.supervisor.proxy import EgressProxy, routes_for, sandbox_input
+from rollcage.supervisor.proxy import EgressProxy, identity_headers, routes_for, sandbox_input
 from rollcage.supervisor.sandbox import (
     BwrapLauncher,
     LaunchPlan,
@@ -68,7 +74,8 @@ __all__ = ["default_worker_command", "kill_leftovers", "supervise"]
 logger = logging.getLogger("rollcage.supervisor")
 
 _T = TypeVar("_T")
-_Reason = Literal["deadline", "stop", "grace_expired", "cleanup"]
+_Reason = Literal["deadline", "stop", "budget", "grace_expired", "cleanup"]
+_Cause = Literal["deadline", "stop", "budget"]
 _MAX_RESULT_BYTES = 1 << 30
 _LOG_TAIL_BYTES = 4096
 
@@ -114,6 +121,7 @@ async def supervise(
     config: SupervisorConfig | None = None,
     *,
     stop: asyncio.Event | None = None,
+    credentials: Mapping[str, str] | None = None,
 ) -> SupervisorReceipt:
     """Run the worker on one prepared rollout directory and return its receipt.
 
@@ -130,6 +138,10 @@ async def supervise(
         config: How to supervise; ``None``: the defaults (bubblewrap, 600 s).
         stop: Set it to stop the rollout early (outcome ``cancelled``). A file
             named ``stop`` in the rollout directory has the same effect.
+        credentials: Where the credential variables the config names are read:
+            ``None``, this process's environment; else this mapping, so a caller that
+            holds a key in memory (the Ray backend) never puts it in an environment
+            that every child process inherits.
 
     Returns:
         The receipt, as written to ``receipt.json``.
@@ -149,7 +161,7 @@ async def supervise(
     the grace period. The wait is bounded by ``grace_s + 2 * kill_wait_s`` (plus
     up to a second for a sandbox to wind down) and the time to write the receipt.
     """
-    run = _Supervision(Path(rollout_dir), config or SupervisorConfig(), stop)
+    run = _Supervision(Path(rollout_dir), config or SupervisorConfig(), stop, credentials)
     await asyncio.to_thread(run.check)
     cancelled = False
     try:
@@ -188,8 +200,15 @@ async def _within(awaitable: Awaitable[_T], seconds: float) -> _T | None:
 class _Supervision:
     """The state of one ``supervise()`` call."""
 
-    def __init__(self, root: Path, config: SupervisorConfig, stop: asyncio.Event | None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        config: SupervisorConfig,
+        stop: asyncio.Event | None,
+        credentials: Mapping[str, str] | None = None,
+    ) -> None:
         self.config = config
+        self.credential_source: Mapping[str, str] = os.environ if credentials is None else credentials
         self.layout = RolloutLayout(root)
         self.stop_event = stop
         self.started_at = time.time()
@@ -217,6 +236,11 @@ class _Supervision:
         self.sandbox_init: PidHandle | None = None
         self.sigkilled: set[tuple[int, int]] = set()
         self.status_task: asyncio.Task[None] | None = None
+        self.locate_task: asyncio.Task[None] | None = None
+        self.group_leader: PidHandle | None = None
+        self.budget_exceeded: tuple[str, str] | None = None
+        """The budget the policy exceeded first: its name and the reason in words."""
+        self._over_budget = asyncio.Event()
         self.credentials: tuple[str | None, dict[str, str]] = (None, {})
 
     # ----------------------------------------------------------------- check and prepare
@@ -233,7 +257,7 @@ class _Supervision:
         self.launcher.check()
         key: str | None = None
         if self.config.api_key_env is not None:
-            key = os.environ.get(self.config.api_key_env)
+            key = self.credential_source.get(self.config.api_key_env)
             if not key:
                 raise ConfigError(
                     f"api_key_env names {self.config.api_key_env}, which is not set in the "
@@ -241,7 +265,7 @@ class _Supervision:
                 )
         resource_keys: dict[str, str] = {}
         for name, variable in self.config.resource_api_key_envs.items():
-            value = os.environ.get(variable)
+            value = self.credential_source.get(variable)
             if not value:
                 raise ConfigError(
                     f"resource_api_key_envs[{name!r}] names {variable}, which is not set in the supervisor's "
@@ -299,14 +323,15 @@ class _Supervision:
 
     def _open_log(self) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
-        return os.open(self.layout.log, flags, 0o600)
+        return retry_on_emfile(os.open, self.layout.log, flags, 0o600)
 
     # ----------------------------------------------------------------- run
 
     async def run(self) -> None:
         """Prepare, launch and watch the worker until it exits or has been stopped."""
         ensure_subreaper()
-        await asyncio.to_thread(self._read_input)
+        raise_open_file_limit()
+        await asyncio.to_thread(retry_on_emfile, self._read_input)
         if self.setup_failure is not None or self.original is None:
             return
         stop_set = self.stop_event is not None and self.stop_event.is_set()
@@ -360,10 +385,12 @@ class _Supervision:
                 rollout_id=self.rollout_id,
                 config=self.config.proxy,
                 socket_owner=plan.owner,
+                identity=identity_headers(self.original),
+                on_budget_exceeded=self._budget_passed,
             )
             await self.proxy.__aenter__()
             worker_input = sandbox_input(self.original, plan.proxy_socket)
-        await asyncio.to_thread(self._prepare_files, plan, worker_input)
+        await asyncio.to_thread(retry_on_emfile, self._prepare_files, plan, worker_input)
         self.log_fd = await asyncio.to_thread(self._open_log)
         self.child = ChildProcess.spawn(
             plan.argv,
@@ -412,23 +439,60 @@ class _Supervision:
         handle = self._handle(info)
         if handle is not None:
             self.sandbox_init = handle
+            self.locate_task = asyncio.ensure_future(self._locate_group_leader())
+
+    async def _locate_group_leader(self) -> None:
+        """Hold a pidfd on the leader of the worker's process group as soon as the sandbox has one.
+
+        With it, the deadline's SIGTERM goes out at once, from the event loop, to the
+        whole group (``pidfd_send_signal``), rather than after a walk of ``/proc``
+        that a loaded machine can delay by seconds. Polls briefly while the sandbox
+        starts (its inner stages appear one after another).
+        """
+        pause = 0.01
+        while self.group_leader is None and self.child is not None and self.child.status is None:
+            self.group_leader = await in_proc_thread(self._find_group_leader)
+            if self.group_leader is None:
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 0.5)
+
+    def _find_group_leader(self) -> PidHandle | None:
+        """The innermost sandbox init, once the worker is in its group (blocking; a thread)."""
+        init = self.sandbox_init
+        if init is None:
+            return None
+        tree = [info for info in subtree([init.info.pid]) if info.alive]
+        leader = _innermost_init(tree)
+        if leader is None or not any(info.pgid == leader.pid and info.pid != leader.pid for info in tree):
+            return None
+        return PidHandle.open(leader)
 
     async def _watch(self, child: ChildProcess) -> None:
         exited = asyncio.ensure_future(child.wait())
         stopped = asyncio.ensure_future(self._stop_arrives())
+        over = asyncio.ensure_future(self._over_budget.wait())
         try:
             await asyncio.wait(
-                {exited, stopped},
+                {exited, stopped, over},
                 timeout=max(self.deadline_at - time.monotonic(), 0.0),
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
-            for task in (exited, stopped):
+            for task in (exited, stopped, over):
                 task.cancel()
-            await asyncio.gather(exited, stopped, return_exceptions=True)
+            await asyncio.gather(exited, stopped, over, return_exceptions=True)
         if child.status is not None or (exited.done() and not exited.cancelled()):
             return
-        await self._terminate("stop" if stopped.done() and not stopped.cancelled() else "deadline")
+        if self._over_budget.is_set():
+            await self._terminate("budget")
+        else:
+            await self._terminate("stop" if stopped.done() and not stopped.cancelled() else "deadline")
+
+    def _budget_passed(self, budget: str, reason: str) -> None:
+        """A per-rollout budget was exceeded: the rollout ends, as the policy's fault."""
+        if self.budget_exceeded is None:
+            self.budget_exceeded = (budget, reason)
+            self._over_budget.set()
 
     async def _stop_arrives(self) -> None:
         """Return once a stop is asked for: the event, or the stop file."""
@@ -452,7 +516,7 @@ class _Supervision:
     async def _tree(self) -> list[ProcInfo]:
         """The worker's process tree (its direct child included) and the reparented stragglers."""
         assert self.child is not None
-        table = await asyncio.to_thread(scan_processes)
+        table = await in_proc_thread(scan_processes)
         roots = [self.child.pid]
         init = self.sandbox_init
         if init is not None:
@@ -479,36 +543,46 @@ class _Supervision:
         group. That init is the tree's process with the deepest ``NSpid`` ending in 1;
         it is left out (it only reaps).
         """
-        if self.sandbox_init is None:
+        init = self.sandbox_init
+        if init is None:
             return []
-        tree = [info for info in await self._tree() if info.alive]
-        nspids = await asyncio.to_thread(lambda: {info.pid: ns_pids(info.pid) for info in tree})
-        inits = [info for info in tree if nspids[info.pid][-1:] == (1,)]
-        if not inits:
+        tree = [info for info in await in_proc_thread(subtree, [init.info.pid]) if info.alive]
+        leader = await in_proc_thread(_innermost_init, tree)
+        if leader is None:
             return []
-        init = max(inits, key=lambda info: len(nspids[info.pid]))
-        return [info for info in tree if info.pgid == init.pid and info.pid != init.pid]
+        return [info for info in tree if info.pgid == leader.pid and info.pid != leader.pid]
 
-    async def _terminate(self, cause: Literal["deadline", "stop"]) -> None:
+    async def _signal_worker_group(self, sig: signal.Signals) -> bool:
+        """Send ``sig`` to the worker's process group; whether it reached anyone."""
+        child = self.child
+        assert child is not None and self.plan is not None
+        if self.plan.sandbox == "none":
+            return child.signal_group(sig)
+        if self.group_leader is not None:
+            # At once, from the loop: no thread, no walk of /proc (see _locate_group_leader).
+            sent = self.group_leader.send_group(sig)
+            if sent is not None:
+                return sent
+        reached = False
+        for info in await self._sandbox_group():
+            handle = self._handle(info)
+            reached = (handle is not None and handle.send(sig)) or reached
+        return reached
+
+    async def _terminate(self, cause: _Cause) -> None:
         """SIGTERM the worker's process group, wait the grace period, SIGKILL the whole tree."""
         child = self.child
         assert child is not None and self.plan is not None
-        if self.stop_cause is None:
-            self.stop_cause = cause
         if cause == "deadline":
             self.deadline_fired = True
-        else:
+        elif cause == "stop":
             self.stop_requested = True
+        if self.stop_cause is None and cause != "budget":
+            self.stop_cause = cause
         logger.info("rollout %s: %s; stopping the worker", self.rollout_id, cause)
         if not self.sigterm_sent:
             self.sigterm_sent = True
-            sent = False
-            if self.plan.sandbox == "none":
-                sent = child.signal_group(signal.SIGTERM)
-            else:
-                for info in await self._sandbox_group():
-                    handle = self._handle(info)
-                    sent = (handle is not None and handle.send(signal.SIGTERM)) or sent
+            sent = await self._signal_worker_group(signal.SIGTERM)
             if sent:
                 self._record(signal.SIGTERM, "group", cause)
                 self.grace_until = time.monotonic() + self.config.grace_s
@@ -614,12 +688,16 @@ class _Supervision:
             confirmed, killed = await self._clean_up()
             status = self.child.release() if self.child is not None else None
         finally:
-            if self.status_task is not None:
-                self.status_task.cancel()
-                await asyncio.gather(self.status_task, return_exceptions=True)
+            for task in (self.status_task, self.locate_task):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             for handle in self.handles.values():
                 handle.close()
             self.handles.clear()
+            if self.group_leader is not None:
+                self.group_leader.close()
+                self.group_leader = None
             if self.log_fd is not None:
                 os.close(self.log_fd)
                 self.log_fd = None
@@ -637,7 +715,7 @@ class _Supervision:
         swept = 0
         if self.plan is not None:
             present, result, problem = self._collect_result(self.plan)
-            swept = self._sweep_temp_files(self.plan)
+            swept = sum(map(sweep_temp_artifacts, {self.plan.result_dir, layout.root}))
         if self.stop_cause is None and os.path.exists(layout.stop) and self.child is not None:
             # The worker saw the stop file itself (it polls it too) and exited before we acted.
             self.stop_requested = True
@@ -656,8 +734,10 @@ class _Supervision:
             result_problem=problem,
             setup_failure=self.setup_failure,
             log_tail=_log_tail(layout.log) if not present else None,
+            budget_exceeded=None if self.budget_exceeded is None else self.budget_exceeded[1],
         )
         outcome, reason = classify_outcome(evidence)
+        proxy = self.proxy
         ended = time.time()
         receipt = SupervisorReceipt(
             rollout_id=self.rollout_id,
@@ -681,10 +761,14 @@ class _Supervision:
             result_present=present,
             result_valid=result is not None,
             result_error=None if result is None else result.error,
-            model_calls_captured=None if self.proxy is None else self.proxy.exchanges["model"],
+            model_calls_captured=None if proxy is None else proxy.captured["model"],
+            capture_bytes=None if proxy is None else proxy.capture_bytes,
+            capture_failures=None if proxy is None else proxy.capture_failures,
+            proxy_connections_refused=None if proxy is None else proxy.refused,
+            budget_exceeded=None if self.budget_exceeded is None else self.budget_exceeded[0],
         )
         try:
-            publish_json(layout.receipt, receipt, mode=0o644)
+            retry_on_emfile(publish_json, layout.receipt, receipt, mode=0o644)
         except RollcageError as exc:
             raise SupervisorError(f"cannot write {layout.receipt}: {exc}") from exc
         logger.info("rollout %s: %s (%s)", self.rollout_id, outcome, reason)
@@ -717,7 +801,7 @@ class _Supervision:
             os.replace(source, self.layout.result)
             _fsync_dir(self.layout.root)
         try:
-            fd = os.open(self.layout.result, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = retry_on_emfile(os.open, self.layout.result, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with os.fdopen(fd, "rb") as file:
                 # Check the size first: read(n) allocates n bytes up front, whatever the file holds.
                 if os.fstat(file.fileno()).st_size > _MAX_RESULT_BYTES:
@@ -735,20 +819,16 @@ class _Supervision:
             return True, None, f"result.json is for rollout {result.rollout_id!r}, not {self.rollout_id!r}"
         return True, result, None
 
-    def _sweep_temp_files(self, plan: LaunchPlan) -> int:
-        """Remove temporary files a killed publisher left behind (never a published artifact)."""
-        swept = 0
-        for directory in {plan.result_dir, self.layout.root}:
-            try:
-                names = os.listdir(directory)
-            except OSError:
-                continue
-            for name in names:
-                if is_temp_artifact(name):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(directory, name))
-                        swept += 1
-        return swept
+
+def _innermost_init(tree: list[ProcInfo]) -> ProcInfo | None:
+    """The deepest PID namespace's init among ``tree`` (blocking: reads ``/proc``); ``None`` if none."""
+    depth: dict[int, int] = {}
+    for info in tree:
+        nspid = ns_pids(info.pid)
+        if nspid[-1:] == (1,):
+            depth[info.pid] = len(nspid)
+    inits = [info for info in tree if info.pid in depth]
+    return max(inits, key=lambda info: depth[info.pid]) if inits else None
 
 
 async def _any_exit(handles: list[PidHandle]) -> None:

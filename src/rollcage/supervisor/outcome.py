@@ -4,6 +4,8 @@ The rules, in order (DESIGN.md's outcome table; the first that applies wins):
 
 1. the worker could not be run under supervision (bad ``input.json``, the
    worker could not be started, the supervisor itself failed) → ``infra_failure``;
+1b. the rollout exceeded one of its budgets (e.g. the capture's bytes) →
+    ``agent_error``: the policy's fault, whatever the worker did after;
 2. the supervisor stopped the worker at the **deadline** → ``timeout``;
 3. the supervisor stopped it on an external **stop** (signal, stop file, the
    controller's event) → ``cancelled``;
@@ -48,6 +50,7 @@ class OutcomeEvidence:
         setup_failure: Why the worker could not run under supervision (invalid
             input, it could not be started, the supervisor failed), in words.
         log_tail: The last line of ``worker.log``, to help explain a missing result.
+        budget_exceeded: The per-rollout budget the rollout exceeded, in words; ``None``: none.
     """
 
     stop_cause: Literal["deadline", "stop"] | None = None
@@ -60,6 +63,7 @@ class OutcomeEvidence:
     result_problem: str | None = None
     setup_failure: str | None = None
     log_tail: str | None = None
+    budget_exceeded: str | None = None
 
 
 def model_responses(result: WorkerResult) -> int:
@@ -96,6 +100,8 @@ def classify_outcome(evidence: OutcomeEvidence) -> tuple[Outcome, str]:
     """
     if evidence.setup_failure is not None:
         return "infra_failure", evidence.setup_failure
+    if evidence.budget_exceeded is not None:
+        return "agent_error", f"{evidence.budget_exceeded}; the rollout was stopped (the policy's fault)"
     if evidence.stop_cause == "deadline":
         return "timeout", f"the deadline of {evidence.deadline_s:g}s fired; {_result_words(evidence)}"
     if evidence.stop_cause == "stop":

@@ -15,21 +15,31 @@ Descendants are found by walking ``PPid`` links down from the worker's child,
 plus the processes reparented to this one (it is a child subreaper) that carry
 the rollout's token in their environment: a double-forked daemon whose parent
 is gone ends up there.
+
+Reading ``/proc`` is blocking work that grows with the machine's process count;
+it runs on a small thread pool of its own (:func:`in_proc_thread`), so that a
+default executor saturated by slow fsync calls cannot delay a deadline's
+signals. Where only one sandbox's processes matter, :func:`subtree` follows the
+kernel's per-task ``children`` lists down from known roots instead of reading
+every process on the machine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import select
 import signal
 import subprocess
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rollcage.errors import SupervisorError
 
@@ -41,17 +51,38 @@ __all__ = [
     "descendants",
     "ensure_subreaper",
     "has_token",
+    "in_proc_thread",
     "is_subreaper",
     "ns_pids",
     "read_proc",
     "scan_processes",
+    "subtree",
     "wait_readable",
 ]
 
+_T = TypeVar("_T")
+
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
+_PIDFD_SIGNAL_PROCESS_GROUP = 4  # linux/pidfd.h, Linux 6.9
 _subreaper_lock = threading.Lock()
 _subreaper_set = False
+_executor_lock = threading.Lock()
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+async def in_proc_thread(fn: Callable[..., _T], *args: object) -> _T:
+    """Run blocking ``/proc`` work on the supervisor's own small thread pool.
+
+    **Cancellation:** the caller stops waiting; the call itself runs to its end.
+    """
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix="supervisor-proc"
+            )
+    return await asyncio.get_running_loop().run_in_executor(_executor, functools.partial(fn, *args))
 
 
 def ensure_subreaper() -> None:
@@ -145,6 +176,51 @@ def scan_processes() -> dict[int, ProcInfo]:
             if info is not None:
                 table[info.pid] = info
     return table
+
+
+def _children(pid: int) -> list[int] | None:
+    """PIDs of ``pid``'s children from its tasks' ``children`` lists; ``None`` if the kernel has none."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found: list[int] = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as file:
+                found += [int(part) for part in file.read().split()]
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread (or process) ended meanwhile
+            return None  # a kernel without CONFIG_PROC_CHILDREN
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def subtree(roots: Iterable[int]) -> list[ProcInfo]:
+    """The processes descending from ``roots`` (roots included), parents first (blocking).
+
+    Follows the per-task ``children`` lists, so the cost grows with the subtree,
+    not with the machine; falls back to a full scan where the kernel lacks them.
+    """
+    found: list[ProcInfo] = []
+    seen: set[int] = set()
+    queue = list(roots)
+    while queue:
+        pid = queue.pop(0)
+        if pid in seen:
+            continue
+        seen.add(pid)
+        info = read_proc(pid)
+        if info is None:
+            continue
+        children = _children(pid)
+        if children is None:
+            return descendants(scan_processes(), roots, token=None)
+        found.append(info)
+        queue += children
+    return found
 
 
 def ns_pids(pid: int) -> tuple[int, ...]:
@@ -291,6 +367,23 @@ class PidHandle:
             signal.pidfd_send_signal(self.fd, sig)
         except ProcessLookupError:
             return False
+        return True
+
+    def send_group(self, sig: int) -> bool | None:
+        """Send ``sig`` to the process group this process leads, atomically and without a PID.
+
+        Returns:
+            ``True`` if sent, ``False`` if the group is empty, ``None`` if the kernel
+            cannot do it (before Linux 6.9): find the members and signal each instead.
+        """
+        try:
+            signal.pidfd_send_signal(self.fd, sig, None, _PIDFD_SIGNAL_PROCESS_GROUP)
+        except ProcessLookupError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.ENOSYS):
+                return None
+            raise
         return True
 
     def exited(self) -> bool:

@@ -11,27 +11,68 @@ reached by path prefix::
     /resource/<name>/<rest>      ->  <resources[name].base_url>/<rest>     (+ its bearer token, if configured)
     anything else                ->  403, with a message saying what is allowed
 
+The model route is itself an allow-list of methods and paths
+(``ProxyConfig.model_routes``; by default ``POST /chat/completions``, ``POST
+/responses`` and ``GET /models``): anything else under ``/model/v1`` is answered
+403 too, so the injected credential never reaches ``DELETE /files/...`` or
+``POST /fine_tuning/jobs``. A resource route forwards only ``POST`` to the paths of
+the tools that ``input.json`` names for it: an environment's controller-only
+endpoints (``/verify``, ``/seed_session``, ``/close_session``) are out of reach, so
+agent code can neither grade itself nor reset or replace its session.
+
 The worker's ``input.json`` is rewritten to match (:func:`sandbox_input`):
 ``model.base_url`` becomes ``http://rollcage-proxy/model/v1`` and each
 resource's ``base_url`` ``http://rollcage-proxy/resource/<name>``, all with
 ``uds`` set to the proxy's socket. An upstream that was itself reached through a
 Unix socket (``uds`` in the original input) still is, from the proxy.
 
-Credentials are added here, read from the supervisor's environment; whatever
-``Authorization`` the sandbox sent is replaced. Request bodies are read whole
-(bounded); responses are streamed back chunk by chunk, so server-sent events
-arrive as they are produced, and are bounded too. The proxy asks upstreams for
-uncompressed bodies so that the capture is readable.
+Headers
+=======
+
+What the sandbox sends is not trusted: hop-by-hop headers (and any the
+``Connection`` header nominates), credential headers (``Authorization``,
+``Proxy-Authorization``, ``X-Api-Key``, ``Api-Key``) and identity headers
+(``X-Rollout-Id``, ``X-Task-Id``, any ``X-Rollcage-*``) are dropped. The proxy
+then sets the identity headers from the controller's ``input.json``
+(:func:`identity_headers`) and the route's credential, read from the
+supervisor's environment. The proxy asks upstreams for uncompressed bodies so
+that the capture is readable.
+
+Bounds
+======
+
+Everything a sandbox can make the proxy hold is bounded per rollout:
+connections open at once (``max_connections``, and a fair share of what the
+process's open-file limit affords, see :mod:`rollcage.supervisor.fds`; more are
+refused at accept with a short 503 and counted), the time a connection may sit
+idle, the time to send a request's head and its body (408 past them), request
+and response sizes (413, 502), the request bytes buffered at once over all
+connections (twice ``max_request_bytes``; 503 past it) and the capture's bytes.
+Request bodies are read whole; responses are streamed back chunk by chunk, so
+server-sent events arrive as they are produced.
+
+The proxy runs its own accept loop rather than ``asyncio.start_unix_server``:
+out of descriptors (``EMFILE``), asyncio's server logs an error and retries a
+second later, and if the server is closed meanwhile the retry raises
+``ValueError: Invalid file descriptor: -1``; here accepting backs off briefly,
+and every accepted socket is closed on every path.
 
 Capture
 =======
 
 Every exchange, allowed or not, appends exactly one JSON line to
-``model_capture.jsonl`` once it has ended (``seq``, ``rollout_id``, ``route``
-``model|resource|denied``, ``name``, method, path, upstream URL, request headers
-and body, response status, headers and body, ``first_byte_at``/``ended_at``
-timings, ``error``). Bodies are stored as ``{"size", "json"|"text"|"base64"}``.
-Credentials never appear in it: ``Authorization`` values are redacted.
+``model_capture.jsonl`` once it has ended, in a ``finally`` path that also
+runs when the client resets the connection mid-response or the rollout ends
+(``seq``, ``rollout_id``, ``route`` ``model|resource|denied``, ``name``, method,
+path, upstream URL, request headers and body, response status, headers and
+body, ``first_byte_at``/``ended_at`` timings, ``error``). Bodies are stored as
+``{"size", "json"|"text"|"base64"}``; one over ``capture_body_bytes`` as its
+size, ``sha256`` and first 64 KiB (``"truncated": true``). Credentials never
+appear in it: their values are redacted. Each line is written and synced whole
+or cut back off (:class:`rollcage.durable.AppendCursor`): a failed write (disk
+full) is counted, never left torn. Past ``max_capture_bytes`` lines lose their
+bodies, the proxy stops taking requests, and the supervisor ends the rollout as
+the policy's fault.
 
 Why h11 and not uvicorn: one proxy runs per rollout, many in one event loop;
 ``uvicorn.Server`` installs process-wide signal handlers while it serves and
@@ -46,36 +87,43 @@ import asyncio
 import base64
 import contextlib
 import functools
+import hashlib
 import logging
 import os
+import socket
 import ssl
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypeVar
 
 import h11
 import httpx
 import orjson
 
+from rollcage.durable import AppendCursor
 from rollcage.errors import SupervisorError
-from rollcage.protocol import WorkerInput
+from rollcage.protocol import ResourceToolSpec, WorkerInput
 from rollcage.supervisor.config import ProxyConfig
+from rollcage.supervisor.fds import connection_budget, is_out_of_descriptors, retry_on_emfile
 
 __all__ = [
     "MODEL_PREFIX",
     "PROXY_HOST",
     "EgressProxy",
     "Route",
+    "identity_headers",
     "resource_prefix",
     "routes_for",
     "sandbox_input",
 ]
 
 logger = logging.getLogger("rollcage.supervisor.proxy")
+
+_T = TypeVar("_T")
 
 PROXY_HOST = "rollcage-proxy"
 """Host name in the worker's rewritten URLs (any name works: the socket decides where requests go)."""
@@ -85,21 +133,37 @@ MODEL_PREFIX = "/model/v1"
 
 _HOP_BY_HOP = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
     }
 )
-_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", "expect"}
-_REDACT = frozenset({"authorization", "proxy-authorization"})
+_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect"}
+_CREDENTIALS = frozenset({b"authorization", b"proxy-authorization", b"x-api-key", b"api-key"})
+_IDENTITY = frozenset({b"x-rollout-id", b"x-task-id"})
+_IDENTITY_PREFIX = b"x-rollcage-"
+_REDACT = frozenset(name.decode() for name in _CREDENTIALS)
 _CHUNK = 65536
+_MAX_HEAD = 64 * 1024
+_PREFIX_BYTES = 64 * 1024
+_BACKLOG = 64
+_ACCEPT_RETRY_S = 0.05
+# While a rollout is over its connection cap, each refusal is followed by this pause: a sandbox
+# that floods the socket costs the event loop at most ~100 accepts a second, and waits in the
+# kernel's backlog meanwhile (its connect() blocks) rather than in this process.
+_REFUSE_PAUSE_S = 0.01
+_REFUSAL_TEXT = b"rollcage egress proxy: too many connections open from this rollout; retry later\n"
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+    b"x-rollcage-proxy: 1\r\ncontent-length: %d\r\n\r\n%s" % (len(_REFUSAL_TEXT), _REFUSAL_TEXT)
+)
 
 
 def resource_prefix(name: str) -> str:
@@ -118,6 +182,11 @@ class Route:
         upstream: The upstream's base URL as the host reaches it.
         uds: Unix socket to reach the upstream through; ``None``: TCP.
         credential: Bearer token added upstream; ``None``: none (never logged or captured).
+        tool_paths: For a resource route, the only paths it forwards, and only as ``POST``: its
+            tools' endpoints. The environment's controller-only endpoints (``/verify``,
+            ``/seed_session``, ``/close_session``) are never among them, so agent code cannot
+            grade itself or reset its session. ``None``: every method and path (a route built
+            by hand; ``routes_for`` always sets it).
     """
 
     kind: Literal["model", "resource"]
@@ -126,6 +195,7 @@ class Route:
     upstream: str
     uds: str | None = None
     credential: str | None = field(default=None, repr=False)
+    tool_paths: frozenset[str] | None = None
 
 
 def routes_for(
@@ -143,6 +213,11 @@ def routes_for(
         )
     ]
     for name, endpoint in original.resources.items():
+        paths = frozenset(
+            _tool_path(tool.path if tool.path is not None else tool.name)
+            for tool in original.tools
+            if isinstance(tool, ResourceToolSpec) and tool.resource == name
+        )
         routes.append(
             Route(
                 kind="resource",
@@ -151,9 +226,20 @@ def routes_for(
                 upstream=endpoint.base_url,
                 uds=endpoint.uds,
                 credential=resource_credentials.get(name),
+                tool_paths=paths,
             )
         )
     return routes
+
+
+def _tool_path(path: str) -> str:
+    """A tool's endpoint as the proxy sees it: the worker joins it to the route with one '/'."""
+    return "/" + path.partition("?")[0].lstrip("/")
+
+
+def identity_headers(original: WorkerInput) -> dict[str, str]:
+    """The identity headers the proxy sets on every forwarded request of this rollout."""
+    return {"X-Rollout-Id": original.rollout_id, "X-Task-Id": original.task_id}
 
 
 def sandbox_input(original: WorkerInput, socket_path: str) -> WorkerInput:
@@ -170,8 +256,13 @@ def sandbox_input(original: WorkerInput, socket_path: str) -> WorkerInput:
     return original.model_copy(update={"model": model, "resources": resources})
 
 
-class _TooLarge(Exception):
-    pass
+class _Refusal(Exception):
+    """The proxy answers the request itself with ``status`` and closes the connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 @functools.cache
@@ -181,21 +272,51 @@ def _ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def _body(data: bytes, content_type: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"size": len(data)}
-    if not data:
+class _BodySink:
+    """A body as the capture keeps it: its size, its hash, and its first ``limit`` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._head = bytearray()
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def feed(self, data: bytes | bytearray) -> None:
+        self.size += len(data)
+        self._sha.update(data)
+        room = self._limit - len(self._head)
+        if room > 0:
+            self._head += data[:room]
+
+    def record(self, content_type: str | None, *, with_content: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {"size": self.size}
+        if not self.size:
+            return out
+        if self.size > self._limit or not with_content:
+            out["truncated"] = True
+            out["sha256"] = self._sha.hexdigest()
+            if with_content:
+                out.update(_content(bytes(self._head[:_PREFIX_BYTES]), None, cut=True))
+            return out
+        out.update(_content(bytes(self._head), content_type, cut=False))
         return out
+
+
+def _content(data: bytes, content_type: str | None, *, cut: bool) -> dict[str, Any]:
     if content_type is not None and "json" in content_type:
         try:
-            out["json"] = orjson.loads(data)
-            return out
+            return {"json": orjson.loads(data)}
         except orjson.JSONDecodeError:
             pass
-    try:
-        out["text"] = data.decode("utf-8")
-    except UnicodeDecodeError:
-        out["base64"] = base64.b64encode(data).decode("ascii")
-    return out
+    if cut:
+        # A prefix may end inside a UTF-8 sequence (at most 3 bytes of it).
+        for trim in range(4):
+            with contextlib.suppress(UnicodeDecodeError):
+                return {"text": data[: len(data) - trim].decode("utf-8")}
+    else:
+        with contextlib.suppress(UnicodeDecodeError):
+            return {"text": data.decode("utf-8")}
+    return {"base64": base64.b64encode(data).decode("ascii")}
 
 
 def _headers(pairs: Sequence[tuple[bytes, bytes]]) -> list[list[str]]:
@@ -214,42 +335,27 @@ def _header(pairs: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-class _CaptureFile:
-    """``model_capture.jsonl``: one line per exchange, appended and synced off the event loop."""
+def _nominated(pairs: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
+    """Header names a ``Connection`` header makes hop-by-hop."""
+    names: set[bytes] = set()
+    for key, value in pairs:
+        if key.lower() == b"connection":
+            names.update(token.strip().lower() for token in value.split(b","))
+    return names
 
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._fd: int | None = None
-        self._lock = asyncio.Lock()
-        self.failures = 0
 
-    async def open(self) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
-        self._fd = await asyncio.to_thread(os.open, self._path, flags, 0o600)
-
-    def _write(self, line: bytes) -> None:
-        assert self._fd is not None
-        view = memoryview(line)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        os.fdatasync(self._fd)
-
-    async def append(self, record: dict[str, Any]) -> None:
-        line = orjson.dumps(record) + b"\n"
-        async with self._lock:
-            if self._fd is None:
-                return
-            try:
-                await asyncio.to_thread(self._write, line)
-            except OSError as exc:
-                self.failures += 1
-                logger.error("cannot append to %s: %s", self._path, exc)
-
-    async def close(self) -> None:
-        async with self._lock:
-            if self._fd is not None:
-                fd, self._fd = self._fd, None
-                await asyncio.to_thread(os.close, fd)
+async def _complete(awaitable: Awaitable[_T]) -> _T:
+    """Await ``awaitable`` to its end even if cancelled meanwhile; then re-raise the cancellation."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
 
 
 @dataclass
@@ -259,24 +365,44 @@ class _Exchange:
     method: str
     target: str
     request_headers: list[tuple[bytes, bytes]]
-    request_body: bytes
     started_at: float
+    request_body: bytes = b""
     route: Route | None = None
     upstream_url: str | None = None
     status: int | None = None
     response_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    response_body: bytearray = field(default_factory=bytearray)
+    response_body: _BodySink | None = None
     first_byte_at: float | None = None
     error: str | None = None
     credential_added: bool = False
+    refusal: _Refusal | None = None
+    """Set when the request could not even be read (malformed, too slow): the proxy answers it."""
+    held: int = 0
+    """Request bytes of this exchange counted in the rollout's buffered bytes."""
 
-    def record(self, seq: int, rollout_id: str) -> dict[str, Any]:
+    @property
+    def kind(self) -> Literal["model", "resource", "denied"]:
+        return "denied" if self.route is None else self.route.kind
+
+    def record(self, seq: int, rollout_id: str, *, body_limit: int, with_bodies: bool) -> dict[str, Any]:
+        """The capture line (blocking for large bodies: built in the capture's thread)."""
         ended = time.time()
-        route_kind = "denied" if self.route is None else self.route.kind
+        request_body = _BodySink(body_limit)
+        request_body.feed(self.request_body)
+        response: dict[str, Any] | None = None
+        if self.status is not None:
+            sink = self.response_body or _BodySink(0)
+            content_type = _header(self.response_headers, b"content-type")
+            response = {
+                "status": self.status,
+                "headers": _headers(self.response_headers),
+                "body": sink.record(content_type, with_content=with_bodies),
+            }
+        content_type = _header(self.request_headers, b"content-type")
         return {
             "seq": seq,
             "rollout_id": rollout_id,
-            "route": route_kind,
+            "route": self.kind,
             "name": None if self.route is None else self.route.name,
             "method": self.method,
             "path": self.target,
@@ -284,15 +410,9 @@ class _Exchange:
             "credential_added": self.credential_added,
             "request": {
                 "headers": _headers(self.request_headers),
-                "body": _body(self.request_body, _header(self.request_headers, b"content-type")),
+                "body": request_body.record(content_type, with_content=with_bodies),
             },
-            "response": None
-            if self.status is None
-            else {
-                "status": self.status,
-                "headers": _headers(self.response_headers),
-                "body": _body(bytes(self.response_body), _header(self.response_headers, b"content-type")),
-            },
+            "response": response,
             "status": self.status,
             "started_at": self.started_at,
             "first_byte_at": self.first_byte_at,
@@ -300,6 +420,84 @@ class _Exchange:
             "duration_s": ended - self.started_at,
             "error": self.error,
         }
+
+
+class _CaptureFile:
+    """``model_capture.jsonl``: one line per exchange, built, appended and synced off the event loop.
+
+    Each line is written whole or cut back off (``AppendCursor``); a line that
+    cannot be written is counted in ``failures``. Once a line would take the file
+    past ``budget`` bytes, that line and every later one is written without
+    bodies and ``over_budget`` is set.
+    """
+
+    def __init__(self, path: Path, *, rollout_id: str, body_limit: int, budget: int | None) -> None:
+        self._path = path
+        self._rollout_id = rollout_id
+        self._body_limit = body_limit
+        self._budget = budget
+        self._cursor: AppendCursor | None = None
+        self._lock = asyncio.Lock()
+        self.failures = 0
+        self.lines: dict[str, int] = {"model": 0, "resource": 0, "denied": 0}
+        self.over_budget = False
+        self._size = 0
+
+    @property
+    def size(self) -> int:
+        return self._size if self._cursor is None else self._cursor.good_size
+
+    async def open(self) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = await asyncio.to_thread(retry_on_emfile, os.open, self._path, flags, 0o600)
+        self._cursor = AppendCursor(fd, os.fstat(fd).st_size)
+
+    def _write(self, exchange: _Exchange) -> None:
+        cursor = self._cursor
+        assert cursor is not None
+        seq = sum(self.lines.values()) + 1
+        record = exchange.record(
+            seq, self._rollout_id, body_limit=self._body_limit, with_bodies=not self.over_budget
+        )
+        line = orjson.dumps(record) + b"\n"
+        if self._budget is not None and not self.over_budget and cursor.good_size + len(line) > self._budget:
+            self.over_budget = True
+            record = exchange.record(seq, self._rollout_id, body_limit=self._body_limit, with_bodies=False)
+            note = f"capture budget of {self._budget} bytes exceeded: bodies left out"
+            record["error"] = note if record["error"] is None else f"{record['error']}; {note}"
+            line = orjson.dumps(record) + b"\n"
+        try:
+            cursor.append(line)
+        except OSError as exc:
+            self.failures += 1
+            logger.error("cannot append to %s: %s", self._path, exc)
+            return
+        self.lines[exchange.kind] += 1
+
+    async def append(self, exchange: _Exchange) -> None:
+        async with self._lock:
+            if self._cursor is not None:
+                await asyncio.to_thread(self._write, exchange)
+
+    async def close(self) -> None:
+        async with self._lock:
+            if self._cursor is not None:
+                fd, self._size, self._cursor = self._cursor.fd, self._cursor.good_size, None
+                await asyncio.to_thread(os.close, fd)
+
+
+class _Connection:
+    """One accepted socket and its share of the connection budget; ``close`` is idempotent."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.sock.close()
+            connection_budget().release()
 
 
 class EgressProxy:
@@ -319,6 +517,11 @@ class EgressProxy:
         rollout_id: Written into every capture record.
         config: Bounds and timeouts.
         socket_owner: ``(uid, gid)`` to hand the socket to (the sandbox's host uid), or ``None``.
+        identity: Headers set on every forwarded request (see :func:`identity_headers`); ``None``:
+            ``X-Rollout-Id`` only.
+        on_budget_exceeded: Called once, on the event loop, with the budget's name
+            (``"capture_bytes"``) and the reason in words, when the capture passes
+            ``config.max_capture_bytes``.
     """
 
     def __init__(
@@ -330,20 +533,56 @@ class EgressProxy:
         rollout_id: str,
         config: ProxyConfig,
         socket_owner: tuple[int, int] | None = None,
+        identity: Mapping[str, str] | None = None,
+        on_budget_exceeded: Callable[[str, str], None] | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.routes = list(routes)
         self._config = config
         self._rollout_id = rollout_id
         self._owner = socket_owner
-        self._capture = _CaptureFile(capture_path)
-        self._server: asyncio.Server | None = None
+        identity = {"X-Rollout-Id": rollout_id} if identity is None else identity
+        self._identity = [(k.lower().encode("latin-1"), v.encode("utf-8")) for k, v in identity.items()]
+        self._on_budget_exceeded = on_budget_exceeded
+        self._model_routes = [_parse_model_route(route) for route in config.model_routes]
+        self._capture = _CaptureFile(
+            capture_path,
+            rollout_id=rollout_id,
+            body_limit=config.capture_body_bytes,
+            budget=config.max_capture_bytes,
+        )
+        self._listener: socket.socket | None = None
+        self._acceptor: asyncio.Task[None] | None = None
         self._clients: dict[str, httpx.AsyncClient] = {}
-        self._handlers: set[asyncio.Task[None]] = set()
-        self._seq = 0
+        self._handlers: dict[asyncio.Task[None], _Connection] = {}
+        self._buffered = 0
+        self._joined = False
         self._state: Literal["unopened", "open", "closed"] = "unopened"
+        self._budget_reported = False
         self.exchanges: dict[str, int] = {"model": 0, "resource": 0, "denied": 0}
-        """Exchanges so far, by route kind."""
+        """Exchanges so far, by route kind (whether or not their capture line could be written)."""
+        self.refused = 0
+        """Connections refused at accept (over the rollout's connection cap)."""
+
+    @property
+    def captured(self) -> dict[str, int]:
+        """Capture lines written so far, by route kind."""
+        return dict(self._capture.lines)
+
+    @property
+    def capture_bytes(self) -> int:
+        """Bytes of intact lines in the capture."""
+        return self._capture.size
+
+    @property
+    def capture_failures(self) -> int:
+        """Exchanges whose capture line could not be written."""
+        return self._capture.failures
+
+    @property
+    def over_budget(self) -> bool:
+        """The capture passed ``max_capture_bytes``."""
+        return self._capture.over_budget
 
     async def __aenter__(self) -> Self:
         """Start serving.
@@ -359,6 +598,10 @@ class EgressProxy:
         try:
             await self._capture.open()
             context = await asyncio.to_thread(_ssl_context)
+            limits = httpx.Limits(
+                max_connections=self._config.max_connections,
+                max_keepalive_connections=min(4, self._config.max_connections),
+            )
             for route in self.routes:
                 timeout = httpx.Timeout(
                     connect=self._config.connect_timeout_s,
@@ -367,23 +610,39 @@ class EgressProxy:
                     pool=self._config.connect_timeout_s,
                 )
                 self._clients[route.prefix] = httpx.AsyncClient(
-                    transport=httpx.AsyncHTTPTransport(uds=route.uds, retries=0, verify=context),
+                    transport=httpx.AsyncHTTPTransport(
+                        uds=route.uds, retries=0, verify=context, limits=limits
+                    ),
                     timeout=timeout,
                     follow_redirects=False,
                     # Nothing from the supervisor's environment (.netrc credentials, SSL
                     # variables) may attach itself to the sandbox's traffic.
                     trust_env=False,
                 )
-            self._server = await asyncio.start_unix_server(self._on_connection, path=str(self.socket_path))
-            os.chmod(self.socket_path, 0o600)
-            if self._owner is not None:
-                os.chown(self.socket_path, *self._owner)
+            self._listener = await asyncio.to_thread(retry_on_emfile, self._listen)
+            connection_budget().join()
+            self._joined = True
+            self._acceptor = asyncio.create_task(self._accept_loop())
         except BaseException as exc:
             await self.aclose()
             if isinstance(exc, OSError):
                 raise SupervisorError(f"cannot start the egress proxy on {self.socket_path}: {exc}") from exc
             raise
         return self
+
+    def _listen(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(self.socket_path))
+            os.chmod(self.socket_path, 0o600)
+            if self._owner is not None:
+                os.chown(self.socket_path, *self._owner)
+            sock.listen(_BACKLOG)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -399,13 +658,22 @@ class EgressProxy:
         if self._state == "closed":
             return
         self._state = "closed"
-        if self._server is not None:
-            self._server.close()
+        if self._acceptor is not None:
+            self._acceptor.cancel()
+            await asyncio.shield(asyncio.gather(self._acceptor, return_exceptions=True))
+        if self._listener is not None:
+            self._listener.close()
         handlers = list(self._handlers)
         for task in handlers:
             task.cancel()
         if handlers:
             await asyncio.shield(asyncio.gather(*handlers, return_exceptions=True))
+        # A handler cancelled before its first step never ran its own clean-up.
+        for connection in self._handlers.values():
+            connection.close()
+        self._handlers.clear()
+        if self._joined:
+            connection_budget().leave()
         for client in self._clients.values():
             await asyncio.shield(client.aclose())
         await asyncio.shield(self._capture.close())
@@ -416,108 +684,245 @@ class EgressProxy:
         # A method, not an inline comparison: the state changes under an await.
         return self._state == "closed"
 
+    # ----------------------------------------------------------------- accepting
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        listener = self._listener
+        assert listener is not None
+        budget = connection_budget()
+        failing = False
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                # Out of descriptors (EMFILE/ENFILE) or memory, or a connection that went away before
+                # it was accepted: the pending ones wait in the backlog; try again shortly.
+                if is_out_of_descriptors(exc) and not failing:
+                    logger.warning("rollout %s: the proxy cannot accept for now: %s", self._rollout_id, exc)
+                failing = True
+                await asyncio.sleep(_ACCEPT_RETRY_S)
+                continue
+            failing = False
+            if self.over_budget or not budget.try_acquire(len(self._handlers), self._config.max_connections):
+                self._refuse(sock)
+                await asyncio.sleep(_REFUSE_PAUSE_S)
+                continue
+            connection = _Connection(sock)
+            task = asyncio.create_task(self._on_connection(connection))
+            self._handlers[task] = connection
+
+    def _refuse(self, sock: socket.socket) -> None:
+        if self.refused == 0:
+            logger.warning(
+                "rollout %s: the sandbox holds %d connections to the proxy, its cap; refusing more",
+                self._rollout_id,
+                len(self._handlers),
+            )
+        self.refused += 1
+        with contextlib.suppress(OSError):
+            sock.send(_REFUSAL)
+        sock.close()
+
     # ----------------------------------------------------------------- connections
 
-    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_connection(self, connection: _Connection) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if self._state != "open":
-            writer.close()
-            return
-        self._handlers.add(task)
         try:
-            await self._serve(reader, writer)
-        except (ConnectionError, h11.ProtocolError) as exc:
+            await self._serve(connection.sock)
+        except (OSError, h11.ProtocolError) as exc:
             logger.debug("proxy connection ended: %r", exc)
         except asyncio.CancelledError:
             if not self._closed():
                 raise
-            # Our own shutdown cancelled this connection (its capture line is written): end quietly,
-            # since asyncio's stream server would log a cancelled callback task as an error.
+            # Our own shutdown cancelled this connection (its capture line is written): end quietly.
         finally:
-            self._handlers.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.shield(writer.wait_closed())
+            self._handlers.pop(task, None)
+            connection.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+    async def _recv(self, sock: socket.socket, deadline: float) -> bytes:
+        async with asyncio.timeout_at(deadline):
+            return await asyncio.get_running_loop().sock_recv(sock, _CHUNK)
+
+    async def _send(self, sock: socket.socket, data: bytes | None) -> None:
+        if data:
+            try:
+                async with asyncio.timeout(self._config.idle_timeout_s):
+                    await asyncio.get_running_loop().sock_sendall(sock, data)
+            except TimeoutError:
+                raise ConnectionAbortedError(
+                    f"the client read nothing of the response for {self._config.idle_timeout_s:g}s"
+                ) from None
+
+    async def _serve(self, sock: socket.socket) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
         while True:
+            exchange = await self._next_request(conn, sock)
+            if exchange is None:
+                return
+            reusable = False
             try:
-                received = await self._receive(conn, reader, writer)
-            except _TooLarge:
-                await self._send_simple(
-                    conn, writer, 413, f"request body over {self._config.max_request_bytes} bytes"
-                )
-                return
-            except h11.RemoteProtocolError as exc:
-                with contextlib.suppress(h11.LocalProtocolError):
-                    await self._send_simple(conn, writer, 400, f"malformed HTTP request: {exc}")
-                return
-            if received is None:
-                return
-            request, body = received
-            exchange = _Exchange(
-                method=request.method.decode("ascii", "replace"),
-                target=request.target.decode("ascii", "replace"),
-                request_headers=list(request.headers.raw_items()),
-                request_body=body,
-                started_at=time.time(),
-            )
-            reusable = cancelled = False
-            try:
-                reusable = await self._run(conn, reader, writer, exchange)
+                reusable = await self._exchange(conn, sock, exchange)
             except asyncio.CancelledError:
-                cancelled = True
-            # Exactly one capture line per exchange, also for one cut short by shutdown.
-            self._seq += 1
-            self.exchanges["denied" if exchange.route is None else exchange.route.kind] += 1
-            await self._capture.append(exchange.record(self._seq, self._rollout_id))
-            if cancelled:
-                raise asyncio.CancelledError
-            if not reusable or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                exchange.error = (
+                    exchange.error or "aborted: the rollout ended while the exchange was in progress"
+                )
+                raise
+            except (OSError, h11.ProtocolError) as exc:
+                exchange.error = (
+                    exchange.error or f"the client connection failed: {type(exc).__name__}: {exc}"
+                )
+                raise
+            finally:
+                # Exactly one capture line per exchange, whatever ended it.
+                try:
+                    await _complete(self._record(exchange))
+                finally:
+                    self._buffered -= exchange.held
+            if (
+                not reusable
+                or self.over_budget
+                or conn.our_state is not h11.DONE
+                or conn.their_state is not h11.DONE
+            ):
                 return
             conn.start_next_cycle()
 
-    async def _receive(
-        self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[h11.Request, bytes] | None:
-        request: h11.Request | None = None
+    async def _record(self, exchange: _Exchange) -> None:
+        self.exchanges[exchange.kind] += 1
+        await self._capture.append(exchange)
+        if self._capture.over_budget and not self._budget_reported:
+            self._budget_reported = True
+            logger.warning("rollout %s: the capture is over its budget", self._rollout_id)
+            if self._on_budget_exceeded is not None:
+                self._on_budget_exceeded(
+                    "capture_bytes",
+                    f"the rollout's capture_bytes budget ({self._config.max_capture_bytes} bytes of "
+                    "model_capture.jsonl) was exceeded",
+                )
+
+    async def _next_request(self, conn: h11.Connection, sock: socket.socket) -> _Exchange | None:
+        """The next request's head as an exchange; ``None`` when the client is done (or idled out).
+
+        A head that is malformed or does not arrive in time is returned as an exchange with
+        its ``refusal`` (400, 408) for :meth:`_exchange` to answer, so that it is captured.
+        """
+        loop = asyncio.get_running_loop()
+        begun = bool(conn.trailing_data[0])
+        deadline = loop.time() + (self._config.header_timeout_s if begun else self._config.idle_timeout_s)
+        started_at = time.time()
+        try:
+            while True:
+                event = conn.next_event()
+                if isinstance(event, h11.Request):
+                    return _Exchange(
+                        method=event.method.decode("ascii", "replace"),
+                        target=event.target.decode("ascii", "replace"),
+                        request_headers=list(event.headers.raw_items()),
+                        started_at=started_at,
+                    )
+                if event is not h11.NEED_DATA:  # ConnectionClosed
+                    return None
+                try:
+                    data = await self._recv(sock, deadline)
+                except TimeoutError:
+                    if not begun:
+                        return None  # an idle connection: no request, nothing to capture
+                    raise _Refusal(
+                        408, f"the request head did not arrive within {self._config.header_timeout_s:g}s"
+                    ) from None
+                if data and not begun:
+                    begun, started_at = True, time.time()
+                    deadline = loop.time() + self._config.header_timeout_s
+                conn.receive_data(data)
+        except h11.RemoteProtocolError as exc:
+            if not begun:
+                return None
+            refusal = _Refusal(400, f"malformed HTTP request: {exc}")
+        except _Refusal as exc:
+            refusal = exc
+        method, target = _request_line(conn.trailing_data[0])
+        return _Exchange(
+            method=method, target=target, request_headers=[], started_at=started_at, refusal=refusal
+        )
+
+    async def _read_body(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bytes:
+        """The request body, whole and bounded; raises ``_Refusal`` past a bound or a timeout.
+
+        Its bytes count towards the rollout's buffered bytes (``ex.held``) until the
+        exchange has been captured.
+        """
+        limit = self._config.max_request_bytes
+        deadline = asyncio.get_running_loop().time() + self._config.body_timeout_s
         body = bytearray()
         while True:
             event = conn.next_event()
-            if event is h11.NEED_DATA:
-                if conn.they_are_waiting_for_100_continue:
-                    writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
-                conn.receive_data(await reader.read(_CHUNK))
-            elif isinstance(event, h11.Request):
-                request = event
-            elif isinstance(event, h11.Data):
+            if isinstance(event, h11.Data):
                 body += event.data
-                if len(body) > self._config.max_request_bytes:
-                    raise _TooLarge
+                ex.held += len(event.data)
+                self._buffered += len(event.data)
+                if len(body) > limit:
+                    raise _Refusal(413, f"request body over {limit} bytes")
+                if self._buffered > 2 * limit:
+                    raise _Refusal(
+                        503, f"this rollout's requests in progress hold over {2 * limit} bytes; retry"
+                    )
             elif isinstance(event, h11.EndOfMessage):
-                assert request is not None
-                return request, bytes(body)
-            else:  # ConnectionClosed, PAUSED
-                return None
+                return bytes(body)
+            elif event is h11.NEED_DATA:
+                if conn.they_are_waiting_for_100_continue:
+                    await self._send(sock, conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+                try:
+                    data = await self._recv(sock, deadline)
+                except TimeoutError:
+                    raise _Refusal(
+                        408, f"the request body did not arrive within {self._config.body_timeout_s:g}s"
+                    ) from None
+                conn.receive_data(data)
+            else:  # ConnectionClosed
+                raise ConnectionResetError("the client closed the connection in the middle of its request")
 
-    async def _send_simple(
-        self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int, text: str
+    async def _answer(
+        self, conn: h11.Connection, sock: socket.socket, ex: _Exchange, refusal: _Refusal
     ) -> None:
+        """Answer ``ex`` with the proxy's own ``refusal`` (the connection is closed afterwards)."""
+        ex.status = refusal.status
+        ex.error = refusal.message
+        ex.response_headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"x-rollcage-proxy", b"1")]
+        with contextlib.suppress(h11.LocalProtocolError):
+            await self._send_simple(conn, sock, refusal.status, f"rollcage egress proxy: {refusal.message}")
+        await self._discard_input(sock)
+
+    async def _discard_input(self, sock: socket.socket) -> None:
+        """Read and drop what the client still sends, briefly, before the connection is closed.
+
+        Closing a socket with unread input resets it, and the client would see the
+        reset instead of the answer (a 413 before the body was read). Bounded by a
+        second and by ``max_request_bytes``.
+        """
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+        deadline = asyncio.get_running_loop().time() + min(1.0, self._config.body_timeout_s)
+        left = self._config.max_request_bytes
+        with contextlib.suppress(OSError, TimeoutError):
+            while left > 0 and (data := await self._recv(sock, deadline)):
+                left -= len(data)
+
+    async def _send_simple(self, conn: h11.Connection, sock: socket.socket, status: int, text: str) -> None:
         body = (text + "\n").encode()
         headers = [
             ("content-type", "text/plain; charset=utf-8"),
             ("content-length", str(len(body))),
             ("x-rollcage-proxy", "1"),
         ]
-        writer.write(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
-        writer.write(conn.send(h11.Data(data=body)) or b"")
-        writer.write(conn.send(h11.EndOfMessage()) or b"")
-        await writer.drain()
+        data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
+        data += conn.send(h11.Data(data=body)) or b""
+        data += conn.send(h11.EndOfMessage()) or b""
+        await self._send(sock, data)
 
-    def _match(self, target: str) -> tuple[Route, str] | str:
-        """The route and the rest of the target, or why the target is refused."""
+    def _match(self, method: str, target: str) -> tuple[Route, str] | str:
+        """The route and the rest of the target, or why the request is refused."""
         if not target.startswith("/"):
             return "only origin-form request targets ('/path') are accepted"
         path, _, _query = target.partition("?")
@@ -528,8 +933,26 @@ class EgressProxy:
         for route in self.routes:
             prefix = route.prefix
             if target == prefix or target.startswith(prefix + "/") or target.startswith(prefix + "?"):
-                return route, target[len(prefix) :]
+                rest = target[len(prefix) :]
+                if route.kind == "model" and not self._model_allows(method, rest.partition("?")[0]):
+                    allowed = ", ".join(self._config.model_routes)
+                    return f"the model route forwards only {allowed}"
+                paths = route.tool_paths
+                if paths is not None and (method != "POST" or rest.partition("?")[0] not in paths):
+                    tools = ", ".join(sorted(paths)) or "none"
+                    return (
+                        f"the resource route {route.name!r} forwards only POST to its tools' paths ({tools})"
+                    )
+                return route, rest
         return "no allowed upstream for this path"
+
+    def _model_allows(self, method: str, path: str) -> bool:
+        for allowed_method, allowed_path, below in self._model_routes:
+            if method != allowed_method:
+                continue
+            if path == allowed_path or (below and path.startswith(allowed_path.rstrip("/") + "/")):
+                return True
+        return False
 
     def _refusal(self, exchange: _Exchange, why: str) -> str:
         allowed = ", ".join(f"{r.prefix}/..." for r in self.routes)
@@ -538,22 +961,47 @@ class EgressProxy:
             f"The sandbox has no network; allowed: {allowed}"
         )
 
-    async def _run(
-        self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ex: _Exchange
-    ) -> bool:
+    async def _exchange(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bool:
         """Serve one exchange; ``True`` if the connection can carry another request."""
-        matched = self._match(ex.target)
+        if ex.refusal is not None:  # its head could not be read (malformed, timed out)
+            await self._answer(conn, sock, ex, ex.refusal)
+            return False
+        matched = self._match(ex.method, ex.target)
+        if not isinstance(matched, str):
+            ex.route = matched[0]
+        try:
+            length = _header(ex.request_headers, b"content-length")
+            if (
+                length is not None
+                and length.strip().isdigit()
+                and int(length) > self._config.max_request_bytes
+            ):
+                raise _Refusal(413, f"request body over {self._config.max_request_bytes} bytes")
+            ex.request_body = await self._read_body(conn, sock, ex)
+        except _Refusal as refusal:
+            await self._answer(conn, sock, ex, refusal)
+            return False
+        except h11.RemoteProtocolError as exc:
+            await self._answer(conn, sock, ex, _Refusal(400, f"malformed HTTP request body: {exc}"))
+            return False
         if isinstance(matched, str):
             ex.status = 403
             ex.error = matched
-            await self._send_simple(conn, writer, 403, self._refusal(ex, matched))
+            ex.response_headers = [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"x-rollcage-proxy", b"1"),
+            ]
+            await self._send_simple(conn, sock, 403, self._refusal(ex, matched))
             return True
-        ex.route, rest = matched
-        ex.upstream_url = ex.route.upstream.rstrip("/") + rest
+        ex.upstream_url = matched[0].upstream.rstrip("/") + matched[1]
+        return await self._run(conn, sock, ex)
+
+    async def _run(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bool:
         # While the upstream answers, watch the client: if it goes away (worker killed or
         # timed out), the upstream request is abandoned rather than left hanging.
-        forward = asyncio.create_task(self._forward(conn, writer, ex))
-        watch = asyncio.create_task(reader.read(_CHUNK))
+        loop = asyncio.get_running_loop()
+        forward = asyncio.create_task(self._forward(conn, sock, ex))
+        watch = asyncio.create_task(loop.sock_recv(sock, _CHUNK))
         try:
             await asyncio.wait({forward, watch}, return_when=asyncio.FIRST_COMPLETED)
             if not forward.done() and (watch.exception() is not None or watch.result() == b""):
@@ -563,9 +1011,6 @@ class EgressProxy:
                 ex.error = ex.error or "the client closed the connection before the response ended"
                 return False
             return await forward
-        except asyncio.CancelledError:
-            ex.error = ex.error or "aborted: the rollout ended while the exchange was in progress"
-            raise
         finally:
             for task in (forward, watch):
                 if not task.done():
@@ -577,29 +1022,33 @@ class EgressProxy:
                 with contextlib.suppress(h11.ProtocolError, RuntimeError):
                     conn.receive_data(watch.result())
 
-    async def _forward(self, conn: h11.Connection, writer: asyncio.StreamWriter, ex: _Exchange) -> bool:
-        route = ex.route
-        assert route is not None and ex.upstream_url is not None
+    def _upstream_headers(self, ex: _Exchange, route: Route) -> list[tuple[bytes, bytes]]:
+        drop = _REQUEST_DROP | _CREDENTIALS | _IDENTITY | _nominated(ex.request_headers)
         headers = [
             (name, value)
             for name, value in ex.request_headers
-            if name.lower().decode("latin-1") not in _REQUEST_DROP
+            if (lower := name.lower()) not in drop and not lower.startswith(_IDENTITY_PREFIX)
         ]
         headers.append((b"accept-encoding", b"identity"))
+        headers += self._identity
         if route.credential is not None:
-            headers = [(n, v) for n, v in headers if n.lower() != b"authorization"]
             headers.append((b"authorization", f"Bearer {route.credential}".encode("latin-1")))
             ex.credential_added = True
+        return headers
+
+    async def _forward(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bool:
+        route = ex.route
+        assert route is not None and ex.upstream_url is not None
         client = self._clients[route.prefix]
         try:
             request = client.build_request(
-                ex.method, ex.upstream_url, headers=headers, content=ex.request_body
+                ex.method, ex.upstream_url, headers=self._upstream_headers(ex, route), content=ex.request_body
             )
             response = await client.send(request, stream=True)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
             ex.status = 502
             ex.error = f"upstream {route.name} unreachable: {type(exc).__name__}: {exc}"
-            await self._send_simple(conn, writer, 502, f"rollcage egress proxy: {ex.error}")
+            await self._send_simple(conn, sock, 502, f"rollcage egress proxy: {ex.error}")
             return True
         try:
             ex.first_byte_at = time.time()
@@ -608,36 +1057,50 @@ class EgressProxy:
             if length is not None and length.isdigit() and int(length) > limit:
                 ex.status = 502
                 ex.error = f"upstream response of {length} bytes is over the {limit}-byte bound"
-                await self._send_simple(conn, writer, 502, f"rollcage egress proxy: {ex.error}")
+                await self._send_simple(conn, sock, 502, f"rollcage egress proxy: {ex.error}")
                 return True
             ex.status = response.status_code
+            drop = _HOP_BY_HOP | _nominated(response.headers.raw)
             ex.response_headers = [
-                (name, value)
-                for name, value in response.headers.raw
-                if name.lower().decode("latin-1") not in _HOP_BY_HOP
+                (name, value) for name, value in response.headers.raw if name.lower() not in drop
             ]
-            writer.write(
-                conn.send(
-                    h11.Response(
-                        status_code=response.status_code,
-                        headers=ex.response_headers,
-                        reason=response.reason_phrase.encode("latin-1", "replace"),
-                    )
-                )
-                or b""
+            ex.response_body = sink = _BodySink(self._config.capture_body_bytes)
+            head = h11.Response(
+                status_code=response.status_code,
+                headers=ex.response_headers,
+                reason=response.reason_phrase.encode("latin-1", "replace"),
             )
+            await self._send(sock, conn.send(head))
             async for chunk in response.aiter_raw():
-                if len(ex.response_body) + len(chunk) > limit:
+                if sink.size + len(chunk) > limit:
                     ex.error = f"upstream response over the {limit}-byte bound; cut off"
                     return False
-                ex.response_body += chunk
-                writer.write(conn.send(h11.Data(data=chunk)) or b"")
-                await writer.drain()
-            writer.write(conn.send(h11.EndOfMessage()) or b"")
-            await writer.drain()
+                sink.feed(chunk)
+                await self._send(sock, conn.send(h11.Data(data=chunk)))
+            await self._send(sock, conn.send(h11.EndOfMessage()))
             return True
         except httpx.HTTPError as exc:
             ex.error = f"upstream {route.name} failed mid-response: {type(exc).__name__}: {exc}"
             return False
+        except OSError as exc:
+            ex.error = (
+                f"the client connection failed while the response was sent: {type(exc).__name__}: {exc}"
+            )
+            raise
         finally:
             await response.aclose()
+
+
+def _request_line(data: bytes | bytearray) -> tuple[str, str]:
+    """Method and target of a request head that could not be parsed, for the evidence ("" if none)."""
+    line = bytes(data[:8192]).split(b"\r\n", 1)[0].split(b" ")
+    if len(line) < 2:
+        return "", ""
+    return line[0][:32].decode("ascii", "replace"), line[1].decode("ascii", "replace")
+
+
+def _parse_model_route(route: str) -> tuple[str, str, bool]:
+    """``'POST /chat/completions'`` -> (method, path, whether paths below it are allowed too)."""
+    method, _, path = route.partition(" ")
+    below = path.endswith("/*")
+    return method, path[:-2] if below else path, below

@@ -62,13 +62,17 @@ with the supervisor. Agent code is not contained; every launch logs a warning.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -420,22 +424,80 @@ def _bwrap_version(bwrap: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.groups() if part is not None)
 
 
-@functools.cache
+_SELF_CHECK_TIMEOUTS_S = (30.0, 90.0)
+"""The self-check's time bound, per try: a slow answer is retried once with more time."""
+
+_self_check_lock = threading.Lock()
+_self_checks: dict[tuple[str, str | None, tuple[int, int] | None], str | None] = {}
+
+
 def _try_sandbox(bwrap: str, setpriv: str | None, run_as: tuple[int, int] | None) -> str | None:
-    """Run ``true`` in a minimal sandbox the way the launcher will; ``None`` if it works, else why not."""
+    """Run ``true`` in a minimal sandbox the way the launcher will; ``None`` if it works, else why not.
+
+    A definite answer is kept for the process (one check, however many rollouts
+    start at once); a check that cannot finish is no answer and is not kept.
+
+    Raises:
+        SandboxError: The check did not finish in time even when retried, or could not be started:
+            the sandbox may work, but this process cannot tell now.
+    """
+    key = (bwrap, setpriv, run_as)
+    with _self_check_lock:
+        if key not in _self_checks:
+            _self_checks[key] = _self_check(bwrap, setpriv, run_as)
+        return _self_checks[key]
+
+
+def _self_check(bwrap: str, setpriv: str | None, run_as: tuple[int, int] | None) -> str | None:
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--", "true"]
     if run_as is not None and setpriv is not None:
         argv = [setpriv, "--reuid", str(run_as[0]), "--regid", str(run_as[1]), "--clear-groups", "--", *argv]
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, cwd="/")
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    return None if out.returncode == 0 else (out.stderr.strip() or f"exit code {out.returncode}")
+    for timeout in _SELF_CHECK_TIMEOUTS_S:
+        try:
+            # A session of its own, so that a hung check is killed with everything it started.
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                cwd="/",
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise SandboxError(f"cannot run the bubblewrap self-check ({argv[0]}): {exc}") from exc
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            logger.warning("the bubblewrap self-check took over %gs", timeout)
+            continue
+        if proc.returncode == 0:
+            return None
+        return stderr.decode("utf-8", "replace").strip() or f"exit code {proc.returncode}"
+    raise SandboxError(
+        f"the bubblewrap self-check ({argv[0]} ... true) did not finish within "
+        f"{' s, then '.join(f'{t:g}' for t in _SELF_CHECK_TIMEOUTS_S)} s: the machine is overloaded or "
+        "bwrap hangs here. bubblewrap did not refuse; retry when the machine is less busy"
+    )
 
 
 def _which(name: str) -> str | None:
     # util-linux tools live in /usr/bin or /usr/sbin; PATH may lack the latter.
     return shutil.which(name) or shutil.which(name, path="/usr/bin:/usr/sbin:/bin:/sbin")
+
+
+def _within_hard_nofile(config: BwrapSandbox) -> BwrapSandbox:
+    """``config`` with ``open_files`` at most this process's hard limit, which the sandbox inherits.
+
+    The sandbox cannot raise a hard limit (no privilege), so asking for more than the
+    supervisor has would make every launch fail in ``prlimit``.
+    """
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if config.open_files is None or hard == resource.RLIM_INFINITY or config.open_files <= hard:
+        return config
+    return config.model_copy(update={"open_files": hard})
 
 
 class BwrapLauncher:
@@ -452,7 +514,8 @@ class BwrapLauncher:
 
         Raises:
             SandboxError: bubblewrap, prlimit or setpriv is missing, or bubblewrap cannot create
-                the namespaces here; the message says how to proceed.
+                the namespaces here, or its self-check did not finish in time (a busy machine, not a
+                refusal: it is tried again next time); the message says which, and how to proceed.
         """
         if self._tools is not None:
             return self._tools
@@ -522,7 +585,7 @@ class BwrapLauncher:
         if os.path.isabs(worker_command[0]):
             ro.append(os.path.dirname(worker_command[0]))
         full = bwrap_argv(
-            self.config,
+            _within_hard_nofile(self.config),
             tools=tools,
             layout=layout,
             worker_argv=argv,

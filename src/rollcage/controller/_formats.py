@@ -1,0 +1,212 @@
+"""Other harnesses' dataset rows, read as they are: NeMo Gym rollout rows and Inspect samples.
+
+Each reader maps one row to rollcage's row (``rollcage.controller._dataset.DatasetRow``
+fields) and keeps apart what the sandbox must never see:
+
+* **NeMo Gym** (``{"responses_create_params": {...}, <verifier fields>...}``):
+  ``input``, ``instructions`` and the function ``tools`` of ``responses_create_params``
+  become the model-visible input and the environment's resource tools; its
+  sampling fields become the row's sampling. Every other top-level field is a
+  verifier field (``expected_count``, ``ground_truth``...): controller-only, sent to
+  the environment's ``/seed_session`` and ``/verify`` with the original
+  ``responses_create_params``, never to ``input.json``. The task id is the first of
+  ``id``, ``task_id``, ``instance_id``, ``problem_id``, ``_ng_task_index``, else
+  ``line-<n>``. The environment is the run's ``--environment`` (NeMo Gym rows name
+  their resource server in the NeMo Gym config, not in the row).
+* **Inspect** (``{"input", "target", "id", "metadata", "choices"}``): ``input`` (text or
+  chat messages) is the model-visible input, ``choices`` are appended as lettered
+  options, ``target`` is the controller-only ``expected``, graded by ``normalized``
+  (or by the environment's ``/verify`` when there is one).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from rollcage.controller._nemo_gym import CREATE_PARAMS_KEYS
+from rollcage.errors import ConfigError
+
+__all__ = ["FORMATS", "DatasetFormat", "detect_format_of", "from_inspect", "from_nemo_gym"]
+
+DatasetFormat = Literal["rollcage", "nemo-gym", "inspect"]
+"""How a dataset's rows are written."""
+
+FORMATS: tuple[DatasetFormat, ...] = ("rollcage", "nemo-gym", "inspect")
+
+_INSPECT_KEYS = frozenset({"input", "target", "id", "metadata", "choices", "sandbox", "files", "setup"})
+_NEMO_ID_KEYS = ("id", "task_id", "instance_id", "problem_id", "_ng_task_index")
+_SAMPLING_KEYS = ("temperature", "top_p", "max_output_tokens")
+
+
+def detect_format_of(value: Any) -> DatasetFormat | None:
+    """The format one parsed row is written in; ``None`` when it says nothing (not an object)."""
+    if not isinstance(value, dict):
+        return None
+    if "responses_create_params" in value:
+        return "nemo-gym"
+    if "target" in value and "input" in value and set(value) <= _INSPECT_KEYS:
+        return "inspect"
+    return "rollcage"
+
+
+def _task_id(value: dict[str, Any], line: int) -> str:
+    for key in _NEMO_ID_KEYS:
+        raw = value.get(key)
+        if (isinstance(raw, str) and raw) or (isinstance(raw, int) and not isinstance(raw, bool)):
+            return str(raw)
+    return f"line-{line}"
+
+
+def _input_items(items: list[Any], where: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}[{index}] must be an object, got {type(item).__name__}")
+        # NeMo Gym's EasyInputMessage may leave out "type": it is a message.
+        out.append(item if "type" in item else {"type": "message", **item})
+    return out
+
+
+def from_nemo_gym(
+    value: dict[str, Any], line: int, environment: str | None
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Map a NeMo Gym row to ``(rollcage row, verifier fields, responses_create_params)``.
+
+    Raises:
+        ConfigError: The row is not a usable NeMo Gym row (the message names the field).
+    """
+    params = value.get("responses_create_params")
+    if not isinstance(params, dict):
+        raise ConfigError("responses_create_params must be an object")
+    unknown = sorted(set(params) - CREATE_PARAMS_KEYS)
+    if unknown:
+        raise ConfigError(f"responses_create_params.{unknown[0]}: not a field NeMo Gym accepts")
+    if params.get("stream"):
+        raise ConfigError("responses_create_params.stream: NeMo Gym rows are non-streaming (false or null)")
+    raw_input = params.get("input")
+    if isinstance(raw_input, str):
+        model_input: str | list[dict[str, Any]] = raw_input
+    elif isinstance(raw_input, list) and raw_input:
+        model_input = _input_items(raw_input, "responses_create_params.input")
+    else:
+        raise ConfigError("responses_create_params.input must be a string or a non-empty list of items")
+    instructions = params.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ConfigError("responses_create_params.instructions must be a string or null")
+    if environment is None:
+        raise ConfigError(
+            "a NeMo Gym row names no environment: pass --environment URL (the resource server's base URL)"
+        )
+    tools: list[dict[str, Any]] = []
+    raw_tools = params.get("tools") or []
+    if not isinstance(raw_tools, list):
+        raise ConfigError("responses_create_params.tools must be a list")
+    for index, tool in enumerate(raw_tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise ConfigError(
+                f"responses_create_params.tools[{index}]: only function tools are served, got {kind!r}"
+            )
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"responses_create_params.tools[{index}].name must be a non-empty string")
+        spec: dict[str, Any] = {
+            "type": "resource",
+            "name": name,
+            "description": tool.get("description") or "",
+        }
+        if isinstance(tool.get("parameters"), dict):
+            spec["parameters"] = tool["parameters"]
+        tools.append(spec)
+    sampling = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
+    row: dict[str, Any] = {
+        "id": _task_id(value, line),
+        "input": model_input,
+        "instructions": instructions,
+        "environment": environment,
+        "tools": tools,
+        "grader": {"type": "verify"},
+    }
+    if sampling:
+        row["model"] = {"sampling": sampling}
+    if isinstance(params.get("max_tool_calls"), int) and not isinstance(params["max_tool_calls"], bool):
+        row["agent"] = {"max_tool_calls": params["max_tool_calls"]}
+    verifier = {k: v for k, v in value.items() if k != "responses_create_params"}
+    return row, verifier, params
+
+
+def _inspect_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for index, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ConfigError(f"{where}[{index}]: only text content is supported, got {kind!r}")
+        return "".join(texts)
+    raise ConfigError(f"{where} must be a string or a list of content parts")
+
+
+def from_inspect(value: dict[str, Any], line: int, environment: str | None) -> dict[str, Any]:
+    """Map an Inspect sample to a rollcage row.
+
+    Raises:
+        ConfigError: The sample is not usable here (the message names the field).
+    """
+    unknown = sorted(set(value) - _INSPECT_KEYS)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a field of an Inspect sample")
+    for key in ("files", "setup"):
+        if value.get(key):
+            raise ConfigError(
+                f"{key}: Inspect's sample {key} are not supported; rollcage starts every rollout in an "
+                "empty workspace (put what the agent needs in the input, or serve it from an environment)"
+            )
+    raw = value.get("input")
+    model_input: str | list[dict[str, Any]]
+    if isinstance(raw, str):
+        model_input = raw
+    elif isinstance(raw, list) and raw:
+        model_input = []
+        for index, message in enumerate(raw):
+            if not isinstance(message, dict):
+                raise ConfigError(f"input[{index}] must be a chat message object")
+            role = message.get("role")
+            if role not in ("system", "user", "assistant"):
+                raise ConfigError(f"input[{index}].role: {role!r} is not supported (system, user, assistant)")
+            text = _inspect_content(message.get("content"), f"input[{index}].content")
+            model_input.append({"type": "message", "role": role, "content": text})
+    else:
+        raise ConfigError("input must be a string or a non-empty list of chat messages")
+    choices = value.get("choices")
+    if choices is not None:
+        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices) or len(choices) > 26:
+            raise ConfigError("choices must be a list of at most 26 strings")
+        options = "\n\n" + "\n".join(f"{chr(65 + i)}) {c}" for i, c in enumerate(choices))
+        if isinstance(model_input, str):
+            model_input += options
+        else:
+            last = max((i for i, m in enumerate(model_input) if m["role"] == "user"), default=None)
+            if last is None:
+                raise ConfigError("choices need a user message in input to go with")
+            model_input[last] = {**model_input[last], "content": model_input[last]["content"] + options}
+    target = value.get("target")
+    if target is not None and not (
+        isinstance(target, str) or (isinstance(target, list) and all(isinstance(t, str) for t in target))
+    ):
+        raise ConfigError("target must be a string or a list of strings")
+    raw_id = value.get("id")
+    ok_id = (isinstance(raw_id, str) and raw_id) or (isinstance(raw_id, int) and not isinstance(raw_id, bool))
+    row: dict[str, Any] = {"id": raw_id if ok_id else f"line-{line}", "input": model_input}
+    if value.get("metadata") is not None:
+        row["metadata"] = value["metadata"]
+    if environment is not None:
+        row["environment"] = environment
+    if target is not None and target != []:
+        row["expected"] = target
+        if environment is None:
+            row["grader"] = {"type": "normalized"}
+    return row

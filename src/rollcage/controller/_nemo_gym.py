@@ -1,0 +1,374 @@
+"""NeMo Gym's resource-server protocol, spoken by the controller (outside the sandbox).
+
+For every rollout whose row names an environment, in this order:
+
+1. ``POST /seed_session`` with the task's run request (``responses_create_params``
+   plus the row's verifier fields, exactly NeMo Gym's ``BaseRunRequest`` body). The
+   cookies it sets become the rollout's initial ``resource_cookies``, so the agent's
+   tool calls (made by the worker, through the egress proxy, with a ``Cookie``
+   header) belong to that session. A 404/405 means the server offers no
+   ``/seed_session``: the rollout starts without a session.
+2. The worker calls the tools (``POST /<tool>``), keeping every ``Set-Cookie``.
+3. ``POST /verify`` with the run request, the rollout as a complete NeMo Gym
+   response object (``to_nemo_response``) and the session's cookies as a ``Cookie``
+   header; the answer's ``reward``, ``mask_sample`` and ``failure_kind`` are read
+   by ``rollcage.controller._graders.parse_verify_answer``.
+4. ``POST /close_session`` with the run request and the cookies, when offered
+   (404/405: not offered), so the server can free the session's state.
+
+A ``/seed_session`` that fails otherwise (unreachable, 5xx, no answer in time) is
+an infrastructure failure of the attempt: it is retried, never graded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from rollcage.controller._graders import cookie_header, read_bounded
+from rollcage.errors import ResourceUnavailableError
+from rollcage.protocol import PythonToolSpec, ResourceToolSpec, ToolSpec, WorkerResult
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = [
+    "CREATE_PARAMS_KEYS",
+    "close_session",
+    "create_params_for",
+    "function_tools",
+    "run_request",
+    "seed_session",
+    "to_nemo_response",
+]
+
+logger = logging.getLogger("rollcage.controller")
+
+CREATE_PARAMS_KEYS = frozenset(
+    {
+        "background",
+        "include",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "max_tool_calls",
+        "metadata",
+        "model",
+        "parallel_tool_calls",
+        "previous_response_id",
+        "prompt",
+        "reasoning",
+        "service_tier",
+        "store",
+        "temperature",
+        "text",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "truncation",
+        "user",
+        "stream",
+    }
+)
+"""The fields NeMo Gym's ``NeMoGymResponseCreateParamsNonStreaming`` accepts (it forbids others)."""
+
+_NOT_OFFERED = frozenset({404, 405})
+_ANSWER_LIMIT = 1024 * 1024
+_ITEM_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
+_PYTHON_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "description": "Python source to run."}},
+    "required": ["code"],
+}
+
+
+def function_tools(tools: list[ToolSpec], *, codeact: bool) -> list[dict[str, Any]]:
+    """The Responses-API function tools the agent offers (none in codeact mode, which has no tools)."""
+    if codeact:
+        return []
+    out: list[dict[str, Any]] = []
+    for tool in tools:
+        if isinstance(tool, PythonToolSpec):
+            parameters: dict[str, Any] = _PYTHON_PARAMETERS
+        else:
+            assert isinstance(tool, ResourceToolSpec)
+            parameters = tool.parameters
+        out.append(
+            {
+                "type": "function",
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": parameters,
+                "strict": False,
+            }
+        )
+    return out
+
+
+def create_params_for(
+    *,
+    input: str | list[dict[str, Any]],
+    instructions: str | None,
+    tools: list[dict[str, Any]],
+    model: str,
+    sampling: Mapping[str, Any],
+) -> dict[str, Any]:
+    """``responses_create_params`` for a row that did not come with its own (rollcage, Inspect rows)."""
+    params: dict[str, Any] = {
+        "input": input,
+        "model": model,
+        "tools": tools,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+    }
+    if instructions is not None:
+        params["instructions"] = instructions
+    for key in ("temperature", "top_p", "max_output_tokens"):
+        if sampling.get(key) is not None:
+            params[key] = sampling[key]
+    return params
+
+
+def run_request(create_params: Mapping[str, Any], verifier: Mapping[str, Any]) -> dict[str, Any]:
+    """NeMo Gym's run request body: the row's verifier fields and its ``responses_create_params``."""
+    return {**verifier, "responses_create_params": dict(create_params)}
+
+
+def _text_part(part: Any) -> dict[str, Any] | None:
+    if isinstance(part, str):
+        return {"type": "output_text", "text": part, "annotations": [], "logprobs": None}
+    if not isinstance(part, Mapping):
+        return None
+    if part.get("type") == "refusal":
+        return {"type": "refusal", "refusal": str(part.get("refusal", ""))}
+    annotations = part.get("annotations")
+    logprobs = part.get("logprobs")
+    return {
+        "type": "output_text",
+        "text": str(part.get("text", "")),
+        "annotations": annotations if isinstance(annotations, list) else [],
+        "logprobs": logprobs if isinstance(logprobs, list) else None,
+    }
+
+
+def _status(item: Mapping[str, Any], default: str) -> str:
+    status = item.get("status")
+    return status if isinstance(status, str) and status in _ITEM_STATUSES else default
+
+
+def _item_id(item: Mapping[str, Any], prefix: str, index: int) -> str:
+    given = item.get("id")
+    return given if isinstance(given, str) and given else f"{prefix}_{index}"
+
+
+def _nemo_item(item: Mapping[str, Any], index: int) -> dict[str, Any] | None:
+    """One output item in the shape NeMo Gym's models require; ``None`` for items they cannot hold."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        if item.get("role", "assistant") != "assistant":
+            return None
+        content = item.get("content")
+        parts = content if isinstance(content, list) else [content if isinstance(content, str) else ""]
+        return {
+            "id": _item_id(item, "msg", index),
+            "type": "message",
+            "role": "assistant",
+            "status": _status(item, "completed"),
+            "content": [p for p in (_text_part(x) for x in parts) if p is not None],
+        }
+    if kind == "function_call":
+        arguments = item.get("arguments", "")
+        return {
+            "id": _item_id(item, "fc", index),
+            "type": "function_call",
+            "call_id": str(item.get("call_id", "")),
+            "name": str(item.get("name", "")),
+            "arguments": arguments if isinstance(arguments, str) else str(arguments),
+            "status": _status(item, "completed"),
+        }
+    if kind == "function_call_output":
+        output = item.get("output", "")
+        return {
+            "id": _item_id(item, "fco", index),
+            "type": "function_call_output",
+            "call_id": str(item.get("call_id", "")),
+            "output": output if isinstance(output, str) else str(output),
+            "status": _status(item, "completed"),
+        }
+    if kind == "reasoning":
+        summary = item.get("summary")
+        texts = (
+            [s.get("text") for s in summary if isinstance(s, Mapping)] if isinstance(summary, list) else []
+        )
+        out: dict[str, Any] = {
+            "id": _item_id(item, "rs", index),
+            "type": "reasoning",
+            "summary": [{"type": "summary_text", "text": str(t)} for t in texts if t is not None],
+        }
+        if isinstance(item.get("encrypted_content"), str):
+            out["encrypted_content"] = item["encrypted_content"]
+        return out
+    return None
+
+
+def _usage(result: WorkerResult) -> dict[str, Any] | None:
+    usage = result.response.usage if result.response is not None else None
+    if usage is None or usage.input_tokens is None or usage.output_tokens is None:
+        return None  # NeMo Gym's usage needs both counts; unreported is not 0
+    total = usage.total_tokens if usage.total_tokens is not None else usage.input_tokens + usage.output_tokens
+    return {
+        "input_tokens": usage.input_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": total,
+    }
+
+
+def to_nemo_response(result: WorkerResult, create_params: Mapping[str, Any]) -> dict[str, Any]:
+    """The rollout as a complete NeMo Gym response object (``NeMoGymResponse``, a Responses ``Response``).
+
+    Every field NeMo Gym's model requires is present: ``created_at`` as an integer,
+    ``parallel_tool_calls``, ``tool_choice`` and ``tools`` (from the request),
+    an ``id`` and ``status`` on every item, ``annotations`` on every text part, and
+    usage with its detail blocks (``None`` when the server did not report counts).
+    Items NeMo Gym cannot hold (none the worker produces today) are left out.
+    """
+    response = result.response
+    items = response.output if response is not None else []
+    output = [x for x in (_nemo_item(item, i) for i, item in enumerate(items)) if x is not None]
+    status = response.status if response is not None else "failed"
+    error = None
+    if result.error is not None:
+        error = {"code": "server_error", "message": f"{result.error.type}: {result.error.message}"[:2000]}
+    return {
+        "id": response.id if response is not None else result.rollout_id,
+        "object": "response",
+        "created_at": int(result.started_at),
+        "model": response.model if response is not None else str(create_params.get("model") or ""),
+        "status": status,
+        "output": output,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"}
+        if status == "incomplete" and error is None
+        else None,
+        "instructions": create_params.get("instructions"),
+        "metadata": create_params.get("metadata"),
+        "parallel_tool_calls": bool(create_params.get("parallel_tool_calls", True)),
+        "temperature": create_params.get("temperature"),
+        "tool_choice": create_params.get("tool_choice", "auto"),
+        "tools": list(create_params.get("tools") or []),
+        "top_p": create_params.get("top_p"),
+        "max_output_tokens": create_params.get("max_output_tokens"),
+        "usage": _usage(result),
+    }
+
+
+def _cookies_set(response: httpx.Response) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for header in response.headers.get_list("set-cookie"):
+        first = header.split(";", 1)[0]
+        name, sep, value = first.partition("=")
+        if sep and name.strip():
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] == '"':
+                value = value[1:-1]
+            out[name.strip()] = value
+    return out
+
+
+async def _post(
+    client: httpx.AsyncClient,
+    url: str,
+    path: str,
+    *,
+    body: bytes,
+    token: str | None,
+    cookies: Mapping[str, str],
+    timeout_s: float,
+) -> tuple[int, bytes | None, dict[str, str]]:
+    headers = {"content-type": "application/json"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    if cookies:
+        headers["cookie"] = cookie_header(dict(cookies))
+    async with asyncio.timeout(timeout_s):
+        request = client.build_request(
+            "POST", url.rstrip("/") + path, content=body, headers=headers, timeout=timeout_s
+        )
+        response = await client.send(request, stream=True)
+        try:
+            data = await read_bounded(response, _ANSWER_LIMIT)
+        finally:
+            await response.aclose()
+    return response.status_code, data, _cookies_set(response)
+
+
+async def seed_session(
+    client: httpx.AsyncClient, url: str, *, token: str | None, body: bytes, timeout_s: float
+) -> dict[str, str]:
+    """``POST /seed_session``; return the session cookies it set (``{}`` when it is not offered).
+
+    Raises:
+        ResourceUnavailableError: The environment could not be reached, gave no answer
+            in time, or answered anything but 2xx/404/405 (retried as infra_failure).
+
+    **Cancellation:** the request is abandoned and its connection closed.
+    """
+    import httpx
+
+    started = time.monotonic()
+    try:
+        status, data, cookies = await _post(
+            client, url, "/seed_session", body=body, token=token, cookies={}, timeout_s=timeout_s
+        )
+    except TimeoutError as exc:
+        raise ResourceUnavailableError(
+            f"environment {url} gave no answer to /seed_session within {timeout_s:g} s"
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise ResourceUnavailableError(
+            f"environment {url} could not be reached for /seed_session: {type(exc).__name__}: {exc}"
+        ) from exc
+    if status in _NOT_OFFERED:
+        return {}
+    if not 200 <= status < 300:
+        text = (data or b"")[:300].decode("utf-8", "replace")
+        raise ResourceUnavailableError(f"environment {url} answered /seed_session with HTTP {status}: {text}")
+    logger.debug("seeded a session on %s in %.3f s", url, time.monotonic() - started)
+    return cookies
+
+
+async def close_session(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    token: str | None,
+    body: bytes,
+    cookies: Mapping[str, str],
+    timeout_s: float,
+) -> str | None:
+    """``POST /close_session`` with the session's cookies; return why it failed, or ``None``.
+
+    Not being offered (404/405) is not a failure. A failure is reported, never
+    raised: the rollout's grade stands whatever happens here.
+
+    **Cancellation:** the request is abandoned and its connection closed.
+    """
+    import httpx
+
+    try:
+        status, data, _ = await _post(
+            client, url, "/close_session", body=body, token=token, cookies=cookies, timeout_s=timeout_s
+        )
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if status in _NOT_OFFERED or 200 <= status < 300:
+        return None
+    return f"HTTP {status}: {(data or b'')[:200].decode('utf-8', 'replace')}"
