@@ -24,13 +24,14 @@ from typing import Any, Literal
 import orjson
 
 from rollcage.durable import open_regular
-from rollcage.protocol import Trajectory
+from rollcage.protocol import CapturedBody, Trajectory
 from rollcage.viewer._text import clean_text
 
 __all__ = ["CaptureComparison", "CaptureDifference", "compare_capture"]
 
 _MODEL_PATH_SUFFIXES = ("/chat/completions", "/responses")
-_BODY_KEYS = frozenset({"size", "json", "text", "base64"})
+_BODY_KEYS = frozenset(field.alias or name for name, field in CapturedBody.model_fields.items())
+"""The keys of a captured body's wrapper, as the protocol defines them."""
 _MAX_DIFF_LINES = 160
 _MAX_DIFF_INPUT_LINES = 4000
 _EXCERPT_CHARS = 600
