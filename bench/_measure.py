@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ __all__ = [
     "python_calls",
     "read_smaps",
     "schedstat_ns",
+    "tree",
     "write_dataset",
     "write_policy",
 ]
@@ -134,12 +134,15 @@ def _serve(script: str, latency_s: float) -> None:
 # ----------------------------------------------------------------------------- /proc
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid``'s descendants (not itself), through ``/proc/PID/task/TID/children``: no scan of /proc."""
-    found: list[int] = []
-    todo = [pid]
+def tree(pid: int) -> dict[int, int]:
+    """``pid``'s descendants (not itself) -> depth below it (1: a child).
+
+    Read through ``/proc/PID/task/TID/children``, so no scan of all of ``/proc``.
+    """
+    depths: dict[int, int] = {}
+    todo = [(pid, 0)]
     while todo:
-        current = todo.pop()
+        current, depth = todo.pop()
         try:
             tids = os.listdir(f"/proc/{current}/task")
         except OSError:
@@ -150,9 +153,15 @@ def descendants(pid: int) -> list[int]:
                     kids = [int(k) for k in handle.read().split()]
             except OSError:
                 continue
-            found += kids
-            todo += kids
-    return found
+            for kid in kids:
+                depths[kid] = depth + 1
+                todo.append((kid, depth + 1))
+    return depths
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s descendants (not itself), parents before their children."""
+    return list(tree(pid))
 
 
 @dataclass(frozen=True)
@@ -254,17 +263,6 @@ class CpuGroup:
 def cpu_s(usage: Any) -> float:
     """User + system seconds of a ``resource.struct_rusage``."""
     return float(usage.ru_utime + usage.ru_stime)
-
-
-@contextlib.contextmanager
-def timer() -> Iterator[list[float]]:
-    """``with timer() as t: ...`` then ``t[0]`` is the wall seconds it took."""
-    out = [0.0]
-    started = time.perf_counter()
-    try:
-        yield out
-    finally:
-        out[0] = time.perf_counter() - started
 
 
 if __name__ == "__main__":

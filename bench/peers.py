@@ -633,7 +633,7 @@ def main() -> None:
     )
     parser.add_argument("--tasks", type=int, help="override N of every scenario")
     parser.add_argument(
-        "--alone-runs", type=int, default=2, help="runs of one task alone (median; default 2)"
+        "--alone-runs", type=int, default=3, help="runs of one task alone (median; default 3)"
     )
     parser.add_argument("--sample-interval", type=float, default=0.5, help="PSS sampling period, s")
     parser.add_argument("--json", type=Path, help="also write every run's numbers here")
@@ -644,7 +644,7 @@ def main() -> None:
         raise SystemExit(f"{ROLLCAGE} is missing: run `make test` (or create .venv) first")
     keys = args.scenario or (["instant", "c64"] if args.quick else list(SCENARIOS))
     systems = args.system or ["rollcage", "inspect"]
-    alone_runs = 1 if args.quick and args.alone_runs == 2 else args.alone_runs
+    alone_runs = 1 if args.quick and args.alone_runs == 3 else args.alone_runs
     inspect_python = ensure_inspect() if "inspect" in systems else None
 
     print(f"cores: {os.cpu_count()}  load average (1/5/15 min): {_load()}  python: {sys.version.split()[0]}")

@@ -62,6 +62,7 @@ from _measure import (
     descendants,
     read_smaps,
     schedstat_ns,
+    tree,
     write_dataset,
     write_policy,
 )
@@ -303,8 +304,15 @@ def controller_child(workdir: Path, base_url: str, rollouts: int, cprofile: bool
     )
     before = cpu_s(resource.getrusage(resource.RUSAGE_SELF))
     if cprofile:
-        import cProfile
-        import pstats
+        # This file is named like the standard library's ``profile``, which cProfile imports.
+        here = str(Path(__file__).resolve().parent)
+        saved = sys.path[:]
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+        try:
+            import cProfile
+            import pstats
+        finally:
+            sys.path[:] = saved
 
         profiler = cProfile.Profile(time.thread_time)
         profiler.enable()
@@ -350,21 +358,6 @@ class Snapshot:
     controller: Smaps | None = None
 
 
-def _depths(root: int) -> dict[int, int]:
-    """Each descendant of ``root`` -> its depth below it (1: a child)."""
-    depth = {root: 0}
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        for tid in os.listdir(f"/proc/{pid}/task") if os.path.exists(f"/proc/{pid}/task") else []:
-            with contextlib.suppress(OSError):
-                for kid in open(f"/proc/{pid}/task/{tid}/children").read().split():
-                    depth[int(kid)] = depth[pid] + 1
-                    todo.append(int(kid))
-    del depth[root]
-    return depth
-
-
 def _cmdline(pid: int) -> str:
     try:
         return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
@@ -385,13 +378,13 @@ class RolloutWatcher(threading.Thread):
     def run(self) -> None:
         while not self.stop_event.wait(0.03):
             with contextlib.suppress(OSError, ValueError):
-                depths = _depths(self.controller)
+                depths = tree(self.controller)
                 executors = [p for p, d in depths.items() if "_repl_child" in _cmdline(p)]
                 fresh = [p for p in executors if p not in self._seen]
                 if fresh:
                     self._seen.update(fresh)
                     time.sleep(0.2)  # the executor is up; let it finish starting
-                    self.snapshots.append(self._snapshot(_depths(self.controller)))
+                    self.snapshots.append(self._snapshot(tree(self.controller)))
 
     def _snapshot(self, depths: dict[int, int]) -> Snapshot:
         snap = Snapshot(controller=read_smaps(self.controller))
@@ -611,11 +604,11 @@ def _avg(values: list[float]) -> float:
 def print_chain(chain: list[tuple[str, Timing]]) -> None:
     print("\n1. launch chain (medians; CPU = cgroup cpuacct, the whole chain's processes)")
     print(f"   {'cut':58} {'wall ms':>8} {'CPU ms':>8} {'stage CPU ms':>13} {'(rusage)':>9}")
-    previous: float | None = None
+    previous = 0.0
     for i, (label, t) in enumerate(chain):
-        stage = "" if i == 0 or previous is None else f"{t.cpu_ms - previous:13.1f}"
+        stage = "" if i == 0 else f"{t.cpu_ms - previous:13.1f}"
         print(f"   {label:58} {t.wall_ms:8.1f} {t.cpu_ms:8.1f} {stage:>13} {t.rusage_ms:9.1f}")
-        previous = t.cpu_ms if i > 0 else None
+        previous = t.cpu_ms if i > 0 else 0.0
 
 
 def print_bytecode(data: dict[str, Any]) -> None:
