@@ -46,6 +46,7 @@ machine, compare the two systems only where the load was alike.
 
     .venv/bin/python bench/peers.py                      # everything, ~10 min on 2 quiet cores
     .venv/bin/python bench/peers.py --quick              # instant and c64 with fewer tasks, ~2 min
+                                                         # (start-up weighs more than in a full run)
     .venv/bin/python bench/peers.py --scenario c256 --system rollcage
 """
 
