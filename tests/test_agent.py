@@ -138,3 +138,95 @@ async def test_cancelling_the_loop_leaves_the_running_call_pending(
 )
 def test_extract_code_blocks(text: str, blocks: list[Any]) -> None:
     assert extract_code_blocks(text) == blocks
+
+
+# --------------------------------------------------------------------------- hostile model answers
+
+HOSTILE_SCRIPT = {
+    "tasks": {
+        "t": [
+            {"tool_calls": [{"name": "python", "arguments": {"code": "1"}}] * 2},
+            {"tool_calls": [{"name": "python", "arguments": {"code": "2"}}]},
+            {"text": "done"},
+        ]
+    }
+}
+
+
+class _InstantCells:
+    """An executor stand-in that answers at once: these tests are about the loop's bookkeeping."""
+
+    def __init__(self) -> None:
+        self.cells: list[str] = []
+
+    def prestart(self) -> None:
+        pass
+
+    async def run_cell(self, code: str, timeout_s: float) -> tuple[ToolStatus, str]:
+        self.cells.append(code)
+        return "completed", "ok"
+
+
+@pytest.fixture(scope="module")
+def hostile_server() -> Iterator[PolicyServer]:
+    rules = [
+        "rollout=no-ids:kind=no_ids",
+        "rollout=reused:kind=reused_ids",
+        "rollout=many:call=1:kind=many_calls:count=10000",
+        "rollout=unknown:kind=unknown_tool",
+    ]
+    with PolicyServer(HOSTILE_SCRIPT, faults=rules, keep_bodies=True) as srv:
+        yield srv
+
+
+async def _run_hostile(
+    server: PolicyServer, rollout_id: str, **agent: Any
+) -> tuple[Any, TrajectoryRecorder, list[BoundaryRecord], _InstantCells]:
+    spec = _spec(server.base_url).model_copy(update={"rollout_id": rollout_id})
+    spec = WorkerInput.model_validate({**spec.model_dump(), "agent": agent})
+    recorder, seen, cells = TrajectoryRecorder(), [], _InstantCells()
+
+    async def sink(record: BoundaryRecord) -> None:
+        seen.append(record)
+
+    async with ModelClient(spec.model, rollout_id=rollout_id, task_id="t") as client:
+        loop = Agent(spec, model=client, resources=None, cells=cells, recorder=recorder, boundary=sink)
+        async with asyncio.timeout(60):
+            result = await loop.run()
+    return result, recorder, seen, cells
+
+
+@pytest.mark.parametrize(("rollout_id", "server_id"), [("no-ids", None), ("reused", "call_reused")])
+async def test_tool_call_ids_are_the_loops_own_whatever_ids_the_server_sends(
+    hostile_server: PolicyServer, rollout_id: str, server_id: str | None
+) -> None:
+    result, recorder, _, cells = await _run_hostile(hostile_server, rollout_id)
+    assert result.termination_reason == "completed" and cells.cells == ["1", "1", "2"]
+    calls = recorder.snapshot().tool_calls
+    assert [c.call_id for c in calls] == ["call_0_0", "call_0_1", "call_1_0"]
+    assert [c.server_call_id for c in calls] == [server_id] * 3  # the server's word, kept as evidence
+    # The model is shown the loop's ids, each call paired with its own output.
+    last = hostile_server.request_log[-1].body
+    assert last is not None
+    sent = [(m.get("role"), m.get("tool_call_id")) for m in last["messages"] if m.get("role") == "tool"]
+    assert sent == [("tool", "call_0_0"), ("tool", "call_0_1"), ("tool", "call_1_0")]
+
+
+async def test_a_response_with_10000_calls_stops_at_the_budget_in_one_record(
+    hostile_server: PolicyServer,
+) -> None:
+    result, recorder, seen, cells = await _run_hostile(hostile_server, "many", max_tool_calls=8)
+    assert result.termination_reason == "max_tool_calls" and cells.cells == []
+    assert [r.kind for r in seen] == ["model_call"]  # the refusals ride in the response's own record
+    (record,) = seen
+    assert len(record.tool_calls) == 10_000 and {c.status for c in record.tool_calls} == {"failed"}
+    assert len({c.call_id for c in recorder.snapshot().tool_calls}) == 10_000
+
+
+async def test_calls_of_a_tool_that_does_not_exist_count_as_invalid_outputs(
+    hostile_server: PolicyServer,
+) -> None:
+    result, recorder, _, cells = await _run_hostile(hostile_server, "unknown", max_invalid_outputs=1)
+    assert result.termination_reason == "invalid_policy_output" and cells.cells == []
+    outputs = {c.output for c in recorder.snapshot().tool_calls}
+    assert outputs == {"error: there is no tool named 'no_such_tool'"}

@@ -320,6 +320,8 @@ async def test_health_findings_have_stable_names_and_count_unobserved_tokens(tmp
     summary = await run(cfg, FakeSupervisor(plan=plan))
     health = summary.metrics.health
     assert set(health) == {
+        "unobserved_result",
+        "cancelled_by_run",
         "no_model_turn",
         "hollow_turn",
         "failed_model_call",

@@ -171,9 +171,10 @@ FAILING = [
     ("kind=hang", ModelTimeoutError, RETRIES + 1),
     ("kind=latency:delay=30", ModelTimeoutError, RETRIES + 1),
     ("status=400", FatalModelError, 1),
-    ("status=401", FatalModelError, 1),
-    ("status=403", FatalModelError, 1),
-    ("status=404", FatalModelError, 1),
+    # Credentials and a missing endpoint/model are infrastructure: transient, but not retried.
+    ("status=401", TransientModelError, 1),
+    ("status=403", TransientModelError, 1),
+    ("status=404", TransientModelError, 1),
     ("status=422", FatalModelError, 1),
 ]
 RECOVERING = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,15 @@ def test_local_health_findings_use_the_controllers_check_names(tmp_path: Path) -
     assert "unobserved_tokens: calls 1 reported no token counts" in text
     assert "runaway_generation: calls 2 stopped at the length limit" in text
     assert "3 attempts" in text and "HTTP 500" in text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["result.json", "receipt.json", "input.json", "worker.log"])
+def test_an_artifact_that_is_a_fifo_is_a_problem_shown_not_a_hang(run: RunFixture, name: str) -> None:
+    directory = run.path / "rollouts" / "calc-1-s0-t0"
+    (directory / name).unlink()
+    os.mkfifo(directory / name)
+    view = load_rollout(directory)
+    assert any(name in problem and "not a regular file" in problem for problem in view.problems), (
+        view.problems
+    )

@@ -11,7 +11,17 @@ Two action styles:
 
 After every model response and every tool completion the loop emits a *boundary*
 and waits until the boundary sink returns before taking its next action; the
-worker makes that wait cover the journal's fsync.
+worker makes that wait cover the journal's fsync. Calls a response asks for but
+that are not run (the response was cut off, the tool-call budget is spent) end in
+that response's own boundary, so however many calls a response holds, refusing
+them costs one journal record.
+
+Tool-call ids are the loop's own, unique by construction (``call_<turn>_<k>``):
+servers omit ids or reuse them across turns, so the server's id is kept as
+evidence (``ToolCall.server_call_id``, and the raw response) and never used as a key.
+A call the loop cannot run as asked (arguments that are not a JSON object, a tool
+that does not exist, Python without ``code``) is an unusable output and counts
+against ``max_invalid_outputs``, once per response.
 
 All state lives in the ``TrajectoryRecorder`` handed in, so whoever cancels the
 loop still holds everything that happened.
@@ -175,38 +185,46 @@ class Agent:
         tools = self._function_tools()
         last_text: str | None = None
         for index in range(self._spec.agent.max_policy_calls):
-            call = await self._call_model(index, tools)
-            calls = [i for i in call.output if i.get("type") == "function_call"]
-            pending = [
-                self._recorder.start_tool_call(
-                    str(i.get("call_id") or f"call-{index}-{n}"),
-                    str(i.get("name", "")),
-                    str(i.get("arguments", "")),
-                    index,
-                )
-                for n, i in enumerate(calls)
-            ]
-            await self._emit("model_call", model_call=call, tool_calls=pending)
+            call, server_ids = await self._call_model(index, tools)
+            pending = self._start_calls(call, server_ids)
             self._history.extend(call.output)
             text = _text_of(call.output)
             if text:
                 last_text = text
             if call.status == "incomplete":
                 # A response cut off at the token limit is not an action we can trust.
-                await self._reject(pending, f"not run: the response was cut off ({call.incomplete_reason})")
+                reason = f"not run: the response was cut off ({call.incomplete_reason})"
+                await self._emit("model_call", model_call=call, tool_calls=self._reject(pending, reason))
                 if self._count_invalid():
                     return AgentResult("invalid_policy_output", last_text)
                 continue
             if not pending:
+                await self._emit("model_call", model_call=call, tool_calls=[])
                 return AgentResult("completed", text)
             if self._tool_count + len(pending) > self._spec.agent.max_tool_calls:
-                await self._reject(pending, "not run: the rollout's tool-call limit was reached")
+                reason = "not run: the rollout's tool-call limit was reached"
+                await self._emit("model_call", model_call=call, tool_calls=self._reject(pending, reason))
                 return AgentResult("max_tool_calls", last_text)
+            await self._emit("model_call", model_call=call, tool_calls=pending)
             self._tool_count += len(pending)
             malformed = await self._run_tool_calls(pending)
             if malformed and self._count_invalid():
                 return AgentResult("invalid_policy_output", last_text)
         return AgentResult("max_policy_calls", last_text)
+
+    def _start_calls(self, call: ModelCall, server_ids: list[str | None]) -> list[ToolCall]:
+        """Record the response's function calls as pending (their ids are already the loop's own)."""
+        items = [i for i in call.output if i.get("type") == "function_call"]
+        return [
+            self._recorder.start_tool_call(
+                str(item["call_id"]),
+                str(item.get("name", "")),
+                str(item.get("arguments", "")),
+                call.index,
+                server_call_id=server_id,
+            )
+            for item, server_id in zip(items, server_ids, strict=True)
+        ]
 
     def _function_tools(self) -> list[dict[str, Any]]:
         tools: list[dict[str, Any]] = []
@@ -235,18 +253,15 @@ class Agent:
         return tools
 
     async def _run_tool_calls(self, pending: list[ToolCall]) -> bool:
-        """Run one response's calls concurrently; return whether any had malformed arguments."""
+        """Run one response's calls concurrently; return whether any could not be run as asked."""
         malformed = False
 
         async def one(call: ToolCall) -> None:
             nonlocal malformed
-            try:
-                arguments = json.loads(call.arguments) if call.arguments.strip() else {}
-                if not isinstance(arguments, dict):
-                    raise ValueError("arguments must be a JSON object")
-            except ValueError as exc:
+            arguments, problem = self._usable(call)
+            if problem is not None:
                 malformed = True
-                await self._finish(call.call_id, "failed", f"error: arguments are not valid JSON ({exc})")
+                await self._finish(call.call_id, "failed", f"error: {problem}")
                 return
             status, output = await self._dispatch(call, arguments)
             await self._finish(call.call_id, status, output)
@@ -271,16 +286,27 @@ class Agent:
             )
         return malformed
 
+    def _usable(self, call: ToolCall) -> tuple[dict[str, Any], str | None]:
+        """The call's arguments, or why the call cannot be run as the model wrote it."""
+        try:
+            arguments = json.loads(call.arguments) if call.arguments.strip() else {}
+        except ValueError as exc:
+            return {}, f"arguments are not valid JSON ({exc})"
+        if not isinstance(arguments, dict):
+            return {}, "arguments are not valid JSON (arguments must be a JSON object)"
+        if self._python is not None and call.name == self._python.name:
+            if not isinstance(arguments.get("code"), str):
+                return {}, f"the {call.name} tool takes one string argument 'code'"
+            return arguments, None
+        if call.name in self._resource_specs and self._resources is not None:
+            return arguments, None
+        return {}, f"there is no tool named {call.name!r}"
+
     async def _dispatch(self, call: ToolCall, arguments: dict[str, Any]) -> tuple[ToolStatus, str]:
         if self._python is not None and call.name == self._python.name:
-            code = arguments.get("code")
-            if not isinstance(code, str):
-                return "failed", "error: the python tool takes one string argument 'code'"
-            return await self._run_cell(call.call_id, code)
-        if call.name in self._resource_specs and self._resources is not None:
-            self._recorder.mark_started(call.call_id)
-            return "completed", await self._call_resource(call.name, arguments)
-        return "failed", f"error: there is no tool named {call.name!r}"
+            return await self._run_cell(call.call_id, str(arguments["code"]))
+        self._recorder.mark_started(call.call_id)
+        return "completed", await self._call_resource(call.name, arguments)
 
     # ------------------------------------------------------------------ codeact
 
@@ -289,27 +315,41 @@ class Agent:
             self._cells.prestart()  # overlap the executor's start with the first model call
         last_text: str | None = None
         for index in range(self._spec.agent.max_policy_calls):
-            call = await self._call_model(index, [])
+            call, server_ids = await self._call_model(index, [])
             text = _text_of(call.output)
             last_text = text or last_text
+            self._history.extend(_as_input(call.output))
+            # No function was offered: in codeact, tools are functions called from code. Every call
+            # the model made anyway gets its refusal as output, as the API requires of every call.
+            stray = self._reject(
+                self._start_calls(call, server_ids),
+                "not run: tools are Python functions here; call them from a ```python block",
+            )
             blocks = extract_code_blocks(text) if call.status == "completed" else []
             pending = [
                 self._recorder.start_tool_call(f"cell-{index}-{n}", "python", code, index)
                 for n, code in enumerate(blocks)
             ]
-            await self._emit("model_call", model_call=call, tool_calls=pending)
-            self._history.extend(_as_input(call.output))
-            if call.status == "incomplete":
-                await self._reject(pending, "not run: the response was cut off")
-                if self._count_invalid():
-                    return AgentResult("invalid_policy_output", last_text)
-                self._history.append(_user("Your response was cut off. Reply with a shorter one."))
-                continue
-            if not blocks:
+            if call.status == "incomplete" or stray:
+                cut = call.status == "incomplete"
+                if cut or self._invalid >= self._spec.agent.max_invalid_outputs:
+                    refused = self._reject(pending, "not run: the response was unusable", history=False)
+                    await self._emit("model_call", model_call=call, tool_calls=[*stray, *refused])
+                    if self._count_invalid():
+                        return AgentResult("invalid_policy_output", last_text)
+                    if cut:
+                        self._history.append(_user("Your response was cut off. Reply with a shorter one."))
+                    continue
+                self._count_invalid()  # tolerated: the code blocks of the response still run
+            if not blocks and not stray:
+                await self._emit("model_call", model_call=call, tool_calls=[])
                 return AgentResult("completed", text)
             if self._tool_count + len(blocks) > self._spec.agent.max_tool_calls:
-                await self._reject(pending, "not run: the rollout's tool-call limit was reached")
+                reason = "not run: the rollout's tool-call limit was reached"
+                refused = self._reject(pending, reason, history=False)
+                await self._emit("model_call", model_call=call, tool_calls=[*stray, *refused])
                 return AgentResult("max_tool_calls", last_text)
+            await self._emit("model_call", model_call=call, tool_calls=[*stray, *pending])
             observations: list[str] = []
             for cell in pending:
                 self._tool_count += 1
@@ -321,7 +361,8 @@ class Agent:
                 observations.append(output)
             if self._submitted is not None:
                 return AgentResult("completed", self._submitted)
-            self._history.append(_user("Execution output:\n" + "\n\n".join(observations)))
+            if observations:
+                self._history.append(_user("Execution output:\n" + "\n\n".join(observations)))
         return AgentResult("max_policy_calls", last_text)
 
     async def bridge(self, name: str, kwargs: dict[str, Any]) -> str:
@@ -349,7 +390,10 @@ class Agent:
 
     # ------------------------------------------------------------------ shared steps
 
-    async def _call_model(self, index: int, tools: list[dict[str, Any]]) -> ModelCall:
+    async def _call_model(
+        self, index: int, tools: list[dict[str, Any]]
+    ) -> tuple[ModelCall, list[str | None]]:
+        """One model call, recorded with the loop's own tool-call ids; also the server's ids, in order."""
         try:
             call = await self._model.call(
                 input=list(self._history), instructions=self._instructions(), tools=tools, index=index
@@ -359,8 +403,9 @@ class Agent:
                 self._recorder.add_model_call(exc.record)
                 await self._emit("model_call", model_call=exc.record, tool_calls=[])
             raise
+        call, server_ids = _own_ids(call)
         self._recorder.add_model_call(call)
-        return call
+        return call, server_ids
 
     def _instructions(self) -> str | None:
         if self._spec.agent.mode != "codeact":
@@ -394,10 +439,18 @@ class Agent:
         done = self._recorder.finish_tool_call(call_id, status, output)
         await self._emit("tool_call", tool_calls=[done])
 
-    async def _reject(self, pending: list[ToolCall], reason: str) -> None:
-        for call in pending:
-            await self._finish(call.call_id, "failed", reason)
-            self._history.append({"type": "function_call_output", "call_id": call.call_id, "output": reason})
+    def _reject(self, pending: list[ToolCall], reason: str, *, history: bool = True) -> list[ToolCall]:
+        """End calls that will not run, without a boundary each: they go in their response's boundary.
+
+        With ``history``, each refusal becomes the call's output in the conversation.
+        """
+        refused = [self._recorder.finish_tool_call(call.call_id, "failed", reason) for call in pending]
+        if history:
+            self._history.extend(
+                {"type": "function_call_output", "call_id": call.call_id, "output": reason}
+                for call in pending
+            )
+        return refused
 
     def _count_invalid(self) -> bool:
         """Count one unusable response; True when the tolerance is used up."""
@@ -424,6 +477,25 @@ class Agent:
         )
         self._cookies_seen = (model_cookies, resource_cookies)
         await self._boundary(record)
+
+
+def _own_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:
+    """``call`` with its function calls renamed ``call_<turn>_<k>``, and the server's ids in order.
+
+    The model sees these ids from now on (they go back in the conversation); the
+    server's own stay in ``call.response`` and in ``ToolCall.server_call_id``.
+    """
+    server_ids: list[str | None] = []
+    items: list[ResponseItem] = []
+    for item in call.output:
+        if item.get("type") == "function_call":
+            server_id = item.get("call_id")
+            server_ids.append(server_id if isinstance(server_id, str) and server_id else None)
+            item = {**item, "call_id": f"call_{call.index}_{len(server_ids) - 1}"}
+        items.append(item)
+    if not server_ids:
+        return call, server_ids
+    return call.model_copy(update={"output": items}), server_ids
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -29,12 +29,13 @@ import os
 import queue
 import re
 import secrets
+import stat
 import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import IO, Any, Final, Self
 
 import orjson
 from pydantic import BaseModel
@@ -46,7 +47,9 @@ __all__ = [
     "CheckpointJournal",
     "JournalState",
     "is_temp_artifact",
+    "open_regular",
     "publish_json",
+    "read_bounded",
     "read_journal",
     "sweep_temp_artifacts",
 ]
@@ -321,7 +324,7 @@ def read_journal(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """
     name = os.fspath(path)
     try:
-        with open(name, "rb") as file:
+        with open_regular(name) as file:
             data = file.read()
     except FileNotFoundError:
         return []
@@ -329,6 +332,59 @@ def read_journal(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if scan.damaged_tail is not None:
         logger.warning("%s: ignoring the last line: %s", name, scan.damaged_tail)
     return scan.records
+
+
+# --------------------------------------------------------------------------- reading files someone else made
+
+
+def open_regular(path: str | os.PathLike[str]) -> IO[bytes]:
+    """Open a file for binary reading only if it is a regular file, without ever blocking on it.
+
+    Artifacts are read from directories others can write (a sandbox, a user): a
+    FIFO in place of a file would block ``open`` or ``read`` forever and a device
+    such as ``/dev/zero`` never ends. The file is opened with ``O_NONBLOCK`` (an
+    open of a FIFO returns at once) and ``O_NOCTTY``, and refused unless ``fstat``
+    says it is a regular file; symbolic links are followed as ``open`` does.
+
+    Raises:
+        OSError: it cannot be opened, or it is not a regular file (``EINVAL``;
+            the message says what it is instead).
+    """
+    name = os.fspath(path)
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, f"not a regular file (a {_file_kind(mode)})", name)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bounded(path: str | os.PathLike[str], *, limit: int) -> bytes:
+    """The whole content of a regular file of at most ``limit`` bytes (see ``open_regular``).
+
+    Raises:
+        OSError: it cannot be read, is not a regular file, or holds more than
+            ``limit`` bytes (``EFBIG``; also when it grows past that while read).
+    """
+    with open_regular(path) as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than the {limit:,}-byte bound", os.fspath(path))
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "special file")
 
 
 # --------------------------------------------------------------------------- journal writer

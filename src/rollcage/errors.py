@@ -13,9 +13,9 @@ Every error carries a ``kind`` that says which, so the worker can publish it as
     ├── JournalCorruptError (ValueError)         a checkpoint journal is damaged mid-file   [fatal]
     ├── ModelError                               the model endpoint                         [see below]
     │   ├── TransientModelError                  connection, timeout, 408/409/429/5xx,      [transient]
-    │   │                                        a broken or truncated body
+    │   │                                        a malformed/truncated body, 401/403/404
     │   │   └── ModelTimeoutError (TimeoutError) no answer within the deadline              [transient]
-    │   └── FatalModelError                      a request the server rejects: 400/401/404, [fatal]
+    │   └── FatalModelError                      a request the server rejects: 400/422,     [fatal]
     │                                            context length
     ├── ToolError                                a tool or the Python executor              [fatal]
     │   ├── ToolTimeoutError (TimeoutError)      a call ran past its timeout                [fatal]
@@ -108,7 +108,10 @@ class ModelTimeoutError(TransientModelError, TimeoutError):
 
 
 class FatalModelError(ModelError):
-    """The request itself is wrong (400, 401, 404, context length, malformed body): retrying cannot help."""
+    """The request itself is wrong (400, 422, context length): retrying cannot help, and it is the policy's.
+
+    Credentials (401, 403) and a missing endpoint or model (404) are not: those are ``TransientModelError``.
+    """
 
 
 class ToolError(RollcageError):

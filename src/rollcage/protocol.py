@@ -12,13 +12,17 @@ API, because they are carried through verbatim rather than interpreted.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 from rollcage.errors import ControllerOnlyFieldError
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "SCHEMA_VERSION",
     "AgentSettings",
     "BoundaryRecord",
@@ -59,9 +63,21 @@ __all__ = [
     "WorkerInput",
     "WorkerResult",
     "artifact_models",
+    "describe_validation_error",
+    "json_problem",
 ]
 
 SCHEMA_VERSION: Literal[1] = 1
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of containers accepted in JSON that crosses a boundary (input.json, a model response).
+
+Far beyond any real input or response (a Responses item with a JSON Schema nests about 10 deep), and far
+below the limits of the parsers and serialisers downstream (pydantic: about 200, orjson's writer: 255),
+so a value that was accepted can always be written back into a journal line or a result.
+"""
+
+_DAY_S = 86_400.0
 
 ErrorKind = Literal["transient", "fatal", "cancelled"]
 """``transient``: infrastructure, retry the rollout; ``fatal``: final; ``cancelled``: stopped on request."""
@@ -101,13 +117,14 @@ CONTROLLER_ONLY_KEYS = frozenset(
 class _Model(BaseModel):
     """Base of every artifact: unknown fields are an error."""
 
-    model_config = ConfigDict(extra="forbid", defer_build=True)
+    # Infinity and NaN are not numbers any artifact means: a timeout of Infinity never fires.
+    model_config = ConfigDict(extra="forbid", defer_build=True, allow_inf_nan=False)
 
 
 class _Frozen(_Model):
     """Base of published values that must not change after they are built."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
 
 
 class RunnerError(_Frozen):
@@ -127,9 +144,14 @@ class SamplingParams(_Model):
     temperature: float | None = Field(default=None, description="Sampling temperature.")
     top_p: float | None = Field(default=None, description="Nucleus sampling mass.")
     max_output_tokens: int | None = Field(
-        default=None, ge=1, description="Cap on generated tokens per call (max_tokens for Chat Completions)."
+        default=None,
+        ge=1,
+        le=2**31 - 1,
+        description="Cap on generated tokens per call (max_tokens for Chat Completions).",
     )
-    seed: int | None = Field(default=None, description="Sampling seed, where the server supports it.")
+    seed: int | None = Field(
+        default=None, ge=-(2**63), le=2**64 - 1, description="Sampling seed, where the server supports it."
+    )
     stop: list[str] | None = Field(default=None, description="Stop sequences (Chat Completions only).")
 
 
@@ -145,12 +167,23 @@ class ModelEndpoint(_Model):
     )
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling parameters.")
     stream: bool = Field(default=False, description="Request server-sent events and assemble them.")
-    timeout_s: float = Field(default=120.0, gt=0, description="Deadline for one request, first byte to last.")
+    timeout_s: float = Field(
+        default=120.0, gt=0, le=_DAY_S, description="Deadline for one request, first byte to last."
+    )
     connect_timeout_s: float = Field(
-        default=10.0, gt=0, description="Deadline for establishing a connection."
+        default=10.0, gt=0, le=_DAY_S, description="Deadline for establishing a connection."
     )
     max_retries: int = Field(default=3, ge=0, le=20, description="Retries of a transient failure per call.")
-    retry_backoff_s: float = Field(default=0.5, ge=0, description="First backoff; doubles per retry.")
+    retry_backoff_s: float = Field(
+        default=0.5, ge=0, le=_DAY_S, description="First backoff; doubles per retry."
+    )
+    max_response_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        le=1 << 32,
+        description="Largest response body (decoded) read from the endpoint; a larger one is a transient "
+        "malformed-response error, as is a response nested deeper than MAX_JSON_DEPTH.",
+    )
     uds: str | None = Field(
         default=None, description="Unix socket of the egress proxy; None means connect to base_url directly."
     )
@@ -161,7 +194,7 @@ class ResourceEndpoint(_Model):
 
     base_url: str = Field(description="Base URL as seen from inside the sandbox.")
     uds: str | None = Field(default=None, description="Unix socket of the egress proxy; None: direct.")
-    timeout_s: float = Field(default=30.0, gt=0, description="Deadline for one tool request.")
+    timeout_s: float = Field(default=30.0, gt=0, le=_DAY_S, description="Deadline for one tool request.")
 
 
 class PythonToolSpec(_Model):
@@ -200,14 +233,27 @@ class AgentSettings(_Model):
         default="function_calling",
         description="function_calling: tools as function tools; codeact: the model writes fenced Python.",
     )
-    max_policy_calls: int = Field(default=16, ge=1, description="Model calls before the loop stops.")
-    max_tool_calls: int = Field(default=64, ge=0, description="Tool calls before the loop stops.")
-    tool_timeout_s: float = Field(default=30.0, gt=0, description="Timeout of one tool call or code cell.")
+    max_policy_calls: int = Field(
+        default=16, ge=1, le=1_000_000, description="Model calls before the loop stops."
+    )
+    max_tool_calls: int = Field(
+        default=64, ge=0, le=1_000_000, description="Tool calls before the loop stops."
+    )
+    tool_timeout_s: float = Field(
+        default=30.0, gt=0, le=_DAY_S, description="Timeout of one tool call or code cell."
+    )
     tool_output_limit: int = Field(
-        default=16_384, ge=256, description="Characters of one tool result shown to the model; more is cut."
+        default=16_384,
+        ge=256,
+        le=1 << 30,
+        description="Characters of one tool result shown to the model; more is cut.",
     )
     max_invalid_outputs: int = Field(
-        default=2, ge=0, description="Unusable model outputs (malformed tool JSON, length stops) tolerated."
+        default=2,
+        ge=0,
+        le=1_000_000,
+        description="Unusable model outputs tolerated: malformed tool JSON, calls of tools that do not "
+        "exist, length stops.",
     )
 
 
@@ -218,7 +264,10 @@ class ExecutorSettings(_Model):
         default="repl", description="repl: lean child process (default); jupyter: ipykernel (optional extra)."
     )
     interrupt_grace_s: float = Field(
-        default=2.0, gt=0, description="After SIGINT, how long a cell may take to stop before a restart."
+        default=2.0,
+        gt=0,
+        le=_DAY_S,
+        description="After SIGINT, how long a cell may take to stop before a restart.",
     )
 
 
@@ -258,8 +307,11 @@ class WorkerInput(_Model):
 
     @model_validator(mode="before")
     @classmethod
-    def _reject_controller_state(cls, data: Any) -> Any:
-        found = sorted(_controller_only_paths(data, ""))
+    def _reject_unsafe_data(cls, data: Any) -> Any:
+        problem = json_problem(data)
+        if problem is not None:
+            raise ValueError(problem)
+        found = sorted(_controller_only_paths(data))
         if found:
             raise ControllerOnlyFieldError(
                 f"field {found[0]!r} is controller-only state (answers, grading, rewards, credentials) "
@@ -282,19 +334,100 @@ class WorkerInput(_Model):
         return self
 
 
-def _controller_only_paths(data: Any, prefix: str) -> list[str]:
-    """Dotted paths of controller-only keys in the settings part of an input (not the model-visible input)."""
+def _controller_only_paths(data: Any) -> list[str]:
+    """Dotted paths of controller-only keys in the settings part of an input (not the model-visible input).
+
+    Iterative: the depth of the data is bounded by ``json_problem`` before, not by Python's stack.
+    """
     if not isinstance(data, dict):
         return []
     found: list[str] = []
-    for key, value in data.items():
-        if prefix == "" and key in ("input", "instructions", "tools"):
-            continue  # model-visible text and tool schemas may mention such words legitimately
-        path = f"{prefix}{key}"
+    stack: list[tuple[str, Any, Any]] = [
+        (str(key), key, value)
+        for key, value in data.items()
+        # model-visible text and tool schemas may mention such words legitimately
+        if key not in ("input", "instructions", "tools")
+    ]
+    while stack:
+        path, key, value = stack.pop()
         if isinstance(key, str) and key.lower() in CONTROLLER_ONLY_KEYS:
             found.append(path)
-        found.extend(_controller_only_paths(value, path + "."))
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{name}", name, child) for name, child in value.items())
     return found
+
+
+def json_problem(value: Any, *, max_depth: int = MAX_JSON_DEPTH) -> str | None:
+    """Why JSON-like data cannot safely cross a boundary, naming where; ``None`` when it can.
+
+    Two things are refused: nesting deeper than ``max_depth`` containers (it would
+    break a parser or serialiser further on, see ``MAX_JSON_DEPTH``) and strings or
+    keys with lone surrogates (``"\\udfff"``: no UTF-8 encoding exists, so nothing
+    holding one can ever be written to a file). The walk is iterative and stops at
+    the first problem.
+
+    Args:
+        value: Parsed JSON (dicts, lists, strings, numbers, booleans, None).
+        max_depth: The deepest nesting allowed; the top-level container is depth 1.
+
+    Returns:
+        A one-line description naming the field (``field 'a.b[2]': ...``), or ``None``.
+    """
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                return (
+                    f"field {path or '(top level)'!r}: contains a lone surrogate, which is not valid Unicode"
+                )
+            continue
+        if not isinstance(item, dict | list):
+            continue
+        if depth >= max_depth:
+            return f"field {path or '(top level)'!r}: nested more than {max_depth} levels deep"
+        if isinstance(item, dict):
+            for key, child in item.items():
+                name = str(key)
+                if not _encodable(name):
+                    return f"field {path or '(top level)'!r}: a key contains a lone surrogate"
+                stack.append((child, f"{path}.{name}" if path else name, depth + 1))
+        else:
+            stack.extend((child, f"{path}[{index}]", depth + 1) for index, child in enumerate(item))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def describe_validation_error(exc: ValidationError, *, limit: int = 3) -> str:
+    """A pydantic ``ValidationError`` as one line that names each field (at most ``limit`` of them).
+
+    Field paths are dotted (``model.timeout_s``); unknown fields say so; the
+    input values themselves are left out (they may be huge, or hostile).
+    """
+    errors = exc.errors(include_url=False, include_input=False)
+    parts = []
+    for error in errors[:limit]:
+        where = ".".join(str(part) for part in error.get("loc", ())) or "(top level)"
+        message = " ".join(str(error.get("msg", "")).removeprefix("Value error, ").split())
+        if error.get("type") == "extra_forbidden":
+            message = "unknown field"
+        # A model-level check names its field in its own message.
+        parts.append(
+            message
+            if not error.get("loc") and message.startswith("field ")
+            else f"field {where!r}: {message}"
+        )
+    more = len(errors) - limit
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 # --------------------------------------------------------------------------- trajectory
@@ -340,7 +473,15 @@ ToolStatus = Literal["pending", "completed", "failed", "cancelled", "incomplete"
 class ToolCall(_Model):
     """One tool call or code cell, from the model's request to its output."""
 
-    call_id: str = Field(description="The model's call id (generated for codeact cells).")
+    call_id: str = Field(
+        description="rollcage's id of the call, unique in the rollout (call_<turn>_<k>, cell-<turn>-<k> for "
+        "codeact cells, bridge-<turn>-<k> for tools called from agent code); the model sees this id."
+    )
+    server_call_id: str | None = Field(
+        default=None,
+        description="The id the model's server gave the call, kept as evidence (servers omit or reuse ids, "
+        "so it is never used as a key); None when it gave none.",
+    )
     name: str = Field(description="Tool name.")
     arguments: str = Field(description="Arguments exactly as the model wrote them (JSON text or code).")
     turn: int = Field(ge=0, description="Index of the model call that requested it.")
@@ -558,7 +699,7 @@ class CapturedBody(_Model):
     sha256: str | None = Field(default=None, description="Hex SHA-256 of the whole body, when truncated.")
 
     model_config = ConfigDict(
-        extra="forbid", defer_build=True, populate_by_name=True, serialize_by_alias=True
+        extra="forbid", defer_build=True, populate_by_name=True, serialize_by_alias=True, allow_inf_nan=False
     )
 
 

@@ -55,12 +55,19 @@ class TrajectoryRecorder:
         """Record a finished (completed, incomplete or failed) model call."""
         self._model_calls.append(call)
 
-    def start_tool_call(self, call_id: str, name: str, arguments: str, turn: int) -> ToolCall:
-        """Record a requested tool call as pending and return it."""
+    def start_tool_call(
+        self, call_id: str, name: str, arguments: str, turn: int, *, server_call_id: str | None = None
+    ) -> ToolCall:
+        """Record a requested tool call as pending and return it.
+
+        Raises:
+            ValueError: ``call_id`` is taken (ids are the agent's own: a bug, never the model's doing).
+        """
         if call_id in self._tool_calls:
             raise ValueError(f"duplicate tool call id {call_id!r}")
         call = ToolCall(
             call_id=call_id,
+            server_call_id=server_call_id,
             name=name,
             arguments=arguments,
             turn=turn,

@@ -16,8 +16,15 @@ Contract (what the supervisor relies on):
   goes on.
 
 Exit codes: 0 completed without error; 1 the rollout ended with an error;
-2 the input was invalid; 3 stopped before starting (stop file); 128+N cancelled by
-signal N (143 for SIGTERM and for the stop file, 130 for SIGINT).
+2 the input was invalid (or the command line: one line on stderr); 3 stopped before
+starting (stop file); 128+N cancelled by signal N (143 for SIGTERM and for the stop
+file, 130 for SIGINT).
+
+The input is validated completely before anything runs: it must be a regular file
+(a FIFO or a device is refused, never read) of at most ``MAX_INPUT_BYTES``, valid
+JSON nested at most ``MAX_JSON_DEPTH`` deep, with no lone surrogate in any string,
+and a valid ``WorkerInput`` (finite numbers, bounded timeouts). Any failure is one
+line in the log and a ``fatal`` result naming the field.
 """
 
 from __future__ import annotations
@@ -31,11 +38,11 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rollcage.agent import SUBMIT, Agent, AgentResult
 from rollcage.checkpoint import RequestCompactor
-from rollcage.durable import CheckpointJournal, publish_json
+from rollcage.durable import CheckpointJournal, publish_json, read_bounded
 from rollcage.errors import ConfigError, RollcageError
 from rollcage.protocol import (
     BoundaryRecord,
@@ -47,6 +54,8 @@ from rollcage.protocol import (
     ToolStatus,
     WorkerInput,
     WorkerResult,
+    describe_validation_error,
+    json_problem,
 )
 from rollcage.trajectory import TrajectoryRecorder, final_text, project_output, sum_usage
 
@@ -56,7 +65,9 @@ __all__ = [
     "EXIT_INVALID_INPUT",
     "EXIT_OK",
     "EXIT_STOPPED_BEFORE_START",
+    "MAX_INPUT_BYTES",
     "load_input",
+    "parse_input",
     "worker_main",
 ]
 
@@ -68,15 +79,23 @@ EXIT_CANCELLED = 128 + signal.SIGTERM
 
 STOP_POLL_S = 0.1
 EXECUTOR_CLOSE_TIMEOUT_S = 10.0
+MAX_INPUT_BYTES = 64 * 1024 * 1024
+"""The largest input.json read; a larger one is invalid input (a task's input is text, not a data set)."""
+_ID_MAX_CHARS = 512
 
 log = logging.getLogger("rollcage.worker")
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit 2 (the worker's exit code for bad input)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_INVALID_INPUT, f"{self.prog}: {message} (see --help)\n")
+
+
 def worker_main(argv: list[str]) -> int:
     """Run the worker with command-line arguments; return the exit code."""
-    parser = argparse.ArgumentParser(
-        prog="rollcage worker", description="Run one rollout (sandbox entrypoint)."
-    )
+    parser = _ArgumentParser(prog="rollcage worker", description="Run one rollout (sandbox entrypoint).")
     parser.add_argument("input", type=Path, help="input.json (WorkerInput)")
     parser.add_argument("result", type=Path, help="where result.json is published")
     parser.add_argument(
@@ -87,8 +106,9 @@ def worker_main(argv: list[str]) -> int:
         "--workspace", type=Path, help="agent working directory (default: workspace/ beside RESULT)"
     )
     args = parser.parse_args(argv)
+    level = os.environ.get("ROLLCAGE_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(
-        level=os.environ.get("ROLLCAGE_LOG_LEVEL", "INFO"),
+        level=level if level in logging.getLevelNamesMapping() else "INFO",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -113,34 +133,47 @@ class _Paths:
 
 
 def load_input(path: Path) -> WorkerInput:
-    """Read and validate ``input.json``.
+    """Read and validate ``input.json`` (see ``parse_input``).
 
     Raises:
-        ConfigError: the file is unreadable, not JSON, or not a valid ``WorkerInput``;
-            the message names the file and the offending field.
+        ConfigError: the file is not a readable regular file of at most
+            ``MAX_INPUT_BYTES``, or its content is not a valid ``WorkerInput``; the
+            message (one line) names the file and the offending field.
+    """
+    return parse_input(_read_input(path), path)
+
+
+def _read_input(path: Path) -> bytes:
+    try:
+        return read_bounded(path, limit=MAX_INPUT_BYTES)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the input file: {exc.strerror or exc}") from exc
+
+
+def parse_input(raw: bytes, where: Path | str = "input.json") -> WorkerInput:
+    """Validate the bytes of an ``input.json``.
+
+    Raises:
+        ConfigError: not JSON, nested too deep, a lone surrogate in a string, or
+            not a valid ``WorkerInput``; the message (one line) names the field.
     """
     from pydantic import ValidationError
 
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the input file: {exc.strerror or exc}") from exc
-    try:
         return WorkerInput.model_validate_json(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: invalid input: {_describe(exc)}") from exc
-
-
-def _describe(exc: Any) -> str:
-    parts = []
-    for error in exc.errors()[:5]:
-        where = ".".join(str(p) for p in error.get("loc", ())) or "(top level)"
-        message = str(error.get("msg", "")).removeprefix("Value error, ")
-        if error.get("type") == "extra_forbidden":
-            message = "unknown field (not part of WorkerInput)"
-        parts.append(f"field {where!r}: {message}")
-    more = len(exc.errors()) - 5
-    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+        first = exc.errors(include_url=False, include_input=False)[0]
+        if first["type"] == "json_invalid":
+            problem = _field_problem(raw)
+            if problem is not None:
+                raise ConfigError(f"{where}: invalid input: {problem}") from exc
+            # Not JSON at all: there is no field to name, the parser's position is the best "where".
+            raise ConfigError(
+                f"{where}: not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}"
+            ) from exc
+        raise ConfigError(f"{where}: invalid input: {describe_validation_error(exc)}") from exc
+    except RecursionError as exc:  # a validator recursing on a pathological document
+        raise ConfigError(f"{where}: invalid input: nested too deeply") from exc
 
 
 async def _amain(paths: _Paths) -> int:
@@ -148,11 +181,14 @@ async def _amain(paths: _Paths) -> int:
     if paths.stop.exists():
         log.warning("stop file %s present at start: doing nothing, writing no result", paths.stop)
         return EXIT_STOPPED_BEFORE_START
+    raw = b""
     try:
-        spec = load_input(paths.input)
+        raw = _read_input(paths.input)
+        spec = parse_input(raw, paths.input)
     except ConfigError as exc:
-        log.error("%s", exc)
-        ids = _ids_from_raw(paths.input)
+        message = _printable(str(exc))
+        log.error("%s", message)
+        ids = _ids_from_raw(raw)
         _publish(
             paths.result,
             WorkerResult(
@@ -160,7 +196,7 @@ async def _amain(paths: _Paths) -> int:
                 task_id=ids[1],
                 response=None,
                 termination_reason="error",
-                error=RunnerError(kind="fatal", type=type(exc).__name__, message=str(exc)),
+                error=RunnerError(kind="fatal", type=type(exc).__name__, message=message),
                 started_at=started,
                 ended_at=time.time(),
             ),
@@ -170,17 +206,45 @@ async def _amain(paths: _Paths) -> int:
     return await _Session(spec, paths, started).run()
 
 
-def _ids_from_raw(path: Path) -> tuple[str, str]:
-    """Best-effort ids from an input that failed validation, so the fatal result is attributable."""
+def _field_problem(raw: bytes) -> str | None:
+    """For JSON the strict parser refused: the field at fault, where a lenient parse can tell.
+
+    Python's parser reads lone surrogates and moderate nesting that pydantic's refuses
+    outright; ``json_problem`` then names the field (``field 'rollout_id': ...``).
+    """
     import json
 
     try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return json_problem(data)
+
+
+def _ids_from_raw(raw: bytes) -> tuple[str, str]:
+    """Best-effort ids from an input that failed validation, so the fatal result is attributable.
+
+    Only ids that can be published are taken: strings of at most 512 characters
+    (orjson refuses lone surrogates and nesting beyond its limit: no id then).
+    """
+    import orjson
+
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
         return "", ""
     if not isinstance(data, dict):
         return "", ""
-    return str(data.get("rollout_id", "")), str(data.get("task_id", ""))
+
+    def usable(value: Any) -> str:
+        return value if isinstance(value, str) and len(value) <= _ID_MAX_CHARS else ""
+
+    return usable(data.get("rollout_id")), usable(data.get("task_id"))
+
+
+def _printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a path's undecodable bytes) escaped: it can be published."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _publish(path: Path, result: WorkerResult, *, mode: int) -> bool:

@@ -19,6 +19,9 @@ import orjson
 
 from rollcage.protocol import (
     BoundaryRecord,
+    CapturedBody,
+    CapturedMessage,
+    CaptureExchange,
     HealthFinding,
     ModelCall,
     Outcome,
@@ -287,19 +290,43 @@ def record(
 
 
 def capture_lines(result: WorkerResult) -> list[dict[str, Any]]:
-    """A ``model_capture.jsonl`` that agrees with ``result``'s trajectory."""
-    return [
-        {
-            "path": "/v1/responses",
-            "upstream": "model",
-            "request": {"method": "POST", "body": call.request},
-            "response": {"status": 200, "body": call.response},
-            "started_at": call.started_at,
-            "ended_at": call.ended_at,
-        }
-        for call in result.trajectory.model_calls
-        for _ in range(call.attempts)
-    ]
+    """A ``model_capture.jsonl`` that agrees with ``result``'s trajectory, in the proxy's own line shape."""
+    lines = []
+    for call in result.trajectory.model_calls:
+        for _ in range(call.attempts):
+            body = orjson.dumps(call.request)
+            answer = orjson.dumps(call.response)
+            exchange = CaptureExchange(
+                seq=len(lines) + 1,
+                rollout_id=result.rollout_id,
+                route="model",
+                name=None,
+                method="POST",
+                path="/model/v1/responses",
+                upstream_url="http://127.0.0.1:9/v1/responses",
+                credential_added=False,
+                request=CapturedMessage(
+                    headers=[("content-type", "application/json")],
+                    body=CapturedBody(size=len(body), json_value=call.request),
+                ),
+                response=CapturedMessage(
+                    headers=[("content-type", "application/json")],
+                    body=CapturedBody(size=len(answer), json_value=call.response),
+                    status=200,
+                ),
+                status=200,
+                started_at=call.started_at,
+                first_byte_at=call.first_byte_at,
+                ended_at=call.ended_at,
+                duration_s=call.ended_at - call.started_at,
+                error=None,
+            )
+            line = exchange.model_dump(mode="json")
+            for message in (line["request"], line["response"]):
+                # The proxy writes only the body's one present form (json, text or base64).
+                message["body"] = {key: value for key, value in message["body"].items() if value is not None}
+            lines.append(line)
+    return lines
 
 
 def _journal_bytes(records: list[BoundaryRecord]) -> bytes:
@@ -416,10 +443,12 @@ def write_run(run_dir: Path, *, torn_tail: bool = True) -> RunFixture:
         }
     )
     disagreeing = capture_lines(agent_error)
-    disagreeing[1]["request"]["body"] = {**disagreeing[1]["request"]["body"], "temperature": 0.7}
-    disagreeing.append(
-        {"path": "/v1/responses", "request": {"body": {"model": "scripted", "input": "extra"}}}
-    )
+    sent = disagreeing[1]["request"]["body"]
+    sent["json"] = {**sent["json"], "temperature": 0.7}
+    extra = orjson.loads(orjson.dumps(disagreeing[0]))
+    extra["seq"] = len(disagreeing) + 1
+    extra["request"]["body"] = {"size": 38, "json": {"model": "scripted", "input": "extra"}}
+    disagreeing.append(extra)
     write_rollout_dir(
         rollouts / "calc-5-s0-t0",
         result=agent_error,

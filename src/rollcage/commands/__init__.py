@@ -1,13 +1,18 @@
-"""The CLI verbs, one module each; heavy imports happen inside each command's body."""
+"""The CLI verbs, one module each; heavy imports happen inside each command's body.
+
+Errors a user causes end as one line and exit 2 (see ``rollcage.cli``): a verb
+either raises ``typer.BadParameter``/``ConfigError`` or calls ``fail``.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     import typer
 
-__all__ = ["register"]
+__all__ = ["fail", "finite", "one_line", "register"]
 
 
 def register(app: typer.Typer) -> None:
@@ -21,3 +26,26 @@ def register(app: typer.Typer) -> None:
     app.command("show")(show.command)
     app.command("report")(report.command)
     app.command("schema")(schema.command)
+
+
+def one_line(message: str, *, limit: int = 2000) -> str:
+    """A message as one line (each run of whitespace becomes one space), at most ``limit`` characters."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def fail(verb: str, message: str, code: int = 2) -> NoReturn:
+    """Print ``rollcage VERB: message`` as one line on stderr; exit with ``code`` (2: a wrong command)."""
+    import typer
+
+    typer.echo(f"rollcage {verb}: {one_line(message)}", err=True)
+    raise typer.Exit(code)
+
+
+def finite(value: float | None) -> float | None:
+    """A typer callback: refuse ``inf`` and ``nan``, which click's float type accepts (and no range stops)."""
+    import typer
+
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value

@@ -20,16 +20,15 @@ def command(
     ] = None,
 ) -> None:
     """Write a static HTML report of a run: summary, charts, a filterable table, every trajectory."""
+    from rollcage.commands import fail
     from rollcage.viewer import ViewerError, write_report
 
     try:
         written = write_report(run_dir, output)
     except ViewerError as exc:
-        typer.echo(f"rollcage report: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail("report", str(exc))
     except OSError as exc:
-        typer.echo(f"rollcage report: cannot write the report: {exc}", err=True)
-        raise typer.Exit(1) from exc
+        fail("report", f"cannot write the report: {exc}", code=1)
     size = written.stat().st_size
     shown = f"{size / 1_048_576:.1f} MiB" if size >= 1_048_576 else f"{size / 1024:.0f} KiB"
     typer.echo(f"wrote {written} ({shown}); open it in a browser (no network needed)")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from rollcage.commands import fail, finite
 from rollcage.commands._sandbox_options import (
     Cgroups,
     DiskBudgets,
@@ -89,10 +90,14 @@ def command(
     ] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Rollouts in flight at most.")] = 8,
     attempts: Annotated[int, typer.Option(min=1, help="Samples per task (k of pass@k).")] = 1,
-    deadline: Annotated[float, typer.Option(min=0.1, help="Wall-clock deadline of one rollout, s.")] = 600.0,
-    grace: Annotated[float, typer.Option(min=0.0, help="SIGTERM → SIGKILL grace, s.")] = 5.0,
+    deadline: Annotated[
+        float, typer.Option(min=0.1, help="Wall-clock deadline of one rollout, s.", callback=finite)
+    ] = 600.0,
+    grace: Annotated[float, typer.Option(min=0.0, help="SIGTERM → SIGKILL grace, s.", callback=finite)] = 5.0,
     max_infra_retries: Annotated[int, typer.Option(min=0, help="Retries of an infra_failure.")] = 2,
-    retry_backoff: Annotated[float, typer.Option(min=0.0, help="First retry delay, s (doubles).")] = 1.0,
+    retry_backoff: Annotated[
+        float, typer.Option(min=0.0, help="First retry delay, s (doubles).", callback=finite)
+    ] = 1.0,
     sandbox: Annotated[
         _Sandbox, typer.Option(help="bwrap: contained (default); none: agent code runs uncontained.")
     ] = _Sandbox.bwrap,
@@ -119,7 +124,9 @@ def command(
     ] = None,
     ray_num_cpus_per_rollout: Annotated[
         float | None,
-        typer.Option(min=0.0, help="CPUs Ray reserves per rollout (default 1). With --backend ray."),
+        typer.Option(
+            min=0.0, help="CPUs Ray reserves per rollout (default 1). With --backend ray.", callback=finite
+        ),
     ] = None,
     shared_dir: Annotated[
         Path | None,
@@ -159,6 +166,8 @@ def command(
     flags = dict(locals())  # the parameters, before anything else is bound: the budget flags among them
     import asyncio
 
+    from pydantic import ValidationError
+
     from rollcage.controller import (
         EXIT_USAGE,
         EmbeddedPolicyConfig,
@@ -169,6 +178,7 @@ def command(
     )
     from rollcage.controller._progress import RichReporter, render_summary
     from rollcage.errors import ConfigError
+    from rollcage.protocol import describe_validation_error
 
     if (model is None) != (model_name is None):
         raise typer.BadParameter("--model and --model-name go together", param_hint="--model")
@@ -178,6 +188,10 @@ def command(
         )
     if api_key_env is not None and model is None:
         raise typer.BadParameter("--api-key-env needs --model", param_hint="--api-key-env")
+    if model is not None:
+        _check_model_url(model)
+    if api_key_env is not None and backend is _Backend.local:
+        _check_key_variable(api_key_env)
     ray_options = {
         "--ray-address": ray_address,
         "--ray-num-cpus-per-rollout": ray_num_cpus_per_rollout,
@@ -199,8 +213,8 @@ def command(
 
     try:
         bwrap = BwrapSandbox(**bwrap_fields(flags))
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
+    except ValidationError as exc:
+        raise typer.BadParameter(describe_validation_error(exc)) from exc
     reporter = RichReporter(quiet=quiet)
     _log_through(reporter)
     source: EmbeddedPolicyConfig | ModelEndpointConfig
@@ -229,15 +243,45 @@ def command(
             dataset_format=format.value,
             environment=environment,
         )
+    except ValidationError as exc:
+        raise typer.BadParameter(describe_validation_error(exc)) from exc
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     try:
         summary = asyncio.run(_run(config, reporter))
     except ConfigError as exc:
-        reporter.console.print(f"rollcage run: {exc}", style="red", markup=False)
-        raise typer.Exit(EXIT_USAGE) from None
+        fail("run", str(exc), code=EXIT_USAGE)
     render_summary(summary, reporter.console)
     raise typer.Exit(summary.exit_code)
+
+
+def _check_model_url(url: str) -> None:
+    """Refuse a ``--model`` that no rollout could reach, before anything runs (as ``supervise`` does)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - reading it validates it
+    except ValueError as exc:
+        raise typer.BadParameter(f"{url!r} is not a URL ({exc})", param_hint="--model") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise typer.BadParameter(
+            f"{url!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8000/v1", param_hint="--model"
+        )
+
+
+def _check_key_variable(name: str) -> None:
+    """Refuse an ``--api-key-env`` naming an unset variable: every rollout would fail on it.
+
+    Only for the local backend: with Ray the variable may be set on the nodes instead.
+    """
+    import os
+
+    if not os.environ.get(name):
+        raise typer.BadParameter(
+            f"{name} is not set (or empty) in this environment; export it, or drop --api-key-env",
+            param_hint="--api-key-env",
+        )
 
 
 def _log_through(reporter: RichReporter) -> None:

@@ -7,18 +7,20 @@ from typing import Annotated
 
 import typer
 
+from rollcage.commands import fail, finite
+
 __all__ = ["command"]
 
 
 def command(
     script: Annotated[
         Path,
-        typer.Option(
-            "--script", help="Policy script (YAML or JSON): the turns to play per task id.", exists=True
-        ),
+        typer.Option("--script", help="Policy script (YAML or JSON): the turns to play per task id."),
     ],
     host: Annotated[str, typer.Option(help="Host to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on (0: a free one, printed).")] = 8000,
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="Port to listen on (0: a free one, printed).")
+    ] = 8000,
     uds: Annotated[
         Path | None, typer.Option("--uds", help="Listen on this Unix socket instead of TCP.")
     ] = None,
@@ -31,7 +33,10 @@ def command(
         ),
     ] = None,
     fault_rate: Annotated[
-        float, typer.Option(help="Probability of a random fault per request (0 disables).", min=0.0, max=1.0)
+        float,
+        typer.Option(
+            help="Probability of a random fault per request (0 disables).", min=0.0, max=1.0, callback=finite
+        ),
     ] = 0.0,
     fault_kinds: Annotated[
         str | None,
@@ -68,8 +73,7 @@ def command(
             announce=lambda line: typer.echo(line, err=True),
         )
     except ConfigError as exc:
-        typer.echo(f"rollcage serve-policy: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail("serve-policy", str(exc))
     typer.echo(
         f"rollcage serve-policy: served {state.calls} model requests, injected {len(state.faults)} faults",
         err=True,

@@ -33,6 +33,7 @@ def command(
     """Show a rollout as a tree of turns (model calls, tool calls, outcome, receipt), or a run's summary."""
     from rich.console import Console
 
+    from rollcage.commands import fail
     from rollcage.viewer import ViewerError, load_rollout, render_rollout, render_run, resolve_target
 
     try:
@@ -45,9 +46,7 @@ def command(
             view = load_rollout(target.path, prefer=target.prefer, file=target.file)
             renderable = render_rollout(view)
     except ViewerError as exc:
-        typer.echo(f"rollcage show: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail("show", str(exc))
     except OSError as exc:
-        typer.echo(f"rollcage show: cannot read {path}: {exc}", err=True)
-        raise typer.Exit(1) from exc
+        fail("show", f"cannot read {path}: {exc}", code=1)
     Console().print(renderable)

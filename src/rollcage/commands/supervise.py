@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from rollcage.commands import fail, finite
 from rollcage.commands._sandbox_options import (
     Cgroups,
     DiskBudgets,
@@ -47,9 +48,9 @@ def command(
         Path, typer.Argument(metavar="ROLLOUT_DIR", help="A prepared rollout directory (with input.json).")
     ],
     deadline: Annotated[
-        float, typer.Option(help="Wall-clock deadline of the whole rollout, seconds.")
+        float, typer.Option(help="Wall-clock deadline of the whole rollout, seconds.", callback=finite)
     ] = 600.0,
-    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 5.0,
+    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.", callback=finite)] = 5.0,
     sandbox: Annotated[
         SandboxChoice, typer.Option(help="bwrap (contained) or none (NOT contained: trusted code only).")
     ] = SandboxChoice.bwrap,
@@ -93,6 +94,8 @@ def command(
     import logging
     import signal
 
+    from pydantic import ValidationError
+
     from rollcage.errors import ConfigError, SandboxError
     from rollcage.protocol import SupervisorReceipt
     from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig, supervise
@@ -112,9 +115,12 @@ def command(
             worker_command=shlex.split(worker_command) if worker_command else None,
             proxy=ProxyConfig(max_capture_bytes=max_capture_mib * 1024 * 1024),
         )
-    except ValueError as exc:
-        typer.echo(f"rollcage supervise: {exc}", err=True)
-        raise typer.Exit(2) from exc
+    except ValidationError as exc:
+        from rollcage.protocol import describe_validation_error
+
+        fail("supervise", describe_validation_error(exc))
+    except ValueError as exc:  # --worker-command that does not split into words
+        fail("supervise", f"--worker-command: {exc}")
 
     async def main() -> SupervisorReceipt:
         stop = asyncio.Event()
@@ -128,8 +134,7 @@ def command(
     try:
         receipt = asyncio.run(main())
     except (ConfigError, SandboxError) as exc:
-        typer.echo(f"rollcage supervise: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail("supervise", str(exc))
     if json_output:
         typer.echo(receipt.model_dump_json(indent=2))
     else:

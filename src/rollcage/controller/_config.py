@@ -26,7 +26,8 @@ __all__ = [
 
 
 class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Infinity and NaN are never a meaningful deadline, grace or timeout.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class EmbeddedPolicyConfig(_Config):

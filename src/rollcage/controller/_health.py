@@ -4,7 +4,15 @@ Each check looks for a way a run can *look* fine while its data is not: a reward
 computed over rollouts where the model never answered, token counts nobody
 reported, a capture that disagrees with what the worker says it did. A count the
 check cannot establish (e.g. no token counts reported) is counted as
-*unobserved*, never silently as healthy.
+*unobserved*, never silently as healthy: a rollout whose ``result.json`` is
+missing or invalid is counted by ``unobserved_result`` (its calls could not be
+checked), never passed as clean.
+
+Rollouts the run itself stopped (Ctrl-C, shutdown: outcome ``cancelled``) are
+counted apart, by ``cancelled_by_run``: they did not fail, they were not allowed
+to finish, so "no model turn" says nothing about the model there. A rollout that
+was stopped (cancelled or timed out) may have had one exchange in flight that the
+proxy captured and the worker never recorded; the capture check allows for it.
 """
 
 from __future__ import annotations
@@ -20,17 +28,22 @@ from rollcage.protocol import RolloutRecord
 __all__ = ["HEALTH_CHECKS", "TASK_CHECK", "inspect_rollout", "load_result"]
 
 HEALTH_CHECKS: dict[str, str] = {
-    "no_model_turn": "rollouts whose result records no model call at all",
+    "unobserved_result": "rollouts whose result.json is missing or invalid: no per-call check could be "
+    "made (unobserved, not healthy)",
+    "cancelled_by_run": "rollouts the run itself stopped (Ctrl-C, shutdown) before they finished; reported "
+    "apart, not as model findings",
+    "no_model_turn": "rollouts whose result records no answered model call (none made, or every one failed)",
     "hollow_turn": "completed model calls with neither answer text nor tool calls (count: calls)",
     "failed_model_call": "model calls that failed (count: calls)",
     "unobserved_tokens": "model calls without input or output token counts: unobserved, not healthy "
     "(count: calls)",
-    "zero_completion_tokens": "model calls that reported 0 output tokens (count: calls)",
+    "zero_completion_tokens": "model calls that reported 0 output tokens, length-limited calls exempt "
+    "(count: calls)",
     "runaway_generation": "model calls stopped by the output length limit (count: calls)",
     "token_total_mismatch": "rollouts whose per-call token counts do not add up to the rollout's "
     "or a call's total is not input + output",
     "capture_mismatch": "rollouts whose model_capture.jsonl exchange count differs from the HTTP attempts "
-    "the worker's trajectory records",
+    "the worker's trajectory records (a stopped rollout may have one more, in flight when it was stopped)",
     "grader_error": "rollouts the outcome allowed to grade but whose grader failed (no reward)",
     "task_without_model_success": "tasks with no completed model call in any attempt (ids: task ids)",
 }
@@ -73,7 +86,8 @@ def inspect_rollout(record: RolloutRecord, result: Mapping[str, Any] | None) -> 
 
     Args:
         record: The attempt's record (its receipt and grader detail are used).
-        result: Its ``result.json`` as plain JSON, when the receipt says it is valid.
+        result: Its ``result.json`` as plain JSON, when the receipt says it is valid
+            and it could be read; ``None`` otherwise (counted as unobserved).
 
     Returns:
         Check name → count (rollout checks count 1, call checks count calls).
@@ -81,47 +95,71 @@ def inspect_rollout(record: RolloutRecord, result: Mapping[str, Any] | None) -> 
     found: dict[str, int] = {}
     if record.grader is not None and "error" in record.grader:
         found["grader_error"] = 1
-    if result is None or not record.receipt.result_valid:
+    cancelled = record.outcome == "cancelled"
+    if cancelled:
+        found["cancelled_by_run"] = 1
+    trajectory = result.get("trajectory") if result is not None and record.receipt.result_valid else None
+    if not isinstance(trajectory, Mapping):
+        found["unobserved_result"] = 1
         return found
-    trajectory = result.get("trajectory") or {}
     calls = [c for c in trajectory.get("model_calls") or [] if isinstance(c, Mapping)]
-    if not calls:
-        found["no_model_turn"] = 1
-    per_call: dict[str, int] = {}
-    inputs: list[int | None] = []
-    outputs: list[int | None] = []
-    attempts = 0
-    mismatch = False
-    for call in calls:
-        attempts += int(call.get("attempts") or 1)
-        status = call.get("status")
-        usage = call.get("usage") or {}
-        if status == "failed":
-            per_call["failed_model_call"] = per_call.get("failed_model_call", 0) + 1
-            continue
-        if status == "completed" and not _has_answer(call.get("output") or []):
-            per_call["hollow_turn"] = per_call.get("hollow_turn", 0) + 1
-        if status == "incomplete" and call.get("incomplete_reason") in _LENGTH_REASONS:
-            per_call["runaway_generation"] = per_call.get("runaway_generation", 0) + 1
-        i, o, t = usage.get("input_tokens"), usage.get("output_tokens"), usage.get("total_tokens")
-        inputs.append(i)
-        outputs.append(o)
-        if i is None or o is None:
-            per_call["unobserved_tokens"] = per_call.get("unobserved_tokens", 0) + 1
-        elif o == 0:
-            per_call["zero_completion_tokens"] = per_call.get("zero_completion_tokens", 0) + 1
-        if i is not None and o is not None and t is not None and t != i + o:
-            mismatch = True
+    per_call, attempts, mismatch, inputs, outputs = _inspect_calls(calls)
     found.update(per_call)
-    response = result.get("response")
-    totals = (response or {}).get("usage") or {} if isinstance(response, Mapping) else {}
+    if not cancelled and not any(call.get("status") != "failed" for call in calls):
+        found["no_model_turn"] = 1
+    response = result.get("response") if result is not None else None
+    totals = (response.get("usage") or {}) if isinstance(response, Mapping) else {}
     for key, parts in (("input_tokens", inputs), ("output_tokens", outputs)):
-        summed, reported = _sum(parts), totals.get(key)
+        summed, reported = _sum(parts), totals.get(key) if isinstance(totals, Mapping) else None
         if summed is not None and reported is not None and summed != reported:
             mismatch = True
     if mismatch:
         found["token_total_mismatch"] = 1
     captured = record.receipt.model_calls_captured
-    if captured is not None and captured != attempts:
+    # A stopped worker may have had one exchange in flight: captured by the proxy, never recorded.
+    in_flight = 1 if record.outcome in ("cancelled", "timeout") else 0
+    if captured is not None and not attempts <= captured <= attempts + in_flight:
         found["capture_mismatch"] = 1
     return found
+
+
+def _inspect_calls(
+    calls: list[Mapping[str, Any]],
+) -> tuple[dict[str, int], int, bool, list[int | None], list[int | None]]:
+    """Per-call counts, HTTP attempts, whether a call's total is off, and the token counts per call."""
+    per_call: dict[str, int] = {}
+    inputs: list[int | None] = []
+    outputs: list[int | None] = []
+    attempts = 0
+    mismatch = False
+
+    def count(name: str) -> None:
+        per_call[name] = per_call.get(name, 0) + 1
+
+    for call in calls:
+        attempts += _int(call.get("attempts")) or 1
+        status = call.get("status")
+        raw_usage = call.get("usage")
+        usage: Mapping[str, Any] = raw_usage if isinstance(raw_usage, Mapping) else {}
+        if status == "failed":
+            count("failed_model_call")
+            continue
+        length_limited = status == "incomplete" and call.get("incomplete_reason") in _LENGTH_REASONS
+        if status == "completed" and not _has_answer(call.get("output") or []):
+            count("hollow_turn")
+        if length_limited:
+            count("runaway_generation")
+        i, o, t = (_int(usage.get(key)) for key in ("input_tokens", "output_tokens", "total_tokens"))
+        inputs.append(i)
+        outputs.append(o)
+        if i is None or o is None:
+            count("unobserved_tokens")
+        elif o == 0 and not length_limited:
+            count("zero_completion_tokens")
+        if i is not None and o is not None and t is not None and t != i + o:
+            mismatch = True
+    return per_call, attempts, mismatch, inputs, outputs
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

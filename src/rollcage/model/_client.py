@@ -3,11 +3,17 @@
 Every failure is classified where it enters, and nothing waits without a bound::
 
     attempt ──► 2xx, body parses ─────────────────────► ModelCall (completed / incomplete)
-       │        2xx, body broken or truncated ───┐
+       │        2xx, body malformed in any way ──┐ (not JSON, wrong JSON types, bad SSE framing,
+       │                                         │  truncated, only [DONE], too large, too deep)
        │        408 409 429 5xx ─────────────────┤ retry (≤ max_retries, backoff,
        │        connection error, reset ─────────┤        Retry-After honoured up to a cap)
        │        no answer within timeout_s ──────┘──► TransientModelError / ModelTimeoutError
+       ├──────► 401 403 407, auth error codes ──────► TransientModelError, not retried: credentials
+       │        404, 3xx, model not found                are infrastructure, never the policy's fault
        └──────► other 4xx, context length ──────────► FatalModelError (never retried)
+
+Nothing a server sends can raise anything else: every surprise in a response is
+classified here, at the edge, as a transient malformed response.
 
 A call therefore takes at most ``max_call_seconds(endpoint)``: every attempt
 runs under ``asyncio.timeout(timeout_s)`` (on top of httpx's own connect/read
@@ -20,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import random
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from email.utils import parsedate_to_datetime
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from http.cookies import CookieError, SimpleCookie
@@ -34,9 +41,9 @@ import orjson
 
 from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
 from rollcage.model._httpx import httpx, transport_for
-from rollcage.model._stream import ServerEventError, assemble_stream, sse_events
+from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
 from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload
-from rollcage.protocol import ModelCall, ModelEndpoint, RunnerError
+from rollcage.protocol import MAX_JSON_DEPTH, ModelCall, ModelEndpoint, RunnerError, json_problem
 
 __all__ = ["ClientState", "ModelClient", "failed_call", "max_call_seconds", "retry_wait_bounds"]
 
@@ -52,7 +59,31 @@ _CONTEXT_LENGTH = re.compile(
     r"|longer than the model|exceeds the model",
     re.IGNORECASE,
 )
+_AUTH_CODE = re.compile(
+    r"api[_ ]?key|auth|unauthori[sz]ed|permission|forbidden|access[_ ]denied|insufficient[_ ]quota|billing",
+    re.IGNORECASE,
+)
+"""Error codes that say the credentials, not the request, are wrong (OpenAI, vLLM, NIM, gateways)."""
+_NOT_FOUND_CODE = re.compile(r"not[_ ]found|does[_ ]not[_ ]exist", re.IGNORECASE)
 _ERROR_SNIPPET = 500
+_ERROR_BODY_BYTES = 64 * 1024
+"""Of a non-2xx answer only this much is read: enough for any error message."""
+_MAX_COOKIES = 64
+_MAX_COOKIE_BYTES = 4096
+_COOKIE_VALUE = re.compile(r"[\x21-\x7e]*")
+"""A cookie value echoed back must be printable ASCII, or it could break the request's header."""
+_MALFORMED = (
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    IndexError,
+    LookupError,
+    RecursionError,
+    OverflowError,
+    UnicodeError,
+)
+"""What reading a hostile body can raise: each is the server's fault (WireError is a ValueError)."""
 
 
 class ClientState(enum.Enum):
@@ -110,6 +141,7 @@ class _AttemptFailed(Exception):
         http_status: int | None = None,
         retry_after: float | None = None,
         response: dict[str, Any] | None = None,
+        why: str = "",
     ) -> None:
         super().__init__(message)
         self.error = error
@@ -117,6 +149,8 @@ class _AttemptFailed(Exception):
         self.http_status = http_status
         self.retry_after = retry_after
         self.response = response
+        self.why = why
+        """Words on whose fault it is, appended to the message where that is not obvious."""
 
 
 class _Exchange:
@@ -355,65 +389,74 @@ class ModelClient:
             self._keep_cookies(response)
             status = response.status_code
             if not 200 <= status < 300:
-                raw = await response.aread()
+                raw = await _read_body(response, _ERROR_BODY_BYTES, cut=True)
                 raise _status_failure(status, raw, response.headers)
-            if endpoint.stream and "text/event-stream" in response.headers.get("content-type", ""):
-                try:
-                    streamed = await assemble_stream(endpoint.api, sse_events(response.aiter_lines()))
-                except WireError as exc:
-                    raise _AttemptFailed(
-                        TransientModelError,
-                        f"bad stream from the server: {exc}",
-                        retry=True,
-                        http_status=status,
-                    ) from exc
-                except ServerEventError as exc:
-                    fatal = exc.code == "context_length_exceeded" or bool(_CONTEXT_LENGTH.search(str(exc)))
-                    raise _AttemptFailed(
-                        FatalModelError if fatal else TransientModelError,
-                        f"the server reported an error in the stream: {exc}",
-                        retry=not fatal,
-                        http_status=status,
-                    ) from exc
-                return _Exchange(status, streamed.payload, streamed.first_event_at or first_byte_at)
-            raw = await response.aread()
-            return _Exchange(status, _json_object(raw, status), first_byte_at)
+            limit = endpoint.max_response_bytes
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise _malformed(f"the answer declares {declared} bytes, over the {limit}-byte bound", status)
+            try:
+                if endpoint.stream and "text/event-stream" in response.headers.get("content-type", ""):
+                    chunks = _bounded(response.aiter_bytes(), limit)
+                    streamed = await assemble_stream(endpoint.api, sse_events(sse_lines(chunks)))
+                    payload, first = streamed.payload, streamed.first_event_at or first_byte_at
+                else:
+                    payload, first = _json_object(await _read_body(response, limit)), first_byte_at
+                problem = json_problem(payload, max_depth=MAX_JSON_DEPTH)
+                if problem is not None:
+                    raise WireError(f"the answer cannot be kept: {problem}")
+            except ServerEventError as exc:
+                failure = _classify(None, exc.code, str(exc), http_status=status)
+                failure.args = (f"the server reported an error in the stream: {exc}{failure.why}",)
+                raise failure from exc
+            except _MALFORMED as exc:
+                raise _malformed(
+                    str(exc) if isinstance(exc, WireError) else _unexpected(exc), status
+                ) from exc
+            return _Exchange(status, payload, first)
         except httpx.HTTPError as exc:
             _raise_transport(exc)
         finally:
             await response.aclose()
 
     def _interpret(self, exchange: _Exchange) -> CallOutcome:
+        error = exchange.payload.get("error")
+        if isinstance(error, dict) and not {"choices", "output"} & exchange.payload.keys():
+            # An error object in a 2xx answer (gateways and some servers do this): it says whose fault it is.
+            code, message = _error_detail(orjson.dumps(exchange.payload))
+            failure = _classify(None, code, message, http_status=exchange.http_status)
+            failure.args = (
+                f"the server answered with an error: {code or 'no code'}: {message}{failure.why}",
+            )
+            failure.response = exchange.payload
+            raise failure
         try:
             outcome = parse_payload(self._endpoint.api, exchange.payload)
-        except WireError as exc:
-            raise _AttemptFailed(
-                TransientModelError,
-                f"the server's answer is not a valid {self._endpoint.api} response: {exc}",
-                retry=True,
-                http_status=exchange.http_status,
-                response=exchange.payload,
-            ) from exc
+        except _MALFORMED as exc:
+            detail = str(exc) if isinstance(exc, WireError) else _unexpected(exc)
+            failure = _malformed(
+                f"the server's answer is not a valid {self._endpoint.api} response: {detail}",
+                exchange.http_status,
+            )
+            failure.response = exchange.payload
+            raise failure from exc
         if outcome.status == "failed":
-            message = f"the response failed: {outcome.error_code or 'no code'}: {outcome.error_message or ''}"
-            fatal = bool(
-                (outcome.error_code and ("invalid" in outcome.error_code or "context" in outcome.error_code))
-                or _CONTEXT_LENGTH.search(outcome.error_message or "")
+            failure = _classify(
+                None, outcome.error_code, outcome.error_message or "", http_status=exchange.http_status
             )
-            raise _AttemptFailed(
-                FatalModelError if fatal else TransientModelError,
-                message,
-                retry=not fatal,
-                http_status=exchange.http_status,
-                response=exchange.payload,
+            failure.args = (
+                f"the response failed: {outcome.error_code or 'no code'}: {outcome.error_message or ''}"
+                f"{failure.why}",
             )
+            failure.response = exchange.payload
+            raise failure
         return outcome
 
     def _wait_before_retry(self, retry: int, retry_after: float | None) -> float:
         endpoint = self._endpoint
         base = _backoff(endpoint, retry)
         wait = base * random.uniform(0.5, 1.0)
-        if retry_after is not None:
+        if retry_after is not None and math.isfinite(retry_after):
             wait = max(wait, min(retry_after, endpoint.timeout_s, _RETRY_AFTER_CAP_S))
         return wait
 
@@ -423,11 +466,23 @@ class ModelClient:
             try:
                 jar.load(header)
             except CookieError:
-                logger.warning("ignoring a malformed Set-Cookie header from the model endpoint: %r", header)
+                logger.warning(
+                    "ignoring a malformed Set-Cookie header from the model endpoint: %r", header[:200]
+                )
                 continue
             for name, morsel in jar.items():
                 if _expired(morsel["max-age"], morsel["expires"]):
                     self._cookies.pop(name, None)
+                elif (
+                    len(name) + len(morsel.value) > _MAX_COOKIE_BYTES
+                    or not _COOKIE_VALUE.fullmatch(morsel.value)
+                    or (name not in self._cookies and len(self._cookies) >= _MAX_COOKIES)
+                ):
+                    # Echoing it would break the next request (a newline in a header) or grow every
+                    # request and journal line without bound; the server's word is in the capture.
+                    logger.warning(
+                        "ignoring a cookie from the model endpoint that cannot be sent back: %r", name
+                    )
                 else:
                     self._cookies[name] = morsel.value
 
@@ -481,15 +536,98 @@ def _raise_transport(exc: Exception) -> NoReturn:
 
 
 def _status_failure(status: int, raw: bytes, headers: httpx.Headers) -> _AttemptFailed:
-    """Classify a non-2xx answer: 408/409/429/5xx are worth retrying, context length never is."""
+    """Classify a non-2xx answer (see ``_classify``)."""
     code, message = _error_detail(raw)
-    text = f"HTTP {status}: {code + ': ' if code else ''}{message}"
-    context_length = code == "context_length_exceeded" or bool(_CONTEXT_LENGTH.search(message))
-    if (status in _RETRYABLE_STATUS or status >= 500) and not context_length:
+    failure = _classify(status, code, message, http_status=status, retry_after=_retry_after(headers))
+    failure.args = (f"HTTP {status}: {code + ': ' if code else ''}{message}{failure.why}",)
+    return failure
+
+
+def _classify(
+    status: int | None,
+    code: str | None,
+    message: str,
+    *,
+    http_status: int | None,
+    retry_after: float | None = None,
+) -> _AttemptFailed:
+    """Whose fault an error the server reported is, and whether another attempt may help.
+
+    ``status`` is the HTTP status of an error answer, ``None`` for an error inside
+    a 2xx answer (a Responses ``failed`` status, an error event in a stream).
+    The message of the returned failure is set by the caller; ``why`` is appended.
+    """
+    if code == "context_length_exceeded" or _CONTEXT_LENGTH.search(message):
+        return _AttemptFailed(FatalModelError, message, retry=False, http_status=http_status)
+    if status in (401, 403, 407) or (code is not None and _AUTH_CODE.search(code)):
         return _AttemptFailed(
-            TransientModelError, text, retry=True, http_status=status, retry_after=_retry_after(headers)
+            TransientModelError,
+            message,
+            retry=False,
+            http_status=http_status,
+            why=" (the endpoint refused the credentials: infrastructure, not the policy)",
         )
-    return _AttemptFailed(FatalModelError, text, retry=False, http_status=status)
+    if (
+        status == 404
+        or (code is not None and _NOT_FOUND_CODE.search(code))
+        or (status is not None and status < 400)
+    ):
+        return _AttemptFailed(
+            TransientModelError,
+            message,
+            retry=False,
+            http_status=http_status,
+            why=" (no such endpoint or model where the configuration says: infrastructure, not the policy)",
+        )
+    if status is None:
+        fatal = code is not None and "invalid" in code
+        return _AttemptFailed(
+            FatalModelError if fatal else TransientModelError,
+            message,
+            retry=not fatal,
+            http_status=http_status,
+        )
+    if status in _RETRYABLE_STATUS or status >= 500:
+        return _AttemptFailed(
+            TransientModelError, message, retry=True, http_status=http_status, retry_after=retry_after
+        )
+    return _AttemptFailed(FatalModelError, message, retry=False, http_status=http_status)
+
+
+def _malformed(detail: str, status: int | None) -> _AttemptFailed:
+    """A 2xx answer that cannot be read: the server's fault, worth another attempt."""
+    return _AttemptFailed(
+        TransientModelError, f"malformed response from the server: {detail}", retry=True, http_status=status
+    )
+
+
+def _unexpected(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:_ERROR_SNIPPET]}"
+
+
+async def _bounded(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
+    """Pass decoded body chunks through until more than ``limit`` bytes came: then a ``WireError``."""
+    total = 0
+    async for chunk in chunks:
+        total += len(chunk)
+        if total > limit:
+            raise WireError(f"the answer is over the {limit}-byte bound (max_response_bytes)")
+        yield chunk
+
+
+async def _read_body(response: httpx.Response, limit: int, *, cut: bool = False) -> bytes:
+    """The decoded body, at most ``limit`` bytes: over it a ``WireError``, or with ``cut`` the first bytes."""
+    parts: list[bytes] = []
+    total = 0
+    async for chunk in response.aiter_bytes():
+        total += len(chunk)
+        if total > limit:
+            if cut:
+                parts.append(chunk[: len(chunk) - (total - limit)])
+                break
+            raise WireError(f"the answer is over the {limit}-byte bound (max_response_bytes)")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _error_detail(raw: bytes) -> tuple[str | None, str]:
@@ -501,9 +639,14 @@ def _error_detail(raw: bytes) -> tuple[str | None, str]:
     error = body.get("error", body) if isinstance(body, dict) else body
     if isinstance(error, dict):
         code = error.get("code") or error.get("type")
-        message = error.get("message") or error.get("detail") or orjson.dumps(error).decode()
-        return (None if code is None else str(code)), str(message)[:_ERROR_SNIPPET]
-    return None, str(error)[:_ERROR_SNIPPET]
+        message = error.get("message") or error.get("detail") or error
+        return (None if code is None else str(code)[:200]), _snippet(message)
+    return None, _snippet(error)
+
+
+def _snippet(value: Any) -> str:
+    text = value if isinstance(value, str) else orjson.dumps(value, default=repr).decode()
+    return text[:_ERROR_SNIPPET]
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:
@@ -511,38 +654,35 @@ def _retry_after(headers: httpx.Headers) -> float | None:
     value = headers.get("retry-after-ms")
     if value is not None:
         try:
-            return max(0.0, float(value) / 1000)
+            return _finite_seconds(float(value) / 1000)
         except ValueError:
             pass
     value = headers.get("retry-after")
     if value is None:
         return None
     try:
-        return max(0.0, float(value))
+        return _finite_seconds(float(value))
     except ValueError:
         pass
     try:
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
+        return _finite_seconds(parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError):
         return None
 
 
-def _json_object(raw: bytes, status: int) -> dict[str, Any]:
-    """Parse a 2xx body; a body that is not a JSON object is the server's fault (transient)."""
+def _finite_seconds(value: float) -> float | None:
+    return max(0.0, value) if math.isfinite(value) else None
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """Parse a 2xx body; a body that is not a JSON object is a ``WireError`` (the server's fault)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         snippet = raw[:200].decode("utf-8", "replace")
-        raise _AttemptFailed(
-            TransientModelError,
-            f"the server's answer is not JSON ({len(raw)} bytes, {exc}): {snippet!r}",
-            retry=True,
-            http_status=status,
-        ) from exc
+        raise WireError(f"the answer is not JSON ({len(raw)} bytes, {exc}): {snippet!r}") from exc
     if not isinstance(body, dict):
-        raise _AttemptFailed(
-            TransientModelError, "the server's answer is not a JSON object", retry=True, http_status=status
-        )
+        raise WireError("the answer is not a JSON object")
     return body
 
 

@@ -2,21 +2,30 @@
 
 A stream counts only when it ends the way the API says it ends (``data: [DONE]``
 for Chat Completions, a ``response.completed``/``response.incomplete``/
-``response.failed`` event for Responses); a stream cut off before that is a
-``WireError`` (the server's or the network's fault), never a shorter answer.
+``response.failed`` event for Responses) and says something on the way: a stream
+cut off before its end, or a chat stream that is nothing but ``data: [DONE]``, is
+a ``WireError`` (the server's or the network's fault), never a shorter or empty
+answer. So is an event that is not JSON, or whose fields rollcage reads have the
+wrong JSON types (``{"choices": "x"}``, a tool-call delta with ``"index": "zero"``).
 """
 
 from __future__ import annotations
 
+import codecs
+import re
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
+from pydantic import BaseModel, ValidationError
 
-from rollcage.model._wire import WireError
+from rollcage.model._wire import WireError, _Lenient
 
-__all__ = ["ServerEventError", "SseEvent", "StreamResult", "assemble_stream", "sse_events"]
+__all__ = ["ServerEventError", "SseEvent", "StreamResult", "assemble_stream", "sse_events", "sse_lines"]
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+_E = TypeVar("_E", bound=BaseModel)
 
 
 class ServerEventError(Exception):
@@ -52,6 +61,31 @@ class StreamResult:
         """Unix time the first event arrived; ``None`` if none did."""
 
 
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """Decode a byte stream into lines as ``text/event-stream`` defines them (CRLF, LF or CR).
+
+    Bytes that are not UTF-8 become U+FFFD (the event that holds them then fails
+    as JSON, or carries the replacement character). Unicode line separators
+    inside JSON strings are not line breaks here.
+
+    **Cancellation:** safe to cancel between chunks; the partial line is discarded.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    async for chunk in chunks:
+        text = pending + decoder.decode(chunk)
+        # A CR at the very end may be the first half of a CRLF: wait for the next chunk to tell.
+        hold = 1 if text.endswith("\r") else 0
+        lines = _LINE_BREAK.split(text[: len(text) - hold] if hold else text)
+        pending = lines.pop() + text[len(text) - hold :]
+        for line in lines:
+            yield line
+    pending += decoder.decode(b"", final=True)
+    for line in _LINE_BREAK.split(pending):
+        if line:
+            yield line
+
+
 async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[SseEvent]:
     """Decode ``text/event-stream`` lines into events (comments and ``id``/``retry`` fields are skipped).
 
@@ -83,7 +117,9 @@ async def assemble_stream(api: Literal["chat", "responses"], events: AsyncIterat
     """Assemble a whole stream into one payload.
 
     Raises:
-        WireError: an event is not JSON, or the stream ended before its terminal marker.
+        WireError: an event is not JSON or has fields of the wrong JSON type, the
+            stream ended before its terminal marker, or (chat) it ended without a
+            single choice.
         ServerEventError: the server sent an error inside the stream.
 
     **Cancellation:** safe to cancel; the partial assembly is discarded.
@@ -109,14 +145,55 @@ def _load(data: str) -> dict[str, Any]:
     return value
 
 
+def _read(model: type[_E], value: dict[str, Any], what: str) -> _E:
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(part) for part in error["loc"]) or "event"
+        raise WireError(f"{what} has a field of the wrong type: {where}: {error['msg']}") from exc
+
+
 def _raise_error(error: Any) -> None:
     if isinstance(error, dict):
-        raise ServerEventError(str(error.get("message", error)), _as_code(error.get("code")))
-    raise ServerEventError(str(error), None)
+        raise ServerEventError(str(error.get("message", error))[:500], _as_code(error.get("code")))
+    raise ServerEventError(str(error)[:500], None)
 
 
 def _as_code(code: Any) -> str | None:
-    return None if code is None else str(code)
+    return None if code is None else str(code)[:200]
+
+
+# --------------------------------------------------------------------------- chat
+
+
+class _FunctionDelta(_Lenient):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCallDelta(_Lenient):
+    index: int | None = None
+    id: str | None = None
+    function: _FunctionDelta | None = None
+
+
+class _Delta(_Lenient):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[_ToolCallDelta] | None = None
+
+
+class _ChunkChoice(_Lenient):
+    index: int = 0
+    delta: _Delta | None = None
+    finish_reason: str | None = None
+
+
+class _Chunk(_Lenient):
+    choices: list[_ChunkChoice] | None = None
+    usage: dict[str, Any] | None = None
 
 
 class _ToolCallParts:
@@ -133,6 +210,7 @@ class _ChatAssembler:
 
     def __init__(self) -> None:
         self._head: dict[str, Any] = {}
+        self._answered = False
         self._content: list[str] | None = None
         self._reasoning: list[str] = []
         self._tools: dict[int, _ToolCallParts] = {}
@@ -141,36 +219,52 @@ class _ChatAssembler:
 
     def feed(self, event: SseEvent) -> bool:
         if event.data.strip() == "[DONE]":
+            if not self._answered:
+                # Nothing but the end marker (or chunks that carry nothing): no answer was given,
+                # which is the server's failure, not an empty answer by the policy.
+                raise WireError(
+                    "the chat stream ended ([DONE]) without an answer: no content, tool call or finish_reason"
+                )
             return True
-        chunk = _load(event.data)
-        if "error" in chunk and "choices" not in chunk:
-            _raise_error(chunk["error"])
-        if chunk.get("object") == "error":  # vLLM's older in-stream error shape
-            _raise_error(chunk)
+        raw = _load(event.data)
+        if "error" in raw and "choices" not in raw:
+            _raise_error(raw["error"])
+        if raw.get("object") == "error":  # vLLM's older in-stream error shape
+            _raise_error(raw)
+        chunk = _read(_Chunk, raw, "a chat stream chunk")
         if not self._head:
-            self._head = {key: chunk[key] for key in ("id", "created", "model") if key in chunk}
-        if chunk.get("usage"):
-            self._usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
+            self._head = {key: raw[key] for key in ("id", "created", "model") if key in raw}
+        if chunk.usage:
+            self._usage = chunk.usage
+        for choice in chunk.choices or []:
+            if choice.index != 0:
                 continue
-            delta = choice.get("delta") or {}
-            if delta.get("content") is not None:
+            delta = choice.delta or _Delta()
+            self._answered = self._answered or bool(
+                delta.content is not None
+                or delta.reasoning_content
+                or delta.reasoning
+                or delta.tool_calls
+                or choice.finish_reason
+            )
+            if delta.content is not None:
                 if self._content is None:
                     self._content = []
-                self._content.append(delta["content"])
-            for key in ("reasoning_content", "reasoning"):
-                if delta.get(key):
-                    self._reasoning.append(delta[key])
-            for call in delta.get("tool_calls") or []:
-                parts = self._tools.setdefault(call.get("index", len(self._tools)), _ToolCallParts())
-                parts.id = call.get("id") or parts.id
-                function = call.get("function") or {}
-                parts.name += function.get("name") or ""
-                if function.get("arguments"):
-                    parts.arguments.append(function["arguments"])
-            if choice.get("finish_reason"):
-                self._finish = choice["finish_reason"]
+                self._content.append(delta.content)
+            for text in (delta.reasoning_content, delta.reasoning):
+                if text:
+                    self._reasoning.append(text)
+            for call in delta.tool_calls or []:
+                parts = self._tools.setdefault(
+                    call.index if call.index is not None else len(self._tools), _ToolCallParts()
+                )
+                parts.id = call.id or parts.id
+                function = call.function or _FunctionDelta()
+                parts.name += function.name or ""
+                if function.arguments:
+                    parts.arguments.append(function.arguments)
+            if choice.finish_reason:
+                self._finish = choice.finish_reason
         return False
 
     def payload(self) -> dict[str, Any]:
@@ -197,6 +291,16 @@ class _ChatAssembler:
         }
 
 
+# --------------------------------------------------------------------------- responses
+
+
+class _ResponsesEvent(_Lenient):
+    type: str | None = None
+    output_index: int | None = None
+    item: dict[str, Any] | None = None
+    response: dict[str, Any] | None = None
+
+
 class _ResponsesAssembler:
     """Keeps the terminal event's response, filling its output from ``output_item.done`` if it came empty."""
 
@@ -207,21 +311,23 @@ class _ResponsesAssembler:
         self._final: dict[str, Any] = {}
 
     def feed(self, event: SseEvent) -> bool:
-        body = _load(event.data)
-        kind = body.get("type") or event.event
-        if kind == "error":
-            _raise_error(body.get("error") or body)
-        if kind == "response.output_item.done" and isinstance(body.get("item"), dict):
-            self._items[int(body.get("output_index", len(self._items)))] = body["item"]
+        raw = _load(event.data)
+        if (raw.get("type") or event.event) == "error":
+            _raise_error(raw.get("error") or raw)
+        body = _read(_ResponsesEvent, raw, "a responses stream event")
+        kind = body.type or event.event
+        if kind == "response.output_item.done" and body.item is not None:
+            index = body.output_index if body.output_index is not None else len(self._items)
+            self._items[index] = body.item
         if kind in self._TERMINAL:
-            response = body.get("response")
-            if not isinstance(response, dict):
+            if body.response is None:
                 raise WireError(f"{kind} event without a response object")
-            self._final = response
+            self._final = body.response
             return True
         return False
 
     def payload(self) -> dict[str, Any]:
-        if not self._final.get("output") and self._items:
+        # Only a missing or empty list is filled in: output of a wrong type stays, for the parser to refuse.
+        if self._final.get("output") in (None, []) and self._items:
             return {**self._final, "output": [item for _, item in sorted(self._items.items())]}
         return self._final

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollcage.protocol import ModelEndpoint, ResponseItem, TokenUsage
 
@@ -37,13 +37,18 @@ class WireError(ValueError):
 
 
 class _Lenient(BaseModel):
-    """Base of the wire models: unknown fields are ignored, never an error.
+    """Base of the wire models: unknown fields are ignored, never an error; known ones must have their type.
 
     Validators are built on first use, not at import: a worker that fails before
     its first model call should not pay for them (the protocol models do the same).
+    Infinity and NaN are refused like any other number that is not one.
     """
 
-    model_config = ConfigDict(extra="ignore", defer_build=True)
+    model_config = ConfigDict(extra="ignore", defer_build=True, allow_inf_nan=False)
+
+
+_Count = Annotated[int, Field(ge=0)] | None
+"""A token count: a non-negative integer, or not reported."""
 
 
 # --------------------------------------------------------------------------- chat completions
@@ -60,9 +65,15 @@ class _ChatToolCall(_Lenient):
     function: _ChatFunction
 
 
+class _ContentPart(_Lenient):
+    type: str | None = None
+    text: str | None = None
+    refusal: str | None = None
+
+
 class _ChatMessage(_Lenient):
     role: str | None = None
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[_ContentPart] | None = None
     # vLLM has emitted the reasoning parser's output under both names over its versions.
     reasoning_content: str | None = None
     reasoning: str | None = None
@@ -76,17 +87,17 @@ class _ChatChoice(_Lenient):
 
 
 class _CompletionDetails(_Lenient):
-    reasoning_tokens: int | None = None
+    reasoning_tokens: _Count = None
 
 
 class _PromptDetails(_Lenient):
-    cached_tokens: int | None = None
+    cached_tokens: _Count = None
 
 
 class _ChatUsage(_Lenient):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    total_tokens: int | None = None
+    prompt_tokens: _Count = None
+    completion_tokens: _Count = None
+    total_tokens: _Count = None
     completion_tokens_details: _CompletionDetails | None = None
     prompt_tokens_details: _PromptDetails | None = None
 
@@ -100,9 +111,9 @@ class _ChatCompletion(_Lenient):
 
 
 class _ResponsesUsage(_Lenient):
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    total_tokens: int | None = None
+    input_tokens: _Count = None
+    output_tokens: _Count = None
+    total_tokens: _Count = None
     input_tokens_details: _PromptDetails | None = None
     output_tokens_details: _CompletionDetails | None = None
 
@@ -114,6 +125,29 @@ class _IncompleteDetails(_Lenient):
 class _ResponsesError(_Lenient):
     code: str | None = None
     message: str | None = None
+
+
+class _Item(_Lenient):
+    """Any output item: only its type is read here; the type's own model reads the rest."""
+
+    type: str | None = None
+
+
+class _MessageItem(_Lenient):
+    content: list[_ContentPart] | str | None = None
+
+
+class _FunctionCallItem(_Lenient):
+    call_id: str | None = None
+    id: str | None = None
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class _ReasoningItem(_Lenient):
+    summary: list[_ContentPart] | None = None
+    content: list[_ContentPart] | None = None
+    encrypted_content: str | None = None
 
 
 class _Response(_Lenient):
@@ -347,15 +381,14 @@ def parse_chat_completion(payload: Mapping[str, Any]) -> CallOutcome:
     order: reasoning, message, function calls. A message item is emitted when
     the server sent content (even empty) or when nothing else was produced.
     ``finish_reason`` ``length`` or ``content_filter`` makes the call
-    ``incomplete`` with that reason.
+    ``incomplete`` with that reason. A function call's ``call_id`` is the
+    server's id, or ``None`` where it sent none: ids are the agent's to assign.
 
     Raises:
-        WireError: the payload is not shaped like a chat completion.
+        WireError: the payload is not shaped like a chat completion, or a field
+            rollcage reads has the wrong JSON type.
     """
-    try:
-        body = _ChatCompletion.model_validate(payload)
-    except ValidationError as exc:
-        raise WireError(f"not a chat completion: {_first_error(exc)}") from exc
+    body = _validate(_ChatCompletion, payload, "a chat completion")
     if not body.choices:
         raise WireError("not a chat completion: 'choices' is empty")
     choice = body.choices[0]
@@ -368,17 +401,8 @@ def parse_chat_completion(payload: Mapping[str, Any]) -> CallOutcome:
     calls = message.tool_calls or []
     if text is not None and (text or not calls):
         output.append(_message_item(text))
-    for number, call in enumerate(calls):
-        arguments = call.function.arguments
-        output.append(
-            {
-                "type": "function_call",
-                # A server that omits the id still needs a stable handle for the tool output.
-                "call_id": call.id or f"call_{choice.index}_{number}",
-                "name": call.function.name or "",
-                "arguments": _raw_arguments(arguments),
-            }
-        )
+    for call in calls:
+        output.append(_function_call_item(call.id, call.function.name or "", call.function.arguments))
     finish = choice.finish_reason
     incomplete = finish in ("length", "content_filter")
     usage = body.usage
@@ -404,55 +428,52 @@ def parse_response(payload: Mapping[str, Any]) -> CallOutcome:
     """Read a Responses API response object as normalised Responses items.
 
     Messages keep their ``output_text`` parts (annotations and logprobs are
-    dropped), function calls keep ``call_id``, ``name`` and the raw
-    ``arguments``, reasoning keeps its summary (or, as vLLM emits it, its
-    ``reasoning_text`` content as the summary). Other item types pass through.
+    dropped), function calls keep ``call_id`` (the server's, ``None`` where it
+    sent none), ``name`` and the raw ``arguments``, reasoning keeps its summary
+    (or, as vLLM emits it, its ``reasoning_text`` content as the summary). Other
+    item types pass through.
 
     Raises:
-        WireError: the payload is not shaped like a response object.
+        WireError: the payload is not shaped like a response object, or a field
+            rollcage reads has the wrong JSON type.
     """
-    try:
-        body = _Response.model_validate(payload)
-    except ValidationError as exc:
-        raise WireError(f"not a response object: {_first_error(exc)}") from exc
+    body = _validate(_Response, payload, "a response object")
     output: list[ResponseItem] = []
-    for item in body.output:
-        kind = item.get("type")
+    for position, raw in enumerate(body.output):
+        where = f"a response object (output[{position}])"
+        kind = _validate(_Item, raw, where).type
         if kind == "message":
+            message = _validate(_MessageItem, raw, where)
+            parts = [message.content] if isinstance(message.content, str) else message.content or []
             texts = [
-                part.get("text", "") if part.get("type") == "output_text" else part.get("refusal", "")
-                for part in item.get("content") or []
-                if part.get("type") in ("output_text", "refusal")
+                part
+                if isinstance(part, str)
+                else (part.text or "" if part.type == "output_text" else part.refusal or "")
+                for part in parts
+                if isinstance(part, str) or part.type in ("output_text", "refusal")
             ]
             output.append(_message_item("".join(texts)))
         elif kind == "function_call":
-            output.append(
-                {
-                    "type": "function_call",
-                    "call_id": item.get("call_id") or item.get("id") or f"call_{len(output)}",
-                    "name": item.get("name", ""),
-                    "arguments": _raw_arguments(item.get("arguments")),
-                }
-            )
+            call = _validate(_FunctionCallItem, raw, where)
+            output.append(_function_call_item(call.call_id or call.id, call.name, call.arguments))
         elif kind == "reasoning":
+            item = _validate(_ReasoningItem, raw, where)
             summary = [
-                {"type": "summary_text", "text": part.get("text", "")}
-                for part in item.get("summary") or []
-                if part.get("type") == "summary_text"
+                {"type": "summary_text", "text": part.text or ""}
+                for part in item.summary or []
+                if part.type == "summary_text"
             ]
             if not summary:
-                raw = "".join(
-                    part.get("text", "")
-                    for part in item.get("content") or []
-                    if part.get("type") in ("reasoning_text", "text")
+                text = "".join(
+                    part.text or "" for part in item.content or [] if part.type in ("reasoning_text", "text")
                 )
-                summary = [{"type": "summary_text", "text": raw}] if raw else []
+                summary = [{"type": "summary_text", "text": text}] if text else []
             reasoning: ResponseItem = {"type": "reasoning", "summary": summary}
-            if item.get("encrypted_content"):
-                reasoning["encrypted_content"] = item["encrypted_content"]
+            if item.encrypted_content:
+                reasoning["encrypted_content"] = item.encrypted_content
             output.append(reasoning)
         else:
-            output.append(dict(item))
+            output.append(dict(raw))
     usage = body.usage
     status = body.status or "completed"
     error = body.error
@@ -478,6 +499,27 @@ def parse_response(payload: Mapping[str, Any]) -> CallOutcome:
     return CallOutcome(status="completed", output=output, usage=_responses_usage(usage))
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _validate(model: type[_M], value: Any, what: str) -> _M:
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise WireError(f"not {what}: {_first_error(exc)}") from exc
+
+
+def _function_call_item(
+    server_id: str | None, name: str, arguments: str | dict[str, Any] | None
+) -> ResponseItem:
+    return {
+        "type": "function_call",
+        "call_id": server_id,
+        "name": name,
+        "arguments": _raw_arguments(arguments),
+    }
+
+
 def _responses_usage(usage: _ResponsesUsage | None) -> TokenUsage:
     if usage is None:
         return TokenUsage()
@@ -492,10 +534,10 @@ def _responses_usage(usage: _ResponsesUsage | None) -> TokenUsage:
     )
 
 
-def _chat_text(content: str | list[dict[str, Any]] | None) -> str | None:
+def _chat_text(content: str | list[_ContentPart] | None) -> str | None:
     if content is None or isinstance(content, str):
         return content
-    return "".join(part.get("text", "") for part in content if part.get("type") in ("text", "output_text"))
+    return "".join(part.text or "" for part in content if part.type in ("text", "output_text"))
 
 
 def _message_item(text: str) -> ResponseItem:
@@ -512,6 +554,6 @@ def _raw_arguments(arguments: str | dict[str, Any] | None) -> str:
 
 
 def _first_error(exc: ValidationError) -> str:
-    error = exc.errors()[0]
+    error = exc.errors(include_url=False, include_input=False)[0]
     where = ".".join(str(part) for part in error["loc"]) or "body"
     return f"{where}: {error['msg']}"

@@ -23,7 +23,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from rollcage.policy._faults import FaultPlan, FaultRecord, FaultRule
+from rollcage.policy._faults import CONTENT_FAULTS, WIRE_FAULTS, FaultPlan, FaultRecord, FaultRule
+from rollcage.policy._hostile import hostile_body, hostile_events, trickled
 from rollcage.policy._render import (
     chat_body,
     chat_events,
@@ -39,7 +40,6 @@ __all__ = ["PolicyApp", "PolicyState", "RequestRecord", "count_model_turns", "fi
 
 _TASK_MARKER = re.compile(r"\[task:([^\]\s]+)\]")
 _TRANSPORT_KEY = "rollcage.transport"
-_CONTENT_FAULTS = frozenset({"length", "empty", "bad_arguments"})
 
 
 class RequestRecord(BaseModel):
@@ -295,6 +295,7 @@ class PolicyApp:
                     stream=stream,
                     turn=turn_index,
                     kind=rule.kind,
+                    variant=self.faults.variant(rule, call) if rule.kind in WIRE_FAULTS else None,
                     status=_status_sent(rule),
                     source=source,
                     at=time.time(),
@@ -328,8 +329,8 @@ class PolicyApp:
                 "task_not_in_script",
             )
         reply = reply_for(turn, turn_index)
-        if rule is not None and rule.kind in _CONTENT_FAULTS:
-            reply = with_fault(reply, rule.kind, turn_index)
+        if rule is not None and rule.kind in CONTENT_FAULTS:
+            reply = with_fault(reply, rule, turn_index)
         response_id = f"chatcmpl-{call}" if api == "chat" else f"resp_{call}"
         created = int(arrived)
         prompt = prompt_tokens(body)
@@ -350,23 +351,48 @@ class PolicyApp:
                 events = responses_events(
                     reply, body, model=model, response_id=response_id, created=created, prompt=prompt
                 )
+            media_type = "text/event-stream"
             if rule is not None and rule.kind == "truncated":
                 events = events[: max(1, len(events) // 2)]
             elif rule is not None and rule.kind == "malformed":
                 events = [*events[:1], b'data: {"id": "' + response_id.encode() + b'", oops\n\n', *events[1:]]
-            return StreamingResponse(_iterate(events), media_type="text/event-stream")
+            elif rule is not None and rule.kind in WIRE_FAULTS:
+                events, media_type = hostile_events(
+                    rule.kind, self.faults.variant(rule, call), api, events, rule.code
+                )
+            return self._send(rule, events, media_type)
         if api == "chat":
             payload = chat_body(reply, model=model, response_id=response_id, created=created, prompt=prompt)
         else:
             payload = responses_body(
                 reply, body, model=model, response_id=response_id, created=created, prompt=prompt
             )
-        raw = orjson.dumps(payload)
+        raw, media_type = orjson.dumps(payload), "application/json"
         if rule is not None and rule.kind == "truncated":
             raw = raw[: len(raw) // 2]
         elif rule is not None and rule.kind == "malformed":
             raw = b'{"id": "' + response_id.encode() + b'", "object": oops, "choices": [}'
-        return Response(raw, media_type="application/json")
+        elif rule is not None and rule.kind in WIRE_FAULTS:
+            raw, media_type = hostile_body(
+                rule.kind, self.faults.variant(rule, call), api, payload, rule.code
+            )
+        if rule is not None and rule.kind == "trickle":
+            return self._send(rule, [raw], media_type)
+        return Response(raw, media_type=media_type)
+
+    def _send(self, rule: FaultRule | None, chunks: list[bytes], media_type: str) -> Response:
+        """Stream ``chunks``; a ``trickle`` fault cuts them small and spreads them over its delay."""
+        if rule is None or rule.kind != "trickle":
+            return StreamingResponse(_iterate(chunks), media_type=media_type)
+        pieces, pause = trickled(chunks, rule.delay_s)
+
+        async def paced() -> AsyncIterator[bytes]:
+            for number, piece in enumerate(pieces):
+                if number:
+                    await self._wait_for_shutdown(pause)
+                yield piece
+
+        return StreamingResponse(paced(), media_type=media_type)
 
     async def _early_fault(self, rule: FaultRule, request: Request) -> Response | None:
         """Faults that replace the answer (status, 429, reset, hang) or delay it (latency)."""

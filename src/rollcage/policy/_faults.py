@@ -10,12 +10,14 @@ A schedule rule is written ``key=value`` pairs joined by ``:``::
     kind=latency:delay=0.2       every request is answered 0.2 s late
 
 Keys: ``call`` (``N``, ``N-M`` or ``*``; default ``*``), ``kind``, ``status``,
-``delay`` (seconds, for ``latency``), ``retry_after`` (seconds, for
-``rate_limit``), ``rollout`` and ``task`` (only requests of that rollout id /
-task id match, and ``call`` then counts that rollout's requests). ``status=429``
-means ``kind=rate_limit``; any other ``status=`` means ``kind=status``. Call
-numbers are 1-based and count model requests (``/v1/chat/completions`` and
-``/v1/responses``), not ``/v1/models``.
+``delay`` (seconds, for ``latency`` and ``trickle``), ``retry_after`` (seconds, for
+``rate_limit``), ``variant`` (which form of a hostile kind; default: drawn from
+the seed and the call number), ``count`` (for ``many_calls``), ``size`` (bytes,
+for ``huge_arguments``), ``code`` (for ``failed``), ``rollout`` and ``task`` (only
+requests of that rollout id / task id match, and ``call`` then counts that
+rollout's requests). ``status=429`` means ``kind=rate_limit``; any other
+``status=`` means ``kind=status``. Call numbers are 1-based and count model
+requests (``/v1/chat/completions`` and ``/v1/responses``), not ``/v1/models``.
 
 Kinds:
 
@@ -33,6 +35,31 @@ empty          an answer with empty text and no tool calls
 bad_arguments  the turn's tool calls with their JSON arguments cut short (or one such call)
 ============== ==========================================================================
 
+Hostile kinds: what a broken or adversarial server does (``rollcage.policy._hostile``
+has every variant; a client must classify each, never crash on one):
+
+============== ==========================================================================
+no_ids         the turn's tool calls carry no ids at all
+reused_ids     every tool call of every turn has the same id
+many_calls     the turn's first tool call repeated ``count`` times (default 10000) in one answer
+huge_arguments the turn's tool calls padded with ``size`` bytes (default 8 MiB) of arguments
+unknown_tool   the turn's tool calls name a tool that does not exist
+wrong_types    a field the client reads has the wrong JSON type (``"choices": "x"``, a
+               tool-call delta ``{"index": "zero", "function": {"arguments": 5}}``, ...)
+bad_sse        a stream whose framing is broken (no ``data:``, events run together, bytes
+               that are not UTF-8 outside any string)
+odd_sse        a stream framed in legal but unusual ways (CR or CRLF line ends, comments,
+               ``data:`` without a space, events split over several ``data:`` lines)
+no_answer      a well-formed answer with no answer in it (a stream that is only
+               ``data: [DONE]``, ``"choices": []``, a Responses status ``in_progress``)
+lying_type     the answer under the other content type (a stream as application/json,
+               a JSON body as text/event-stream)
+trickle        the normal answer, a few bytes at a time, spread over ``delay`` seconds
+deep           the answer carries a value nested 100 containers deep
+failed         the server says the request failed, with error ``code`` (default
+               ``invalid_api_key``): a Responses ``failed`` status, an error in the stream
+============== ==========================================================================
+
 With ``rate > 0`` every request that no rule matched gets a fault with that
 probability, its kind drawn from ``kinds``; both draws come from one
 ``random.Random(seed)``, so a run with the same requests in the same order
@@ -48,9 +75,12 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollcage.errors import ConfigError
+from rollcage.protocol import describe_validation_error
 
 __all__ = [
+    "CONTENT_FAULTS",
     "DEFAULT_RANDOM_KINDS",
+    "WIRE_FAULTS",
     "FaultKind",
     "FaultPlan",
     "FaultRecord",
@@ -58,6 +88,23 @@ __all__ = [
     "parse_fault_kinds",
     "parse_fault_spec",
 ]
+
+ContentFaultKind = Literal[
+    "length",
+    "empty",
+    "bad_arguments",
+    "no_ids",
+    "reused_ids",
+    "many_calls",
+    "huge_arguments",
+    "unknown_tool",
+]
+"""Kinds that change what the answer says, not how it is sent."""
+
+WireFaultKind = Literal[
+    "wrong_types", "bad_sse", "odd_sse", "no_answer", "lying_type", "trickle", "deep", "failed"
+]
+"""Hostile kinds that change how the answer is sent (``rollcage.policy._hostile``)."""
 
 FaultKind = Literal[
     "latency",
@@ -67,19 +114,20 @@ FaultKind = Literal[
     "hang",
     "truncated",
     "malformed",
-    "length",
-    "empty",
-    "bad_arguments",
+    ContentFaultKind,
+    WireFaultKind,
 ]
 """What goes wrong with one request (see the module docstring)."""
 
+CONTENT_FAULTS: frozenset[str] = frozenset(get_args(ContentFaultKind))
+WIRE_FAULTS: frozenset[str] = frozenset(get_args(WireFaultKind))
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 
 class FaultRule(BaseModel):
     """One fault, and which requests it hits."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     kind: FaultKind = Field(description="What goes wrong.")
     first_call: int | None = Field(default=None, ge=1, description="First call number hit; None: every call.")
@@ -89,6 +137,14 @@ class FaultRule(BaseModel):
     status: int = Field(default=503, ge=400, le=599, description="HTTP status for kind 'status'.")
     delay_s: float = Field(default=1.0, ge=0, description="Added delay for kind 'latency'.")
     retry_after_s: float = Field(default=1.0, ge=0, description="Retry-After for kind 'rate_limit'.")
+    variant: int | None = Field(
+        default=None, ge=0, description="Which form of a hostile kind; None: drawn from the seed and call."
+    )
+    count: int = Field(default=10_000, ge=1, le=1_000_000, description="Tool calls for kind 'many_calls'.")
+    size: int = Field(
+        default=8 * 1024 * 1024, ge=1, le=1 << 30, description="Bytes of padding for kind 'huge_arguments'."
+    )
+    code: str = Field(default="invalid_api_key", description="Error code for kind 'failed'.")
 
     def matches(self, *, call: int, rollout_call: int, rollout_id: str, task_id: str) -> bool:
         """Whether this rule hits a request (``rollout_call`` counts the rollout's own requests)."""
@@ -116,6 +172,7 @@ class FaultRecord(BaseModel):
     stream: bool = Field(description="Whether the request asked for a stream.")
     turn: int = Field(description="0-based model turn the request asked for.")
     kind: FaultKind = Field(description="What was injected.")
+    variant: int | None = Field(default=None, description="Which form of a wire-level hostile kind.")
     status: int | None = Field(default=None, description="HTTP status sent, for status/rate_limit.")
     source: Literal["schedule", "random"] = Field(description="A schedule rule or the seeded draw.")
     at: float = Field(description="Unix time of injection.")
@@ -137,7 +194,7 @@ def parse_fault_spec(spec: str) -> FaultRule:
             if value != "*":
                 first, _, last = value.partition("-")
                 fields["first_call"], fields["last_call"] = first, last or first
-        elif key in ("kind", "status", "rollout", "task"):
+        elif key in ("kind", "status", "rollout", "task", "variant", "count", "size", "code"):
             fields[key] = value
         elif key == "delay":
             fields["delay_s"] = value
@@ -152,7 +209,7 @@ def parse_fault_spec(spec: str) -> FaultRule:
     try:
         return FaultRule.model_validate(fields)
     except ValidationError as exc:
-        raise ConfigError(f"fault {spec!r} is not valid: {exc}") from exc
+        raise ConfigError(f"fault {spec!r} is not valid: {describe_validation_error(exc)}") from exc
 
 
 def parse_fault_kinds(spec: str | Sequence[str]) -> list[FaultRule]:
@@ -178,7 +235,8 @@ def parse_fault_kinds(spec: str | Sequence[str]) -> list[FaultRule]:
 
 
 DEFAULT_RANDOM_KINDS = "latency,500,503,429,reset,truncated,malformed,length,empty,bad_arguments"
-"""Kinds drawn by default: all but ``hang``, which costs the client a whole timeout each time."""
+"""Kinds drawn by default: all but ``hang``, which costs the client a whole timeout each time, and the
+hostile kinds, which are asked for by name."""
 
 
 class FaultPlan:
@@ -211,6 +269,7 @@ class FaultPlan:
             self.kinds = list(kinds)
         if rate > 0 and not self.kinds:
             raise ConfigError("a fault rate needs at least one fault kind")
+        self.seed = seed
         self._random = random.Random(seed)
 
     def decide(
@@ -228,3 +287,12 @@ class FaultPlan:
             if rule.matches(call=call, rollout_call=rollout_call, rollout_id=rollout_id, task_id=task_id):
                 return rule, "schedule"
         return None if drawn is None else (drawn, "random")
+
+    def variant(self, rule: FaultRule, call: int) -> int:
+        """Which form of a hostile kind a request gets: the rule's, else drawn from (seed, call).
+
+        Its own draw, apart from ``decide``'s stream: a kind's variants never shift other faults.
+        """
+        if rule.variant is not None:
+            return rule.variant
+        return random.Random(f"{self.seed}:{call}").randrange(1 << 30)

@@ -18,9 +18,11 @@ from typing import Any, Literal
 
 import orjson
 
+from rollcage.policy._faults import CONTENT_FAULTS, FaultRule
 from rollcage.policy._script import Turn
 
 __all__ = [
+    "UNKNOWN_TOOL",
     "Reply",
     "chat_body",
     "chat_events",
@@ -64,8 +66,17 @@ def reply_for(turn: Turn, turn_index: int) -> Reply:
     return Reply(text=turn.message_text(), reasoning=turn.reasoning, tool_calls=calls, finish=turn.finish)
 
 
-def with_fault(reply: Reply, kind: str, turn_index: int) -> Reply:
-    """The reply changed by a content fault (``length``, ``empty``, ``bad_arguments``); others leave it."""
+UNKNOWN_TOOL = "no_such_tool"
+"""The tool name an ``unknown_tool`` fault calls."""
+
+
+def with_fault(reply: Reply, rule: FaultRule, turn_index: int) -> Reply:
+    """The reply changed by a content fault (``CONTENT_FAULTS``); other kinds leave it as it is.
+
+    ``bad_arguments`` and ``many_calls`` give a turn without tool calls one python
+    call to act on; the other tool-call kinds leave such a turn (a final answer) alone.
+    """
+    kind = rule.kind
     if kind == "length":
         # Generation stopped mid-way: half the text (or of the first call, spilled as text), no calls.
         source = reply.text or (reply.tool_calls[0].arguments if reply.tool_calls else "")
@@ -74,11 +85,34 @@ def with_fault(reply: Reply, kind: str, turn_index: int) -> Reply:
         )
     if kind == "empty":
         return Reply(text="", reasoning=None, tool_calls=(), finish="stop")
+    if kind not in CONTENT_FAULTS or (not reply.tool_calls and kind not in ("bad_arguments", "many_calls")):
+        return reply
+    calls = reply.tool_calls or (ToolCallOut(f"call_{turn_index}_0", "python", '{"code": "print(1)"}'),)
     if kind == "bad_arguments":
-        calls = reply.tool_calls or (ToolCallOut(f"call_{turn_index}_0", "python", '{"code": "print(1)"}'),)
-        broken = tuple(replace(call, arguments=_cut_json(call.arguments)) for call in calls)
-        return replace(reply, tool_calls=broken)
-    return reply
+        calls = tuple(replace(call, arguments=_cut_json(call.arguments)) for call in calls)
+    elif kind == "no_ids":
+        calls = tuple(replace(call, call_id="") for call in calls)
+    elif kind == "reused_ids":
+        calls = tuple(replace(call, call_id="call_reused") for call in calls)
+    elif kind == "many_calls":
+        first = calls[0]
+        calls = tuple(replace(first, call_id=f"call_{turn_index}_{k}") for k in range(rule.count))
+    elif kind == "huge_arguments":
+        calls = tuple(replace(call, arguments=_padded(call.arguments, rule.size)) for call in calls)
+    elif kind == "unknown_tool":
+        calls = tuple(replace(call, name=UNKNOWN_TOOL) for call in calls)
+    return replace(reply, tool_calls=calls)
+
+
+def _padded(arguments: str, size: int) -> str:
+    """The arguments with a ``padding`` member of ``size`` bytes (still a JSON object where they were one)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        value = {}
+    return json.dumps({**value, "padding": "x" * size}, separators=(",", ":"))
 
 
 def _cut_json(arguments: str) -> str:
@@ -165,7 +199,7 @@ def chat_body(reply: Reply, *, model: str, response_id: str, created: int, promp
     if reply.tool_calls:
         message["tool_calls"] = [
             {
-                "id": call.call_id,
+                **_id("id", call.call_id),
                 "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments},
             }
@@ -197,7 +231,7 @@ def chat_events(
     events += [chunk({"reasoning_content": piece}) for piece in _pieces(reply.reasoning)]
     events += [chunk({"content": piece}) for piece in _pieces(reply.text)]
     for k, call in enumerate(reply.tool_calls):
-        opening = {"index": k, "id": call.call_id, "type": "function"}
+        opening = {"index": k, **_id("id", call.call_id), "type": "function"}
         events.append(chunk({"tool_calls": [{**opening, "function": {"name": call.name, "arguments": ""}}]}))
         events += [
             chunk({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
@@ -248,9 +282,9 @@ def _responses_items(reply: Reply, response_id: str) -> list[dict[str, Any]]:
     for k, call in enumerate(reply.tool_calls):
         items.append(
             {
-                "id": f"fc_{suffix}_{k}",
+                **_id("id", call.call_id and f"fc_{suffix}_{k}"),
                 "type": "function_call",
-                "call_id": call.call_id,
+                **_id("call_id", call.call_id),
                 "name": call.name,
                 "arguments": call.arguments,
                 "status": "completed",
@@ -338,7 +372,7 @@ def responses_events(
     emit("response.in_progress", response=skeleton)
     items = _responses_items(reply, response_id)
     for index, item in enumerate(items):
-        item_id = item["id"]
+        item_id = item.get("id", "")
         if item["type"] == "reasoning":
             text = item["summary"][0]["text"]
             emit("response.output_item.added", output_index=index, item={**item, "summary": []})
@@ -433,6 +467,11 @@ def responses_events(
 
 
 # --------------------------------------------------------------------------- framing
+
+
+def _id(key: str, value: str) -> dict[str, str]:
+    """``{key: value}``, or nothing for an empty id (a server that sends no ids omits the key)."""
+    return {key: value} if value else {}
 
 
 def _frame(data: Mapping[str, Any], *, event: str | None = None) -> bytes:

@@ -10,9 +10,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rollcage.durable import read_bounded
 from rollcage.errors import ConfigError
+from rollcage.protocol import describe_validation_error
 
-__all__ = ["DEFAULT_TASK", "PolicyScript", "ScriptedToolCall", "Turn", "load_script"]
+__all__ = ["DEFAULT_TASK", "MAX_SCRIPT_BYTES", "PolicyScript", "ScriptedToolCall", "Turn", "load_script"]
 
 DEFAULT_TASK = "*"
 """The script entry played for a task id that has no entry of its own."""
@@ -129,11 +131,20 @@ class PolicyScript(_Model):
         return Turn(text=f"[scripted policy: the script for task {name!r} has no turn {index}]")
 
 
+MAX_SCRIPT_BYTES = 16 * 1024 * 1024
+"""The largest policy script file read."""
+
+
 def load_script(source: PolicyScript | Mapping[str, Any] | str | os.PathLike[str]) -> PolicyScript:
     """Load a policy script from a YAML (``.yaml``/``.yml``) or JSON file, a mapping, or pass one through.
 
+    The file must be a regular file of at most ``MAX_SCRIPT_BYTES`` in UTF-8.
+    YAML aliases (``*name``) are refused: each one can double what a reader
+    expands (the "billion laughs"), and a script has no need for them.
+
     Raises:
-        ConfigError: the file cannot be read or parsed, or the script is not valid.
+        ConfigError: the file cannot be read or parsed, or the script is not valid
+            (one line, naming the file and the field).
     """
     if isinstance(source, PolicyScript):
         return source
@@ -141,21 +152,36 @@ def load_script(source: PolicyScript | Mapping[str, Any] | str | os.PathLike[str
         return _validate(source, "the script")
     path = Path(source)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded(path, limit=MAX_SCRIPT_BYTES).decode("utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read policy script {path}: {exc}") from exc
+        raise ConfigError(f"cannot read policy script {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"policy script {path} is not UTF-8 text (byte {exc.start})") from exc
     try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml  # only here: the worker never loads scripts
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
+        data = _parse_yaml(text) if path.suffix.lower() in (".yaml", ".yml") else json.loads(text)
+    except ConfigError as exc:
+        raise ConfigError(f"policy script {path}: {exc}") from exc
     except Exception as exc:  # yaml's and json's errors have no common base worth naming
-        raise ConfigError(f"policy script {path} does not parse: {exc}") from exc
+        raise ConfigError(f"policy script {path} does not parse: {' '.join(str(exc).split())}") from exc
     if not isinstance(data, Mapping):
         raise ConfigError(f"policy script {path}: the top level must be a mapping with 'tasks'")
     return _validate(data, str(path))
+
+
+def _parse_yaml(text: str) -> Any:
+    import yaml  # only here: the worker never loads scripts
+
+    class Loader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+                raise ConfigError(
+                    f"YAML aliases are not allowed in a policy script (line {mark.line + 1}); "
+                    "write the value out"
+                )
+            return super().compose_node(parent, index)
+
+    return yaml.load(text, Loader=Loader)  # a SafeLoader without aliases
 
 
 def _validate(data: Mapping[str, Any], where: str) -> PolicyScript:
@@ -166,4 +192,4 @@ def _validate(data: Mapping[str, Any], where: str) -> PolicyScript:
     try:
         return PolicyScript.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"policy script {where} is not valid:\n{exc}") from exc
+        raise ConfigError(f"policy script {where} is not valid: {describe_validation_error(exc)}") from exc

@@ -84,7 +84,7 @@ def bind_socket(
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
         sock.listen(256)
-    except OSError as exc:
+    except (OSError, OverflowError, ValueError) as exc:  # a port out of range, a NUL in a path
         raise ConfigError(f"cannot listen on {uds or f'{host}:{port}'}: {exc}") from exc
     sock.set_inheritable(True)
     return sock

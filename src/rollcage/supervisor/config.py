@@ -36,7 +36,8 @@ _GIB = 1 << 30
 
 
 class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Infinity and NaN are never a meaningful deadline, grace or timeout.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class BwrapSandbox(_Config):

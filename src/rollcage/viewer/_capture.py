@@ -6,10 +6,11 @@ is the independent witness of the worker's model traffic. The trajectory's
 a call the proxy never saw, an exchange the trajectory does not mention, a
 request that differs — the report shows where, as a diff.
 
-The capture's exact line shape belongs to the supervisor, so it is read
-defensively: a request body is looked for under the usual names, a body given as
-JSON text is parsed, and exchanges to paths other than the model's (resource
-tools go through the same proxy) are counted but not compared.
+Each line is a ``CaptureExchange`` (protocol): its request body is compared by
+content (the ``json`` of the ``{"size", "json"}`` wrapper), and exchanges that
+did not go to the model (``route`` resource or denied) are counted but not
+compared. Lines of another shape are read defensively: a request body is looked
+for under the usual names and a body given as JSON text is parsed.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from typing import Any, Literal
 
 import orjson
 
-from rollcage.protocol import Trajectory
+from rollcage.durable import open_regular
+from rollcage.protocol import CapturedBody, Trajectory
 from rollcage.viewer._text import clean_text
 
 __all__ = ["CaptureComparison", "CaptureDifference", "compare_capture"]
 
 _MODEL_PATH_SUFFIXES = ("/chat/completions", "/responses")
+_BODY_KEYS = frozenset(field.alias or name for name, field in CapturedBody.model_fields.items())
+"""The keys of a captured body's wrapper, as the protocol defines them."""
 _MAX_DIFF_LINES = 160
 _MAX_DIFF_INPUT_LINES = 4000
 _EXCERPT_CHARS = 600
@@ -84,7 +88,7 @@ def compare_capture(trajectory: Trajectory, capture_path: Path) -> CaptureCompar
     captured: list[Any] = []
     other = 0
     unreadable = 0
-    with capture_path.open("rb") as handle:
+    with open_regular(capture_path) as handle:
         for line in handle:
             if not line.strip():
                 continue
@@ -165,9 +169,18 @@ def compare_capture(trajectory: Trajectory, capture_path: Path) -> CaptureCompar
 
 
 def _request_of(entry: dict[str, Any]) -> tuple[str | None, Any]:
-    """The path and request body of one capture line, wherever the supervisor put them."""
+    """The path and request body of one capture line.
+
+    A line is a ``CaptureExchange``: ``route`` says whether it went to the model,
+    and the body is wrapped as ``{"size", "json"|"text"|"base64"}`` (``CapturedBody``),
+    of which the content, not the wrapper, is what the worker sent. Lines of another
+    shape are read loosely, the body looked for under the usual names.
+    """
     request = entry.get("request")
     path = _first_str(entry.get("path"), entry.get("url"))
+    route = entry.get("route")
+    if isinstance(route, str) and route != "model":
+        path = f"/{route}{path or ''}"  # a resource call or a refused request: never a model exchange
     body: Any = None
     if isinstance(request, dict):
         path = path or _first_str(request.get("path"), request.get("url"), request.get("target"))
@@ -181,12 +194,23 @@ def _request_of(entry: dict[str, Any]) -> tuple[str | None, Any]:
         body = request
     else:
         body = entry.get("request_body", entry.get("body"))
+    body = _unwrap(body)
     if isinstance(body, str | bytes):
         try:
             body = orjson.loads(body)
         except orjson.JSONDecodeError:
             pass  # keep the text: a non-JSON body is still evidence to compare
     return path, body
+
+
+def _unwrap(body: Any) -> Any:
+    """The content of a ``CapturedBody`` wrapper; anything else as it is."""
+    if isinstance(body, dict) and isinstance(body.get("size"), int) and body.keys() <= _BODY_KEYS:
+        for key in ("json", "text", "base64"):
+            if key in body:
+                return body[key]
+        return None  # an empty body
+    return body
 
 
 def _first_str(*values: Any) -> str | None:

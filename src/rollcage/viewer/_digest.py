@@ -487,8 +487,15 @@ def _findings(view: RolloutView, trajectory: Trajectory, digest: RolloutDigest) 
     """
     found: dict[str, str] = {}
     calls = trajectory.model_calls
-    if not calls and digest.source != "none":
-        found["no_model_turn"] = "the agent made no model call"
+    stopped_by_run = view.receipt is not None and view.receipt.outcome == "cancelled"
+    if stopped_by_run:
+        found["cancelled_by_run"] = "the run stopped this rollout before it finished (not a model finding)"
+    if view.result is None:
+        found["unobserved_result"] = "no valid result.json: the calls could not all be checked (unobserved)"
+    if digest.source != "none" and not stopped_by_run and all(call.status == "failed" for call in calls):
+        found["no_model_turn"] = (
+            f"none of the {len(calls)} model calls was answered" if calls else "the agent made no model call"
+        )
     failed = [call.index for call in calls if call.status == "failed"]
     if failed:
         found["failed_model_call"] = (
@@ -501,10 +508,10 @@ def _findings(view: RolloutView, trajectory: Trajectory, digest: RolloutDigest) 
     ]
     if unobserved:
         found["unobserved_tokens"] = f"calls {_ids(unobserved)} reported no token counts (unobserved)"
-    zero = [call.index for call in calls if call.usage.output_tokens == 0]
+    runaway = [call.index for call in calls if call.incomplete_reason in ("length", "max_output_tokens")]
+    zero = [call.index for call in calls if call.usage.output_tokens == 0 and call.index not in runaway]
     if zero:
         found["zero_completion_tokens"] = f"calls {_ids(zero)} generated 0 tokens"
-    runaway = [call.index for call in calls if call.incomplete_reason in ("length", "max_output_tokens")]
     if runaway:
         found["runaway_generation"] = f"calls {_ids(runaway)} stopped at the length limit"
     hollow = [

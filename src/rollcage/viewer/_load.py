@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from rollcage.durable import open_regular, read_bounded
 from rollcage.errors import ViewerError
 from rollcage.protocol import (
     Checkpoint,
@@ -54,6 +55,8 @@ METRICS_NAME = "metrics.json"
 _M = TypeVar("_M", bound=BaseModel)
 
 _ROLLOUT_FILES = (RESULT_NAME, CHECKPOINT_NAME, RECEIPT_NAME, INPUT_NAME)
+MAX_ARTIFACT_BYTES = 1 << 30
+"""The largest JSON artifact the viewer reads whole; only regular files are read (never a FIFO or device)."""
 _LOG_TAIL_BYTES = 4096
 
 
@@ -150,7 +153,7 @@ def resolve_target(path: Path) -> ViewTarget:
 
 def _parses(path: Path, model: type[BaseModel]) -> bool:
     try:
-        model.model_validate_json(path.read_bytes())
+        model.model_validate_json(read_bounded(path, limit=MAX_ARTIFACT_BYTES))
     except (OSError, ValidationError, ValueError):
         return False
     return True
@@ -272,7 +275,7 @@ def _read_model(path: Path, model: type[_M], problems: list[str]) -> _M | None:
     if not path.exists():
         return None
     try:
-        return model.model_validate_json(path.read_bytes())
+        return model.model_validate_json(read_bounded(path, limit=MAX_ARTIFACT_BYTES))
     except OSError as exc:
         problems.append(f"{path.name}: cannot read: {exc}")
     except ValidationError as exc:
@@ -291,7 +294,7 @@ def _read_json_object(path: Path, problems: list[str], *, required: bool) -> dic
             problems.append(f"{path.name}: missing")
         return None
     try:
-        value = orjson.loads(path.read_bytes())
+        value = orjson.loads(read_bounded(path, limit=MAX_ARTIFACT_BYTES))
     except (OSError, orjson.JSONDecodeError) as exc:
         problems.append(f"{path.name}: cannot read: {exc}")
         return None
@@ -302,10 +305,10 @@ def _read_json_object(path: Path, problems: list[str], *, required: bool) -> dic
 
 
 def _read_tail(path: Path, problems: list[str]) -> str | None:
-    if not path.is_file():
+    if not path.exists():
         return None
     try:
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:
             size = handle.seek(0, os.SEEK_END)
             handle.seek(max(0, size - _LOG_TAIL_BYTES))
             data = handle.read()
@@ -360,7 +363,7 @@ def load_metrics(run_dir: Path) -> RunMetrics | None:
     if not path.exists():
         return None
     try:
-        return RunMetrics.model_validate_json(path.read_bytes())
+        return RunMetrics.model_validate_json(read_bounded(path, limit=MAX_ARTIFACT_BYTES))
     except (OSError, ValidationError) as exc:
         raise ViewerError(f"{path}: cannot read run metrics: {exc}") from exc
 
@@ -386,7 +389,7 @@ class RecordReader:
         Raises:
             OSError: the file cannot be opened or read.
         """
-        with self.path.open("rb") as handle:
+        with open_regular(self.path) as handle:
             previous: tuple[int, bytes] | None = None
             for number, line in enumerate(handle, start=1):
                 if previous is not None:

@@ -28,6 +28,7 @@ import base64
 import contextlib
 import hashlib
 import os
+import stat
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -116,7 +117,10 @@ def write_report(
         progress: called with the number of rollouts written so far, every 500.
 
     Raises:
-        ViewerError: ``run_dir`` is not a run directory.
+        ViewerError: ``run_dir`` is not a run directory, or ``output`` names
+            something other than a file to (re)place: a directory, a device, a FIFO.
+            The report is published by renaming over ``output``, which would put a
+            plain file in place of a device node, so those are refused untouched.
         OSError: the report cannot be written.
     """
     if not run_dir.is_dir():
@@ -130,6 +134,7 @@ def write_report(
     if not records_path.is_file() and metrics is None and metrics_problem is None:
         raise ViewerError(f"{run_dir}: not a run directory (no {RECORDS_NAME} or metrics.json)")
     target = output if output is not None else run_dir / REPORT_NAME
+    _check_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
 
     fd, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -143,6 +148,24 @@ def write_report(
             os.unlink(temp_name)
         raise
     return target
+
+
+def _check_target(target: Path) -> None:
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise ViewerError(f"{target}: cannot write the report there: {exc.strerror or exc}") from exc
+    if mode is not None and stat.S_ISDIR(mode):
+        raise ViewerError(
+            f"{target} is a directory; give the report a file name, e.g. {target / REPORT_NAME}"
+        )
+    if mode is not None and not stat.S_ISREG(mode):
+        raise ViewerError(f"{target} exists and is not a regular file; the report only replaces files")
+    parent = target.parent
+    if parent.exists() and not parent.is_dir():
+        raise ViewerError(f"{parent} is not a directory; cannot write {target.name} in it")
 
 
 def _write(
