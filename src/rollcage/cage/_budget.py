@@ -90,8 +90,12 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def mount_tmpfs(target: Path, *, size: int, inodes: int, uid: int, gid: int, mode: int = 0o700) -> None:
+def mount_tmpfs(
+    target: Path, *, size: int, inodes: int, uid: int, gid: int, mode: int = 0o700, source: str = "tmpfs"
+) -> None:
     """Mount a tmpfs of at most ``size`` bytes and ``inodes`` inodes at ``target`` (root only).
+
+    ``source`` names the mount in the mount table (its maker can be told from it).
 
     Raises:
         OSError: The mount was refused (not root, no ``CAP_SYS_ADMIN``).
@@ -99,7 +103,7 @@ def mount_tmpfs(target: Path, *, size: int, inodes: int, uid: int, gid: int, mod
     options = f"size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={gid}".encode()
     libc = _libc()
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-    if libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
+    if libc.mount(source.encode(), os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot mount a tmpfs at {target}: {os.strerror(err)}")
 
@@ -494,13 +498,20 @@ class TmpfsVolume(Volume):
     inodes_mechanism: Mechanism = "tmpfs"
 
     def __init__(
-        self, name: str, path: Path, *, max_bytes: int, max_inodes: int, owner: tuple[int, int]
+        self,
+        name: str,
+        path: Path,
+        *,
+        max_bytes: int,
+        max_inodes: int,
+        owner: tuple[int, int],
+        source: str = "tmpfs",
     ) -> None:
         super().__init__(name, max_bytes=max_bytes, max_inodes=max_inodes)
         self.path = path
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         # One inode more than the budget: the root directory takes one.
-        mount_tmpfs(path, size=max_bytes, inodes=max_inodes + 1, uid=owner[0], gid=owner[1])
+        mount_tmpfs(path, size=max_bytes, inodes=max_inodes + 1, uid=owner[0], gid=owner[1], source=source)
         self.mounted = True
 
     def usage(self) -> tuple[int, int] | None:

@@ -60,8 +60,8 @@ logger = logging.getLogger("rollcage.supervisor")
 
 _RECORD = "budgets.json"
 _PRIVATE_RECORD = "rollout.json"
-_OWNED = re.compile(r"rollcage-(?:.+-)?(\d+)\.(\d+)-[^/]+$")
-"""A private directory or cgroup of a supervisor: ``rollcage-[ROLLOUT-]PID.START-RANDOM``."""
+_OWNED = re.compile(r"^rollcage-(?:.+-)?(\d+)\.(\d+)-[^/]+$")
+"""A private directory, cgroup or mount of a supervisor: ``rollcage-[ROLLOUT-]PID.START-RANDOM``."""
 
 
 def owner_tag() -> str:
@@ -113,6 +113,8 @@ class RolloutBudgets:
         self.private_dir = private_dir
         self.owner = owner
         self.name = name
+        # The mounts' name in the mount table: whose they are, for a sweep after this process is gone.
+        self.source = f"rollcage-{owner_tag()}"
         self.cgroups = CgroupSet()
         self.volumes: list[Volume] = []
         self.workspace_mount: TmpfsVolume | None = None
@@ -184,6 +186,7 @@ class RolloutBudgets:
                 max_bytes=config.workspace_bytes,
                 max_inodes=config.workspace_inodes,
                 owner=owner,
+                source=self.source,
             )
             self.volumes.append(workspace)
             self.workspace_mount = workspace
@@ -193,10 +196,16 @@ class RolloutBudgets:
                 max_bytes=config.tmp_size_bytes,
                 max_inodes=config.tmp_inodes,
                 owner=owner,
+                source=self.source,
             )
             self.volumes.append(tmp)
             shm = TmpfsVolume(
-                "shm", base / "shm", max_bytes=config.shm_bytes, max_inodes=config.shm_inodes, owner=owner
+                "shm",
+                base / "shm",
+                max_bytes=config.shm_bytes,
+                max_inodes=config.shm_inodes,
+                owner=owner,
+                source=self.source,
             )
             self.volumes.append(shm)
         except OSError as exc:
@@ -491,36 +500,32 @@ _sweep_lock = threading.Lock()
 def sweep_orphans() -> None:
     """Release what supervisors that are gone left on this machine: mounts, cgroups (once per process).
 
-    Found by name (see :func:`owner_tag`): the private directories in the mount table
-    and the cgroups beside this process's, whose maker no longer runs. A workspace
-    still mounted is copied onto the disk in its place first. Blocking; never raises.
+    Found by name (see :func:`owner_tag`): the tmpfs mounts named ``rollcage-PID.START``
+    in the mount table and the cgroups beside this process's, whose maker no longer
+    runs. A workspace still mounted is copied onto the disk in its place first (with
+    the bounds its record names, else the defaults). Blocking; never raises.
     """
     global _swept
     with _sweep_lock:
         if _swept:
             return
         _swept = True
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as file:
-            points = [line.split()[4] for line in file]
-    except OSError:
-        points = []
-    privates = {
-        str(Path(point).parent.parent)
-        for point in points
-        if point.endswith(("/fs/tmp", "/fs/shm")) and _owner_gone(Path(point).parent.parent.name)
-    }
-    for private in sorted(privates):
-        try:
-            record = json.loads((Path(private) / _PRIVATE_RECORD).read_text())
-            root = Path(str(record.get("rollout_dir", "")))
-            _release(record, RolloutLayout(root))
-        except (OSError, ValueError):
-            pass
-        for name in ("tmp", "shm"):
-            with contextlib.suppress(OSError):
-                unmount(Path(private) / "fs" / name)
-        logger.warning("released the mounts of a supervisor that is gone: %s", private)
+    for point in _orphan_mounts():
+        path = Path(point)
+        with contextlib.suppress(OSError):
+            if path.name == "workspace":
+                layout = RolloutLayout(path.parent)
+                try:
+                    record = json.loads((layout.staging / _RECORD).read_text())
+                except (OSError, ValueError):
+                    record = {"mounts": [point]}
+                _release(record, layout)
+            unmount(path)  # not one if released above: a no-op then
+            logger.warning("released a mount of a supervisor that is gone: %s", point)
+        if path.parent.name == "fs":
+            for leftover in (path, path.parent, path.parent.parent / _PRIVATE_RECORD, path.parent.parent):
+                with contextlib.suppress(OSError):
+                    leftover.unlink() if leftover.name == _PRIVATE_RECORD else leftover.rmdir()
     support = detect_cgroups()
     for found in (support.memory, support.pids):
         if found is None:
@@ -530,3 +535,19 @@ def sweep_orphans() -> None:
                 if child.is_dir() and _owner_gone(child.name):
                     kill_cgroup(child)
                     remove_cgroup(child)
+
+
+def _orphan_mounts() -> list[str]:
+    """Mount points of tmpfs mounts named ``rollcage-PID.START`` whose maker is gone."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) > 4 and len(tail) > 1 and tail[0] == "tmpfs" and _owner_gone(tail[1] + "-x"):
+            found.append(fields[4].replace("\\040", " "))
+    return found
