@@ -28,7 +28,7 @@ from rollcage.controller._graders import (
     RegexGrader,
     VerifyGrader,
 )
-from rollcage.controller._health import HEALTH_CHECKS
+from rollcage.controller._health import HEALTH_ALIASES, HEALTH_CHECKS, rollout_health, rollout_metrics
 from rollcage.controller._ids import rollout_id
 from rollcage.controller._ledger import RunLedger, pass_at_k
 from rollcage.controller._records import RecordLog, load_records
@@ -62,6 +62,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_USAGE",
+    "HEALTH_ALIASES",
     "HEALTH_CHECKS",
     "Backend",
     "BackendConfig",
@@ -99,6 +100,8 @@ __all__ = [
     "load_records",
     "pass_at_k",
     "prepare_rollout",
+    "rollout_health",
     "rollout_id",
+    "rollout_metrics",
     "run_rollout",
 ]

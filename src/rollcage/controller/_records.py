@@ -51,7 +51,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_records(path: Path, on_record: Callable[[RolloutRecord], None]) -> LoadReport:
+def load_records(path: Path, on_record: Callable[[RolloutRecord], object]) -> LoadReport:
     """Stream the records of an existing log into ``on_record``, repairing a torn tail.
 
     Blocking (reads and may truncate the file); from async code run it in a thread.

@@ -39,7 +39,6 @@ from rollcage.controller._backend import Backend
 from rollcage.controller._config import EmbeddedPolicyConfig, LocalBackendConfig, RunConfig
 from rollcage.controller._dataset import EnvironmentRef, InvalidRow, Task, detect_format, iter_dataset
 from rollcage.controller._formats import DatasetFormat
-from rollcage.controller._health import inspect_rollout, load_result
 from rollcage.controller._ledger import RunLedger
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
@@ -422,10 +421,8 @@ class Controller:
             self._reporter.notice(f"Removed {swept} temporary file(s) left by an earlier, interrupted run")
 
     def _load_ledger(self) -> None:
-        def fold(record: RolloutRecord) -> None:
-            self._ledger.add(record, self._health_of(record))
-
-        report = load_records(self._out / "rollouts.jsonl", fold)
+        # Each record carries its health and metrics: resuming reads no rollout directory.
+        report = load_records(self._out / "rollouts.jsonl", self._ledger.add)
         if report.records:
             self._reporter.notice(
                 f"Resuming: {report.records} earlier attempt(s) in {self._out}/rollouts.jsonl"
@@ -441,13 +438,6 @@ class Controller:
             if isinstance(item, Task):
                 pending += sum(1 for s in range(self.config.attempts) if not self._ledger.is_done(item.id, s))
         return pending
-
-    def _health_of(self, record: RolloutRecord) -> dict[str, int]:
-        directory = Path(record.rollout_dir)
-        if not directory.is_absolute() or not directory.exists():
-            directory = self._out / "rollouts" / directory.name
-        result = load_result(directory) if record.receipt.result_valid else None
-        return inspect_rollout(record, result)
 
     async def _run_with_servers(self) -> None:
         policy: EmbeddedPolicy | None = None
@@ -526,7 +516,6 @@ class Controller:
                         "set aside the unfinished %s from an earlier run: %s", prepared.rollout_id, moved
                     )
                 record = await backend.run(prepared, stop=self.stop)
-                health = await asyncio.to_thread(self._health_of, record)
                 try:
                     await self._log.append(record)
                 except DurableWriteError as exc:
@@ -534,7 +523,7 @@ class Controller:
                     self._reporter.notice(f"Stopping: {self._error}")
                     self.stop.set()
                     return
-                state = self._ledger.add(record, health)
+                state = self._ledger.add(record)
                 self._attempts_run += 1
                 self._reporter.record(record, sample_done=self._ledger.is_done(task.id, sample))
                 await self._maybe_publish()

@@ -185,15 +185,25 @@ class _Delta(_Lenient):
     tool_calls: list[_ToolCallDelta] | None = None
 
 
+class _ChunkLogprobs(_Lenient):
+    # Kept as they came (the parser reads them from the assembled payload); only the shape is checked.
+    content: list[dict[str, Any]] | None = None
+
+
 class _ChunkChoice(_Lenient):
     index: int = 0
     delta: _Delta | None = None
     finish_reason: str | None = None
+    logprobs: _ChunkLogprobs | None = None
+    token_ids: list[int] | None = None
 
 
 class _Chunk(_Lenient):
     choices: list[_ChunkChoice] | None = None
     usage: dict[str, Any] | None = None
+    # vLLM's return_token_ids / prompt_logprobs: sent once, in the first chunk.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 class _ToolCallParts:
@@ -216,6 +226,9 @@ class _ChatAssembler:
         self._tools: dict[int, _ToolCallParts] = {}
         self._finish: str | None = None
         self._usage: dict[str, Any] | None = None
+        self._logprobs: list[dict[str, Any]] | None = None
+        self._token_ids: list[int] | None = None
+        self._prompt: dict[str, Any] = {}
 
     def feed(self, event: SseEvent) -> bool:
         if event.data.strip() == "[DONE]":
@@ -236,9 +249,21 @@ class _ChatAssembler:
             self._head = {key: raw[key] for key in ("id", "created", "model") if key in raw}
         if chunk.usage:
             self._usage = chunk.usage
+        for key in ("prompt_token_ids", "prompt_logprobs"):
+            if getattr(chunk, key) is not None:
+                self._prompt[key] = raw[key]
         for choice in chunk.choices or []:
             if choice.index != 0:
                 continue
+            # Token data arrives per delta: the assembled answer carries all of it, in order.
+            if choice.logprobs is not None and choice.logprobs.content is not None:
+                if self._logprobs is None:
+                    self._logprobs = []
+                self._logprobs.extend(choice.logprobs.content)
+            if choice.token_ids is not None:
+                if self._token_ids is None:
+                    self._token_ids = []
+                self._token_ids.extend(choice.token_ids)
             delta = choice.delta or _Delta()
             self._answered = self._answered or bool(
                 delta.content is not None
@@ -283,10 +308,16 @@ class _ChatAssembler:
                 }
                 for _, parts in sorted(self._tools.items())
             ]
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self._finish}
+        if self._logprobs is not None:
+            choice["logprobs"] = {"content": self._logprobs}
+        if self._token_ids is not None:
+            choice["token_ids"] = self._token_ids
         return {
             **self._head,
+            **self._prompt,
             "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "finish_reason": self._finish}],
+            "choices": [choice],
             "usage": self._usage,
         }
 

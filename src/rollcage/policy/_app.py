@@ -26,9 +26,10 @@ from starlette.types import Receive, Scope, Send
 from rollcage.policy._faults import CONTENT_FAULTS, WIRE_FAULTS, FaultPlan, FaultRecord, FaultRule
 from rollcage.policy._hostile import hostile_body, hostile_events, trickled
 from rollcage.policy._render import (
+    TokenAsk,
     chat_body,
     chat_events,
-    prompt_tokens,
+    prompt_token_ids,
     reply_for,
     responses_body,
     responses_events,
@@ -333,7 +334,9 @@ class PolicyApp:
             reply = with_fault(reply, rule, turn_index)
         response_id = f"chatcmpl-{call}" if api == "chat" else f"resp_{call}"
         created = int(arrived)
-        prompt = prompt_tokens(body)
+        prompt_ids = prompt_token_ids(body)
+        prompt = len(prompt_ids)
+        ask = TokenAsk.of(body)
         model = str(body.get("model") or self.script.model)
         if stream:
             if api == "chat":
@@ -346,10 +349,18 @@ class PolicyApp:
                     created=created,
                     prompt=prompt,
                     include_usage=include_usage,
+                    prompt_ids=prompt_ids,
+                    ask=ask,
                 )
             else:
                 events = responses_events(
-                    reply, body, model=model, response_id=response_id, created=created, prompt=prompt
+                    reply,
+                    body,
+                    model=model,
+                    response_id=response_id,
+                    created=created,
+                    prompt=prompt,
+                    prompt_ids=prompt_ids,
                 )
             media_type = "text/event-stream"
             if rule is not None and rule.kind == "truncated":
@@ -362,10 +373,24 @@ class PolicyApp:
                 )
             return self._send(rule, events, media_type)
         if api == "chat":
-            payload = chat_body(reply, model=model, response_id=response_id, created=created, prompt=prompt)
+            payload = chat_body(
+                reply,
+                model=model,
+                response_id=response_id,
+                created=created,
+                prompt=prompt,
+                prompt_ids=prompt_ids,
+                ask=ask,
+            )
         else:
             payload = responses_body(
-                reply, body, model=model, response_id=response_id, created=created, prompt=prompt
+                reply,
+                body,
+                model=model,
+                response_id=response_id,
+                created=created,
+                prompt=prompt,
+                prompt_ids=prompt_ids,
             )
         raw, media_type = orjson.dumps(payload), "application/json"
         if rule is not None and rule.kind == "truncated":
