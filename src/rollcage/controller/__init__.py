@@ -1,6 +1,7 @@
 """The controller: run a dataset through supervisors, grade outside the sandbox, record, resume.
 
-Public face of ``rollcage run``. The unit of work a backend executes is
+Public face of ``rollcage run`` and of ``rollcage.collect`` (``Collection``: records
+yielded as they land, for trainers). The unit of work a backend executes is
 ``run_rollout(prepared, settings)`` → ``RolloutRecord``; ``Controller`` streams the
 dataset, schedules those units with bounded concurrency, retries infrastructure
 failures, appends ``rollouts.jsonl`` and publishes ``metrics.json``. Backends:
@@ -9,6 +10,7 @@ imported only when that backend is built).
 """
 
 from rollcage.controller._backend import Backend, LocalBackend
+from rollcage.controller._collect import Collection, collect
 from rollcage.controller._config import (
     BackendConfig,
     EmbeddedPolicyConfig,
@@ -66,6 +68,7 @@ __all__ = [
     "HEALTH_CHECKS",
     "Backend",
     "BackendConfig",
+    "Collection",
     "Controller",
     "DatasetRow",
     "EmbeddedPolicyConfig",
@@ -96,6 +99,7 @@ __all__ = [
     "RunSummary",
     "Task",
     "VerifyGrader",
+    "collect",
     "iter_dataset",
     "load_records",
     "pass_at_k",
