@@ -38,7 +38,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -51,6 +51,7 @@ from rollcage.protocol import (
     ResponseItem,
     TerminationReason,
     ToolCall,
+    ToolSpec,
     ToolStatus,
     TurnStart,
     WorkerInput,
@@ -65,6 +66,7 @@ __all__ = [
     "ModelCaller",
     "ResourceCaller",
     "extract_code_blocks",
+    "function_tools",
 ]
 
 BoundarySink = Callable[[BoundaryRecord], Awaitable[None]]
@@ -197,7 +199,7 @@ class Agent:
     # ------------------------------------------------------------------ function calling
 
     async def _run_function_calling(self) -> AgentResult:
-        tools = self._function_tools()
+        tools = function_tools(self._spec.tools, codeact=False)
         last_text: str | None = None
         for index in range(self._spec.agent.max_policy_calls):
             call, server_ids = await self._call_model(index, tools)
@@ -240,32 +242,6 @@ class Agent:
             )
             for item, server_id in zip(items, server_ids, strict=True)
         ]
-
-    def _function_tools(self) -> list[dict[str, Any]]:
-        tools: list[dict[str, Any]] = []
-        if self._python is not None:
-            tools.append(
-                {
-                    "type": "function",
-                    "name": self._python.name,
-                    "description": self._python.description,
-                    "parameters": {
-                        "type": "object",
-                        "properties": {"code": {"type": "string", "description": "Python source to run."}},
-                        "required": ["code"],
-                    },
-                }
-            )
-        for spec in self._resource_specs.values():
-            tools.append(
-                {
-                    "type": "function",
-                    "name": spec.name,
-                    "description": spec.description,
-                    "parameters": spec.parameters,
-                }
-            )
-        return tools
 
     async def _run_tool_calls(self, pending: list[ToolCall]) -> bool:
         """Run one response's calls concurrently; return whether any could not be run as asked."""
@@ -525,6 +501,42 @@ class Agent:
         )
         self._cookies_seen = (model_cookies, resource_cookies)
         await self._boundary(record)
+
+
+def function_tools(tools: Sequence[ToolSpec], *, codeact: bool) -> list[dict[str, Any]]:
+    """The Responses-style function tools the loop offers the model (none in codeact: tools are functions).
+
+    The Python tool comes first, then the resource tools in the input's order; every
+    request of a rollout sends this list, so it can be rebuilt from ``input.json``.
+    """
+    if codeact:
+        return []
+    offered: list[dict[str, Any]] = []
+    python = next((t for t in tools if isinstance(t, PythonToolSpec)), None)
+    if python is not None:
+        offered.append(
+            {
+                "type": "function",
+                "name": python.name,
+                "description": python.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"code": {"type": "string", "description": "Python source to run."}},
+                    "required": ["code"],
+                },
+            }
+        )
+    for spec in tools:
+        if isinstance(spec, ResourceToolSpec):
+            offered.append(
+                {
+                    "type": "function",
+                    "name": spec.name,
+                    "description": spec.description,
+                    "parameters": spec.parameters,
+                }
+            )
+    return offered
 
 
 def _own_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:

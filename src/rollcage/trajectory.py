@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from rollcage.protocol import (
     ModelCall,
@@ -37,11 +37,13 @@ from rollcage.protocol import (
 
 __all__ = [
     "INTERRUPTED",
+    "ProjectedCall",
     "TrajectoryRecorder",
     "arguments_json",
     "build_turns",
     "final_text",
     "message_text",
+    "project_calls",
     "project_output",
     "sum_usage",
 ]
@@ -210,20 +212,41 @@ def project_output(trajectory: Trajectory, *, partial: bool) -> list[ResponseIte
         ``function_call`` item of the model's own) appear as a ``function_call``
         named after the tool plus its output, so every action is visible.
     """
+    return [item for projected in project_calls(trajectory, partial=partial) for item in projected.items]
+
+
+class ProjectedCall(NamedTuple):
+    """One model call's share of ``project_output``.
+
+    Attributes:
+        call: The model call.
+        items: Its items in the projection: its own output first, then its tools'.
+        own: How many of ``items`` are the call's own output (the model's generation).
+    """
+
+    call: ModelCall
+    items: list[ResponseItem]
+    own: int
+
+
+def project_calls(trajectory: Trajectory, *, partial: bool) -> list[ProjectedCall]:
+    """``project_output``, call by call (exporters attach each call's token data to its last own item)."""
     by_turn: dict[int, list[ToolCall]] = {}
     for tool in trajectory.tool_calls:
         by_turn.setdefault(tool.turn, []).append(tool)
-    items: list[ResponseItem] = []
+    projected: list[ProjectedCall] = []
     for call in trajectory.model_calls:
         tools = by_turn.pop(call.turn, [])
         shown = {t.call_id for t in tools if not partial or t.status in _DONE}
         declared: set[str] = set()
+        items: list[ResponseItem] = []
         for item in call.output:
             if item.get("type") == "function_call":
                 declared.add(str(item.get("call_id")))
                 if str(item.get("call_id")) not in shown:
                     continue
             items.append(item)
+        own = len(items)
         for tool in tools:
             if tool.call_id not in shown:
                 continue
@@ -237,7 +260,8 @@ def project_output(trajectory: Trajectory, *, partial: bool) -> list[ResponseIte
                     }
                 )
             items.append(_output_item(tool))
-    return items
+        projected.append(ProjectedCall(call, items, own))
+    return projected
 
 
 def _output_item(tool: ToolCall) -> ResponseItem:

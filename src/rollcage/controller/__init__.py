@@ -33,6 +33,7 @@ from rollcage.controller._graders import (
 from rollcage.controller._health import HEALTH_ALIASES, HEALTH_CHECKS, rollout_health, rollout_metrics
 from rollcage.controller._ids import rollout_id
 from rollcage.controller._ledger import RunLedger, pass_at_k
+from rollcage.controller._nemo_gym import create_params_for, function_tools, to_nemo_response
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._run import (
     EXIT_ALL_GRADER_ERRORS,
@@ -100,6 +101,8 @@ __all__ = [
     "Task",
     "VerifyGrader",
     "collect",
+    "create_params_for",
+    "function_tools",
     "iter_dataset",
     "load_records",
     "pass_at_k",
@@ -108,4 +111,5 @@ __all__ = [
     "rollout_id",
     "rollout_metrics",
     "run_rollout",
+    "to_nemo_response",
 ]

@@ -253,44 +253,45 @@ class _ChatAssembler:
             if getattr(chunk, key) is not None:
                 self._prompt[key] = raw[key]
         for choice in chunk.choices or []:
-            if choice.index != 0:
-                continue
-            # Token data arrives per delta: the assembled answer carries all of it, in order.
-            if choice.logprobs is not None and choice.logprobs.content is not None:
-                if self._logprobs is None:
-                    self._logprobs = []
-                self._logprobs.extend(choice.logprobs.content)
-            if choice.token_ids is not None:
-                if self._token_ids is None:
-                    self._token_ids = []
-                self._token_ids.extend(choice.token_ids)
-            delta = choice.delta or _Delta()
-            self._answered = self._answered or bool(
-                delta.content is not None
-                or delta.reasoning_content
-                or delta.reasoning
-                or delta.tool_calls
-                or choice.finish_reason
-            )
-            if delta.content is not None:
-                if self._content is None:
-                    self._content = []
-                self._content.append(delta.content)
-            for text in (delta.reasoning_content, delta.reasoning):
-                if text:
-                    self._reasoning.append(text)
-            for call in delta.tool_calls or []:
-                parts = self._tools.setdefault(
-                    call.index if call.index is not None else len(self._tools), _ToolCallParts()
-                )
-                parts.id = call.id or parts.id
-                function = call.function or _FunctionDelta()
-                parts.name += function.name or ""
-                if function.arguments:
-                    parts.arguments.append(function.arguments)
-            if choice.finish_reason:
-                self._finish = choice.finish_reason
+            if choice.index == 0:
+                self._take(choice)
         return False
+
+    def _take(self, choice: _ChunkChoice) -> None:
+        """Fold one delta of the first choice into the answer being assembled."""
+        # Token data arrives per delta: the assembled answer carries all of it, in order.
+        if choice.logprobs is not None and choice.logprobs.content is not None:
+            self._logprobs = self._logprobs if self._logprobs is not None else []
+            self._logprobs.extend(choice.logprobs.content)
+        if choice.token_ids is not None:
+            self._token_ids = self._token_ids if self._token_ids is not None else []
+            self._token_ids.extend(choice.token_ids)
+        delta = choice.delta or _Delta()
+        self._answered = self._answered or bool(
+            delta.content is not None
+            or delta.reasoning_content
+            or delta.reasoning
+            or delta.tool_calls
+            or choice.finish_reason
+        )
+        if delta.content is not None:
+            if self._content is None:
+                self._content = []
+            self._content.append(delta.content)
+        for text in (delta.reasoning_content, delta.reasoning):
+            if text:
+                self._reasoning.append(text)
+        for call in delta.tool_calls or []:
+            parts = self._tools.setdefault(
+                call.index if call.index is not None else len(self._tools), _ToolCallParts()
+            )
+            parts.id = call.id or parts.id
+            function = call.function or _FunctionDelta()
+            parts.name += function.name or ""
+            if function.arguments:
+                parts.arguments.append(function.arguments)
+        if choice.finish_reason:
+            self._finish = choice.finish_reason
 
     def payload(self) -> dict[str, Any]:
         message: dict[str, Any] = {
