@@ -51,6 +51,7 @@ from rollcage.protocol import (
     ModelEndpoint,
     Outcome,
     ResourceEndpoint,
+    RolloutHealth,
     RolloutMetrics,
     RolloutRecord,
     SupervisorReceipt,
@@ -361,17 +362,28 @@ def record_without_result(
         where: Whose machinery failed, for the reason (``"the controller"``, ``"the Ray backend"``).
     """
     receipt = _failed_receipt(prepared, settings, reason, started, where=where)
+    metrics = RolloutMetrics(duration_s=receipt.duration_s)
+    return _record(prepared, receipt, unobserved_health(f"{where} could not run the rollout"), metrics)
+
+
+def _record(
+    prepared: PreparedRollout,
+    receipt: SupervisorReceipt,
+    health: RolloutHealth,
+    metrics: RolloutMetrics,
+    **grading: Any,
+) -> RolloutRecord:
+    """The record of one attempt; ``grading``: the grade's fields (none: not graded)."""
     return RolloutRecord(
         rollout_id=prepared.rollout_id,
         task_id=prepared.task_id,
         sample=prepared.sample,
         try_index=prepared.try_index,
         outcome=receipt.outcome,
-        graded=False,
-        reward=None,
+        **{"graded": False, "reward": None, **grading},
         receipt=receipt,
-        metrics=RolloutMetrics(duration_s=receipt.duration_s),
-        health=unobserved_health(f"{where} could not run the rollout"),
+        metrics=metrics,
+        health=health,
         rollout_dir=prepared.rollout_dir,
     )
 
@@ -514,22 +526,17 @@ async def _run_and_grade(
     health, metrics = await asyncio.to_thread(
         assess, result, receipt, grader_failed=grader is not None and "error" in grader
     )
-    return RolloutRecord(
-        rollout_id=prepared.rollout_id,
-        task_id=prepared.task_id,
-        sample=prepared.sample,
-        try_index=prepared.try_index,
-        outcome=receipt.outcome,
+    return _record(
+        prepared,
+        receipt,
+        health,
+        metrics,
         graded=graded,
         reward=reward,
         masked=masked,
         failure_kind=failure_kind,
         grader=grader,
         termination_reason=result.termination_reason if result is not None else None,
-        receipt=receipt,
-        metrics=metrics,
-        health=health,
-        rollout_dir=prepared.rollout_dir,
     ).with_result(result)
 
 
