@@ -191,6 +191,9 @@ def _check_version(data: Any, artifact: str) -> Any:
 class _VersionGate(BaseModel):
     """Mixin of the versioned artifacts: another ``schema_version`` is refused by name, first."""
 
+    # The same settings as _Model: deferred, or importing the protocol would build (and pay for) it.
+    model_config = ConfigDict(extra="forbid", defer_build=True, allow_inf_nan=False)
+
     @model_validator(mode="before")
     @classmethod
     def _same_version(cls, data: Any) -> Any:

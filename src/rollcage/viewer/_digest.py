@@ -109,6 +109,8 @@ class TurnDigest:
     """Start, in seconds after the rollout's first model call."""
     attempts: int
     """HTTP attempts (1 + retries)."""
+    token_data: str
+    """Token ids and logprobs the server returned: observed, partial or unobserved."""
     http_status: int | None
     """HTTP status of the last attempt."""
     error: ErrorDigest | None
@@ -422,6 +424,7 @@ def _turn(call: ModelCall, tools: list[ToolCall], origin: float | None, text: _C
         ttfb_s=None if call.first_byte_at is None else max(0.0, call.first_byte_at - call.started_at),
         offset_s=0.0 if origin is None else call.started_at - origin,
         attempts=len(call.attempts),
+        token_data=call.tokens.status,
         http_status=call.http_status,
         error=_error(call.error),
         items=items,
