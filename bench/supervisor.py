@@ -15,7 +15,9 @@ load hits them alike:
 * ``bare``: the worker spawned directly (no supervisor, no proxy; it talks to
   the upstream over TCP);
 * ``none``: ``supervise()`` with ``--sandbox none`` (proxy, capture, reaping);
-* ``bwrap``: ``supervise()`` under bubblewrap.
+* ``bwrap, no budgets``: bubblewrap with the per-rollout budgets off (no cgroup,
+  no bounded tmpfs mounts: the baseline for their cost);
+* ``bwrap``: ``supervise()`` under bubblewrap, as configured by default.
 
 It prints the medians, and the overhead of each over ``bare`` and of bwrap over
 none; the target is that sandboxing adds under 50 ms per rollout.
@@ -168,6 +170,11 @@ def main() -> None:
             f"sandboxing (bwrap - none): first request {_ms(_diff(bwrap_first, none_first))} ms, "
             f"total {_ms(_diff(bwrap_total, none_total))} ms   (target: < 50 ms)"
         )
+        plain_first, plain_total = medians["bwrap, no budgets"]
+        print(
+            f"budgets (cgroups, bounded tmpfs, executor cage allowed): first request "
+            f"{_ms(_diff(bwrap_first, plain_first))} ms, total {_ms(_diff(bwrap_total, plain_total))} ms"
+        )
         print(
             f"ratios: bwrap/none total {bwrap_total / none_total:.2f}x, "
             f"bwrap/bare total {bwrap_total / bare_total:.2f}x, "
@@ -183,7 +190,12 @@ async def _run(bench: Bench, runs: int) -> dict[str, list[tuple[float | None, fl
     }
     reason = bwrap_usable()
     if reason is None:
-        # The fake worker's code lives in tests/helpers, which the sandbox must see.
+        # The fake worker's code lives in tests/helpers, which the sandbox must see. The baseline for
+        # the per-rollout budgets is the same sandbox without them (no cgroup, no mounts, a poll).
+        plain = BwrapSandbox(
+            extra_ro_paths=[str(HELPERS)], cgroups="off", disk_budgets="poll", executor_cage="shared"
+        )
+        ways["bwrap, no budgets"] = lambda: bench.supervised(plain)
         ways["bwrap"] = lambda: bench.supervised(BwrapSandbox(extra_ro_paths=[str(HELPERS)]))
     else:
         print(f"(bwrap skipped: {reason})")

@@ -63,8 +63,12 @@ def _input(base_url: str, task: str, backend: str, root: Path) -> Path:
     return path
 
 
-def _run_worker(server: PolicyServer, task: str, backend: str, root: Path) -> dict[str, float]:
+def _run_worker(
+    server: PolicyServer, task: str, backend: str, root: Path, *, caged: bool = False
+) -> dict[str, float]:
     inp = _input(server.base_url, task, backend, root)
+    # A caged executor runs in a nested bwrap, as under the supervisor (rollcage.cage).
+    env = {**os.environ, "ROLLCAGE_EXECUTOR_CAGE": "bwrap" if caged else "none"}
     seen = len(server.request_log)
     started = time.time()
     before = os.times()
@@ -72,6 +76,7 @@ def _run_worker(server: PolicyServer, task: str, backend: str, root: Path) -> di
         [sys.executable, "-m", "rollcage", "worker", str(inp), str(root / "result.json")],
         capture_output=True,
         timeout=120,
+        env=env,
     )
     after = os.times()
     wall = time.time() - started
@@ -87,9 +92,10 @@ def _run_worker(server: PolicyServer, task: str, backend: str, root: Path) -> di
     if task == "codeact":
         result = json.loads((root / "result.json").read_text())
         executor_kb, worker_kb = (int(v) for v in result["response"]["output_text"].split(","))
-        row["worker_rss_mb"] = worker_kb / 1024
         row["executor_rss_mb"] = executor_kb / 1024
-        row["together_mb"] = (worker_kb + executor_kb) / 1024
+        if not caged:  # in the cage the executor's parent is the cage's init, not the worker
+            row["worker_rss_mb"] = worker_kb / 1024
+            row["together_mb"] = (worker_kb + executor_kb) / 1024
     return row
 
 
@@ -118,24 +124,28 @@ def main() -> None:
     bare = _bare(args.runs)
     rows: list[tuple[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory() as tmp, PolicyServer(SCRIPT) as server:
-        for task in ("one-turn", "codeact"):
-            for backend in backends if task == "codeact" else ["repl"]:
-                samples = [
-                    _run_worker(server, task, backend, Path(tmp) / f"{task}-{backend}-{i}")
-                    for i in range(args.runs)
-                ]
-                med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-                rows.append((f"{task} ({backend})", med))
+        cases = [("one-turn", "repl", False)]
+        cases += [("codeact", backend, caged) for backend in backends for caged in (False, True)]
+        for task, backend, caged in cases:
+            name = f"{task} ({backend}{', caged' if caged else ''})"
+            samples = [
+                _run_worker(server, task, backend, Path(tmp) / f"{name}-{i}", caged=caged)
+                for i in range(args.runs)
+            ]
+            med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+            rows.append((name, med))
     print(f"\nbare `python -c pass`: {bare:.0f} ms (median of {args.runs})\n")
-    header = f"{'rollout':<20}{'first req ms':>14}{'x bare':>8}{'wall ms':>10}{'cpu s':>8}"
+    header = f"{'rollout':<28}{'first req ms':>14}{'x bare':>8}{'wall ms':>10}{'cpu s':>8}"
     header += f"{'worker MB':>11}{'executor MB':>13}{'together MB':>13}"
     print(header)
     print("-" * len(header))
     for name, r in rows:
-        line = f"{name:<20}{r['first_request_ms']:>14.0f}{r['first_request_ms'] / bare:>8.1f}"
+        line = f"{name:<28}{r['first_request_ms']:>14.0f}{r['first_request_ms'] / bare:>8.1f}"
         line += f"{r['wall_ms']:>10.0f}{r['cpu_s']:>8.2f}"
         if "together_mb" in r:
             line += f"{r['worker_rss_mb']:>11.1f}{r['executor_rss_mb']:>13.1f}{r['together_mb']:>13.1f}"
+        elif "executor_rss_mb" in r:
+            line += f"{'-':>11}{r['executor_rss_mb']:>13.1f}{'-':>13}"
         print(line)
     print("\ntargets: first model request <= 200 ms; worker + repl executor < 60 MB")
 

@@ -14,18 +14,55 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import typer
 
+from rollcage.cage import (
+    CAGE_ENV,
+    PYTHON,
+    Bind,
+    CageSpec,
+    NestedCage,
+    RunLimits,
+    Tmpfs,
+    cage_argv,
+    copy_tree,
+    detect_cgroups,
+    run_contained,
+)
+from rollcage.commands._sandbox_options import CgroupsChoice, ExecutorCageChoice, bwrap_fields, parse_size
+from rollcage.environments import create_app
 from rollcage.errors import SandboxError
-from rollcage.protocol import SupervisorReceipt
-from rollcage.supervisor import BwrapSandbox, NoSandbox, RolloutLayout, supervise
+from rollcage.protocol import BudgetName, ExecutorSettings, SupervisorReceipt
+from rollcage.supervisor import (
+    BwrapSandbox,
+    NoSandbox,
+    OutcomeEvidence,
+    RolloutLayout,
+    classify_outcome,
+    supervise,
+)
+from rollcage.supervisor.procs import ensure_subreaper
 from rollcage.supervisor.sandbox import BwrapTools, bwrap_argv
-from tests.helpers.supervisor_env import config, fake, make_rollout, processes_with_token, requires_bwrap
+from rollcage.tools import make_executor
+from tests.helpers.supervisor_env import (
+    HELPERS,
+    config,
+    fake,
+    make_rollout,
+    processes_with_token,
+    requires_bwrap,
+)
+from tests.helpers.waiting import processes_mentioning, wait_for
 
 
 def _bwrap(test: Any) -> Any:
@@ -34,7 +71,9 @@ def _bwrap(test: Any) -> Any:
 
 
 SECRET_VAR = "ROLLCAGE_TEST_SECRET_KEY"
-TOOLS = BwrapTools(bwrap="/usr/bin/bwrap", prlimit="/usr/bin/prlimit", setpriv="/usr/bin/setpriv")
+TOOLS = BwrapTools(
+    bwrap="/usr/bin/bwrap", prlimit="/usr/bin/prlimit", setpriv="/usr/bin/setpriv", disable_userns=True
+)
 
 
 @pytest.fixture(autouse=True)
@@ -95,6 +134,7 @@ def test_argv_unshares_everything_and_lays_out_the_rollout(as_root: bool) -> Non
         "/run/rollcage/proxy.sock",
         "/proc",
         "/",
+        "/dev/shm",
     }
     # Parent directories are made traversable for the unprivileged sandbox.
     assert ["--perms", "0755", "--dir", "/run"] == argv[argv.index("/run") - 3 : argv.index("/run") + 1]
@@ -227,6 +267,7 @@ def test_agent_cannot_read_the_secret_from_the_supervisors_environment(probe: di
         "PYTHONDONTWRITEBYTECODE",
         "PYTHONUNBUFFERED",
         "ROLLCAGE_SUPERVISION_TOKEN",
+        "ROLLCAGE_EXECUTOR_CAGE",
     }
 
 
@@ -261,14 +302,19 @@ def test_agent_runs_as_an_unprivileged_user(probe: dict[str, Any]) -> None:
 
 @_bwrap
 @pytest.mark.timeout(60)
-async def test_fork_bomb_is_contained_by_the_process_limit(tmp_path: Path) -> None:
+async def test_fork_bomb_is_contained_by_the_process_budget(tmp_path: Path) -> None:
     root = make_rollout(tmp_path)
     limit = 32
     cfg = config("bwrap", *fake("fork-bomb", str(limit * 8)), limits={"max_processes": limit})
     receipt = await supervise(root, cfg)
     forks, errno_name = (root / "workspace" / "forks.txt").read_text().split()
     assert int(forks) < limit and errno_name == "11"  # EAGAIN: the limit, not the bound of the fake
-    assert receipt.outcome == "completed", receipt.outcome_reason
+    budget = {use.budget: use for use in receipt.budgets}["processes"]
+    if budget.mechanism == "rlimit":  # no cgroup here: RLIMIT_NPROC refused, nothing saw it
+        assert receipt.outcome == "completed", receipt.outcome_reason
+    else:
+        assert receipt.outcome == "agent_error" and receipt.budget_exceeded == "processes"
+        assert "process budget of 32" in receipt.outcome_reason and budget.exceeded
     assert receipt.cleanup_confirmed
     # The supervisor's side is still healthy: it can start processes.
     proc = await asyncio.create_subprocess_exec("true")
@@ -331,3 +377,290 @@ async def test_a_bubblewrap_that_cannot_create_namespaces_is_refused_before_anyt
     with pytest.raises(SandboxError, match=r"cannot create a sandbox here.*uid map.*--sandbox none"):
         await supervise(root, cfg)
     assert sorted(p.name for p in root.iterdir()) == ["input.json", "workspace"]
+
+
+# --------------------------------------------------------------------------- the cage's command lines (pure)
+
+
+def test_only_the_worker_that_cages_its_executor_may_make_a_user_namespace() -> None:
+    assert "--disable-userns" not in _argv(as_root=False)  # executor_cage: bwrap (the default)
+    assert "--disable-userns" in _argv(as_root=False, executor_cage="shared")
+    inner = _argv(as_root=True, executor_cage="shared")
+    assert "--disable-userns" in inner[inner.index("/usr/bin/setpriv") :]
+
+
+def test_nested_cage_hides_the_workers_files_and_keeps_the_workspace() -> None:
+    cage = NestedCage(
+        bwrap="/usr/bin/bwrap", workspace="/rollout/workspace", hide=("/rollout", "/run/rollcage")
+    )
+    argv = cage.prefix()
+    bwrap = argv[argv.index("/usr/bin/bwrap") :]
+    for flag in ("--disable-userns", "--unshare-pid", "--unshare-net", "--die-with-parent"):
+        assert flag in bwrap, flag
+    hidden = [bwrap[i + 1] for i, arg in enumerate(bwrap) if arg == "--tmpfs"]
+    assert hidden == ["/rollout", "/run/rollcage"]
+    # The workspace is bound back after the cover, then the cover is sealed read-only.
+    assert bwrap.index("/rollout/workspace") > bwrap.index("/run/rollcage")
+    assert _pairs(bwrap, "--bind")[0] == ("/rollout/workspace", "/rollout/workspace")
+    assert [bwrap[i + 1] for i, arg in enumerate(bwrap) if arg == "--remount-ro"] == [
+        "/rollout",
+        "/run/rollcage",
+    ]
+    # The interrupt (SIGINT to the group) must not kill bwrap's monitor: it starts with SIGINT ignored.
+    assert argv[:3] == ["/bin/sh", "-c", 'trap "" INT; exec "$@"']
+
+
+def test_nested_cage_refuses_to_hide_the_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CAGE_ENV, "bwrap")
+    with pytest.raises(SandboxError, match="cannot hide"):
+        NestedCage.from_environment(workspace="/w", worker_paths=["/result.json"])
+    monkeypatch.setenv(CAGE_ENV, "none")
+    assert NestedCage.from_environment(workspace="/w", worker_paths=["/result.json"]) is None
+
+
+def test_a_grader_cage_is_never_root_and_sees_no_host_tree() -> None:
+    spec = CageSpec(
+        argv=["/usr/bin/python3", "-I", "-S", "x.py"],
+        env={"PATH": "/usr/bin"},
+        cwd="/work",
+        mounts=[Bind("/usr", "/usr"), Tmpfs("/work", 1 << 20)],
+        run_as=(65534, 65534),
+    )
+    argv = cage_argv(spec, tools=TOOLS, as_root=True)
+    setpriv = argv.index("/usr/bin/setpriv")
+    outer, inner = argv[:setpriv], argv[setpriv:]
+    # Root drops to an unprivileged uid before the user namespace is made: uid 0 inside is never host root.
+    assert inner[1:3] == ["--reuid", "65534"] and "--unshare-user" in inner and "--unshare-user" not in outer
+    assert "--disable-userns" in inner and "--unshare-net" in inner
+    assert [dest for _, dest in _pairs(outer, "--ro-bind")] == ["/usr"]
+    assert ("/", "/") not in _pairs(outer, "--ro-bind") + _pairs(outer, "--bind")
+
+
+# --------------------------------------------------------------------------- run_contained (graders' cage)
+
+
+@_bwrap
+async def test_run_contained_runs_the_files_given_and_nothing_of_the_host(tmp_path: Path) -> None:
+    secret = tmp_path / "host-secret"
+    secret.write_text("do-not-read")
+    code = (
+        "import os\n"
+        "print(open('data/in.txt').read(), os.getuid(), sorted(os.listdir('/')))\n"
+        f"print(os.path.exists({str(secret)!r}), os.path.exists('/etc'), os.path.exists('/home'))\n"
+        "print('x' * 5000)\n"
+    )
+    run = await run_contained(
+        [PYTHON, "-I", "-S", "-c", code],
+        files={"data/in.txt": "hello"},
+        timeout_s=30,
+        limits=RunLimits(output_limit=200),
+    )
+    assert run.exit_code == 0 and run.contained and not run.timed_out, run
+    first, second = run.stdout.decode().splitlines()[:2]
+    assert first.startswith("hello 1000 ") and "'work'" in first and "'home'" not in first
+    assert second == "False False False"
+    assert run.truncated and len(run.stdout) <= 200
+
+
+@_bwrap
+async def test_run_contained_kills_the_whole_cage_at_the_timeout(tmp_path: Path) -> None:
+    marker = f"rollcage-contained-{secrets.token_hex(4)}"
+    code = f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)  # {marker}\n"
+    code += "time.sleep(600)"
+    run = await run_contained([PYTHON, "-I", "-S", "-c", code], timeout_s=1)
+    assert run.timed_out and run.exit_code is None
+    assert processes_mentioning(marker) == []
+
+
+async def test_run_contained_refuses_without_bubblewrap_unless_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def missing(**_: Any) -> BwrapTools:
+        raise SandboxError("bubblewrap (bwrap) is not installed")
+
+    monkeypatch.setattr("rollcage.cage._run.find_tools", missing)
+    with pytest.raises(SandboxError, match="not installed"):
+        await run_contained([PYTHON, "-I", "-S", "-c", "print(1)"], timeout_s=10)
+    run = await run_contained([PYTHON, "-I", "-S", "-c", "print(1)"], timeout_s=10, allow_uncontained=True)
+    assert run.stdout == b"1\n" and not run.contained
+
+
+async def test_a_cage_that_cannot_be_made_is_an_error_not_the_commands_failure(
+    monkeypatch: pytest.MonkeyPatch, broken_bwrap: Path
+) -> None:
+    tools = BwrapTools(bwrap=str(broken_bwrap), prlimit="/usr/bin/prlimit", setpriv="/usr/bin/setpriv")
+    monkeypatch.setattr("rollcage.cage._run.find_tools", lambda **_: tools)
+    with pytest.raises(SandboxError, match=r"could not be made.*uid map"):
+        await run_contained([PYTHON, "-I", "-S", "-c", "print(1)"], timeout_s=10)
+
+
+async def test_code_fn_answers_a_grader_error_when_its_cage_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def failing(*_: Any, **__: Any) -> Any:
+        raise SandboxError("bubblewrap cannot create a sandbox here")
+
+    monkeypatch.setattr("rollcage.environments.code_fn.run_contained", failing)
+    app = create_app("code-fn", verify_token="t")
+    body = {
+        "expected": {"tests": [{"call": "f()", "expect": "1"}]},
+        "workspace_files": {"solution.py": "def f():\n    return 1\n"},
+    }
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://env") as client:
+        answer = await client.post("/verify", json=body, headers={"authorization": "Bearer t"})
+    assert answer.status_code == 503 and "cannot create a sandbox" in answer.json()["error"]
+    assert "reward" not in answer.json()
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+@_bwrap
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("disk", ["auto", "poll"])
+async def test_workspace_budget_ends_the_rollout_as_the_policys_fault(tmp_path: Path, disk: str) -> None:
+    root = make_rollout(tmp_path)
+    limits = {"workspace_bytes": 4 << 20, "disk_budgets": disk, "budget_poll_s": 0.1}
+    receipt = await supervise(
+        root, config("bwrap", *fake("fill", "/rollout/workspace/fill.bin", "32"), limits=limits)
+    )
+    assert receipt.outcome == "agent_error" and receipt.budget_exceeded == "workspace_bytes", (
+        receipt.outcome_reason
+    )
+    use = {u.budget: u for u in receipt.budgets}["workspace_bytes"]
+    assert use.exceeded and use.limit == 4 << 20
+    assert use.mechanism == ("tmpfs" if disk == "auto" and os.geteuid() == 0 else "poll")
+    # The workspace stays on the host as evidence; a hard bound kept it at the budget.
+    size = (root / "workspace" / "fill.bin").stat().st_size
+    assert size > 0 and (size <= 4 << 20 or use.mechanism == "poll")
+
+
+@_bwrap
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("disk", ["auto", "poll"])
+async def test_tmp_budget_ends_the_rollout(tmp_path: Path, disk: str) -> None:
+    root = make_rollout(tmp_path)
+    limits = {"tmp_size_bytes": 4 << 20, "budget_poll_s": 0.1, "disk_budgets": disk}
+    # The worker stays: with a poll, the budget is seen while the sandbox lives (then it is ended).
+    receipt = await supervise(root, config("bwrap", *fake("fill-hang", "/tmp/fill.bin", "32"), limits=limits))
+    assert receipt.outcome == "agent_error" and receipt.budget_exceeded == "tmp_bytes", receipt.outcome_reason
+    uses = {u.budget: u for u in receipt.budgets}
+    assert uses["tmp_bytes"].mechanism == "tmpfs" and uses["tmp_bytes"].peak == 4 << 20
+    assert uses["tmp_inodes"].mechanism == ("tmpfs" if disk == "auto" and os.geteuid() == 0 else "poll")
+    assert not list(root.glob(".sandbox")), "the staging area outlived the rollout"
+
+
+@_bwrap
+def test_every_budget_is_in_the_receipt_with_its_mechanism(probe: dict[str, Any]) -> None:
+    receipt: SupervisorReceipt = probe["receipt"]
+    assert [use.budget for use in receipt.budgets] == list(typing.get_args(BudgetName))
+    assert all(use.mechanism != "none" and not use.exceeded for use in receipt.budgets)
+    assert receipt.budget_exceeded is None
+
+
+def test_budget_breach_is_the_policys_fault_only_after_it_acted() -> None:
+    words = "workspace_bytes: the workspace_bytes budget of 1 GiB was exhausted"
+    acted = OutcomeEvidence(
+        budget_exceeded=words, journal_responses=1, exit_signal="SIGKILL", signals_sent=("SIGKILL",)
+    )
+    assert classify_outcome(acted)[0] == "agent_error"
+    assert "workspace_bytes" in classify_outcome(acted)[1]
+    # The kernel's OOM kill of the worker for the memory budget is the agent's doing, not infrastructure.
+    oom = OutcomeEvidence(budget_exceeded="memory_bytes: ...", journal_responses=2, exit_signal="SIGKILL")
+    assert classify_outcome(oom)[0] == "agent_error"
+    before = OutcomeEvidence(budget_exceeded=words, journal_responses=0)
+    assert classify_outcome(before)[0] == "infra_failure"
+
+
+def test_copy_tree_never_follows_a_link_and_keeps_to_its_bounds(tmp_path: Path) -> None:
+    source, dest = tmp_path / "src", tmp_path / "dst"
+    source.mkdir()
+    dest.mkdir()
+    (source / "link").symlink_to("/etc/passwd")
+    (source / "big").write_bytes(b"x" * 4096)
+    os.link(source / "big", source / "big-again")
+    (source / "suid").write_text("x")
+    (source / "suid").chmod(0o4755)
+    os.mkfifo(source / "fifo")
+    (source / "sub").mkdir()
+    (source / "sub" / "a").write_text("a")
+    report = copy_tree(source, dest, max_bytes=4096 + 1, max_inodes=100)
+    assert os.readlink(dest / "link") == "/etc/passwd"  # the link, not the host file it names
+    assert os.stat(dest / "big").st_ino == os.stat(dest / "big-again").st_ino  # one file, copied once
+    assert (dest / "suid").stat().st_mode & 0o7777 == 0o755
+    assert not (dest / "fifo").exists() and any("fifo" in s for s in report.skipped)
+    # The byte bound: big (4096) fits, then "sub/a" (1 byte) fits, "suid" (1 more) does not.
+    assert report.bytes <= 4096 + 1 and any("bound" in s for s in report.skipped)
+    small = tmp_path / "small"
+    small.mkdir()
+    assert len(copy_tree(source, small, max_bytes=1 << 20, max_inodes=2).skipped) >= 3
+
+
+def test_budget_flags_are_the_config_fields() -> None:
+    assert (
+        parse_size("512M") == 512 << 20 and parse_size("4GiB") == 4 << 30 and parse_size("1048576") == 1 << 20
+    )
+    with pytest.raises(typer.BadParameter, match="not a size"):
+        parse_size("lots")
+    flags = {
+        "memory_budget": "1G",
+        "max_processes": 64,
+        "workspace_budget": "8M",
+        "shm_inodes": 500,
+        "cgroups": CgroupsChoice.off,
+        "executor_cage": ExecutorCageChoice.shared,
+        "tmp_budget": None,
+        "unrelated": "ignored",
+    }
+    fields = bwrap_fields(flags, sandbox="bwrap")
+    sandbox = BwrapSandbox(**fields)
+    assert (sandbox.memory_bytes, sandbox.max_processes, sandbox.workspace_bytes) == (1 << 30, 64, 8 << 20)
+    assert (sandbox.shm_inodes, sandbox.cgroups, sandbox.executor_cage) == (500, "off", "shared")
+    assert sandbox.tmp_size_bytes == BwrapSandbox().tmp_size_bytes  # flags left out keep the defaults
+
+
+async def test_an_executor_cage_that_cannot_be_made_is_the_infrastructures_failure(
+    tmp_path: Path, broken_bwrap: Path
+) -> None:
+    cage = NestedCage(bwrap=str(broken_bwrap), workspace=str(tmp_path), hide=("/nonexistent-rollout",))
+    executor = make_executor(ExecutorSettings(), cwd=tmp_path, prefix=cage.prefix(), start_timeout_s=30)
+    try:
+        with pytest.raises(SandboxError, match="executor's sandbox could not be made") as caught:
+            await executor.start()
+        assert caught.value.kind == "transient"  # retried, never the agent's fault
+    finally:
+        await executor.aclose()
+
+
+@_bwrap
+@pytest.mark.timeout(90)
+def test_what_a_killed_supervisor_left_is_released_by_the_next_one(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("optional: only root mounts bounded file systems (and can leave them behind)")
+    ensure_subreaper()
+    root = make_rollout(tmp_path)
+    kept = root / "workspace" / "kept.bin"
+    worker = " ".join(fake("fill-hang", "/rollout/workspace/kept.bin", "1"))
+    argv = [sys.executable, "-m", "rollcage", "supervise", str(root), "--worker-command", worker]
+    proc = subprocess.Popen(
+        [*argv, "--ro-path", str(HELPERS)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        wait_for(lambda: kept.exists() and kept.stat().st_size == 1 << 20, what="the worker's file")
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: not processes_with_token(), what="the sandbox to die with its supervisor")
+    assert os.path.ismount(root / "workspace"), "the test needs a supervisor that left its mounts"
+    # Its records may be gone too (a half-done cleanup removed the staging area): the mounts' names say.
+    shutil.rmtree(root / ".sandbox")
+    mine = f"rollcage-{proc.pid}."
+    support = detect_cgroups()
+    parents = [found[1] for found in (support.memory, support.pids) if found is not None]
+    # Another supervisor (a fresh process: the sweep runs once per process) releases them.
+    sweep = "from rollcage.supervisor.budgets import sweep_orphans; sweep_orphans()"
+    subprocess.run([sys.executable, "-c", sweep], check=True, timeout=60)
+    assert not os.path.ismount(root / "workspace")
+    assert kept.stat().st_size == 1 << 20  # the agent's files, kept on the disk as evidence
+    with open("/proc/self/mountinfo", encoding="utf-8") as file:
+        assert f"-{proc.pid}." not in file.read(), "a mount of the killed supervisor is left"
+    assert not [c for parent in parents for c in parent.iterdir() if c.name.startswith(mine)]

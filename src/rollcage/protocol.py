@@ -30,6 +30,9 @@ __all__ = [
     "SCHEMA_VERSION",
     "AgentSettings",
     "BoundaryRecord",
+    "BudgetMechanism",
+    "BudgetName",
+    "BudgetUse",
     "CallAttempt",
     "CallTokens",
     "CaptureExchange",
@@ -884,8 +887,42 @@ class SignalEvent(_Model):
     target: Literal["group", "descendants"] = Field(description="The worker's group, or stray descendants.")
     at: float = Field(description="Unix time it was sent.")
     reason: Literal["deadline", "stop", "budget", "grace_expired", "cleanup"] = Field(
-        description="Why it was sent (budget: the rollout exceeded one of its budgets)."
+        description="Why it was sent (budget: the rollout went over one of its budgets)."
     )
+
+
+BudgetName = Literal[
+    "memory_bytes",
+    "processes",
+    "workspace_bytes",
+    "workspace_inodes",
+    "tmp_bytes",
+    "tmp_inodes",
+    "shm_bytes",
+    "shm_inodes",
+]
+"""The per-rollout budgets the supervisor enforces (see ``rollcage.cage``)."""
+
+BudgetMechanism = Literal["cgroup2", "cgroup1", "rlimit", "tmpfs", "poll", "none"]
+"""How a budget is enforced: a cgroup, a per-process rlimit only, a bounded tmpfs, a poll, or not at all."""
+
+
+class BudgetUse(_Model):
+    """One per-rollout budget, as the receipt reports it."""
+
+    budget: BudgetName = Field(description="Which budget.")
+    limit: int | None = Field(
+        description="The bound (bytes, processes and threads, or entries); None: unbounded."
+    )
+    mechanism: BudgetMechanism = Field(
+        description=(
+            "How it was enforced: a cgroup (v2 or v1: the sandbox as a whole), rlimit (per process only: "
+            "the machine allowed no cgroup), tmpfs (a hard bound), poll (measured every budget_poll_s: late "
+            "by up to one poll), none."
+        )
+    )
+    peak: int | None = Field(description="Highest use observed; None where it could not be measured.")
+    exceeded: bool = Field(description="This budget ended the rollout.")
 
 
 class SupervisorReceipt(_Frozen, _VersionGate):
@@ -935,9 +972,13 @@ class SupervisorReceipt(_Frozen, _VersionGate):
     budget_exceeded: str | None = Field(
         default=None,
         description=(
-            "The per-rollout budget the policy exceeded (e.g. 'capture_bytes'), which ended the rollout as "
-            "agent_error; None: none was."
+            "The per-rollout budget the policy exceeded (e.g. 'capture_bytes', 'memory_bytes', "
+            "'workspace_bytes'), which ended the rollout as agent_error; None: none was."
         ),
+    )
+    budgets: list[BudgetUse] = Field(
+        default_factory=list,
+        description="Each per-rollout budget of the sandbox: its bound, mechanism and peak (bwrap only).",
     )
 
 

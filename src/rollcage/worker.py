@@ -405,7 +405,8 @@ class _Session:
                 if spec.agent.mode == "codeact":
                     # Parameter names let agent code call get_weather("Oslo"), not only keywords.
                     bridged = {SUBMIT: ["answer"], **{t.name: tool_parameters(t) for t in resource_specs}}
-                cells = _Cells(spec, self.paths.workspace, agent.bridge, bridged)
+                cage = self._executor_cage()
+                cells = _Cells(spec, self.paths.workspace, agent.bridge, bridged, cage)
                 stack.push_async_callback(cells.aclose)
                 agent.attach_cells(cells)
             try:
@@ -414,6 +415,22 @@ class _Session:
                 self.model_cookies = dict(client.cookies)
                 if resources is not None:
                     self.resource_cookies = dict(resources.cookies)
+
+    def _executor_cage(self) -> list[str]:
+        """The executor's cage, when the supervisor asked for one (see :mod:`rollcage.cage`).
+
+        Everything only the worker may touch (its input, journal, result and the proxy
+        socket) is hidden from the executor; the workspace stays.
+        """
+        from rollcage.cage import NestedCage
+
+        paths = self.paths
+        private = [paths.input, paths.result, paths.checkpoint, paths.stop]
+        private += [
+            Path(p) for p in (self.spec.model.uds, *(r.uds for r in self.spec.resources.values())) if p
+        ]
+        cage = NestedCage.from_environment(workspace=str(paths.workspace), worker_paths=map(str, private))
+        return [] if cage is None else cage.prefix()
 
     def _result(self, outcome: AgentResult | None, error: RunnerError | None) -> WorkerResult:
         if error is not None:
@@ -469,7 +486,12 @@ class _Cells:
     """The agent's view of the Python executor: started lazily, text out, always closed."""
 
     def __init__(
-        self, spec: WorkerInput, workspace: Path, bridge: Any, bridged: dict[str, list[str]]
+        self,
+        spec: WorkerInput,
+        workspace: Path,
+        bridge: Any,
+        bridged: dict[str, list[str]],
+        cage: list[str],
     ) -> None:
         from rollcage.tools import make_executor
 
@@ -479,6 +501,7 @@ class _Cells:
             bridge=bridge if bridged else None,
             bridged_tools=bridged,
             output_limit=spec.agent.tool_output_limit,
+            prefix=cage,
         )
         self._start: asyncio.Task[None] | None = None
 

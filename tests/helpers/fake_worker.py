@@ -21,7 +21,11 @@ Modes:
     self-kill             append two checkpoint records, then SIGKILL itself
     temp-then-die         write and fsync the temporary result file, then SIGKILL itself before the rename
     daemon [ignore-term]  leave a setsid double-forked daemon (pid in workspace/daemon.pid), then completed
-    fork-bomb MAX         fork until refused or MAX children (count in workspace/forks.txt); then completed
+    fork-bomb MAX         one model response journaled, then fork until refused or MAX children (count in
+                          workspace/forks.txt); then completed
+    fill PATH MIB         one model response journaled, then write MIB MiB to PATH (in the sandbox's view),
+                          then completed
+    fill-hang PATH MIB    as fill, then sleep; on SIGTERM publish a cancelled result and exit 143
     memory-bomb MAX_MIB   allocate until refused or MAX_MIB (MiB in workspace/memory.txt); then completed
     probe                 try to escape (see _probe); findings in workspace/probe.json, then completed
     first-action FILE     write time.time() to FILE (host view) at once, then completed (benchmark)
@@ -255,6 +259,22 @@ def probe(args: list[str], workspace: str) -> dict[str, Any]:
     return findings
 
 
+def acted(checkpoint: str) -> None:
+    """Journal one model response: what follows is the policy's doing."""
+    journal_append(checkpoint, 2, {"kind": "model_call", "at": 2, "model_call": {"status": "completed"}})
+
+
+def fill(path: str, mib: int) -> None:
+    """Write up to ``mib`` MiB to ``path``, stopping at the first refusal (ENOSPC, EFBIG)."""
+    try:
+        with open(path, "wb") as file:
+            for _ in range(mib):
+                file.write(b"x" * (1 << 20))
+                file.flush()
+    except OSError:
+        pass
+
+
 def main(argv: list[str]) -> int:
     mode, extra = argv[0], argv[1:-4]
     input_path, result_path = argv[-4], argv[-3]
@@ -333,11 +353,23 @@ def main(argv: list[str]) -> int:
         publish(result_path, ok)
         return 0
     if mode == "fork-bomb":
+        acted(checkpoint)
         fork_bomb(os.path.join(workspace, "forks.txt"), int(extra[0]))
         publish(result_path, ok)
         return 0
     if mode == "memory-bomb":
         memory_bomb(os.path.join(workspace, "memory.txt"), int(extra[0]))
+        publish(result_path, ok)
+        return 0
+    if mode == "fill-hang":
+        on_sigterm_publish_cancelled(spec, result_path)
+        acted(checkpoint)
+        fill(extra[0], int(extra[1]))
+        time.sleep(600)
+        return 0
+    if mode == "fill":
+        acted(checkpoint)
+        fill(extra[0], int(extra[1]))
         publish(result_path, ok)
         return 0
     if mode == "probe":

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from rollcage.controller import Controller, EmbeddedPolicyConfig, RunConfig
+from rollcage.supervisor import BwrapSandbox
 
 
 def open_fds() -> int:
@@ -31,6 +32,9 @@ async def main(dataset: Path, out: Path, policy: Path, deadline: float) -> dict[
         deadline_s=deadline,
         grace_s=1.0,
         max_infra_retries=0,
+        # The flood comes from inside the worker's sandbox, beside the worker, as a harness that talks
+        # to the model itself would: a caged executor cannot reach the proxy's socket at all.
+        bwrap=BwrapSandbox(executor_cage="shared"),
     )
     before = open_fds()
     summary = await Controller(config).run()

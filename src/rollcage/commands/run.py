@@ -16,6 +16,20 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from rollcage.commands import fail, finite
+from rollcage.commands._sandbox_options import (
+    Cgroups,
+    DiskBudgets,
+    ExecutorCage,
+    MaxProcesses,
+    MemoryBudget,
+    ShmBudget,
+    ShmInodes,
+    TmpBudget,
+    TmpInodes,
+    WorkspaceBudget,
+    WorkspaceInodes,
+    bwrap_fields,
+)
 
 if TYPE_CHECKING:
     from rollcage.controller import RunConfig, RunSummary
@@ -87,6 +101,17 @@ def command(
     sandbox: Annotated[
         _Sandbox, typer.Option(help="bwrap: contained (default); none: agent code runs uncontained.")
     ] = _Sandbox.bwrap,
+    memory_budget: MemoryBudget = None,
+    max_processes: MaxProcesses = None,
+    workspace_budget: WorkspaceBudget = None,
+    workspace_inodes: WorkspaceInodes = None,
+    tmp_budget: TmpBudget = None,
+    tmp_inodes: TmpInodes = None,
+    shm_budget: ShmBudget = None,
+    shm_inodes: ShmInodes = None,
+    cgroups: Cgroups = None,
+    disk_budgets: DiskBudgets = None,
+    executor_cage: ExecutorCage = None,
     backend: Annotated[
         _Backend, typer.Option(help="Where rollouts run: this machine, or a Ray cluster (rollcage[ray]).")
     ] = _Backend.local,
@@ -138,6 +163,7 @@ def command(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a dataset of tasks in sandboxes, grade outside them, and report."""
+    flags = dict(locals())  # the parameters, before anything else is bound: the budget flags among them
     import asyncio
 
     from pydantic import ValidationError
@@ -183,6 +209,12 @@ def command(
         if ray_max_artifact_mib is not None:
             ray_values["max_artifact_bytes"] = ray_max_artifact_mib * 1024 * 1024
         where = RayBackendConfig(**ray_values)
+    from rollcage.supervisor import BwrapSandbox
+
+    try:
+        bwrap = BwrapSandbox(**bwrap_fields(flags, sandbox=sandbox.value))
+    except ValidationError as exc:
+        raise typer.BadParameter(describe_validation_error(exc)) from exc
     reporter = RichReporter(quiet=quiet)
     _log_through(reporter)
     source: EmbeddedPolicyConfig | ModelEndpointConfig
@@ -203,6 +235,7 @@ def command(
             deadline_s=deadline,
             grace_s=grace,
             sandbox=sandbox.value,
+            bwrap=bwrap,
             grade_timeouts=grade_timeouts,
             strict=strict,
             backend=where,

@@ -15,6 +15,20 @@ from typing import Annotated
 import typer
 
 from rollcage.commands import fail, finite
+from rollcage.commands._sandbox_options import (
+    Cgroups,
+    DiskBudgets,
+    ExecutorCage,
+    MaxProcesses,
+    MemoryBudget,
+    ShmBudget,
+    ShmInodes,
+    TmpBudget,
+    TmpInodes,
+    WorkspaceBudget,
+    WorkspaceInodes,
+    bwrap_fields,
+)
 
 __all__ = ["EXIT_CODES", "SandboxChoice", "command"]
 
@@ -62,8 +76,20 @@ def command(
         ),
     ] = 256,
     json_output: Annotated[bool, typer.Option("--json", help="Print the receipt as JSON.")] = False,
+    memory_budget: MemoryBudget = None,
+    max_processes: MaxProcesses = None,
+    workspace_budget: WorkspaceBudget = None,
+    workspace_inodes: WorkspaceInodes = None,
+    tmp_budget: TmpBudget = None,
+    tmp_inodes: TmpInodes = None,
+    shm_budget: ShmBudget = None,
+    shm_inodes: ShmInodes = None,
+    cgroups: Cgroups = None,
+    disk_budgets: DiskBudgets = None,
+    executor_cage: ExecutorCage = None,
 ) -> None:
     """Run one prepared rollout under a supervisor; always ends with receipt.json."""
+    flags = dict(locals())  # the parameters, before anything else is bound: the budget flags among them
     import asyncio
     import logging
     import signal
@@ -75,11 +101,12 @@ def command(
     from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig, supervise
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    budgets = bwrap_fields(flags, sandbox=sandbox.value)  # refuses budget flags with --sandbox none
     try:
         config = SupervisorConfig(
             deadline_s=deadline,
             grace_s=grace,
-            sandbox=BwrapSandbox(extra_ro_paths=[str(p.absolute()) for p in ro_path or []])
+            sandbox=BwrapSandbox(extra_ro_paths=[str(p.absolute()) for p in ro_path or []], **budgets)
             if sandbox is SandboxChoice.bwrap
             else NoSandbox(),
             api_key_env=api_key_env,

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollcage.controller._unit import RolloutSettings
 from rollcage.errors import ConfigError
+from rollcage.supervisor.config import BwrapSandbox
 
 if TYPE_CHECKING:
     from rollcage.controller._backend import Backend
@@ -151,6 +152,10 @@ class RunConfig(_Config):
     deadline_s: float = Field(default=600.0, gt=0, description="Wall-clock deadline of one rollout.")
     grace_s: float = Field(default=5.0, ge=0, description="SIGTERM → SIGKILL grace of one rollout.")
     sandbox: Literal["bwrap", "none"] = Field(default="bwrap", description="How agent code is contained.")
+    bwrap: BwrapSandbox = Field(
+        default_factory=BwrapSandbox,
+        description="With sandbox bwrap: its per-process limits and per-rollout budgets (memory, disk, ...).",
+    )
     grade_timeouts: bool = Field(default=False, description="Grade rollouts that hit the deadline.")
     strict: bool = Field(default=False, description="Stop before running anything if a row is malformed.")
     pass_threshold: float = Field(default=1.0, description="A reward at least this passes (pass@k).")
@@ -181,6 +186,7 @@ class RunConfig(_Config):
             sandbox=self.sandbox,
             api_key_env=key,
             grade_timeouts=self.grade_timeouts,
+            bwrap=self.bwrap,
             max_capture_bytes=self.max_capture_bytes,
         )
 

@@ -750,9 +750,19 @@ def _sweep_scratch(root: Path) -> int:
                 continue
             pid = int(pid_text)
             if (pid, start) == me or not _owner_alive(pid, start):
+                _release_rollouts(Path(entry.path))
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed += 1
     return removed
+
+
+def _release_rollouts(scratch: Path) -> None:
+    """What a killed supervisor left for the rollouts in ``scratch``: its processes, mounts and cgroups."""
+    from rollcage.supervisor import kill_leftovers
+
+    with contextlib.suppress(OSError):
+        for rollout in scratch.iterdir():
+            kill_leftovers(rollout)
 
 
 def _scratch_dir() -> Path:
@@ -816,6 +826,9 @@ def _run_on_node(
         return {"record": record.model_dump_json(), "archive": archive}
     finally:
         if scratch is not None:
+            # A task given up on (its driver gone) may leave a supervisor behind: its processes, mounts
+            # and cgroups go first, or the mounted workspace would keep the directory.
+            _release_rollouts(scratch)
             shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -58,6 +58,7 @@ from rollcage.protocol import (
     WorkerInput,
     WorkerResult,
 )
+from rollcage.supervisor.config import BwrapSandbox
 
 if TYPE_CHECKING:
     from rollcage.supervisor import Supervised
@@ -138,6 +139,9 @@ class RolloutSettings(_Model):
     )
     grade_timeouts: bool = Field(default=False, description="Grade the result of a rollout that timed out.")
     input_mode: int = Field(default=0o644, description="File mode of input.json.")
+    bwrap: BwrapSandbox = Field(
+        default_factory=BwrapSandbox, description="Limits and per-rollout budgets of the bwrap sandbox."
+    )
     max_capture_bytes: int | None = Field(
         default=256 * 1024 * 1024,
         ge=64 * 1024,
@@ -412,9 +416,9 @@ def _failed_receipt(
 
 def build_supervisor_config(settings: RolloutSettings) -> Any:
     """The ``rollcage.supervisor.SupervisorConfig`` for ``settings`` (imported now, lazily)."""
-    from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig
+    from rollcage.supervisor import NoSandbox, ProxyConfig, SupervisorConfig
 
-    sandbox = BwrapSandbox() if settings.sandbox == "bwrap" else NoSandbox()
+    sandbox = settings.bwrap if settings.sandbox == "bwrap" else NoSandbox()
     return SupervisorConfig(
         deadline_s=settings.deadline_s,
         grace_s=settings.grace_s,
@@ -508,7 +512,13 @@ async def _run_and_grade(
     reward: float | None = None
     grader: dict[str, Any] | None = None
     if prepared.grading is not None and may_grade(receipt.outcome, grade_timeouts=settings.grade_timeouts):
-        if result is None:
+        if receipt.budget_exceeded is not None:
+            # The rollout was ended for going over a budget: a failure of the policy's, whatever answer it
+            # left (or none, when the kernel killed the worker). Never "not graded": that would reward
+            # blowing a budget with a skipped sample instead of a zero.
+            spec_name = prepared.grading.grader.type
+            grade = GradeResult(0.0, {"name": spec_name, "budget_exceeded": receipt.budget_exceeded})
+        elif result is None:
             grade = GradeResult(None, {"name": prepared.grading.grader.type}, "no valid result.json to grade")
         else:
             grade = await _grade(prepared, result, receipt.outcome, client)

@@ -9,28 +9,28 @@ controller-only ``expected``::
      "tests": [{"call": "fizzbuzz(3)", "expect": "'Fizz'"}, ...],
      "timeout_s": 5}
 
-and runs the calls in a separate Python process, under bubblewrap when it is
-installed (no network, read-only system, private /tmp), always in its own session,
-with resource limits and a timeout, the whole process group killed at the end.
-The child only *evaluates* the calls and prints their ``repr``; the comparison
-with the expected values happens here, in the parent, so code in ``solution.py``
-cannot print its way to a reward without producing the right values. The reward
-is the fraction of tests passed.
+and runs the calls with :func:`rollcage.cage.run_contained`: a fresh cage that
+holds the bare interpreter, ``solution.py`` and the harness, and nothing else of
+the host (no checkout, no dataset, no ``/etc``, no home directory), as an
+unprivileged uid with no capabilities, no network and bounded time, memory,
+processes and output. The child only *evaluates* the calls and prints their
+``repr``; the comparison with the expected values happens here, in the parent,
+so code in ``solution.py`` cannot print its way to a reward without producing
+the right values. The reward is the fraction of tests passed.
+
+A cage that cannot be made is a grader error (``/verify`` answers 503 naming the
+cause), never a reward. Where bubblewrap is missing, ``/verify`` refuses unless
+uncontained grading was allowed explicitly (``allow_uncontained=True``, or
+``ROLLCAGE_ALLOW_UNCONTAINED_GRADING=1`` in the environment's process).
 """
 
 from __future__ import annotations
 
 import ast
-import asyncio
 import contextlib
 import json
 import os
 import secrets
-import shutil
-import signal
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -38,28 +38,29 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rollcage.cage import PYTHON, RunLimits, run_contained
 from rollcage.environments._common import BadRequest, json_error, read_json_object, verify_allowed
+from rollcage.errors import SandboxError
 
-__all__ = ["SOLUTION_FILE", "TestOutcome", "create_app", "run_hidden_tests"]
+__all__ = ["ALLOW_UNCONTAINED_ENV", "SOLUTION_FILE", "TestOutcome", "create_app", "run_hidden_tests"]
 
 SOLUTION_FILE = "solution.py"
 """The file the agent must write in its workspace."""
 
+ALLOW_UNCONTAINED_ENV = "ROLLCAGE_ALLOW_UNCONTAINED_GRADING"
+"""Set to ``1`` to let the hidden tests run uncontained where bubblewrap is missing (trusted code only)."""
+
 _MAX_TIMEOUT_S = 60.0
 _OUTPUT_LIMIT = 1024 * 1024
 _MARKER = "ROLLCAGE-RESULTS "
+_HARNESS_FILE = "_rollcage_harness.py"
 
-# Runs in the child. Limits first, then the agent's module, then each call; only
-# reprs leave the process. A call that raises is reported by exception type.
+# Runs in the cage: the agent's module, then each call; only reprs leave the process.
+# A call that raises is reported by exception type.
 _HARNESS = r"""
-import json, resource, sys
+import json, sys
 spec = json.loads(sys.stdin.readline())
-cpu = int(spec["cpu_s"])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-sys.path.insert(0, spec["dir"])
+sys.path.insert(0, ".")
 sys.stdin.close()
 results = []
 try:
@@ -95,113 +96,38 @@ def _same(got: str, expect: str) -> bool:
         return got.strip() == expect.strip()
 
 
-def _ro_binds_under_tmp(*paths: str) -> list[str]:
-    args: list[str] = []
-    for path in dict.fromkeys(os.path.realpath(p) for p in paths):
-        if path == "/tmp" or path.startswith("/tmp/"):
-            args += ["--ro-bind", path, path]
-    return args
-
-
-def _command(workdir: str) -> list[str]:
-    python = [sys.executable, "-I", "-c", _HARNESS]
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        return python
-    # Same containment idea as the rollout sandbox, minus the egress proxy: nothing to reach.
-    return [
-        bwrap,
-        "--unshare-all",
-        "--die-with-parent",
-        "--new-session",
-        "--ro-bind",
-        "/",
-        "/",
-        "--dev",
-        "/dev",
-        "--proc",
-        "/proc",
-        "--tmpfs",
-        "/tmp",
-        # The private /tmp would hide an interpreter that lives under /tmp (a CI checkout's venv).
-        *_ro_binds_under_tmp(sys.prefix, sys.base_prefix),
-        "--bind",
-        workdir,
-        workdir,
-        "--chdir",
-        workdir,
-        "--",
-        *python,
-    ]
-
-
-async def _read_bounded(stream: asyncio.StreamReader) -> bytes:
-    kept = bytearray()
-    while chunk := await stream.read(65536):
-        # Keep reading past the limit so the child never blocks on a full pipe.
-        if len(kept) < _OUTPUT_LIMIT:
-            kept += chunk[: _OUTPUT_LIMIT - len(kept)]
-    return bytes(kept)
-
-
-async def run_hidden_tests(source: str, tests: list[dict[str, str]], *, timeout_s: float) -> TestOutcome:
-    """Run ``tests`` against ``source`` (the agent's ``solution.py``) in a contained child process.
+async def run_hidden_tests(
+    source: str, tests: list[dict[str, str]], *, timeout_s: float, allow_uncontained: bool = False
+) -> TestOutcome:
+    """Run ``tests`` against ``source`` (the agent's ``solution.py``) in a fresh cage (``run_contained``).
 
     Args:
         source: The text of ``solution.py``.
         tests: ``[{"call": "f(1)", "expect": "2"}, ...]``: expressions and the ``repr`` they must equal.
-        timeout_s: Wall-clock bound for the whole child; CPU time is limited to the same.
+        timeout_s: Wall-clock bound for the whole run; CPU time is limited to the same.
+        allow_uncontained: Where bubblewrap is missing, run uncontained instead of refusing.
 
     Returns:
         The fraction passed as the reward, and per-test detail (first failures only).
 
-    **Cancellation:** the child's process group is killed and reaped before the
-    cancellation propagates.
+    Raises:
+        SandboxError: The cage could not be made (or bubblewrap is missing and uncontained grading
+            was not allowed): no reward can be given.
+
+    **Cancellation:** the cage is killed and reaped before the cancellation propagates.
     """
     timeout_s = max(0.5, min(timeout_s, _MAX_TIMEOUT_S))
-    calls = [t["call"] for t in tests]
-    workdir = await asyncio.to_thread(tempfile.mkdtemp, prefix="rollcage-code-fn-")
-    try:
-        await asyncio.to_thread(Path(workdir, SOLUTION_FILE).write_text, source, "utf-8")
-        marker = f"{_MARKER}{secrets.token_hex(8)} "
-        spec = {"dir": workdir, "calls": calls, "cpu_s": int(timeout_s) + 1, "marker": marker}
-        proc = await asyncio.create_subprocess_exec(
-            *_command(workdir),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-            cwd=workdir,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"},
-            start_new_session=True,
-        )
-        timed_out = False
-        output = b""
-        try:
-            assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps(spec).encode() + b"\n")
-            with contextlib.suppress(ConnectionError):
-                await proc.stdin.drain()
-                proc.stdin.close()
-            try:
-                async with asyncio.timeout(timeout_s):
-                    output = await _read_bounded(proc.stdout)
-                    await proc.wait()
-            except TimeoutError:
-                timed_out = True
-        finally:
-            # Shielded: whatever happened, the group dies and is reaped.
-            await asyncio.shield(_kill_group(proc))
-    finally:
-        await asyncio.to_thread(shutil.rmtree, workdir, True)
-    return _score(output.decode("utf-8", "replace"), marker, tests, timed_out)
-
-
-async def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(5.0):
-            await proc.wait()
+    marker = f"{_MARKER}{secrets.token_hex(8)} "
+    spec = {"calls": [t["call"] for t in tests], "marker": marker}
+    run = await run_contained(
+        [PYTHON, "-I", "-S", "-B", _HARNESS_FILE],
+        files={SOLUTION_FILE: source, _HARNESS_FILE: _HARNESS},
+        stdin=json.dumps(spec).encode() + b"\n",
+        timeout_s=timeout_s,
+        limits=RunLimits(cpu_seconds=int(timeout_s) + 1, output_limit=_OUTPUT_LIMIT),
+        allow_uncontained=allow_uncontained,
+    )
+    return _score(run.stdout.decode("utf-8", "replace"), marker, tests, run.timed_out)
 
 
 def _score(output: str, marker: str, tests: list[dict[str, str]], timed_out: bool) -> TestOutcome:
@@ -245,8 +171,17 @@ def _tests_of(expected: Any) -> tuple[list[dict[str, str]], float]:
     return tests, float(timeout) if isinstance(timeout, int | float) else 5.0
 
 
-def create_app(*, verify_token: str | None = None) -> Starlette:
-    """The code-fn app; ``verify_token`` guards ``/verify`` (see ``rollcage.environments``)."""
+def create_app(*, verify_token: str | None = None, allow_uncontained: bool | None = None) -> Starlette:
+    """The code-fn app; ``verify_token`` guards ``/verify`` (see ``rollcage.environments``).
+
+    Args:
+        verify_token: Bearer token ``/verify`` requires; ``None`` leaves it open (tests only).
+        allow_uncontained: Run the hidden tests uncontained where bubblewrap is missing; ``None``:
+            only when ``ROLLCAGE_ALLOW_UNCONTAINED_GRADING=1`` is set.
+    """
+    uncontained = (
+        os.environ.get(ALLOW_UNCONTAINED_ENV) == "1" if allow_uncontained is None else allow_uncontained
+    )
 
     async def verify(request: Request) -> Response:
         if not verify_allowed(request, verify_token):
@@ -261,7 +196,13 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
         if not isinstance(source, str):
             detail = {"passed": 0, "total": len(tests), "error": f"no {SOLUTION_FILE} in the workspace"}
             return JSONResponse({"reward": 0.0, "detail": detail})
-        outcome = await run_hidden_tests(source, tests, timeout_s=timeout_s)
+        try:
+            outcome = await run_hidden_tests(
+                source, tests, timeout_s=timeout_s, allow_uncontained=uncontained
+            )
+        except SandboxError as exc:
+            # Never a reward: the controller records a grader error.
+            return json_error(503, f"the hidden tests could not be run contained: {exc}")
         return JSONResponse({"reward": outcome.reward, "detail": outcome.detail})
 
     async def index(request: Request) -> Response:

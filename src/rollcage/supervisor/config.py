@@ -46,14 +46,28 @@ class BwrapSandbox(_Config):
     The worker gets new user, PID, IPC, UTS, cgroup and network namespaces, a
     read-only system and Python environment, a private ``/tmp``, a cleared
     environment, resource limits set before it starts, and no route out but the
-    egress proxy's socket. See :mod:`rollcage.supervisor.sandbox` for the layout.
+    egress proxy's socket; the agent's code runs in a cage of its own inside
+    (``executor_cage``). See :mod:`rollcage.supervisor.sandbox` for the layout.
 
-    Each limit is a per-process resource limit (``setrlimit``) applied inside the
-    sandbox before the worker is executed; ``None`` leaves the supervisor's own
-    limit in place.
+    Two kinds of bound: **per-process limits** (``setrlimit``, applied in the
+    sandbox before the worker starts; ``None`` leaves the supervisor's own) and
+    **per-rollout budgets** on the whole sandbox (total memory and processes,
+    bytes and inodes of the workspace, ``/tmp`` and ``/dev/shm``). A rollout that
+    exceeds a budget is ended as the policy's fault (``agent_error``, the reason
+    naming the budget); the receipt records each budget, how it was enforced and
+    its peak use (see :mod:`rollcage.cage`).
     """
 
     type: Literal["bwrap"] = "bwrap"
+    memory_bytes: int | None = Field(
+        default=4 * _GIB,
+        ge=64 * _MIB,
+        description=(
+            "Budget: total memory of the sandbox, all processes together (a cgroup where the machine allows "
+            "one; otherwise only address_space_bytes per process bounds it). Exceeding it ends the rollout. "
+            "None: no total bound."
+        ),
+    )
     address_space_bytes: int | None = Field(
         default=4 * _GIB,
         ge=64 * _MIB,
@@ -63,8 +77,9 @@ class BwrapSandbox(_Config):
         default=256,
         ge=8,
         description=(
-            "RLIMIT_NPROC: processes and threads in the sandbox together (bounds a fork bomb). "
-            "Counted per user namespace, so concurrent sandboxes do not share the budget."
+            "Budget: processes and threads in the sandbox together (a pids cgroup where the machine "
+            "allows one, else RLIMIT_NPROC, counted per user namespace). Reaching it under a cgroup ends "
+            "the rollout."
         ),
     )
     file_size_bytes: int | None = Field(
@@ -74,10 +89,53 @@ class BwrapSandbox(_Config):
         default=None, ge=1, description="RLIMIT_CPU of each process; None: only the deadline bounds it."
     )
     open_files: int | None = Field(default=1024, ge=64, description="RLIMIT_NOFILE of each process.")
-    tmp_size_bytes: int | None = Field(
-        default=256 * _MIB,
+    workspace_bytes: int = Field(
+        default=1 * _GIB,
         ge=_MIB,
-        description="Size of the private /tmp (memory-backed); None: the kernel's default (half of RAM).",
+        description=(
+            "Budget: bytes in the workspace. As root a tmpfs of this size (memory-backed: it counts toward "
+            "memory_bytes too), copied to the rollout directory at the end; otherwise a poll of the host "
+            "directory (late by up to budget_poll_s)."
+        ),
+    )
+    workspace_inodes: int = Field(
+        default=65_536, ge=64, description="Budget: files, directories and links in the workspace."
+    )
+    tmp_size_bytes: int = Field(
+        default=256 * _MIB, ge=_MIB, description="Budget: bytes in the private /tmp (memory-backed)."
+    )
+    tmp_inodes: int = Field(
+        default=16_384, ge=64, description="Budget: files, directories and links in /tmp."
+    )
+    shm_bytes: int = Field(
+        default=64 * _MIB, ge=_MIB, description="Budget: bytes in the private /dev/shm (memory-backed)."
+    )
+    shm_inodes: int = Field(default=1024, ge=16, description="Budget: files and directories in /dev/shm.")
+    budget_poll_s: float = Field(
+        default=0.5, gt=0, le=60, description="How often the supervisor reads the budgets' counters."
+    )
+    cgroups: Literal["auto", "off"] = Field(
+        default="auto",
+        description=(
+            "auto: a cgroup per rollout for memory_bytes and max_processes where the machine allows it "
+            "(cgroup v2 with delegated controllers, or writable v1 memory/pids hierarchies); off: rlimits "
+            "only."
+        ),
+    )
+    disk_budgets: Literal["auto", "poll"] = Field(
+        default="auto",
+        description=(
+            "auto: as root, size- and inode-bounded tmpfs mounts for the workspace, /tmp and /dev/shm (a "
+            "hard bound); poll: bubblewrap's size-bounded tmpfs and a poll (the only way without root)."
+        ),
+    )
+    executor_cage: Literal["bwrap", "shared"] = Field(
+        default="bwrap",
+        description=(
+            "bwrap: the agent's code (the Python executor) runs in a cage of its own inside the sandbox, so "
+            "it cannot write, trace or signal the worker (see rollcage.cage); shared: in the worker's own "
+            "sandbox, as the worker's equal (weaker: the journal and the worker are in its reach)."
+        ),
     )
     run_as_uid: int | None = Field(
         default=65534,

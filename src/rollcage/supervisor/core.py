@@ -3,13 +3,15 @@
 The sequence, for one rollout::
 
     check      the rollout directory and the sandbox (errors raised before anything is written)
-    prepare    validate input.json, start the egress proxy, write the worker's view of the input
+    prepare    validate input.json, start the egress proxy, write the worker's view of the input,
+               make the rollout's budgets (cgroups, bounded file systems; see budgets.py)
     launch     the worker in a new session (bwrap or plain), stdout+stderr to worker.log
-    watch      until it exits, the deadline passes, or a stop arrives (event, stop file, cancellation)
+    watch      until it exits, the deadline passes, a budget is exceeded, or a stop arrives
     stop       SIGTERM to the worker's process group (at once, through a pidfd held since launch),
                grace, SIGKILL to the whole tree
-    clean up   find every remaining descendant through /proc, SIGKILL it, reap it; confirm none is left
-    collect    result.json into the rollout directory, leftover temporary files swept, journal's last seq
+    clean up   find every remaining descendant (/proc, the cgroups), SIGKILL it, reap it; confirm none left
+    collect    the budgets' last reading, the workspace back from its bounded file system, result.json
+               into the rollout directory, leftover temporary files swept, journal's last seq
     receipt    classify the outcome (one pure function), publish receipt.json atomically, last
 
 Many rollouts can be supervised concurrently in one event loop: all state is
@@ -25,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple, TypeVar
 
@@ -42,7 +46,8 @@ from pydantic import ValidationError
 from rollcage.durable import publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
 from rollcage.protocol import SignalEvent, SupervisorReceipt, WorkerInput, WorkerResult
-from rollcage.supervisor.config import TOKEN_ENV, SupervisorConfig
+from rollcage.supervisor.budgets import RolloutBudgets, owner_tag, release_leftovers, sweep_orphans
+from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.procs import (
@@ -94,6 +99,7 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
     try:
         token = layout.token.read_text().strip()
     except OSError:
+        release_leftovers(layout)
         return 0
     killed = 0
     for info in scan_processes().values():
@@ -106,6 +112,8 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
             killed += handle.send(signal.SIGKILL)
         finally:
             handle.close()
+    # Its mounts and cgroups go once nothing is left inside.
+    release_leftovers(layout)
     with contextlib.suppress(OSError):
         layout.token.unlink()
     return killed
@@ -252,10 +260,11 @@ class _Supervision:
         self.plan: LaunchPlan | None = None
         self.child: ChildProcess | None = None
         self.proxy: EgressProxy | None = None
-        self.socket_dir: str | None = None
+        self.private_dir: str | None = None
+        self.budgets: RolloutBudgets | None = None
         self.log_fd: int | None = None
         self.signals: list[SignalEvent] = []
-        self.stop_cause: Literal["deadline", "stop"] | None = None
+        self.stop_cause: _Cause | None = None
         self.stop_requested = False
         self.deadline_fired = False
         self.sigterm_sent = False
@@ -267,6 +276,7 @@ class _Supervision:
         self.sigkilled: set[tuple[int, int]] = set()
         self.status_task: asyncio.Task[None] | None = None
         self.locate_task: asyncio.Task[None] | None = None
+        self.budget_task: asyncio.Task[None] | None = None
         self.group_leader: PidHandle | None = None
         self.budget_exceeded: tuple[str, str] | None = None
         """The budget the policy exceeded first: its name and the reason in words."""
@@ -325,6 +335,10 @@ class _Supervision:
             return
         self.rollout_id = self.original.rollout_id
 
+    def _write_token(self) -> None:
+        self.layout.staging.mkdir(mode=0o700, exist_ok=True)
+        self.layout.token.write_text(self.token)
+
     def _prepare_files(self, plan: LaunchPlan, worker_input: WorkerInput) -> None:
         layout = self.layout
         layout.staging.mkdir(mode=0o700, exist_ok=True)
@@ -362,6 +376,9 @@ class _Supervision:
     async def run(self) -> None:
         """Prepare, launch and watch the worker until it exits or has been stopped."""
         ensure_subreaper()
+        if self.launcher.kind == "bwrap":
+            # Once per process: what supervisors that are gone left on this machine (mounts, cgroups).
+            await asyncio.to_thread(sweep_orphans)
         raise_open_file_limit()
         await asyncio.to_thread(retry_on_emfile, self._read_input)
         if self.setup_failure is not None or self.original is None:
@@ -374,22 +391,47 @@ class _Supervision:
                 "rollout %s: stop asked for before the start; the worker is not started", self.rollout_id
             )
             return
+        if self.config.proxy is not None or self.launcher.kind == "bwrap":
+            # The supervisor's own directory: the proxy socket, the bounded file systems' mount points.
+            # Named for the rollout (its mounts say whose they are, in a table of every rollout's).
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:48]
+            prefix = f"rollcage-{name}-{owner_tag()}-"
+            self.private_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix=prefix)
         if self.config.proxy is not None:
-            self.socket_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix="rollcage-")
-            self.layout = RolloutLayout(self.layout.root, Path(self.socket_dir) / "proxy.sock")
+            assert self.private_dir is not None
+            self.layout = RolloutLayout(self.layout.root, Path(self.private_dir) / "proxy.sock")
         env = worker_environment(
             allow=self.config.env_allow, extra=self.config.env, sandbox=self.launcher.kind
         )
         command = self.config.worker_command or default_worker_command()
         status_read, status_write = os.pipe() if self.launcher.kind == "bwrap" else (None, None)
         try:
-            self.plan = plan = self.launcher.plan(
-                self.layout,
-                worker_command=command,
-                worker_env=env,
-                token_env={TOKEN_ENV: self.token},
-                status_fd=status_write,
-            )
+            if isinstance(self.launcher, BwrapLauncher):
+                assert isinstance(self.config.sandbox, BwrapSandbox) and self.private_dir is not None
+                # Before anything is mounted or made: if this supervisor is SIGKILLed from here on,
+                # the next run finds the rollout by its token and releases what it left (kill_leftovers).
+                await asyncio.to_thread(self._write_token)
+                self.budgets = RolloutBudgets(
+                    self.config.sandbox,
+                    self.layout,
+                    Path(self.private_dir),
+                    owner=self.launcher.owner,
+                    name=f"rollcage-{owner_tag()}-{self.token[:12]}",
+                )
+                scratch = await asyncio.to_thread(self.budgets.prepare)
+                self.plan = plan = self.launcher.plan(
+                    self.layout,
+                    worker_command=command,
+                    worker_env=env,
+                    token_env={TOKEN_ENV: self.token},
+                    status_fd=status_write,
+                    scratch=scratch,
+                    enter=self.budgets.enter_prefix(),
+                )
+            else:
+                self.plan = plan = self.launcher.plan(
+                    self.layout, worker_command=command, worker_env=env, token_env={TOKEN_ENV: self.token}
+                )
             await self._launch(plan, status_write)
         except BaseException:
             if status_read is not None:
@@ -401,6 +443,8 @@ class _Supervision:
                 os.close(status_write)
         if status_read is not None:
             self.status_task = asyncio.ensure_future(self._read_bwrap_status(status_read))
+        if self.budgets is not None:
+            self.budget_task = asyncio.ensure_future(self._watch_budgets())
         assert self.child is not None
         await self._watch(self.child)
 
@@ -471,6 +515,8 @@ class _Supervision:
         handle = self._handle(info)
         if handle is not None:
             self.sandbox_init = handle
+            if self.budgets is not None:
+                self.budgets.set_sandbox_root(pid)
             self.locate_task = asyncio.ensure_future(self._locate_group_leader())
 
     async def _locate_group_leader(self) -> None:
@@ -520,6 +566,22 @@ class _Supervision:
         else:
             await self._terminate("stop" if stopped.done() and not stopped.cancelled() else "deadline")
 
+    async def _watch_budgets(self) -> None:
+        """Read the sandbox's budgets until one is exceeded (then the rollout ends); never without budgets."""
+        budgets = self.budgets
+        if budgets is None:
+            return
+        assert isinstance(self.config.sandbox, BwrapSandbox)
+        # Early polls come quickly (a short rollout's /tmp is only seen while its sandbox lives).
+        interval = min(0.02, self.config.sandbox.budget_poll_s)
+        while True:
+            await asyncio.sleep(interval)
+            interval = min(interval * 2, self.config.sandbox.budget_poll_s)
+            breach = await asyncio.to_thread(budgets.check)
+            if breach is not None:
+                self._budget_passed(breach[0], f"{breach[0]}: {breach[1]}")
+                return
+
     def _budget_passed(self, budget: str, reason: str) -> None:
         """A per-rollout budget was exceeded: the rollout ends, as the policy's fault."""
         if self.budget_exceeded is None:
@@ -546,10 +608,14 @@ class _Supervision:
         self.signals.append(SignalEvent(signal=sig.name, target=target, at=time.time(), reason=reason))
 
     async def _tree(self) -> list[ProcInfo]:
-        """The worker's process tree (its direct child included) and the reparented stragglers."""
+        """The worker's process tree (its direct child included), the reparented stragglers, and
+        everything in the rollout's cgroups."""
         assert self.child is not None
-        table = await in_proc_thread(scan_processes)
-        roots = [self.child.pid]
+        budgets = self.budgets
+        table, members = await in_proc_thread(
+            lambda: (scan_processes(), budgets.members() if budgets is not None else [])
+        )
+        roots = [self.child.pid, *members]
         init = self.sandbox_init
         if init is not None:
             now = table.get(init.info.pid)
@@ -719,8 +785,20 @@ class _Supervision:
                 self.stop_cause = "stop"
             confirmed, killed = await self._clean_up()
             status = self.child.release() if self.child is not None else None
+            if self.budget_task is not None:
+                self.budget_task.cancel()
+                await asyncio.gather(self.budget_task, return_exceptions=True)
+            if self.budgets is not None:
+                if not confirmed:
+                    await asyncio.to_thread(self.budgets.kill)
+                # The last reading, the workspace back into the rollout directory, mounts and cgroups gone.
+                await asyncio.to_thread(self.budgets.finish)
+                breach = self.budgets.breach
+                if breach is not None and self.budget_exceeded is None:
+                    # Seen only at the end (the worker was quicker than a poll, or the kernel killed it).
+                    self.budget_exceeded = (breach[0], f"{breach[0]}: {breach[1]}")
         finally:
-            for task in (self.status_task, self.locate_task):
+            for task in (self.status_task, self.locate_task, self.budget_task):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
@@ -735,9 +813,9 @@ class _Supervision:
                 self.log_fd = None
             if self.proxy is not None:
                 await self.proxy.aclose()
-            if self.socket_dir is not None:
+            if self.private_dir is not None:
                 with contextlib.suppress(OSError):
-                    os.rmdir(self.socket_dir)
+                    os.rmdir(self.private_dir)
         return await asyncio.to_thread(self._conclude, status, confirmed, killed)
 
     def _conclude(self, status: ExitStatus | None, confirmed: bool, killed: int) -> SupervisorReceipt:
@@ -755,7 +833,9 @@ class _Supervision:
             if result is None or result.error is not None:
                 self.stop_cause = "stop"
         shutil.rmtree(layout.staging, ignore_errors=True)
+        journal = _journal_summary(layout.checkpoint)
         exit_code, exit_signal = self._exit(status)
+        proxy = self.proxy
         evidence = OutcomeEvidence(
             stop_cause=self.stop_cause,
             deadline_s=self.config.deadline_s,
@@ -768,9 +848,9 @@ class _Supervision:
             setup_failure=self.setup_failure,
             log_tail=_log_tail(layout.log) if not present else None,
             budget_exceeded=None if self.budget_exceeded is None else self.budget_exceeded[1],
+            journal_responses=max(journal.responses, proxy.captured["model"] if proxy is not None else 0),
         )
         outcome, reason = classify_outcome(evidence)
-        proxy = self.proxy
         ended = time.time()
         receipt = SupervisorReceipt(
             rollout_id=self.rollout_id,
@@ -790,7 +870,7 @@ class _Supervision:
             cleanup_confirmed=confirmed,
             descendants_killed=killed,
             temp_files_swept=swept,
-            last_checkpoint_seq=_last_seq(layout.checkpoint),
+            last_checkpoint_seq=journal.last_seq,
             result_present=present,
             result_valid=result is not None,
             result_error=None if result is None else result.error,
@@ -799,6 +879,7 @@ class _Supervision:
             capture_failures=None if proxy is None else proxy.capture_failures,
             proxy_connections_refused=None if proxy is None else proxy.refused,
             budget_exceeded=None if self.budget_exceeded is None else self.budget_exceeded[0],
+            budgets=self.budgets.report() if self.budgets is not None else [],
         )
         try:
             retry_on_emfile(publish_json, layout.receipt, receipt, mode=0o644)
@@ -906,13 +987,26 @@ def _log_tail(path: Path) -> str | None:
     return lines[-1].decode("utf-8", "replace")[:300]
 
 
-def _last_seq(path: Path) -> int | None:
+@dataclass(frozen=True)
+class _JournalSummary:
+    last_seq: int | None
+    responses: int
+
+
+def _journal_summary(path: Path) -> _JournalSummary:
     try:
         records = read_journal(path)
     except (OSError, JournalCorruptError) as exc:
         logger.warning("cannot read %s: %s", path, exc)
-        return None
+        return _JournalSummary(None, 0)
     if not records:
-        return None
+        return _JournalSummary(None, 0)
     seq = records[-1].get("seq")
-    return seq if isinstance(seq, int) else None
+    responses = sum(
+        1
+        for record in records
+        if record.get("kind") == "model_call"
+        and isinstance(record.get("model_call"), dict)
+        and record["model_call"].get("status") != "failed"
+    )
+    return _JournalSummary(seq if isinstance(seq, int) else None, responses)

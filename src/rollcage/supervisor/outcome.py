@@ -4,19 +4,24 @@ The rules, in order (DESIGN.md's outcome table; the first that applies wins):
 
 1. the worker could not be run under supervision (bad ``input.json``, the
    worker could not be started, the supervisor itself failed) → ``infra_failure``;
-1b. the rollout exceeded one of its budgets (e.g. the capture's bytes) →
-    ``agent_error``: the policy's fault, whatever the worker did after;
-2. the supervisor stopped the worker at the **deadline** → ``timeout``;
-3. the supervisor stopped it on an external **stop** (signal, stop file, the
+2. the rollout went over one of its **budgets** (total memory or processes,
+   workspace, ``/tmp`` or ``/dev/shm`` bytes or inodes, the capture's bytes) after the policy had acted
+   (a model response in the result or the journal) → ``agent_error``: the agent's
+   code made the sandbox grow, so this is the policy's fault, whatever else
+   happened next (the kernel killing the worker for the memory budget, a deadline
+   that fired meanwhile); before any model response the budget was too small for
+   the worker itself → ``infra_failure``;
+3. the supervisor stopped the worker at the **deadline** → ``timeout``;
+4. the supervisor stopped it on an external **stop** (signal, stop file, the
    controller's event) → ``cancelled``;
-4. the worker died of a signal the supervisor did not send → ``infra_failure``;
-5. no ``result.json``, or one that is not a valid ``WorkerResult`` →
+5. the worker died of a signal the supervisor did not send → ``infra_failure``;
+6. no ``result.json``, or one that is not a valid ``WorkerResult`` →
    ``infra_failure`` (with exit code 0 that is a protocol violation, and the
    reason says so). A checkpoint never stands in for a result;
-6. a valid result without error → ``completed``;
-7. a ``transient`` error → ``infra_failure``;
-8. a ``cancelled`` error the supervisor did not ask for → ``infra_failure``;
-9. a ``fatal`` error after at least one model response → ``agent_error`` (the
+7. a valid result without error → ``completed``;
+8. a ``transient`` error → ``infra_failure``;
+9. a ``cancelled`` error the supervisor did not ask for → ``infra_failure``;
+10. a ``fatal`` error after at least one model response → ``agent_error`` (the
    policy's fault, graded); before any model response (bad input, a kernel that
    never started, 401 from the endpoint) → ``infra_failure``, the worker's message
    carried into the reason.
@@ -39,7 +44,7 @@ class OutcomeEvidence:
 
     Attributes:
         stop_cause: What made the supervisor stop the worker before it exited by
-            itself: ``deadline``, ``stop``, or ``None`` (it exited on its own).
+            itself: ``deadline``, ``stop``, ``budget``, or ``None`` (it exited on its own).
         deadline_s: The deadline, for the words of the reason.
         exit_code: The worker's exit code; ``None`` if a signal ended it or it never ran.
         exit_signal: The signal that ended it (``'SIGKILL'``), if any.
@@ -50,10 +55,13 @@ class OutcomeEvidence:
         setup_failure: Why the worker could not run under supervision (invalid
             input, it could not be started, the supervisor failed), in words.
         log_tail: The last line of ``worker.log``, to help explain a missing result.
-        budget_exceeded: The per-rollout budget the rollout exceeded, in words; ``None``: none.
+        budget_exceeded: The budget the sandbox went over and what was seen, in words
+            (``"memory_bytes: ..."``); ``None``: every budget held.
+        journal_responses: Model responses recorded in the checkpoint journal (the
+            result may be missing when a budget ended the rollout).
     """
 
-    stop_cause: Literal["deadline", "stop"] | None = None
+    stop_cause: Literal["deadline", "stop", "budget"] | None = None
     deadline_s: float = 0.0
     exit_code: int | None = None
     exit_signal: str | None = None
@@ -64,6 +72,7 @@ class OutcomeEvidence:
     setup_failure: str | None = None
     log_tail: str | None = None
     budget_exceeded: str | None = None
+    journal_responses: int = 0
 
 
 def model_responses(result: WorkerResult) -> int:
@@ -101,7 +110,19 @@ def classify_outcome(evidence: OutcomeEvidence) -> tuple[Outcome, str]:
     if evidence.setup_failure is not None:
         return "infra_failure", evidence.setup_failure
     if evidence.budget_exceeded is not None:
-        return "agent_error", f"{evidence.budget_exceeded}; the rollout was stopped (the policy's fault)"
+        result = evidence.result
+        kept = "it published no result" if result is None else "its result is kept as evidence"
+        words = f"{_exit_words(evidence)}; {kept}"
+        responses = max(
+            evidence.journal_responses, model_responses(evidence.result) if evidence.result else 0
+        )
+        if responses == 0:
+            return (
+                "infra_failure",
+                f"budget exceeded before the first model response (too small for the worker itself?): "
+                f"{evidence.budget_exceeded}; {words}",
+            )
+        return "agent_error", f"budget exceeded: {evidence.budget_exceeded}; the rollout was ended; {words}"
     if evidence.stop_cause == "deadline":
         return "timeout", f"the deadline of {evidence.deadline_s:g}s fired; {_result_words(evidence)}"
     if evidence.stop_cause == "stop":

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from rollcage.errors import ConfigError, ExecutorError
+from rollcage.errors import ConfigError, ExecutorError, SandboxError
 
 if TYPE_CHECKING:
     from rollcage.protocol import ExecutorSettings
@@ -422,6 +422,7 @@ class Executor(abc.ABC):
         output_limit: int,
         env: Mapping[str, str] | None,
         start_timeout_s: float,
+        prefix: Sequence[str] = (),
     ) -> None:
         if output_limit < 64:
             raise ValueError(f"output_limit must be at least 64 characters, got {output_limit}")
@@ -434,6 +435,7 @@ class Executor(abc.ABC):
         self._output_limit = output_limit
         self._env = dict(os.environ if env is None else env)
         self._start_timeout_s = start_timeout_s
+        self._prefix = list(prefix)
         self._state = ExecutorState.UNOPENED
         self._closed = False
         self._restarts = 0
@@ -442,6 +444,21 @@ class Executor(abc.ABC):
         self._teardown_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ public
+
+    @property
+    def caged(self) -> bool:
+        """Whether the child runs in a cage of its own (see :mod:`rollcage.cage`)."""
+        return bool(self._prefix)
+
+    def cage_failure(self, stderr: str) -> SandboxError | None:
+        """The error to raise when the child died during start-up with ``stderr``, if its cage failed.
+
+        Start-up output is trusted: no agent code has run in the new child yet. A cage
+        that cannot be made is the infrastructure's failure (transient), never the agent's.
+        """
+        if self._prefix and "bwrap:" in stderr:
+            return SandboxError(f"the Python executor's sandbox could not be made: {stderr.strip()[-1000:]}")
+        return None
 
     @property
     def restarts(self) -> int:
@@ -677,6 +694,7 @@ def make_executor(
     output_limit: int = 16_384,
     env: Mapping[str, str] | None = None,
     start_timeout_s: float | None = None,
+    prefix: Sequence[str] = (),
 ) -> Executor:
     """Build the executor ``settings.backend`` names; nothing starts until :meth:`Executor.start`.
 
@@ -690,6 +708,8 @@ def make_executor(
         env: Environment of the child; None means the worker's own.
         start_timeout_s: How long the child may take to become ready; None
             means the backend's default (20 s for ``repl``, 60 s for ``jupyter``).
+        prefix: A command-line prefix the child is started under: the executor's cage
+            (:meth:`rollcage.cage.NestedCage.prefix`); empty: the child runs beside the worker.
 
     Raises:
         ConfigError: a bridged tool name is not a valid function name.
@@ -706,6 +726,7 @@ def make_executor(
             output_limit=output_limit,
             env=env,
             start_timeout_s=20.0 if start_timeout_s is None else start_timeout_s,
+            prefix=prefix,
         )
     from rollcage.tools._jupyter import JupyterExecutor
 
@@ -717,4 +738,5 @@ def make_executor(
         output_limit=output_limit,
         env=env,
         start_timeout_s=60.0 if start_timeout_s is None else start_timeout_s,
+        prefix=prefix,
     )

@@ -32,7 +32,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -317,6 +317,18 @@ def _parse_stats(expressions: object) -> tuple[int, int, int]:
         return 0, 0, 0
 
 
+class _KernelManager(AsyncKernelManager):
+    """A kernel manager that starts the kernel under a command-line prefix (the executor's cage)."""
+
+    def __init__(self, prefix: Sequence[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._rollcage_prefix = list(prefix)
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        command: list[str] = super().format_kernel_cmd(extra_arguments)
+        return [*self._rollcage_prefix, *command]
+
+
 class JupyterExecutor(Executor):
     """The optional backend: an ipykernel in its own session, driven by ``jupyter_client``."""
 
@@ -332,6 +344,7 @@ class JupyterExecutor(Executor):
         output_limit: int,
         env: Mapping[str, str] | None,
         start_timeout_s: float,
+        prefix: Sequence[str] = (),
     ) -> None:
         super().__init__(
             settings,
@@ -341,6 +354,7 @@ class JupyterExecutor(Executor):
             output_limit=output_limit,
             env=env,
             start_timeout_s=start_timeout_s,
+            prefix=prefix,
         )
         self._km: AsyncKernelManager | None = None
         self._kc: AsyncKernelClient | None = None
@@ -370,7 +384,8 @@ class JupyterExecutor(Executor):
         env = dict(self._env)
         env.setdefault("IPYTHONDIR", os.path.join(tmpdir, "ipython"))
         env["JUPYTER_RUNTIME_DIR"] = tmpdir
-        km = self._km = AsyncKernelManager(
+        km = self._km = _KernelManager(
+            self._prefix,
             kernel_name="python3",
             transport="ipc",
             ip=os.path.join(tmpdir, "kernel"),
@@ -406,7 +421,11 @@ class JupyterExecutor(Executor):
                 self._start_pumps(kc)
                 await self._setup(kc)
         except ExecutorError as exc:
-            raise ExecutorError(f"{exc}{await self._stderr_tail(stderr_path)}") from exc
+            tail = await self._stderr_tail(stderr_path)
+            failure = self.cage_failure(tail)
+            if failure is not None:
+                raise failure from exc
+            raise ExecutorError(f"{exc}{tail}") from exc
         except TimeoutError as exc:
             raise ExecutorError(
                 f"the Jupyter kernel did not become ready within {self._start_timeout_s:g} s"

@@ -25,7 +25,7 @@ import select
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -244,6 +244,7 @@ class ReplExecutor(Executor):
         env: Mapping[str, str] | None,
         start_timeout_s: float,
         python: str | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         super().__init__(
             settings,
@@ -253,6 +254,7 @@ class ReplExecutor(Executor):
             output_limit=output_limit,
             env=env,
             start_timeout_s=start_timeout_s,
+            prefix=prefix,
         )
         self._python = python or sys.executable
         self._proc: asyncio.subprocess.Process | None = None
@@ -313,6 +315,9 @@ class ReplExecutor(Executor):
             # Let the child's last words reach the sink before quoting them.
             await asyncio.wait({err_sink.closed}, timeout=1.0)
             stderr = err_sink.take(None)[0].decode("utf-8", "replace").strip()
+            failure = self.cage_failure(stderr)
+            if failure is not None:
+                raise failure
             raise ExecutorError(
                 f"the Python executor exited during start-up ({describe_exit(self._exit_task.result())})"
                 + (f": {stderr[-2000:]}" if stderr else "")
@@ -331,6 +336,7 @@ class ReplExecutor(Executor):
                 transport, _ = await loop.connect_read_pipe(_factory(sink), pipe)
                 self._transports.append(transport)
             return await asyncio.create_subprocess_exec(
+                *self._prefix,
                 self._python,
                 "-I",
                 "-u",

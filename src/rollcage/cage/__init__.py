@@ -1,0 +1,112 @@
+"""The one containment primitive: every piece of agent-authored code runs in a cage made here.
+
+A *cage* is a bubblewrap sandbox built from nothing: an unprivileged uid (as
+root, privileges are dropped before the user namespace is made, so the cage is
+never host root), no capabilities, no user namespaces of its own, no network,
+its own PID, IPC and UTS namespaces, a minimal read-only view of the host, a
+cleared environment, and bounds on time, memory, processes, file sizes, disk and
+output. Three callers share it:
+
+* the supervisor cages the **worker** (:mod:`rollcage.supervisor.sandbox`), with
+  per-rollout budgets on total memory, processes, workspace, ``/tmp`` and
+  ``/dev/shm`` (:mod:`rollcage.cage._budget`);
+* the worker cages its **Python executor** inside its own cage
+  (:func:`nested_prefix`): agent code cannot see, signal, trace or write the
+  worker, its journal or its result;
+* a **grader** that runs or imports the agent's files calls
+  :func:`run_contained`: the interpreter, the files given, nothing else.
+
+This room sits low in the import graph (it needs only :mod:`rollcage.errors`),
+so environments, tools and the supervisor all use it without reaching up.
+
+Writing a grader step that runs agent code::
+
+    from rollcage.cage import PYTHON, run_contained
+
+    run = await run_contained(
+        [PYTHON, "-I", "-S", "check.py"],
+        files={"solution.py": source, "check.py": tests},
+        timeout_s=10,
+    )
+    # run.exit_code, run.stdout (bounded), run.timed_out; SandboxError if no cage could be made
+"""
+
+from rollcage.cage._budget import (
+    BudgetName,
+    CgroupSet,
+    CgroupSupport,
+    CopyReport,
+    Mechanism,
+    PolledTree,
+    ProcRootTmpfs,
+    TmpfsVolume,
+    Volume,
+    copy_tree,
+    detect_cgroups,
+    kill_cgroup,
+    remove_cgroup,
+    unique_name,
+    unmount,
+)
+from rollcage.cage._bwrap import (
+    SYSTEM_PATHS,
+    Bind,
+    BwrapTools,
+    CageSpec,
+    FileFromFd,
+    Limits,
+    Mount,
+    Symlink,
+    Tmpfs,
+    cage_argv,
+    find_tools,
+    interpreter_paths,
+    outermost,
+    python_paths,
+    system_mounts,
+    which,
+)
+from rollcage.cage._nested import CAGE_ENV, NestedCage, nested_prefix
+from rollcage.cage._run import GRADER_SYSTEM_PATHS, PYTHON, ContainedRun, RunLimits, run_contained
+
+__all__ = [
+    "CAGE_ENV",
+    "GRADER_SYSTEM_PATHS",
+    "PYTHON",
+    "SYSTEM_PATHS",
+    "Bind",
+    "BudgetName",
+    "BwrapTools",
+    "CageSpec",
+    "CgroupSet",
+    "CgroupSupport",
+    "ContainedRun",
+    "CopyReport",
+    "FileFromFd",
+    "Limits",
+    "Mechanism",
+    "Mount",
+    "NestedCage",
+    "PolledTree",
+    "ProcRootTmpfs",
+    "RunLimits",
+    "Symlink",
+    "Tmpfs",
+    "TmpfsVolume",
+    "Volume",
+    "cage_argv",
+    "copy_tree",
+    "detect_cgroups",
+    "find_tools",
+    "interpreter_paths",
+    "kill_cgroup",
+    "nested_prefix",
+    "outermost",
+    "python_paths",
+    "remove_cgroup",
+    "run_contained",
+    "system_mounts",
+    "unique_name",
+    "unmount",
+    "which",
+]

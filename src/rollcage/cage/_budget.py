@@ -1,0 +1,751 @@
+"""Budgets of one cage: memory and processes in total, bytes and inodes of each writable file system.
+
+Memory and processes (:class:`CgroupSet`)
+=========================================
+
+Per-process limits (``RLIMIT_AS``) do not bound a cage: three processes each under
+the limit hold three times as much. A cgroup does. :func:`detect_cgroups` finds,
+once per process, what this machine allows:
+
+* **cgroup v2** with the ``memory`` and ``pids`` controllers delegated to this
+  process's cgroup: one child cgroup per cage (``memory.max``, ``memory.swap.max``
+  0, ``memory.oom.group`` 1, ``pids.max``);
+* **cgroup v1** ``memory`` and ``pids`` hierarchies writable here (root, or a
+  delegated subtree): one child cgroup per cage in each (``memory.limit_in_bytes``
+  and ``memory.memsw.limit_in_bytes``, ``pids.max``);
+* neither: the per-process limits stay the only bound and the receipt says
+  ``rlimit``.
+
+Each resource is decided on its own (memory may be a v1 cgroup where processes
+are only an rlimit). The cage enters its cgroups before anything runs in it: its
+first process is a shell that writes its own PID into each ``cgroup.procs`` and
+then executes bubblewrap, so every descendant is born inside. A breach is read
+from the cgroup's own counters: an OOM kill (``oom_kill``) for memory, a refused
+fork (``pids.events`` ``max``) for processes.
+
+File systems (:class:`TmpfsVolume`, :class:`PolledTree`, :class:`ProcRootTmpfs`)
+==============================================================================
+
+A per-file limit (``RLIMIT_FSIZE``) does not bound a directory. As root the
+supervisor mounts a tmpfs of its own for each writable place (``size=`` and
+``nr_inodes=``): a hard bound, measured with one ``statvfs``; the workspace is
+copied in before the start and out (bounded, never following a link) after the
+end, so it stays on the host as evidence. Without root, bubblewrap's ``--size``
+bounds the bytes of ``/tmp`` and ``/dev/shm`` and a bounded walk of the workspace
+(and ``statvfs`` through ``/proc/<pid>/root`` for the inodes of ``/tmp``) finds a
+breach after the fact, a poll interval late; ``RLIMIT_FSIZE`` bounds each file
+meanwhile. The receipt names the mechanism of every budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import logging
+import os
+import secrets
+import signal
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rollcage.protocol import BudgetMechanism, BudgetName
+
+__all__ = [
+    "BudgetName",
+    "CgroupSet",
+    "CgroupSupport",
+    "CopyReport",
+    "Mechanism",
+    "PolledTree",
+    "ProcRootTmpfs",
+    "TmpfsVolume",
+    "Volume",
+    "copy_tree",
+    "detect_cgroups",
+    "kill_cgroup",
+    "mount_tmpfs",
+    "remove_cgroup",
+    "unique_name",
+    "unmount",
+]
+
+logger = logging.getLogger("rollcage.cage")
+
+Mechanism = BudgetMechanism
+"""How a budget is enforced (the receipt's word for it)."""
+
+_MS_NOSUID = 2
+_MS_NODEV = 4
+_MNT_DETACH = 2
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def mount_tmpfs(
+    target: Path, *, size: int, inodes: int, uid: int, gid: int, mode: int = 0o700, source: str = "tmpfs"
+) -> None:
+    """Mount a tmpfs of at most ``size`` bytes and ``inodes`` inodes at ``target`` (root only).
+
+    ``source`` names the mount in the mount table (its maker can be told from it).
+
+    Raises:
+        OSError: The mount was refused (not root, no ``CAP_SYS_ADMIN``).
+    """
+    options = f"size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={gid}".encode()
+    libc = _libc()
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    if libc.mount(source.encode(), os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot mount a tmpfs at {target}: {os.strerror(err)}")
+
+
+def unmount(target: Path) -> bool:
+    """Detach the mount at ``target`` (lazily: it goes once nothing uses it); ``False`` if none was there."""
+    libc = _libc()
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    if libc.umount2(os.fsencode(target), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOENT):
+            return False
+        raise OSError(err, f"cannot unmount {target}: {os.strerror(err)}")
+    return True
+
+
+# --------------------------------------------------------------------------- cgroups
+
+
+@dataclass(frozen=True)
+class CgroupSupport:
+    """Where this process may make a cgroup per cage, per resource (``None``: not possible here)."""
+
+    memory: tuple[Literal["cgroup2", "cgroup1"], Path] | None
+    pids: tuple[Literal["cgroup2", "cgroup1"], Path] | None
+
+
+def _mountinfo() -> Iterator[tuple[str, str, str, list[str]]]:
+    """(root, mount point, fstype, super options) of every mount this process sees."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        root, point = fields[3].replace("\\040", " "), fields[4].replace("\\040", " ")
+        yield root, point, tail[0], tail[2].split(",")
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup path per v1 controller, and ``""`` for the v2 hierarchy."""
+    paths: dict[str, str] = {}
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as file:
+            for line in file.read().splitlines():
+                _, controllers, path = line.split(":", 2)
+                if controllers == "":
+                    paths[""] = path
+                for controller in controllers.split(","):
+                    if controller:
+                        paths[controller] = path
+    except (OSError, ValueError):
+        pass
+    return paths
+
+
+def _join(point: str, root: str, path: str) -> Path:
+    # The mount may show a sub-tree of the hierarchy (a container's cgroup namespace).
+    relative = path[len(root) :] if root != "/" and path.startswith(root) else path
+    return Path(point) / relative.lstrip("/")
+
+
+def _writable_dir(path: Path) -> bool:
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+@functools.cache
+def detect_cgroups() -> CgroupSupport:
+    """What this machine lets this process do with cgroups (once per process; blocking)."""
+    own = _own_cgroups()
+    v2: Path | None = None
+    v1: dict[str, Path] = {}
+    for root, point, fstype, options in _mountinfo():
+        if fstype == "cgroup2" and "" in own and v2 is None:
+            v2 = _join(point, root, own[""])
+        elif fstype == "cgroup":
+            for controller in ("memory", "pids"):
+                if controller in options and controller in own and controller not in v1:
+                    v1[controller] = _join(point, root, own[controller])
+    found: dict[str, tuple[Literal["cgroup2", "cgroup1"], Path]] = {}
+    if v2 is not None and _writable_dir(v2):
+        try:
+            available = set((v2 / "cgroup.controllers").read_text().split())
+            delegated = set((v2 / "cgroup.subtree_control").read_text().split())
+        except OSError:
+            available, delegated = set(), set()
+        for controller in ("memory", "pids"):
+            if controller in delegated or (controller in available and _enable(v2, controller)):
+                found[controller] = ("cgroup2", v2)
+    for controller, path in v1.items():
+        if controller not in found and _writable_dir(path):
+            found[controller] = ("cgroup1", path)
+    support = CgroupSupport(memory=found.get("memory"), pids=found.get("pids"))
+    logger.debug("cgroups for the sandbox: memory %s, pids %s", support.memory, support.pids)
+    return support
+
+
+def _enable(v2: Path, controller: str) -> bool:
+    # Refused (EBUSY) when the cgroup holds processes itself and is not the root: then not ours to use.
+    try:
+        (v2 / "cgroup.subtree_control").write_text(f"+{controller}")
+    except OSError:
+        return False
+    return True
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _read_key(path: Path, key: str) -> int | None:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+@dataclass
+class CgroupSet:
+    """The cgroups one cage runs in: total memory and process limits, their counters, the way in.
+
+    Attributes:
+        memory: ``(mechanism, directory)`` of the memory cgroup; ``None``: rlimits only.
+        pids: ``(mechanism, directory)`` of the pids cgroup; ``None``: rlimits only.
+    """
+
+    memory: tuple[Literal["cgroup2", "cgroup1"], Path] | None = None
+    pids: tuple[Literal["cgroup2", "cgroup1"], Path] | None = None
+    _dirs: list[Path] = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        *,
+        memory_bytes: int | None,
+        max_processes: int | None,
+        support: CgroupSupport | None = None,
+    ) -> CgroupSet:
+        """Make the cgroups for one cage (blocking); a resource that cannot have one falls back to rlimits.
+
+        Args:
+            name: A unique name (a directory in each hierarchy).
+            memory_bytes: Total memory of the cage; ``None``: no memory cgroup.
+            max_processes: Total processes and threads; ``None``: no pids cgroup.
+            support: What the machine allows (default :func:`detect_cgroups`).
+        """
+        support = support if support is not None else detect_cgroups()
+        made = cls()
+        if memory_bytes is not None and support.memory is not None:
+            kind, parent = support.memory
+            directory = made._make(parent / name)
+            if directory is not None and made._limit_memory(kind, directory, memory_bytes):
+                made.memory = (kind, directory)
+        if max_processes is not None and support.pids is not None:
+            kind, parent = support.pids
+            same = made.memory is not None and made.memory[1] == parent / name
+            directory = parent / name if same else made._make(parent / name)
+            if directory is not None and _write(directory / "pids.max", str(max_processes)):
+                made.pids = (kind, directory)
+        return made
+
+    def _make(self, path: Path) -> Path | None:
+        try:
+            path.mkdir()
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            logger.warning("cannot create cgroup %s (%s); falling back to rlimits", path, exc)
+            return None
+        self._dirs.append(path)
+        return path
+
+    @staticmethod
+    def _limit_memory(kind: str, directory: Path, limit: int) -> bool:
+        if kind == "cgroup2":
+            ok = _write(directory / "memory.max", str(limit))
+            # No swap: a cage over its budget is killed, not slowed to a crawl.
+            _write(directory / "memory.swap.max", "0", quiet=True)
+            # The whole cage dies together, as the rollout does.
+            _write(directory / "memory.oom.group", "1", quiet=True)
+            return ok
+        ok = _write(directory / "memory.limit_in_bytes", str(limit))
+        _write(directory / "memory.memsw.limit_in_bytes", str(limit), quiet=True)
+        return ok
+
+    @property
+    def active(self) -> bool:
+        """Whether any cgroup is in use."""
+        return self.memory is not None or self.pids is not None
+
+    def procs_files(self) -> list[Path]:
+        """The ``cgroup.procs`` files the cage's first process must write itself into."""
+        dirs = {
+            d for d in (self.memory[1] if self.memory else None, self.pids[1] if self.pids else None) if d
+        }
+        return [directory / "cgroup.procs" for directory in sorted(dirs)]
+
+    def enter_prefix(self) -> list[str]:
+        """An argv prefix that moves the process into the cgroups, then executes the rest (``[]`` if none)."""
+        files = self.procs_files()
+        if not files:
+            return []
+        script = (
+            'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done; '
+            'shift; exec "$@"'
+        )
+        return ["/bin/sh", "-c", script, "rollcage-cgroup", *map(str, files), "--"]
+
+    def memory_usage(self) -> tuple[int | None, int | None]:
+        """(current, peak) bytes of the memory cgroup; ``None`` where unknown."""
+        if self.memory is None:
+            return None, None
+        kind, directory = self.memory
+        if kind == "cgroup2":
+            return _read_int(directory / "memory.current"), _read_int(directory / "memory.peak")
+        return _read_int(directory / "memory.usage_in_bytes"), _read_int(
+            directory / "memory.max_usage_in_bytes"
+        )
+
+    def oom_kills(self) -> int:
+        """Processes the kernel killed because the cage was over its memory budget."""
+        if self.memory is None:
+            return 0
+        kind, directory = self.memory
+        name = "memory.events" if kind == "cgroup2" else "memory.oom_control"
+        return _read_key(directory / name, "oom_kill") or 0
+
+    def processes(self) -> tuple[int | None, int | None]:
+        """(current, peak) processes and threads of the pids cgroup; ``None`` where unknown."""
+        if self.pids is None:
+            return None, None
+        _, directory = self.pids
+        return _read_int(directory / "pids.current"), _read_int(directory / "pids.peak")
+
+    def forks_refused(self) -> int:
+        """Forks and clones refused because the cage was at its process budget."""
+        if self.pids is None:
+            return 0
+        return _read_key(self.pids[1] / "pids.events", "max") or 0
+
+    def members(self) -> list[int]:
+        """PIDs in the cage's cgroups now (in this process's PID namespace)."""
+        pids: set[int] = set()
+        for procs in self.procs_files():
+            with contextlib.suppress(OSError, ValueError):
+                pids.update(int(line) for line in procs.read_text().split())
+        return sorted(pids)
+
+    def kill(self) -> None:
+        """SIGKILL everything in the cage's cgroups (v2: ``cgroup.kill``, atomic against fork)."""
+        for procs in self.procs_files():
+            kill_cgroup(procs.parent)
+
+    def remove(self, *, wait_s: float = 2.0) -> bool:
+        """Remove the cgroups (after everything in them is gone); ``False`` if one is still busy."""
+        end = time.monotonic() + wait_s
+        removed = [remove_cgroup(d, wait_s=max(end - time.monotonic(), 0.0)) for d in reversed(self._dirs)]
+        self._dirs.clear()
+        return all(removed)
+
+    def paths(self) -> list[str]:
+        """The cgroup directories made (to be found and removed after a crash)."""
+        return [str(directory) for directory in self._dirs]
+
+
+def remove_cgroup(directory: Path, *, wait_s: float = 2.0) -> bool:
+    """Remove an empty cgroup, waiting up to ``wait_s`` for its last processes to go (blocking)."""
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            directory.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() >= end:
+                logger.warning("cannot remove cgroup %s: %s", directory, exc)
+                return False
+            time.sleep(0.01)
+
+
+def kill_cgroup(directory: Path) -> None:
+    """SIGKILL every process in the cgroup ``directory`` (v2 ``cgroup.kill``: atomic; blocking)."""
+    if (directory / "cgroup.kill").exists() and _write(directory / "cgroup.kill", "1", quiet=True):
+        return
+    try:
+        pids = [int(line) for line in (directory / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return
+    for pid in pids:
+        # Through a pidfd checked against the cgroup after opening: a reused PID is never hit.
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            with open(f"/proc/{pid}/cgroup", encoding="utf-8") as file:
+                if f"{directory.name}\n" in file.read():
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _write(path: Path, value: str, *, quiet: bool = False) -> bool:
+    try:
+        with open(path, "w", encoding="ascii") as file:
+            file.write(value)
+    except OSError as exc:
+        if not quiet:
+            logger.warning("cannot write %s to %s: %s", value, path, exc)
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- file systems
+
+
+class Volume:
+    """A writable place of the cage with a bytes and an inodes budget."""
+
+    def __init__(self, name: str, *, max_bytes: int, max_inodes: int) -> None:
+        self.name = name
+        self.max_bytes = max_bytes
+        self.max_inodes = max_inodes
+        self.peak_bytes: int | None = None
+        self.peak_inodes: int | None = None
+
+    bytes_mechanism: Mechanism = "none"
+    inodes_mechanism: Mechanism = "none"
+
+    def usage(self) -> tuple[int, int] | None:
+        """(bytes, inodes) in use now; ``None`` when it cannot be measured now."""
+        raise NotImplementedError
+
+    def full(self, used_bytes: int, used_inodes: int) -> tuple[bool, bool]:
+        """Whether the bytes and the inodes budget are exhausted at this usage."""
+        return used_bytes > self.max_bytes, used_inodes > self.max_inodes
+
+    def close(self) -> None:
+        """Let go of what the volume holds (idempotent)."""
+
+    def check(self) -> list[str]:
+        """Measure (recording the peak) and name the budgets breached: ``workspace_bytes`` etc. (blocking)."""
+        used = self.usage()
+        if used is None:
+            return []
+        used_bytes, used_inodes = used
+        self.peak_bytes = max(self.peak_bytes or 0, used_bytes)
+        self.peak_inodes = max(self.peak_inodes or 0, used_inodes)
+        over_bytes, over_inodes = self.full(used_bytes, used_inodes)
+        return [
+            f"{self.name}_{kind}" for kind, over in (("bytes", over_bytes), ("inodes", over_inodes)) if over
+        ]
+
+
+def _statvfs_usage(path: str | int) -> tuple[int, int, int, int] | None:
+    """(bytes used, bytes free, inodes used, inodes free) of the file system at ``path`` (or an fd)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return (
+        (st.f_blocks - st.f_bfree) * st.f_frsize,
+        st.f_bfree * st.f_frsize,
+        st.f_files - st.f_ffree,
+        st.f_ffree,
+    )
+
+
+class TmpfsVolume(Volume):
+    """A tmpfs the supervisor mounted (root): a hard bound on bytes and inodes, read by ``statvfs``."""
+
+    bytes_mechanism: Mechanism = "tmpfs"
+    inodes_mechanism: Mechanism = "tmpfs"
+
+    def __init__(
+        self,
+        name: str,
+        path: Path,
+        *,
+        max_bytes: int,
+        max_inodes: int,
+        owner: tuple[int, int],
+        source: str = "tmpfs",
+    ) -> None:
+        super().__init__(name, max_bytes=max_bytes, max_inodes=max_inodes)
+        self.path = path
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # One inode more than the budget: the root directory takes one.
+        mount_tmpfs(path, size=max_bytes, inodes=max_inodes + 1, uid=owner[0], gid=owner[1], source=source)
+        self.mounted = True
+
+    def usage(self) -> tuple[int, int] | None:
+        found = _statvfs_usage(str(self.path))
+        if found is None:
+            return None
+        used_bytes, _, used_inodes, _ = found
+        return used_bytes, max(used_inodes - 1, 0)
+
+    def full(self, used_bytes: int, used_inodes: int) -> tuple[bool, bool]:
+        found = _statvfs_usage(str(self.path))
+        if found is None:
+            return False, False
+        _, free_bytes, _, free_inodes = found
+        # A hard limit is never exceeded, only reached: a write past it failed with ENOSPC.
+        return free_bytes < 4096, free_inodes == 0
+
+    def unmount(self) -> None:
+        """Detach the tmpfs (idempotent)."""
+        if self.mounted:
+            with contextlib.suppress(OSError):
+                unmount(self.path)
+            self.mounted = False
+
+
+class ProcRootTmpfs(Volume):
+    """A tmpfs bubblewrap made inside the cage (``--size``), measured through ``/proc/<pid>/root``.
+
+    The bytes are a hard bound (``tmpfs``); bubblewrap cannot bound the inodes, so
+    they are polled. The file system is held by a descriptor from the first poll
+    that finds it (recognised by its size), so the last reading, after the cage is
+    gone, still sees it.
+    """
+
+    bytes_mechanism: Mechanism = "tmpfs"
+    inodes_mechanism: Mechanism = "poll"
+
+    def __init__(
+        self, name: str, inside: str, root_of: Callable[[], str | None], *, max_bytes: int, max_inodes: int
+    ) -> None:
+        super().__init__(name, max_bytes=max_bytes, max_inodes=max_inodes)
+        self._inside = inside.lstrip("/")
+        self._root_of = root_of
+        self._free_bytes = max_bytes
+        self._fd: int | None = None
+
+    def _held(self) -> int | None:
+        if self._fd is not None:
+            return self._fd
+        root = self._root_of()
+        if root is None:
+            return None
+        try:
+            fd = os.open(os.path.join(root, self._inside), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        # Until bubblewrap has mounted it, the path shows something else: only the bounded tmpfs is kept.
+        found = _statvfs_usage(fd)
+        page = 4096
+        if found is None or found[0] + found[1] != -(-self.max_bytes // page) * page:
+            os.close(fd)
+            return None
+        self._fd = fd
+        return fd
+
+    def usage(self) -> tuple[int, int] | None:
+        fd = self._held()
+        found = None if fd is None else _statvfs_usage(fd)
+        if found is None:
+            return None
+        used_bytes, self._free_bytes, used_inodes, _ = found
+        return used_bytes, max(used_inodes - 1, 0)
+
+    def full(self, used_bytes: int, used_inodes: int) -> tuple[bool, bool]:
+        return self._free_bytes < 4096, used_inodes > self.max_inodes
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class PolledTree(Volume):
+    """A host directory measured by a bounded walk (the workspace without root): late by one poll."""
+
+    bytes_mechanism: Mechanism = "poll"
+    inodes_mechanism: Mechanism = "poll"
+
+    def __init__(self, name: str, path: Path, *, max_bytes: int, max_inodes: int) -> None:
+        super().__init__(name, max_bytes=max_bytes, max_inodes=max_inodes)
+        self.path = path
+
+    def usage(self) -> tuple[int, int] | None:
+        # Disk use (blocks), not apparent size: a sparse file costs what it occupies. The walk stops
+        # once both budgets are over, so its cost is bounded by the inode budget.
+        used_bytes = 0
+        used_inodes = 0
+        stack = [str(self.path)]
+        while stack:
+            directory = stack.pop()
+            try:
+                entries = list(os.scandir(directory))
+            except OSError:
+                continue
+            for entry in entries:
+                used_inodes += 1
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                used_bytes += info.st_blocks * 512
+                if stat.S_ISDIR(info.st_mode):
+                    stack.append(entry.path)
+            if used_bytes > self.max_bytes and used_inodes > self.max_inodes:
+                break
+        return used_bytes, used_inodes
+
+
+# --------------------------------------------------------------------------- copying a tree
+
+
+@dataclass
+class CopyReport:
+    """What :func:`copy_tree` copied and what it left out."""
+
+    files: int = 0
+    bytes: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+    def skip(self, path: str, why: str) -> None:
+        if len(self.skipped) < 20:
+            self.skipped.append(f"{path}: {why}")
+
+
+def copy_tree(
+    source: Path,
+    dest: Path,
+    *,
+    max_bytes: int,
+    max_inodes: int,
+    owner: tuple[int, int] | None = None,
+) -> CopyReport:
+    """Copy the tree ``source`` into the existing directory ``dest``, never following a link (blocking).
+
+    Regular files, directories and symbolic links (as links) are copied; anything
+    else is skipped. Hard links stay hard links (a thousand names of one file cost
+    one file). Modes keep their permission bits only (no setuid, setgid or sticky
+    bit). The copy stops at ``max_bytes`` of apparent size (a sparse file counts
+    in full) and ``max_inodes`` entries; what was left out is named in the report.
+    The source is read through directory descriptors, so a link planted in it
+    never leads outside.
+
+    Args:
+        source: A directory whose content may be hostile.
+        dest: An existing directory of the caller's (normally empty).
+        max_bytes: Bound on the bytes written.
+        max_inodes: Bound on the entries made.
+        owner: ``(uid, gid)`` to give every entry made; ``None``: the caller's.
+    """
+    report = CopyReport()
+    links: dict[tuple[int, int], str] = {}
+    inodes = 0
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECTORY
+    stack: list[tuple[int, str, str]] = [(os.open(source, flags), str(dest), "")]
+    try:
+        while stack:
+            src_dir, dst_dir, prefix = stack.pop()
+            try:
+                with os.scandir(src_dir) as scan:
+                    names = sorted(entry.name for entry in scan)
+                for name in names:
+                    rel = f"{prefix}{name}"
+                    target = os.path.join(dst_dir, name)
+                    if inodes >= max_inodes:
+                        report.skip(rel, f"over the bound of {max_inodes} entries")
+                        continue
+                    try:
+                        info = os.stat(name, dir_fd=src_dir, follow_symlinks=False)
+                    except OSError as exc:
+                        report.skip(rel, str(exc))
+                        continue
+                    mode = stat.S_IMODE(info.st_mode) & 0o777
+                    if stat.S_ISDIR(info.st_mode):
+                        os.mkdir(target, 0o700)
+                        inodes += 1
+                        stack.append((os.open(name, flags, dir_fd=src_dir), target, f"{rel}/"))
+                        os.chmod(target, mode | 0o700)
+                    elif stat.S_ISLNK(info.st_mode):
+                        os.symlink(os.readlink(name, dir_fd=src_dir), target)
+                        inodes += 1
+                    elif stat.S_ISREG(info.st_mode):
+                        key = (info.st_dev, info.st_ino)
+                        if key in links:
+                            os.link(links[key], target, follow_symlinks=False)
+                            continue
+                        if report.bytes + info.st_size > max_bytes:
+                            report.skip(rel, f"{info.st_size} bytes would pass the bound of {max_bytes}")
+                            continue
+                        report.bytes += _copy_file(src_dir, name, target, mode, info.st_size)
+                        report.files += 1
+                        inodes += 1
+                        if info.st_nlink > 1:
+                            links[key] = target
+                    else:
+                        report.skip(rel, "not a regular file, directory or link")
+                        continue
+                    if owner is not None:
+                        os.chown(target, *owner, follow_symlinks=False)
+            finally:
+                os.close(src_dir)
+    finally:
+        for src_dir, _, _ in stack:
+            os.close(src_dir)
+    return report
+
+
+def _copy_file(src_dir: int, name: str, target: str, mode: int, size: int) -> int:
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=src_dir)
+    try:
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            copied = 0
+            # At most the size seen: a file that grows meanwhile (a survivor) cannot pass the bound.
+            while copied < size and (chunk := os.read(src, min(1 << 20, size - copied))):
+                os.write(dst, chunk)
+                copied += len(chunk)
+            os.fchmod(dst, mode)
+            return copied
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def unique_name(prefix: str) -> str:
+    """A name for per-cage objects (cgroups): ``prefix`` and 12 random hex digits."""
+    return f"{prefix}-{secrets.token_hex(6)}"

@@ -1,0 +1,553 @@
+"""The budgets of one rollout: made before the launch, read while it runs, reported in the receipt.
+
+:class:`RolloutBudgets` owns everything per rollout that bounds the sandbox as a
+whole (the mechanisms are in :mod:`rollcage.cage`):
+
+* ``memory_bytes`` and ``processes``: the rollout's cgroups (v2 or v1, whichever
+  the machine allows), else the per-process rlimits alone;
+* ``workspace_*``, ``tmp_*``, ``shm_*``: as root, a tmpfs per place mounted by the
+  supervisor in a private directory (size and inode bounds; the workspace copied
+  in before the start and back into ``R/workspace`` at the end); otherwise
+  bubblewrap's size-bounded tmpfs and a poll.
+
+:meth:`RolloutBudgets.check` names the first budget breached (the supervisor
+then ends the rollout as the policy's fault); :meth:`RolloutBudgets.report` is the
+receipt's ``budgets``. Everything made is recorded in the staging area, so a
+later run can remove what a killed supervisor left (:func:`release_leftovers`).
+Every method blocks: run them in a thread.
+
+Whatever a supervisor makes carries its owner (``PID.STARTTIME`` of the supervising
+process) in its name, so that any later supervisor on the machine can tell what
+was left by one that is gone (SIGKILLed, its Ray node lost) and release it
+(:func:`sweep_orphans`, once per process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from rollcage.cage import (
+    Bind,
+    CgroupSet,
+    PolledTree,
+    ProcRootTmpfs,
+    Tmpfs,
+    TmpfsVolume,
+    Volume,
+    copy_tree,
+    detect_cgroups,
+    kill_cgroup,
+    remove_cgroup,
+    unmount,
+)
+from rollcage.cage import BudgetName as BudgetName
+from rollcage.protocol import BudgetUse
+from rollcage.supervisor.config import BwrapSandbox
+from rollcage.supervisor.procs import read_proc
+from rollcage.supervisor.sandbox import RolloutLayout, Scratch
+
+__all__ = ["RolloutBudgets", "owner_tag", "release_leftovers", "sweep_orphans"]
+
+logger = logging.getLogger("rollcage.supervisor")
+
+_RECORD = "budgets.json"
+_PRIVATE_RECORD = "rollout.json"
+_OWNED = re.compile(r"^rollcage-(?:.+-)?(\d+)\.(\d+)-[^/]+$")
+"""A private directory, cgroup or mount of a supervisor: ``rollcage-[ROLLOUT-]PID.START-RANDOM``."""
+
+
+def owner_tag() -> str:
+    """``PID.STARTTIME`` of this process: with it, a later process can tell whether its maker still lives."""
+    info = read_proc(os.getpid())
+    return f"{os.getpid()}.{info.starttime if info is not None else 0}"
+
+
+def _owner_gone(name: str) -> bool:
+    match = _OWNED.search(name)
+    if match is None:
+        return False
+    pid, start = int(match.group(1)), int(match.group(2))
+    if pid == os.getpid():
+        return False
+    info = read_proc(pid)
+    return info is None or info.starttime != start
+
+
+def _size(value: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if value >= 1 << shift and value % (1 << (shift - 3)) == 0:
+            return f"{value / (1 << shift):g} {unit}"
+    return f"{value} bytes"
+
+
+class RolloutBudgets:
+    """Budgets of one rollout under bubblewrap (see the module docstring).
+
+    Args:
+        config: The sandbox's configuration (its budget fields).
+        layout: The rollout's host paths.
+        private_dir: A directory of the supervisor's own (never visible in the sandbox) for mounts.
+        owner: ``(uid, gid)`` the sandbox runs as on the host (root); ``None``: the supervisor's.
+        name: A unique name for this rollout's cgroups.
+    """
+
+    def __init__(
+        self,
+        config: BwrapSandbox,
+        layout: RolloutLayout,
+        private_dir: Path,
+        *,
+        owner: tuple[int, int] | None,
+        name: str,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.private_dir = private_dir
+        self.owner = owner
+        self.name = name
+        # The mounts' name in the mount table: whose they are, for a sweep after this process is gone.
+        self.source = f"rollcage-{owner_tag()}"
+        self.cgroups = CgroupSet()
+        self.volumes: list[Volume] = []
+        self.workspace_mount: TmpfsVolume | None = None
+        self.breach: tuple[BudgetName, str] | None = None
+        self.copy_problem: str | None = None
+        self._sandbox_root: str | None = None
+        self._memory_peak: int | None = None
+        self._processes_peak: int | None = None
+        self._last_walk = 0.0
+        self._walk_cost = 0.0
+        # A poll still running in its thread when the rollout ends must not race the last reading.
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- before the launch
+
+    def prepare(self) -> Scratch:
+        """Make the cgroups and the bounded file systems; the sandbox's writable places (blocking)."""
+        config = self.config
+        self.layout.staging.mkdir(mode=0o700, exist_ok=True)
+        self.layout.workspace.mkdir(exist_ok=True)
+        if config.cgroups == "auto" and (config.memory_bytes is not None or config.max_processes is not None):
+            self.cgroups = CgroupSet.create(
+                self.name, memory_bytes=config.memory_bytes, max_processes=config.max_processes
+            )
+        scratch = self._mounts() if self._can_mount() else None
+        if scratch is None:
+            workspace = PolledTree(
+                "workspace",
+                self.layout.workspace,
+                max_bytes=config.workspace_bytes,
+                max_inodes=config.workspace_inodes,
+            )
+            tmp = ProcRootTmpfs(
+                "tmp", "/tmp", self._root, max_bytes=config.tmp_size_bytes, max_inodes=config.tmp_inodes
+            )
+            shm = ProcRootTmpfs(
+                "shm", "/dev/shm", self._root, max_bytes=config.shm_bytes, max_inodes=config.shm_inodes
+            )
+            self.volumes = [workspace, tmp, shm]
+            scratch = Scratch(
+                workspace=self.layout.workspace,
+                tmp=Tmpfs("/tmp", config.tmp_size_bytes),
+                shm=Tmpfs("/dev/shm", config.shm_bytes),
+            )
+        self._record()
+        return scratch
+
+    def _can_mount(self) -> bool:
+        return self.config.disk_budgets == "auto" and os.geteuid() == 0
+
+    def _mounts(self) -> Scratch | None:
+        config = self.config
+        owner = self.owner or (os.getuid(), os.getgid())
+        base = self.private_dir / "fs"
+        # The workspace as the controller prepared it, set aside: the bounded file system goes over it.
+        initial = self.private_dir / "workspace-initial"
+        initial.mkdir(mode=0o700)
+        copy_tree(
+            self.layout.workspace,
+            initial,
+            max_bytes=config.workspace_bytes,
+            max_inodes=config.workspace_inodes,
+        )
+        try:
+            # Mounted at R/workspace itself, so the host sees the agent's files where they always are.
+            workspace = TmpfsVolume(
+                "workspace",
+                self.layout.workspace,
+                max_bytes=config.workspace_bytes,
+                max_inodes=config.workspace_inodes,
+                owner=owner,
+                source=self.source,
+            )
+            self.volumes.append(workspace)
+            self.workspace_mount = workspace
+            tmp = TmpfsVolume(
+                "tmp",
+                base / "tmp",
+                max_bytes=config.tmp_size_bytes,
+                max_inodes=config.tmp_inodes,
+                owner=owner,
+                source=self.source,
+            )
+            self.volumes.append(tmp)
+            shm = TmpfsVolume(
+                "shm",
+                base / "shm",
+                max_bytes=config.shm_bytes,
+                max_inodes=config.shm_inodes,
+                owner=owner,
+                source=self.source,
+            )
+            self.volumes.append(shm)
+        except OSError as exc:
+            logger.warning("cannot mount bounded file systems for the sandbox (%s); polling instead", exc)
+            self._unmount()
+            self.volumes = []
+            self.workspace_mount = None
+            shutil.rmtree(initial, ignore_errors=True)
+            return None
+        for volume in (tmp, shm):
+            os.chmod(volume.path, 0o1777)
+        report = copy_tree(
+            initial,
+            workspace.path,
+            max_bytes=config.workspace_bytes,
+            max_inodes=config.workspace_inodes,
+            owner=self.owner,
+        )
+        shutil.rmtree(initial, ignore_errors=True)
+        if report.skipped:
+            logger.warning("workspace files over the budget were not copied in: %s", report.skipped)
+        return Scratch(
+            workspace=workspace.path,
+            tmp=Bind(str(tmp.path), "/tmp", writable=True),
+            shm=Bind(str(shm.path), "/dev/shm", writable=True),
+        )
+
+    def enter_prefix(self) -> list[str]:
+        """The argv prefix that puts the sandbox into its cgroups (``[]`` without any)."""
+        return self.cgroups.enter_prefix()
+
+    def _record(self) -> None:
+        record = {
+            "cgroups": self.cgroups.paths(),
+            "mounts": [str(v.path) for v in self.volumes if isinstance(v, TmpfsVolume)],
+            "private_dir": str(self.private_dir),
+            "workspace_bounds": [self.config.workspace_bytes, self.config.workspace_inodes],
+            "owner": list(self.owner) if self.owner else None,
+        }
+        record["rollout_dir"] = str(self.layout.root.absolute())
+        for path in (self.layout.staging / _RECORD, self.private_dir / _PRIVATE_RECORD):
+            with contextlib.suppress(OSError):
+                path.write_text(json.dumps(record))
+
+    # ----------------------------------------------------------------- while it runs
+
+    def set_sandbox_root(self, pid: int | None) -> None:
+        """The PID whose ``/proc/<pid>/root`` is the sandbox's root (bwrap's init), once known."""
+        self._sandbox_root = None if pid is None else f"/proc/{pid}/root"
+
+    def _root(self) -> str | None:
+        return self._sandbox_root
+
+    def members(self) -> list[int]:
+        """PIDs in the rollout's cgroups (empty without cgroups)."""
+        return self.cgroups.members()
+
+    def check(self, *, final: bool = False) -> tuple[BudgetName, str] | None:
+        """Read every counter, record peaks, and return the first breach: ``(budget, words)`` (blocking).
+
+        A breach stays recorded (:attr:`breach`); later calls return it again.
+
+        Args:
+            final: The sandbox is gone: walk the workspace whatever the last walk cost.
+        """
+        with self._lock:
+            return self._check(final=final)
+
+    def _check(self, *, final: bool) -> tuple[BudgetName, str] | None:
+        config = self.config
+        current, peak = self.cgroups.memory_usage()
+        self._memory_peak = _max(self._memory_peak, peak, current)
+        current, peak = self.cgroups.processes()
+        self._processes_peak = _max(self._processes_peak, peak, current)
+        if self.breach is not None:
+            return self.breach
+        kills = self.cgroups.oom_kills()
+        if kills and config.memory_bytes is not None:
+            self.breach = (
+                "memory_bytes",
+                f"the sandbox's memory budget of {_size(config.memory_bytes)} was exceeded: the kernel "
+                f"killed {kills} of its processes",
+            )
+            return self.breach
+        refused = self.cgroups.forks_refused()
+        if refused and config.max_processes is not None:
+            self.breach = (
+                "processes",
+                f"the sandbox's process budget of {config.max_processes} processes and threads was reached: "
+                f"{refused} fork(s) refused",
+            )
+            return self.breach
+        for volume in self.volumes:
+            if isinstance(volume, PolledTree) and not final and not self._walk_due():
+                continue
+            started = time.monotonic()
+            breached = volume.check()
+            if isinstance(volume, PolledTree):
+                self._walk_cost = time.monotonic() - started
+                self._last_walk = time.monotonic()
+            if breached:
+                budget: BudgetName = breached[0]  # type: ignore[assignment]
+                limit = getattr(config, _FIELDS[budget])
+                used = volume.peak_bytes if budget.endswith("bytes") else volume.peak_inodes
+                unit = _size(limit) if budget.endswith("bytes") else f"{limit} entries"
+                shown = _size(used or 0) if budget.endswith("bytes") else f"{used} entries"
+                self.breach = (budget, f"the {budget} budget of {unit} was exhausted ({shown} in use)")
+                return self.breach
+        return None
+
+    def _walk_due(self) -> bool:
+        # A walk of a big workspace costs CPU: at most a tenth of the time goes to it.
+        return time.monotonic() - self._last_walk >= max(self.config.budget_poll_s, 10 * self._walk_cost)
+
+    def kill(self) -> None:
+        """SIGKILL everything in the rollout's cgroups."""
+        self.cgroups.kill()
+
+    # ----------------------------------------------------------------- after the end
+
+    def finish(self) -> None:
+        """Final reading, the workspace back into the rollout directory, mounts and cgroups removed."""
+        with self._lock:
+            self._finish()
+
+    def _finish(self) -> None:
+        with contextlib.suppress(OSError):
+            self._check(final=True)
+        if self.workspace_mount is not None:
+            self._copy_out(self.workspace_mount)
+        self._unmount()
+        for volume in self.volumes:
+            volume.close()
+        self.cgroups.remove()
+        # Only empty mount points are removed: never a tree that might still be a mounted file system.
+        for volume in self.volumes:
+            if isinstance(volume, TmpfsVolume) and not volume.mounted and volume is not self.workspace_mount:
+                with contextlib.suppress(OSError):
+                    volume.path.rmdir()
+        with contextlib.suppress(OSError):
+            (self.private_dir / "fs").rmdir()
+
+    def _copy_out(self, volume: TmpfsVolume) -> None:
+        config = self.config
+        try:
+            skipped = _settle_workspace(
+                volume.path,
+                self.layout.staging,
+                max_bytes=config.workspace_bytes,
+                max_inodes=config.workspace_inodes,
+                owner=self.owner,
+            )
+        except OSError as exc:
+            self.copy_problem = f"the workspace could not be copied back: {exc}"
+            logger.error("rollout %s: %s", self.layout.root.name, self.copy_problem)
+            return
+        finally:
+            volume.mounted = False
+        if skipped:
+            self.copy_problem = "not copied back: " + "; ".join(skipped)
+
+    def _unmount(self) -> None:
+        for volume in self.volumes:
+            if isinstance(volume, TmpfsVolume):
+                volume.unmount()
+
+    def report(self) -> list[BudgetUse]:
+        """One entry per budget, for the receipt."""
+        config = self.config
+        memory = self.cgroups.memory[0] if self.cgroups.memory else "rlimit"
+        pids = self.cgroups.pids[0] if self.cgroups.pids else "rlimit"
+        breached = self.breach[0] if self.breach else None
+        uses = [
+            BudgetUse(
+                budget="memory_bytes",
+                limit=config.memory_bytes,
+                mechanism=memory if config.memory_bytes is not None else "none",
+                peak=self._memory_peak,
+                exceeded=breached == "memory_bytes",
+            ),
+            BudgetUse(
+                budget="processes",
+                limit=config.max_processes,
+                mechanism=pids if config.max_processes is not None else "none",
+                peak=self._processes_peak,
+                exceeded=breached == "processes",
+            ),
+        ]
+        for volume in self.volumes:
+            for kind, mechanism, peak in (
+                ("bytes", volume.bytes_mechanism, volume.peak_bytes),
+                ("inodes", volume.inodes_mechanism, volume.peak_inodes),
+            ):
+                budget = f"{volume.name}_{kind}"
+                uses.append(
+                    BudgetUse(
+                        budget=budget,
+                        limit=getattr(config, _FIELDS[budget]),
+                        mechanism=mechanism,
+                        peak=peak,
+                        exceeded=breached == budget,
+                    )
+                )
+        return uses
+
+
+_FIELDS: dict[str, str] = {
+    "workspace_bytes": "workspace_bytes",
+    "workspace_inodes": "workspace_inodes",
+    "tmp_bytes": "tmp_size_bytes",
+    "tmp_inodes": "tmp_inodes",
+    "shm_bytes": "shm_bytes",
+    "shm_inodes": "shm_inodes",
+}
+
+
+def _max(*values: int | None) -> int | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def _settle_workspace(
+    mount: Path, staging: Path, *, max_bytes: int, max_inodes: int, owner: tuple[int, int] | None
+) -> list[str]:
+    """Copy the bounded workspace mounted at ``mount`` onto the disk in its place, then unmount it.
+
+    Returns what was left out (over the bounds). Raises ``OSError`` when it cannot be done.
+    """
+    out = staging / "workspace-out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(mode=0o700, parents=True)
+    # Owned by the sandbox's uid, as the files it wrote in place would be.
+    report = copy_tree(mount, out, max_bytes=max_bytes, max_inodes=max_inodes, owner=owner)
+    if owner is not None:
+        os.chown(out, *owner)
+    unmount(mount)
+    # What is under the mount point now is the controller's original workspace: replaced.
+    shutil.rmtree(mount)
+    os.rename(out, mount)
+    return report.skipped
+
+
+def release_leftovers(layout: RolloutLayout) -> None:
+    """Remove the mounts and cgroups a killed supervisor left for this rollout (blocking; idempotent)."""
+    try:
+        record = json.loads((layout.staging / _RECORD).read_text())
+    except (OSError, ValueError):
+        return
+    _release(record, layout)
+    with contextlib.suppress(OSError):
+        (layout.staging / _RECORD).unlink()
+
+
+def _release(record: dict[str, object], layout: RolloutLayout) -> None:
+    mounts = record.get("mounts")
+    for mount in mounts if isinstance(mounts, list) else []:
+        with contextlib.suppress(OSError):
+            if Path(str(mount)) == layout.workspace.absolute():
+                # The agent's files are evidence of the interrupted attempt: onto the disk first.
+                bounds = record.get("workspace_bounds")
+                limits = bounds if isinstance(bounds, list) and len(bounds) == 2 else [1 << 30, 65_536]
+                owner = record.get("owner")
+                _settle_workspace(
+                    layout.workspace,
+                    layout.staging,
+                    max_bytes=int(limits[0]),
+                    max_inodes=int(limits[1]),
+                    owner=(int(owner[0]), int(owner[1])) if isinstance(owner, list) and owner else None,
+                )
+            else:
+                unmount(Path(str(mount)))
+    cgroups = record.get("cgroups")
+    for directory in cgroups if isinstance(cgroups, list) else []:
+        kill_cgroup(Path(str(directory)))
+        remove_cgroup(Path(str(directory)))
+    private = record.get("private_dir")
+    if isinstance(private, str) and private:
+        for mount in mounts if isinstance(mounts, list) else []:
+            if Path(str(mount)).is_relative_to(private):
+                with contextlib.suppress(OSError):
+                    Path(str(mount)).rmdir()
+        with contextlib.suppress(OSError):
+            (Path(private) / "fs").rmdir()
+        with contextlib.suppress(OSError):
+            (Path(private) / _PRIVATE_RECORD).unlink()
+
+
+_swept = False
+_sweep_lock = threading.Lock()
+
+
+def sweep_orphans() -> None:
+    """Release what supervisors that are gone left on this machine: mounts, cgroups (once per process).
+
+    Found by name (see :func:`owner_tag`): the tmpfs mounts named ``rollcage-PID.START``
+    in the mount table and the cgroups beside this process's, whose maker no longer
+    runs. A workspace still mounted is copied onto the disk in its place first (with
+    the bounds its record names, else the defaults). Blocking; never raises.
+    """
+    global _swept
+    with _sweep_lock:
+        if _swept:
+            return
+        _swept = True
+    for point in _orphan_mounts():
+        path = Path(point)
+        with contextlib.suppress(OSError):
+            if path.name == "workspace":
+                layout = RolloutLayout(path.parent)
+                try:
+                    record = json.loads((layout.staging / _RECORD).read_text())
+                except (OSError, ValueError):
+                    record = {"mounts": [point]}
+                _release(record, layout)
+            unmount(path)  # not one if released above: a no-op then
+            logger.warning("released a mount of a supervisor that is gone: %s", point)
+        if path.parent.name == "fs":
+            for leftover in (path, path.parent, path.parent.parent / _PRIVATE_RECORD, path.parent.parent):
+                with contextlib.suppress(OSError):
+                    leftover.unlink() if leftover.name == _PRIVATE_RECORD else leftover.rmdir()
+    support = detect_cgroups()
+    for found in (support.memory, support.pids):
+        if found is None:
+            continue
+        with contextlib.suppress(OSError):
+            for child in found[1].iterdir():
+                if child.is_dir() and _owner_gone(child.name):
+                    kill_cgroup(child)
+                    remove_cgroup(child)
+
+
+def _orphan_mounts() -> list[str]:
+    """Mount points of tmpfs mounts named ``rollcage-PID.START`` whose maker is gone."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) > 4 and len(tail) > 1 and tail[0] == "tmpfs" and _owner_gone(tail[1] + "-x"):
+            found.append(fields[4].replace("\\040", " "))
+    return found
