@@ -106,17 +106,28 @@ class CallCompactor:
             if previous is None:
                 continue
             base, before = previous
-            keep = 0
-            # Identity first: the client builds each request from the same item objects,
-            # so most of the prefix compares in O(1) per item.
-            for old, new in zip(before, items, strict=False):
-                if old is not new and old != new:
-                    break
-                keep += 1
+            keep = _common_prefix(before, items)
             deltas.append(ListDelta(field=field, base=base, keep=keep, append=list(items[keep:])))
         if not deltas:
             return call, []
         return _without(call, [delta.field for delta in deltas]), deltas
+
+
+def _common_prefix(before: list[Any], items: list[Any]) -> int:
+    """How many leading items the two lists share.
+
+    The usual case, a list that extends the previous one, is one list comparison in
+    C (which tries identity first: the client builds each request from the same item
+    objects); only a list that diverges is walked item by item.
+    """
+    if len(items) >= len(before) and items[: len(before)] == before:
+        return len(before)
+    keep = 0
+    for old, new in zip(before, items, strict=False):
+        if old is not new and old != new:
+            break
+        keep += 1
+    return keep
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
