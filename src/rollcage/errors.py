@@ -23,6 +23,7 @@ Every error carries a ``kind`` that says which, so the worker can publish it as
     │   └── ResourceUnavailableError             a resource endpoint cannot be reached      [transient]
     ├── SandboxError                             bubblewrap missing or failing              [transient]
     ├── SupervisorError                          the supervisor could not do its job        [transient]
+    ├── RunFailedError                           the controller itself failed mid-run       [transient]
     ├── RayTaskLostError                         a Ray task ended without a record          [transient]
     │   └── RayTaskOverdueError (TimeoutError)   it did not start or return in time         [transient]
     └── ArtifactsTooLargeError                   a rollout dir too large to ship to the driver [transient]
@@ -50,6 +51,7 @@ __all__ = [
     "RayTaskOverdueError",
     "ResourceUnavailableError",
     "RollcageError",
+    "RunFailedError",
     "SandboxError",
     "SupervisorError",
     "ToolError",
@@ -156,5 +158,14 @@ class RayTaskOverdueError(RayTaskLostError, TimeoutError):
 
 class ArtifactsTooLargeError(RollcageError):
     """A rollout directory holds more than the limit for shipping it to the driver."""
+
+    kind: ClassVar[ErrorKind] = "transient"
+
+
+class RunFailedError(RollcageError):
+    """A run stopped because the controller itself failed (``rollouts.jsonl`` could not be written).
+
+    The records written before are intact; fix the cause and run again to resume.
+    """
 
     kind: ClassVar[ErrorKind] = "transient"

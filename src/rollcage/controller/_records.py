@@ -51,7 +51,9 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_records(path: Path, on_record: Callable[[RolloutRecord], None]) -> LoadReport:
+def load_records(
+    path: Path, on_record: Callable[[RolloutRecord], object], *, repair: bool = True
+) -> LoadReport:
     """Stream the records of an existing log into ``on_record``, repairing a torn tail.
 
     Blocking (reads and may truncate the file); from async code run it in a thread.
@@ -59,6 +61,8 @@ def load_records(path: Path, on_record: Callable[[RolloutRecord], None]) -> Load
     Args:
         path: The log; a missing file is an empty log.
         on_record: Called with each intact record, in file order.
+        repair: Truncate a torn tail away (the run that owns the log); ``False`` only skips it
+            (a reader such as ``rollcage export``, which must not write to a run's files).
 
     Raises:
         ConfigError: A line other than the last is damaged; the message names it.
@@ -94,7 +98,7 @@ def load_records(path: Path, on_record: Callable[[RolloutRecord], None]) -> Load
             good_end += len(raw)
         size = handle.tell()
     repaired = 0
-    if bad is not None:
+    if bad is not None and repair:
         repaired = size - good_end
         logger.warning("%s: truncating a torn last line %d (%s, %d bytes)", path, bad[0], bad[1], repaired)
         try:
