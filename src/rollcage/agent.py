@@ -59,6 +59,7 @@ __all__ = [
     "ModelCaller",
     "ResourceCaller",
     "extract_code_blocks",
+    "own_call_ids",
 ]
 
 BoundarySink = Callable[[BoundaryRecord], Awaitable[None]]
@@ -403,7 +404,7 @@ class Agent:
                 self._recorder.add_model_call(exc.record)
                 await self._emit("model_call", model_call=exc.record, tool_calls=[])
             raise
-        call, server_ids = _own_ids(call)
+        call, server_ids = own_call_ids(call)
         self._recorder.add_model_call(call)
         return call, server_ids
 
@@ -479,7 +480,7 @@ class Agent:
         await self._boundary(record)
 
 
-def _own_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:
+def own_call_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:
     """``call`` with its function calls renamed ``call_<turn>_<k>``, and the server's ids in order.
 
     The model sees these ids from now on (they go back in the conversation); the

@@ -139,6 +139,12 @@ def project_output(trajectory: Trajectory, *, partial: bool) -> list[ResponseIte
     for call in trajectory.model_calls:
         tools = by_turn.get(call.index, [])
         shown = {t.call_id for t in tools if not partial or t.status in _DONE}
+        # A call a harness made on its own before this model call (NOOA's first turn) comes first.
+        before = [t for t in tools if t.origin == "harness" and t.started_at < call.started_at]
+        for tool in before:
+            if tool.call_id in shown:
+                items += [_call_item(tool), _output_item(tool)]
+        tools = [t for t in tools if t not in before]
         declared: set[str] = set()
         for item in call.output:
             if item.get("type") == "function_call":
@@ -150,16 +156,13 @@ def project_output(trajectory: Trajectory, *, partial: bool) -> list[ResponseIte
             if tool.call_id not in shown:
                 continue
             if tool.call_id not in declared:
-                items.append(
-                    {
-                        "type": "function_call",
-                        "call_id": tool.call_id,
-                        "name": tool.name,
-                        "arguments": tool.arguments,
-                    }
-                )
+                items.append(_call_item(tool))
             items.append(_output_item(tool))
     return items
+
+
+def _call_item(tool: ToolCall) -> ResponseItem:
+    return {"type": "function_call", "call_id": tool.call_id, "name": tool.name, "arguments": tool.arguments}
 
 
 def _output_item(tool: ToolCall) -> ResponseItem:
