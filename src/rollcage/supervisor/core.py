@@ -384,7 +384,10 @@ class _Supervision:
         env = worker_environment(
             allow=self.config.env_allow, extra=self.config.env, sandbox=self.launcher.kind
         )
-        env[GRACE_ENV] = repr(self.config.grace_s)
+        harness = self.original.agent.harness
+        if harness is not None and harness.type != "builtin":
+            # A harness gets part of the grace to report its partial episode; the worker needs the rest.
+            env[GRACE_ENV] = repr(self.config.grace_s)
         command = self.config.worker_command or default_worker_command()
         relay_write = await self._open_journal()
         if relay_write is not None:
