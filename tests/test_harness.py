@@ -499,6 +499,33 @@ def test_max_policy_calls_stops_a_black_box_and_the_call_never_leaves_the_sandbo
     assert len(model_lines(capture(root))) == 2 == receipt.model_calls_captured
 
 
+def test_a_stopped_harness_gets_its_grace_before_sigkill(
+    envs: HarnessEnvs, policy: str, tmp_path: Path
+) -> None:
+    code = """
+    import signal
+    def on_term(*_):
+        time.sleep(1)  # SIGKILL now (bubblewrap's monitor dying of the SIGTERM) would lose this
+        open("said-goodbye", "w").close()
+        raise SystemExit(143)
+    signal.signal(signal.SIGTERM, on_term)
+    open("started", "w").close()
+    time.sleep(600)
+    """
+    root = _prepare(tmp_path, "graceful", policy, code, envs)
+    proc = _supervise(root, "--grace", "10")
+    try:
+        wait_for(lambda: (root / "workspace" / "started").exists(), what="the harness to start", timeout=180)
+        (root / "stop").touch()
+        receipt = _receipt(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert receipt.outcome == "cancelled"
+    assert (root / "workspace" / "said-goodbye").exists()
+
+
 def test_the_harness_reaches_nothing_but_the_model_and_the_tool_routes(
     envs: HarnessEnvs, tmp_path: Path
 ) -> None:

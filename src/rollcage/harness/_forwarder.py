@@ -49,6 +49,8 @@ BUDGET_CODE = "max_policy_calls"
 
 _MAX_HEAD = 64 * 1024
 _MAX_REQUEST_BYTES = 32 * 1024 * 1024
+# What all exchanges in progress may hold at once: request bodies, and answers kept for the record.
+_MAX_HELD_BYTES = 128 * 1024 * 1024
 _IDLE_TIMEOUT_S = 120.0
 _HEAD_TIMEOUT_S = 30.0
 _CHUNK = 65536
@@ -141,6 +143,7 @@ class Forwarder:
         self._state: Literal["unopened", "open", "closed"] = "unopened"
         self.port = 0
         """The TCP port on 127.0.0.1 (0 until started)."""
+        self._held = 0
         self.model_calls = 0
         """Model calls forwarded so far."""
         self.refused = 0
@@ -258,13 +261,13 @@ class Forwarder:
             timeout = _HEAD_TIMEOUT_S
 
     async def _read_body(self, conn: h11.Connection, reader: asyncio.StreamReader) -> bytes | None:
-        """The whole request body, or ``None`` past its bound."""
+        """The whole request body, or ``None`` past its bound (its own, or all exchanges' together)."""
         body = bytearray()
         while True:
             event = conn.next_event()
             if isinstance(event, h11.Data):
                 body += event.data
-                if len(body) > _MAX_REQUEST_BYTES:
+                if len(body) > _MAX_REQUEST_BYTES or self._held + len(body) > _MAX_HELD_BYTES:
                     return None
             elif isinstance(event, h11.EndOfMessage):
                 return bytes(body)
@@ -286,10 +289,24 @@ class Forwarder:
         headers = list(req.headers.raw_items())
         body = await self._read_body(conn, reader)
         if body is None:
-            await self._answer(
-                conn, writer, 413, _json_error(f"request body over {_MAX_REQUEST_BYTES} bytes")
-            )
+            message = f"request body over {_MAX_REQUEST_BYTES} bytes, or too much in flight at once"
+            await self._answer(conn, writer, 413, _json_error(message))
             return False
+        self._held += len(body)
+        try:
+            return await self._serve_request(conn, writer, method, target, headers, body)
+        finally:
+            self._held -= len(body)
+
+    async def _serve_request(
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> bool:
         if not self._authorised(headers):
             await self._answer(
                 conn,
@@ -404,6 +421,7 @@ class Forwarder:
         error: str | None = None
         held: bytes | None = None
         reusable = True
+        response_from_proxy = False
         client = self._client(route)
         try:
             request = client.build_request(
@@ -422,6 +440,7 @@ class Forwarder:
             try:
                 first_byte = time.time()
                 status = response.status_code
+                response_from_proxy = response.headers.get("x-rollcage-proxy") == "1"
                 content_type = response.headers.get("content-type")
                 self._keep_cookies(route, response.headers.get_list("set-cookie"))
                 drop = _HOP_BY_HOP | _nominated(list(response.headers.raw))
@@ -433,10 +452,12 @@ class Forwarder:
                 await _send(writer, conn.send(head))
                 async for chunk in response.aiter_raw():
                     if kept is not None:
-                        if len(kept) + len(chunk) > limit:
+                        if len(kept) + len(chunk) > limit or self._held + len(chunk) > _MAX_HELD_BYTES:
+                            self._held -= len(kept)
                             kept = None
                         else:
                             kept += chunk
+                            self._held += len(chunk)
                     # The last chunk is held back until the model call is recorded (see the module docstring).
                     if held is not None:
                         await _send(writer, conn.send(h11.Data(data=held)))
@@ -450,7 +471,12 @@ class Forwarder:
             finally:
                 await response.aclose()
         finally:
-            if route.api is not None:
+            if kept is not None:
+                self._held -= len(kept)
+            # The proxy's own answers (a refusal, a bound) never reached the model: not a model call,
+            # as the capture journal has it. Its 502 (the model unreachable) is one, failed.
+            own = status not in (None, 502) and response_from_proxy
+            if route.api is not None and not own:
                 exchange = WireExchange(
                     api=route.api,
                     request=body,

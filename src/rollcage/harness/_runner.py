@@ -327,7 +327,9 @@ class HarnessRunner:
         if proc.returncode is not None:
             await kill_group(proc.pid, _KILL_WAIT_S)
             return
-        signal_group(proc.pid, signal.SIGTERM)
+        # Not to the group as a whole: bubblewrap's monitor would die of it and SIGKILL the cage at once.
+        if not await asyncio.to_thread(_terminate_harness, proc.pid):
+            signal_group(proc.pid, signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(proc.wait()), self._grace())
         await kill_group(proc.pid, _KILL_WAIT_S)
@@ -424,10 +426,12 @@ class HarnessRunner:
                 self._reported_error = event.message[:2000]
 
     def _tool_start(self, event: ToolStartEvent) -> None:
+        if event.id in self._by_harness_id:
+            return
         self._tool_starts += 1
         if self._tool_starts > self._spec.agent.max_tool_calls:
+            # Past the budget nothing more is recorded (what a harness reports is bounded by it).
             self._request_stop("max_tool_calls")
-        if event.id in self._by_harness_id:
             return
         match = None if event.synthetic else self._pending_for(event)
         if match is not None:
@@ -472,7 +476,9 @@ class HarnessRunner:
         call_id = self._by_harness_id.get(event.id)
         if call_id is None:
             self._tool_start(ToolStartEvent(type="tool_start", id=event.id, name=""))
-            call_id = self._by_harness_id[event.id]
+            call_id = self._by_harness_id.get(event.id)
+            if call_id is None:
+                return
         if self._recorder.get(call_id).status != "pending":
             return
         output = bound_middle(event.output, self._spec.agent.tool_output_limit)
@@ -535,6 +541,34 @@ class HarnessRunner:
         lines = [line.strip() for line in self._stderr_tail.decode("utf-8", "replace").splitlines()]
         last = [line for line in lines if line][-3:]
         return " | ".join(last)[-500:] or None
+
+
+def _terminate_harness(session: int) -> bool:
+    """SIGTERM every process of the harness's session but bubblewrap's own; whether /proc could be read.
+
+    The cage's monitor and init are bubblewrap: signalled, they die and the kernel kills the
+    cage at once (``--die-with-parent``), so the harness would get no grace. Its own processes
+    get the SIGTERM instead, and SIGKILL to the whole group follows the grace.
+    """
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return False
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:
+                stat_line = file.read()
+        except OSError:
+            continue
+        comm = stat_line[stat_line.find(b"(") + 1 : stat_line.rfind(b")")]
+        fields = stat_line[stat_line.rfind(b")") + 2 :].split()
+        alive = len(fields) > 3 and fields[0] not in (b"Z", b"X")
+        if alive and int(fields[3]) == session and comm != b"bwrap":
+            with contextlib.suppress(OSError):
+                os.kill(int(entry), signal.SIGTERM)
+    return True
 
 
 def _read_answer_file(workspace: Path, name: str) -> str | None:
