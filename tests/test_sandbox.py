@@ -436,6 +436,22 @@ def test_a_grader_cage_is_never_root_and_sees_no_host_tree() -> None:
     assert ("/", "/") not in _pairs(outer, "--ro-bind") + _pairs(outer, "--bind")
 
 
+def test_a_host_environment_under_tmp_is_mounted_over_the_scratch_tmp() -> None:
+    # A harness's virtualenv (or rollcage's own) may live under /tmp: the cage's /tmp is a fresh one, so
+    # the path must be mounted over it, with parents the unprivileged uid can traverse.
+    spec = CageSpec(
+        argv=["/tmp/envs/nooa/bin/python"],
+        env={},
+        cwd="/",
+        mounts=[Bind("/usr", "/usr"), Bind("/usr/lib", "/usr/lib"), Bind("/tmp/envs/nooa", "/tmp/envs/nooa")],
+        tmp=Tmpfs("/tmp", 1 << 20),
+    )
+    argv = cage_argv(spec, tools=TOOLS, as_root=False)
+    assert [dest for _, dest in _pairs(argv, "--ro-bind")] == ["/usr", "/tmp/envs/nooa"]
+    made = argv.index("/tmp/envs")
+    assert argv[made - 3 : made] == ["--perms", "0755", "--dir"]
+
+
 # --------------------------------------------------------------------------- run_contained (graders' cage)
 
 

@@ -67,6 +67,7 @@ __all__ = [
     "ResourceCaller",
     "extract_code_blocks",
     "function_tools",
+    "own_call_ids",
 ]
 
 BoundarySink = Callable[[BoundaryRecord], Awaitable[None]]
@@ -420,7 +421,7 @@ class Agent:
             if interrupted is not None and interrupted.id == start.model_call_id:
                 self._recorder.add_model_call(interrupted)
             raise
-        call, server_ids = _own_ids(call)
+        call, server_ids = own_call_ids(call)
         self._recorder.add_model_call(call)
         return call, server_ids
 
@@ -539,7 +540,7 @@ def function_tools(tools: Sequence[ToolSpec], *, codeact: bool) -> list[dict[str
     return offered
 
 
-def _own_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:
+def own_call_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:
     """``call`` with its function calls renamed ``call_<turn>_<k>``, and the server's ids in order.
 
     The model sees these ids from now on (they go back in the conversation); the

@@ -17,6 +17,8 @@ Every error carries a ``kind`` that says which, so the worker can publish it as
     │   │   └── ModelTimeoutError (TimeoutError) no answer within the deadline              [transient]
     │   └── FatalModelError                      a request the server rejects: 400/422,     [fatal]
     │                                            context length
+    ├── HarnessError                             a nooa/command harness failed, or gave     [fatal]
+    │                                            no answer
     ├── ToolError                                a tool or the Python executor              [fatal]
     │   ├── ToolTimeoutError (TimeoutError)      a call ran past its timeout                [fatal]
     │   ├── ExecutorError                        the executor died or cannot start          [fatal]
@@ -44,6 +46,7 @@ __all__ = [
     "ErrorKind",
     "ExecutorError",
     "FatalModelError",
+    "HarnessError",
     "JournalCorruptError",
     "ModelError",
     "ModelTimeoutError",
@@ -113,6 +116,14 @@ class FatalModelError(ModelError):
     """The request itself is wrong (400, 422, context length): retrying cannot help, and it is the policy's.
 
     Credentials (401, 403) and a missing endpoint or model (404) are not: those are ``TransientModelError``.
+    """
+
+
+class HarnessError(RollcageError):
+    """A harness (nooa, command) could not start, failed, or exited without a final answer.
+
+    Whose fault it is follows the outcome rules: the policy's (``agent_error``) once a model
+    call was answered, the infrastructure's before that.
     """
 
 

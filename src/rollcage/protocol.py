@@ -33,6 +33,7 @@ __all__ = [
     "BudgetMechanism",
     "BudgetName",
     "BudgetUse",
+    "BuiltinHarness",
     "CallAttempt",
     "CallTokens",
     "CaptureExchange",
@@ -40,14 +41,18 @@ __all__ = [
     "CapturedMessage",
     "Checkpoint",
     "CheckpointSettings",
+    "CommandHarness",
     "DeltaField",
     "ErrorKind",
     "ExecutorSettings",
+    "HarnessEnvironment",
+    "HarnessSpec",
     "HealthFinding",
     "HealthVerdict",
     "ListDelta",
     "ModelCall",
     "ModelEndpoint",
+    "NooaHarness",
     "Outcome",
     "Percentiles",
     "PythonToolSpec",
@@ -345,6 +350,128 @@ ToolSpec = Annotated[PythonToolSpec | ResourceToolSpec, Field(discriminator="typ
 """A tool offered to the agent, tagged by ``type``."""
 
 
+_ARG_MAX_CHARS = 65_536
+_HARNESS_GRACE_S = 3.0
+
+
+class BuiltinHarness(_Model):
+    """rollcage's own agent loop (:mod:`rollcage.agent`): the default."""
+
+    type: Literal["builtin"] = Field(default="builtin", description="rollcage's own agent loop.")
+
+
+class NooaHarness(_Model):
+    """NVIDIA's NOOA CodeAct agent, run by its own Python (>= 3.12) inside the sandbox.
+
+    The task's input is the argument of a generated agent method, its instructions the agent's
+    docstring, its resource tools Python functions in NOOA's execution context; NOOA's answer is
+    the value it returns (``return_result``).
+    """
+
+    type: Literal["nooa"] = Field(description="The NOOA harness.")
+    stop_grace_s: float = Field(
+        default=_HARNESS_GRACE_S,
+        gt=0,
+        le=_DAY_S,
+        description="After SIGTERM (cancellation, stop file, a spent budget), how long NOOA has to report "
+        "its partial episode before SIGKILL; the worker keeps it under the supervisor's grace.",
+    )
+
+
+class CommandHarness(_Model):
+    """Any command-line agent: a command line run in the workspace, the task given on stdin, argv or a file.
+
+    It reaches the model over plain HTTP (``OPENAI_BASE_URL``) and the environment's tools at
+    ``ROLLCAGE_TOOLS_URL``; it may report its tool calls and its answer as rollcage harness events
+    on the descriptor ``ROLLCAGE_EVENTS_FD``.
+    """
+
+    type: Literal["command"] = Field(description="A command-line agent.")
+    argv: list[str] = Field(
+        min_length=1,
+        max_length=256,
+        description="The command line; argv[0] is looked up in the harness environment's bin, then "
+        "/usr/local/bin:/usr/bin:/bin.",
+    )
+    task: Literal["stdin", "argv", "file"] = Field(
+        default="stdin",
+        description="How the task (instructions, a blank line, the input as text) is given: on stdin; as one "
+        "more argument after argv; or written to a file in the workspace whose path is that argument.",
+    )
+    answer: Literal["stdout", "file", "events"] = Field(
+        default="stdout",
+        description="Where the final answer is: the command's stdout (stripped); the file answer_file in the "
+        "workspace; or an 'answer' harness event. None found means the harness gave no answer.",
+    )
+    answer_file: str = Field(
+        default="answer.txt",
+        min_length=1,
+        max_length=255,
+        description="With answer 'file': the answer's path, relative to the workspace.",
+    )
+    stop_grace_s: float = Field(
+        default=_HARNESS_GRACE_S,
+        gt=0,
+        le=_DAY_S,
+        description="After SIGTERM, how long the command has before SIGKILL (kept under the supervisor's "
+        "grace).",
+    )
+
+    @field_validator("argv")
+    @classmethod
+    def _plain_arguments(cls, value: list[str]) -> list[str]:
+        for position, argument in enumerate(value):
+            if "\0" in argument or len(argument) > _ARG_MAX_CHARS:
+                raise ValueError(f"argv[{position}] has a NUL or is over {_ARG_MAX_CHARS} characters")
+        if not value[0]:
+            raise ValueError("argv[0] is empty")
+        return value
+
+    @field_validator("answer_file")
+    @classmethod
+    def _inside_workspace(cls, value: str) -> str:
+        parts = value.split("/")
+        if value.startswith("/") or "\0" in value or any(part in ("", ".", "..") for part in parts):
+            raise ValueError(f"{value!r} must be a relative path in the workspace (no '..', not absolute)")
+        return value
+
+
+HarnessSpec = Annotated[BuiltinHarness | NooaHarness | CommandHarness, Field(discriminator="type")]
+"""Which agent runs the rollout, tagged by ``type``: ``builtin``, ``nooa`` or ``command``."""
+
+
+class HarnessEnvironment(_Model):
+    """A harness's own Python environment (a virtualenv and its base interpreter), as the sandbox sees it.
+
+    The supervisor mounts ``mounts`` read-only at their host paths, so every path here is the
+    same on the host and in the sandbox. Set by the controller (``rollcage harness install``,
+    ``--harness-env``), never by a dataset row.
+    """
+
+    python: str = Field(description="The environment's interpreter (absolute).")
+    bin: str = Field(description="Directory put first on the harness's PATH (absolute).")
+    mounts: list[str] = Field(
+        max_length=32, description="Host directories mounted read-only at the same path (absolute)."
+    )
+
+    @field_validator("python", "bin")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        return _absolute_path(value)
+
+    @field_validator("mounts")
+    @classmethod
+    def _absolute_mounts(cls, value: list[str]) -> list[str]:
+        return [_absolute_path(path) for path in value]
+
+
+def _absolute_path(value: str) -> str:
+    parts = value.split("/")
+    if not value.startswith("/") or "\0" in value or ".." in parts or len(value) > 4096:
+        raise ValueError(f"{value!r} must be an absolute path without '..'")
+    return value
+
+
 class AgentSettings(_Model):
     """Limits and action style of the agent loop."""
 
@@ -373,6 +500,11 @@ class AgentSettings(_Model):
         le=1_000_000,
         description="Unusable model outputs tolerated: malformed tool JSON, calls of tools that do not "
         "exist, length stops.",
+    )
+    harness: HarnessSpec | None = Field(
+        default=None,
+        description="Which agent runs the rollout: builtin (rollcage's loop), nooa, or command; None: the "
+        "run's harness (builtin unless the run names another).",
     )
 
 
@@ -422,6 +554,11 @@ class WorkerInput(_Model, _VersionGate):
     )
     result_mode: int = Field(
         default=0o600, ge=0, le=0o777, description="File mode of result.json (e.g. 0o640 for a collector)."
+    )
+    harness_env: HarnessEnvironment | None = Field(
+        default=None,
+        description="The Python environment of a nooa or command harness, mounted read-only; None: none (the "
+        "builtin loop, or a command that needs only the system's programs).",
     )
 
     @model_validator(mode="before")
@@ -728,6 +865,18 @@ class ToolCall(_Model):
     started_at: float = Field(description="Unix time the call started.")
     ended_at: float | None = Field(default=None, description="Unix time the call ended; None while pending.")
     duration_s: float | None = Field(default=None, description="ended_at - started_at.")
+    origin: Literal["model", "harness"] = Field(
+        default="model",
+        description="model: it answers a function call or code cell of a model response (turn is that call); "
+        "harness: the harness ran it on its own, no model call asked for it (NOOA's synthetic first turn, "
+        "which prints the task's inputs): turn is then the number of model calls answered before it.",
+    )
+    reported_by: Literal["worker", "harness"] = Field(
+        default="worker",
+        description="Who says how the call ended: worker: rollcage ran it; harness: a harness ran it and "
+        "reported it (NOOA's events, a command's harness events): its status and output are the harness's "
+        "own account, unverified, or 'incomplete' where it reported nothing.",
+    )
 
 
 TurnResolution = Literal["acted", "answered", "cut_off", "failed", "interrupted", "pending"]
@@ -850,6 +999,12 @@ class BoundaryRecord(_Model):
     kind: Literal["start", "turn_start", "model_call", "tool_call"] = Field(description="Which boundary.")
     at: float = Field(description="Unix time of the boundary.")
     schema_version: int | None = Field(default=None, description="Set on 'start': SCHEMA_VERSION.")
+    reported_by: Literal["worker", "supervisor", "harness"] = Field(
+        default="worker",
+        description="Who vouches for the record: worker: rollcage's worker inside the sandbox; supervisor: "
+        "journaled outside the sandbox from the egress proxy's capture (a harness's model calls), which "
+        "nothing inside can forge; harness: a harness's own report of its tool calls, relayed unverified.",
+    )
     rollout_id: str | None = Field(default=None, description="Set on 'start'.")
     turn: TurnStart | None = Field(default=None, description="Set on 'turn_start'.")
     model_call: ModelCall | None = Field(default=None, description="Set on 'model_call'.")

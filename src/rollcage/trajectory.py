@@ -220,12 +220,15 @@ class ProjectedCall(NamedTuple):
 
     Attributes:
         call: The model call.
-        items: Its items in the projection: its own output first, then its tools'.
+        items: Its items in the projection: the calls a harness ran on its own before it
+            (``lead`` items), then its own output, then its tools'.
+        lead: How many of ``items`` come before the call's own output.
         own: How many of ``items`` are the call's own output (the model's generation).
     """
 
     call: ModelCall
     items: list[ResponseItem]
+    lead: int
     own: int
 
 
@@ -238,30 +241,34 @@ def project_calls(trajectory: Trajectory, *, partial: bool) -> list[ProjectedCal
     for call in trajectory.model_calls:
         tools = by_turn.pop(call.turn, [])
         shown = {t.call_id for t in tools if not partial or t.status in _DONE}
-        declared: set[str] = set()
+        # A call a harness made on its own before this model call (NOOA's first turn) comes first.
+        before = [t for t in tools if t.origin == "harness" and t.started_at < call.started_at]
         items: list[ResponseItem] = []
+        for tool in before:
+            if tool.call_id in shown:
+                items += [_call_item(tool), _output_item(tool)]
+        lead = len(items)
+        tools = [t for t in tools if t not in before]
+        declared: set[str] = set()
         for item in call.output:
             if item.get("type") == "function_call":
                 declared.add(str(item.get("call_id")))
                 if str(item.get("call_id")) not in shown:
                     continue
             items.append(item)
-        own = len(items)
+        own = len(items) - lead
         for tool in tools:
             if tool.call_id not in shown:
                 continue
             if tool.call_id not in declared:
-                items.append(
-                    {
-                        "type": "function_call",
-                        "call_id": tool.call_id,
-                        "name": tool.name,
-                        "arguments": tool.arguments,
-                    }
-                )
+                items.append(_call_item(tool))
             items.append(_output_item(tool))
-        projected.append(ProjectedCall(call, items, own))
+        projected.append(ProjectedCall(call, items, lead, own))
     return projected
+
+
+def _call_item(tool: ToolCall) -> ResponseItem:
+    return {"type": "function_call", "call_id": tool.call_id, "name": tool.name, "arguments": tool.arguments}
 
 
 def _output_item(tool: ToolCall) -> ResponseItem:

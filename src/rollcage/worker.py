@@ -38,7 +38,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rollcage.agent import SUBMIT, Agent, AgentResult
 from rollcage.checkpoint import CallCompactor
@@ -59,6 +59,9 @@ from rollcage.protocol import (
     json_problem,
 )
 from rollcage.trajectory import INTERRUPTED, TrajectoryRecorder, final_text, project_output, sum_usage
+
+if TYPE_CHECKING:
+    from rollcage.harness import RelayWriter
 
 __all__ = [
     "EXIT_CANCELLED",
@@ -272,6 +275,9 @@ class _Session:
         self.task: asyncio.Task[AgentResult] | None = None
         self.model_cookies = dict(spec.model_cookies)
         self.resource_cookies = dict(spec.resource_cookies)
+        harness = spec.agent.harness
+        self.harness = harness is not None and harness.type != "builtin"
+        self.relay: RelayWriter | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -279,8 +285,8 @@ class _Session:
             loop.add_signal_handler(signum, self._cancel, signum)
         stop_watch = asyncio.create_task(self._watch_stop_file())
         try:
-            await self._open_journal()
-            self.task = asyncio.create_task(self._episode())
+            await self._open_evidence()
+            self.task = asyncio.create_task(self._harness_episode() if self.harness else self._episode())
             if self.cancel_signal is not None:
                 self.task.cancel()  # the signal arrived while the journal was opening
             outcome: AgentResult | None = None
@@ -324,6 +330,8 @@ class _Session:
             if self.journal is not None:
                 with contextlib.suppress(RollcageError):
                     await self.journal.aclose()
+            if self.relay is not None:
+                await self.relay.aclose()
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
 
@@ -342,6 +350,23 @@ class _Session:
         while not self.paths.stop.exists():  # noqa: ASYNC110 - a file, not an event, is the signal
             await asyncio.sleep(STOP_POLL_S)
         self._cancel(0)
+
+    async def _open_evidence(self) -> None:
+        """The journal, or for a harness whose supervisor journals the capture, the relay to it."""
+        if not self.harness:
+            await self._open_journal()
+            return
+        from rollcage.harness import RELAY_FD_ENV, RelayWriter
+
+        fd = os.environ.get(RELAY_FD_ENV)
+        if fd is None:
+            await self._open_journal()
+            return
+        try:
+            self.relay = await RelayWriter(int(fd)).__aenter__()
+        except (OSError, ValueError) as exc:
+            self.checkpoint_failures += 1
+            log.error("cannot relay boundaries to the supervisor (%s), continuing: %s", RELAY_FD_ENV, exc)
 
     async def _open_journal(self) -> None:
         if not self.spec.checkpoint.enabled:
@@ -416,7 +441,33 @@ class _Session:
                 if resources is not None:
                     self.resource_cookies = dict(resources.cookies)
 
-    def _executor_cage(self) -> list[str]:
+    async def _harness_episode(self) -> AgentResult:
+        """A nooa or command harness's episode (see :mod:`rollcage.harness`)."""
+        from rollcage.harness import HarnessRunner
+
+        await asyncio.to_thread(self.paths.workspace.mkdir, parents=True, exist_ok=True)
+        runner = HarnessRunner(
+            self.spec,
+            workspace=self.paths.workspace,
+            recorder=self.recorder,
+            sink=self._harness_boundary,
+            # The harness reaches the worker's loopback forwarder, so its cage keeps the network namespace.
+            cage=self._executor_cage(share_net=True),
+            journal_model_calls=self.relay is None,
+        )
+        try:
+            return await runner.run()
+        finally:
+            self.model_cookies = runner.model_cookies
+            self.resource_cookies = runner.resource_cookies
+
+    async def _harness_boundary(self, record: BoundaryRecord, after: int) -> None:
+        if self.relay is None:
+            await self._boundary(record)
+        elif not await self.relay.send(record, after=after):
+            self.checkpoint_failures += 1
+
+    def _executor_cage(self, *, share_net: bool = False) -> list[str]:
         """The executor's cage, when the supervisor asked for one (see :mod:`rollcage.cage`).
 
         Everything only the worker may touch (its input, journal, result and the proxy
@@ -429,7 +480,9 @@ class _Session:
         private += [
             Path(p) for p in (self.spec.model.uds, *(r.uds for r in self.spec.resources.values())) if p
         ]
-        cage = NestedCage.from_environment(workspace=str(paths.workspace), worker_paths=map(str, private))
+        cage = NestedCage.from_environment(
+            workspace=str(paths.workspace), worker_paths=map(str, private), share_net=share_net
+        )
         return [] if cage is None else cage.prefix()
 
     def _result(self, outcome: AgentResult | None, error: RunnerError | None) -> WorkerResult:

@@ -239,6 +239,7 @@ class _Tree:
         self.args: list[str] = []
         self._made: set[str] = {"/"}
         self._mounted: list[str] = []
+        self.scratch: str | None = None
 
     def _parents(self, dest: str) -> None:
         parts = dest.strip("/").split("/")[:-1]
@@ -251,11 +252,18 @@ class _Tree:
                 self._made.add(parent)
 
     def _under_bind(self, path: str) -> bool:
-        return any(path.startswith(m.rstrip("/") + "/") for m in self._mounted)
+        # Not the scratch /tmp: bwrap would make a mount point there 0700 (root's, as root).
+        return any(path.startswith(m.rstrip("/") + "/") for m in self._mounted if m != self.scratch)
 
     def covered(self, path: str) -> bool:
-        """Whether ``path`` is already visible through a mount or link made before."""
-        return any(path == m or path.startswith(m.rstrip("/") + "/") for m in self._mounted)
+        """Whether ``path`` is already visible through a mount or link made before.
+
+        The scratch ``/tmp`` is fresh, not the host's: a host path under it (an environment in
+        ``/tmp``) is not visible through it and is mounted over it.
+        """
+        return any(
+            path == m or path.startswith(m.rstrip("/") + "/") for m in self._mounted if m != self.scratch
+        )
 
     def add(self, mount: Mount) -> None:
         self._parents(mount.dest)
@@ -300,6 +308,7 @@ def cage_argv(spec: CageSpec, *, tools: BwrapTools, as_root: bool) -> list[str]:
     # /tmp comes first, so paths under /tmp that must be visible (a Python environment, a
     # worker's code) are mounted over it rather than hidden by it.
     tree.add(spec.tmp if isinstance(spec.tmp, Tmpfs) else Bind(spec.tmp.source, "/tmp", writable=True))
+    tree.scratch = "/tmp"
     for mount in spec.mounts:
         if isinstance(mount, Bind) and not mount.writable and mount.source == mount.dest:
             if tree.covered(mount.dest):

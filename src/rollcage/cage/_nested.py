@@ -66,20 +66,26 @@ class NestedCage:
         workspace: The directory the executor works in (kept writable).
         hide: Directories covered by an empty tmpfs (the worker's staging area, journal and proxy
             socket); the workspace is bound back inside them.
+        share_net: Keep the worker's network namespace (only loopback, where the worker serves a
+            harness's model endpoint); otherwise the cage has none of its own but loopback, unused.
     """
 
     bwrap: str
     workspace: str
     hide: tuple[str, ...]
+    share_net: bool = False
 
     @classmethod
-    def from_environment(cls, *, workspace: str, worker_paths: Iterable[str]) -> NestedCage | None:
+    def from_environment(
+        cls, *, workspace: str, worker_paths: Iterable[str], share_net: bool = False
+    ) -> NestedCage | None:
         """The executor's cage when the supervisor asked for one (:data:`CAGE_ENV`), else ``None``.
 
         Args:
             workspace: The executor's working directory.
             worker_paths: Files only the worker may touch (input, journal, result, proxy socket):
                 their directories are hidden.
+            share_net: See :attr:`share_net` (a harness reaching the worker's loopback forwarder).
 
         Raises:
             SandboxError: A cage was asked for and bwrap cannot be found, or a path to hide is ``/``.
@@ -96,7 +102,7 @@ class NestedCage:
         hide = sorted({os.path.dirname(os.path.abspath(path)) for path in worker_paths})
         if "/" in hide:
             raise SandboxError(f"cannot hide the worker's files from the executor: {worker_paths!r} are in /")
-        return cls(bwrap=bwrap, workspace=os.path.abspath(workspace), hide=tuple(hide))
+        return cls(bwrap=bwrap, workspace=os.path.abspath(workspace), hide=tuple(hide), share_net=share_net)
 
     def prefix(self) -> list[str]:
         """The argv prefix that runs a command in the executor's cage (working directory: the workspace)."""
@@ -131,7 +137,7 @@ def nested_prefix(cage: NestedCage) -> list[str]:
         "--unshare-ipc",
         "--unshare-uts",
         "--unshare-cgroup-try",
-        "--unshare-net",
+        *([] if cage.share_net else ["--unshare-net"]),
         "--die-with-parent",
         # The worker's view, read-only, then the worker's own files covered.
         "--ro-bind",

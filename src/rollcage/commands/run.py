@@ -54,6 +54,24 @@ class _Api(enum.StrEnum):
     responses = "responses"
 
 
+class _Harness(enum.StrEnum):
+    builtin = "builtin"
+    nooa = "nooa"
+    command = "command"
+
+
+class _TaskVia(enum.StrEnum):
+    stdin = "stdin"
+    argv = "argv"
+    file = "file"
+
+
+class _AnswerFrom(enum.StrEnum):
+    stdout = "stdout"
+    file = "file"
+    events = "events"
+
+
 class _Format(enum.StrEnum):
     auto = "auto"
     rollcage = "rollcage"
@@ -159,6 +177,33 @@ def command(
             help="Environment (bundled name or resource server URL) of rows naming none, e.g. NeMo Gym's."
         ),
     ] = None,
+    harness: Annotated[
+        _Harness | None,
+        typer.Option(
+            help="Agent of rows that name none: builtin (default), nooa, or command (--harness-command)."
+        ),
+    ] = None,
+    harness_command: Annotated[
+        str | None,
+        typer.Option(help="With --harness command: the command line (shell words), run in the workspace."),
+    ] = None,
+    harness_task: Annotated[
+        _TaskVia,
+        typer.Option(help="With --harness command: the task on stdin, as one more argument, or a file."),
+    ] = _TaskVia.stdin,
+    harness_answer: Annotated[
+        _AnswerFrom,
+        typer.Option(
+            help="With --harness command: the answer is its stdout, answer.txt, or an 'answer' event."
+        ),
+    ] = _AnswerFrom.stdout,
+    harness_env: Annotated[
+        Path | None,
+        typer.Option(
+            help="Virtualenv of a nooa or command harness, mounted read-only in every sandbox; default for "
+            "nooa: the one 'rollcage harness install nooa' made."
+        ),
+    ] = None,
     grade_timeouts: Annotated[bool, typer.Option(help="Grade results of rollouts that timed out.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
@@ -215,6 +260,7 @@ def command(
         bwrap = BwrapSandbox(**bwrap_fields(flags, sandbox=sandbox.value))
     except ValidationError as exc:
         raise typer.BadParameter(describe_validation_error(exc)) from exc
+    run_harness = _harness_spec(harness, harness_command, harness_task, harness_answer)
     reporter = RichReporter(quiet=quiet)
     _log_through(reporter)
     source: EmbeddedPolicyConfig | ModelEndpointConfig
@@ -242,6 +288,8 @@ def command(
             max_capture_bytes=max_capture_mib * 1024 * 1024,
             dataset_format=format.value,
             environment=environment,
+            harness=run_harness,
+            harness_env=harness_env,
         )
     except ValidationError as exc:
         raise typer.BadParameter(describe_validation_error(exc)) from exc
@@ -253,6 +301,31 @@ def command(
         fail("run", str(exc), code=EXIT_USAGE)
     render_summary(summary, reporter.console)
     raise typer.Exit(summary.exit_code)
+
+
+def _harness_spec(harness: _Harness | None, command: str | None, task: _TaskVia, answer: _AnswerFrom) -> Any:
+    """The run's harness from its flags (``None``: rows decide, builtin by default)."""
+    import shlex
+
+    from rollcage.protocol import BuiltinHarness, CommandHarness, NooaHarness
+
+    if command is not None and harness not in (None, _Harness.command):
+        raise typer.BadParameter(
+            "--harness-command goes with --harness command", param_hint="--harness-command"
+        )
+    if harness is _Harness.command or command is not None:
+        try:
+            argv = shlex.split(command or "")
+        except ValueError as exc:
+            raise typer.BadParameter(f"not shell words: {exc}", param_hint="--harness-command") from exc
+        if not argv:
+            raise typer.BadParameter("--harness command needs --harness-command CMD", param_hint="--harness")
+        return CommandHarness(type="command", argv=argv, task=task.value, answer=answer.value)
+    if harness is _Harness.nooa:
+        return NooaHarness(type="nooa")
+    if harness is _Harness.builtin:
+        return BuiltinHarness()
+    return None
 
 
 def _check_model_url(url: str) -> None:

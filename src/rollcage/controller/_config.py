@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollcage.controller._unit import RolloutSettings
 from rollcage.errors import ConfigError
+from rollcage.protocol import HarnessSpec
 from rollcage.supervisor.config import BwrapSandbox
 
 if TYPE_CHECKING:
@@ -175,6 +176,15 @@ class RunConfig(_Config):
         default=None,
         description="Environment (bundled name or resource server URL) of rows that name none; "
         "NeMo Gym rows never do. None: such rows have no environment.",
+    )
+    harness: HarnessSpec | None = Field(
+        default=None,
+        description="The harness of rows whose agent names none (builtin, nooa, command); None: builtin.",
+    )
+    harness_env: Path | None = Field(
+        default=None,
+        description="The virtualenv a nooa or command harness runs with (mounted read-only in every "
+        "sandbox); None: nooa's installed one ('rollcage harness install nooa'), none for a command.",
     )
 
     def rollout_settings(self) -> RolloutSettings:

@@ -266,10 +266,10 @@ def _token_marks(result: WorkerResult, projected: int) -> dict[int, dict[str, An
         return {}  # not the worker's projection of this trajectory: no position can be trusted
     marks: dict[int, dict[str, Any]] = {}
     position = 0
-    for call, items, own in calls:
+    for call, items, lead, own in calls:
         tokens = call.tokens
         if own and tokens.status == "observed" and tokens.scope == "generation":
-            marks[position + own - 1] = {
+            marks[position + lead + own - 1] = {
                 "prompt_token_ids": tokens.prompt_token_ids,
                 "generation_token_ids": tokens.generation_token_ids,
                 "generation_log_probs": tokens.generation_log_probs,

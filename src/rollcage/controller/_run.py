@@ -51,7 +51,7 @@ from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
 from rollcage.controller._unit import Endpoints, prepare_rollout, set_aside
 from rollcage.errors import ConfigError, DurableWriteError, SandboxError
-from rollcage.protocol import ModelEndpoint, RolloutRecord, RunMetrics
+from rollcage.protocol import HarnessEnvironment, ModelEndpoint, RolloutRecord, RunMetrics
 
 __all__ = [
     "EXIT_ALL_GRADER_ERRORS",
@@ -177,6 +177,7 @@ class _Scan:
     invalid: list[InvalidRow] = field(default_factory=list)
     invalid_count: int = 0
     environments: dict[str, EnvironmentRef] = field(default_factory=dict)
+    harnesses: set[str] = field(default_factory=set)
 
 
 class _Slots:
@@ -275,6 +276,7 @@ class Controller:
         self._error: str | None = None
         self._last_publish = 0.0
         self._endpoints: Endpoints | None = None
+        self._harness_envs: dict[str, HarnessEnvironment | None] = {}
         self._log: RecordLog | None = None
         self._out = config.out
         # metrics.json is written only once earlier records are folded in: before that a
@@ -333,6 +335,7 @@ class Controller:
                 raise ConfigError(f"{self._source} has no valid rows to run")
             if isinstance(self.config.backend, LocalBackendConfig):
                 self._check_open_files()
+            self._harness_envs = await asyncio.to_thread(self._resolve_harnesses)
             await asyncio.to_thread(self._check_sandbox)
             lock_fd = await asyncio.to_thread(self._lock_out_dir)
             await asyncio.to_thread(self._kill_leftovers)
@@ -373,7 +376,24 @@ class Controller:
             scan.tasks += 1
             if item.environment is not None:
                 scan.environments.setdefault(item.environment.key, item.environment)
+            harness = item.row.agent.harness or self.config.harness
+            scan.harnesses.add("builtin" if harness is None else harness.type)
         return scan
+
+    def _resolve_harnesses(self) -> dict[str, HarnessEnvironment | None]:
+        """The environment of each harness the rows use, checked once before anything runs (blocking).
+
+        Raises:
+            ConfigError: One is missing or unusable (one line that says what to do); nothing is
+                ever downloaded here.
+        """
+        from rollcage.harness import resolve_environment
+
+        envs: dict[str, HarnessEnvironment | None] = {}
+        for kind in ("nooa", "command"):
+            if kind in self._scan.harnesses:
+                envs[kind] = resolve_environment(kind, self.config.harness_env)
+        return envs
 
     def _check_sandbox(self) -> None:
         """Try the sandbox once, before anything is written.
@@ -502,6 +522,8 @@ class Controller:
             self._endpoints = Endpoints(
                 model=ModelEndpoint(base_url=base_url, model=name, api=self.config.api),
                 environments=environments,
+                harness=self.config.harness,
+                harness_envs=self._harness_envs,
             )
             backend = self._backend or self.config.backend.build(self.config.rollout_settings())
             async with backend, RecordLog(self._out / "rollouts.jsonl") as log:

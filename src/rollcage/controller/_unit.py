@@ -48,6 +48,8 @@ from rollcage.controller._nemo_gym import (
 )
 from rollcage.errors import RollcageError
 from rollcage.protocol import (
+    HarnessEnvironment,
+    HarnessSpec,
     ModelEndpoint,
     Outcome,
     ResourceEndpoint,
@@ -183,10 +185,15 @@ class Endpoints:
     Attributes:
         model: The model endpoint with the run's defaults (rows override all but URL and name).
         environments: Running environments by resource key.
+        harness: The run's harness, for rows that name none (``None``: the builtin loop).
+        harness_envs: The checked environment of each harness kind the run uses (``nooa``,
+            ``command``; ``None``: a command with the system's programs only).
     """
 
     model: ModelEndpoint
     environments: dict[str, EnvironmentEndpoint] = field(default_factory=dict)
+    harness: HarnessSpec | None = None
+    harness_envs: dict[str, HarnessEnvironment | None] = field(default_factory=dict)
 
 
 def prepare_rollout(
@@ -221,16 +228,20 @@ def prepare_rollout(
         environment = EnvironmentPlan(
             url=env_endpoint.url, token=env_endpoint.token, run_request=run_request(params, task.verifier)
         )
+    harness = row.agent.harness or endpoints.harness
+    agent = row.agent if harness is row.agent.harness else row.agent.model_copy(update={"harness": harness})
+    harness_env = endpoints.harness_envs.get(harness.type) if harness is not None else None
     worker_input = WorkerInput(
         rollout_id=rid,
         task_id=task.id,
         input=row.input,
         instructions=row.instructions,
         model=model,
-        agent=row.agent,
+        agent=agent,
         executor=row.executor,
         tools=list(task.tools),
         resources=resources,
+        harness_env=harness_env,
     )
     grading: GradingPlan | None = None
     if task.grader is not None:

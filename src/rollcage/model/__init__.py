@@ -18,6 +18,7 @@ One call never takes longer than ``max_call_seconds(endpoint)``.
 """
 
 from rollcage.model._client import ClientState, ModelClient, failed_call, max_call_seconds, retry_wait_bounds
+from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
 from rollcage.model._wire import (
     CallOutcome,
     WireError,
@@ -34,7 +35,9 @@ __all__ = [
     "CallOutcome",
     "ClientState",
     "ModelClient",
+    "ServerEventError",
     "WireError",
+    "assemble_stream",
     "build_request",
     "chat_messages",
     "chat_tools",
@@ -45,4 +48,6 @@ __all__ = [
     "parse_response",
     "responses_tools",
     "retry_wait_bounds",
+    "sse_events",
+    "sse_lines",
 ]

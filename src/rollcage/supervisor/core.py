@@ -45,6 +45,7 @@ from pydantic import ValidationError
 
 from rollcage.durable import publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
+from rollcage.harness import GRACE_ENV, RELAY_FD_ENV, CaptureJournal
 from rollcage.protocol import SignalEvent, SupervisorReceipt, WorkerInput, WorkerResult
 from rollcage.supervisor.budgets import RolloutBudgets, owner_tag, release_leftovers, sweep_orphans
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
@@ -65,7 +66,7 @@ from rollcage.supervisor.procs import (
     subtree,
     wait_readable,
 )
-from rollcage.supervisor.proxy import EgressProxy, identity_headers, routes_for, sandbox_input
+from rollcage.supervisor.proxy import MODEL_PREFIX, EgressProxy, identity_headers, routes_for, sandbox_input
 from rollcage.supervisor.sandbox import (
     BwrapLauncher,
     LaunchPlan,
@@ -284,6 +285,9 @@ class _Supervision:
         self.credentials: tuple[str | None, dict[str, str]] = (None, {})
         self.result: WorkerResult | None = None
         """The validated result.json, once collected."""
+        self.journal: CaptureJournal | None = None
+        """A harness rollout's journal, written here from the capture (see :mod:`rollcage.harness`)."""
+        self.relay_task: asyncio.Future[None] | None = None
 
     # ----------------------------------------------------------------- check and prepare
 
@@ -355,13 +359,15 @@ class _Supervision:
             os.close(fd)
         if plan.sandbox == "bwrap":
             layout.worker_root.mkdir(mode=0o700, exist_ok=True)
-            fd = os.open(layout.checkpoint, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-            os.close(fd)
+            if plan.worker_journal:
+                fd = os.open(layout.checkpoint, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+                os.close(fd)
         if plan.owner is not None:
             # The sandbox runs as an unprivileged host uid: hand it exactly what it may write.
             uid, gid = plan.owner
             os.chown(layout.worker_root, uid, gid)
-            os.chown(layout.checkpoint, uid, gid, follow_symlinks=False)
+            if plan.worker_journal:
+                os.chown(layout.checkpoint, uid, gid, follow_symlinks=False)
             for directory, dirs, files in os.walk(layout.workspace):
                 os.chown(directory, uid, gid, follow_symlinks=False)
                 for name in [*dirs, *files]:
@@ -383,6 +389,13 @@ class _Supervision:
         await asyncio.to_thread(retry_on_emfile, self._read_input)
         if self.setup_failure is not None or self.original is None:
             return
+        missing = await asyncio.to_thread(_missing_harness_paths, self.original)
+        if missing is not None:
+            self.setup_failure = (
+                f"the worker was not started: the harness environment's {missing} does not exist on this "
+                "machine (harness_env in input.json): 'rollcage harness install', or fix --harness-env"
+            )
+            return
         stop_set = self.stop_event is not None and self.stop_event.is_set()
         if stop_set or await asyncio.to_thread(os.path.exists, self.layout.stop):
             self.stop_requested = True
@@ -403,7 +416,16 @@ class _Supervision:
         env = worker_environment(
             allow=self.config.env_allow, extra=self.config.env, sandbox=self.launcher.kind
         )
+        harness = self.original.agent.harness
+        if harness is not None and harness.type != "builtin":
+            # A harness gets part of the grace to report its partial episode; the worker needs the rest.
+            env[GRACE_ENV] = repr(self.config.grace_s)
         command = self.config.worker_command or default_worker_command()
+        relay_write = await self._open_journal()
+        if relay_write is not None:
+            env[RELAY_FD_ENV] = str(relay_write)
+        harness_env = self.original.harness_env
+        harness_mounts = harness_env.mounts if harness_env is not None else []
         status_read, status_write = os.pipe() if self.launcher.kind == "bwrap" else (None, None)
         try:
             if isinstance(self.launcher, BwrapLauncher):
@@ -427,10 +449,17 @@ class _Supervision:
                     status_fd=status_write,
                     scratch=scratch,
                     enter=self.budgets.enter_prefix(),
+                    extra_ro=harness_mounts,
+                    worker_journal=self.journal is None,
+                    pass_fds=() if relay_write is None else (relay_write,),
                 )
             else:
                 self.plan = plan = self.launcher.plan(
-                    self.layout, worker_command=command, worker_env=env, token_env={TOKEN_ENV: self.token}
+                    self.layout,
+                    worker_command=command,
+                    worker_env=env,
+                    token_env={TOKEN_ENV: self.token},
+                    pass_fds=() if relay_write is None else (relay_write,),
                 )
             await self._launch(plan, status_write)
         except BaseException:
@@ -438,15 +467,45 @@ class _Supervision:
                 os.close(status_read)
             raise
         finally:
-            # The launched bwrap holds its own copy now.
-            if status_write is not None:
-                os.close(status_write)
+            # The launched bwrap (and the worker) hold their own copies now.
+            for fd in (status_write, relay_write):
+                if fd is not None:
+                    os.close(fd)
         if status_read is not None:
             self.status_task = asyncio.ensure_future(self._read_bwrap_status(status_read))
         if self.budgets is not None:
             self.budget_task = asyncio.ensure_future(self._watch_budgets())
         assert self.child is not None
         await self._watch(self.child)
+
+    async def _open_journal(self) -> int | None:
+        """For a harness rollout behind the proxy: this side's journal and the relay pipe's write end.
+
+        A black-box harness leaves no evidence of its own that can be trusted, so the supervisor
+        journals its model calls from the capture and the tool calls the worker relays (see
+        :mod:`rollcage.harness`); the worker then writes no journal. ``None`` for the builtin loop.
+        """
+        original = self.original
+        assert original is not None
+        harness = original.agent.harness
+        if self.config.proxy is None or harness is None or harness.type == "builtin":
+            return None
+        if not original.checkpoint.enabled:
+            return None
+        journal = CaptureJournal(
+            self.layout.checkpoint, rollout_id=self.rollout_id, model_prefix=MODEL_PREFIX
+        )
+        try:
+            await journal.__aenter__()
+        except RollcageError as exc:
+            # Evidence is best effort: the worker journals what it sees itself, as without a proxy.
+            logger.error("rollout %s: cannot open the journal, the worker keeps it: %s", self.rollout_id, exc)
+            return None
+        self.journal = journal
+        read, write = os.pipe()
+        os.set_inheritable(write, True)
+        self.relay_task = asyncio.ensure_future(journal.pump(read))
+        return write
 
     async def _launch(self, plan: LaunchPlan, status_fd: int | None) -> None:
         assert self.original is not None
@@ -463,6 +522,8 @@ class _Supervision:
                 socket_owner=plan.owner,
                 identity=identity_headers(self.original),
                 on_budget_exceeded=self._budget_passed,
+                on_capture=None if self.journal is None else self.journal.on_capture,
+                model_call_limit=None if self.journal is None else self.original.agent.max_policy_calls,
             )
             await self.proxy.__aenter__()
             worker_input = sandbox_input(self.original, plan.proxy_socket)
@@ -473,7 +534,7 @@ class _Supervision:
             env=plan.env,
             cwd=plan.cwd,
             stdout=self.log_fd,
-            pass_fds=() if status_fd is None else (status_fd,),
+            pass_fds=(*(() if status_fd is None else (status_fd,)), *plan.pass_fds),
         )
         logger.debug("rollout %s: worker started (pid %d, %s)", self.rollout_id, self.child.pid, plan.sandbox)
 
@@ -813,6 +874,9 @@ class _Supervision:
                 self.log_fd = None
             if self.proxy is not None:
                 await self.proxy.aclose()
+            if self.journal is not None:
+                # After the proxy: every captured model call is journaled; then what the worker relayed.
+                await self.journal.finish(self.relay_task)
             if self.private_dir is not None:
                 with contextlib.suppress(OSError):
                     os.rmdir(self.private_dir)
@@ -932,6 +996,14 @@ class _Supervision:
         if result.rollout_id not in ("", self.rollout_id):
             return True, None, f"result.json is for rollout {result.rollout_id!r}, not {self.rollout_id!r}"
         return True, result, None
+
+
+def _missing_harness_paths(original: WorkerInput) -> str | None:
+    """The first path of the input's harness environment that does not exist here (blocking)."""
+    env = original.harness_env
+    if env is None:
+        return None
+    return next((path for path in [*env.mounts, env.python] if not os.path.exists(path)), None)
 
 
 def _innermost_init(tree: list[ProcInfo]) -> ProcInfo | None:

@@ -106,6 +106,7 @@ import orjson
 
 from rollcage.durable import AppendCursor
 from rollcage.errors import SupervisorError
+from rollcage.harness import budget_refusal, model_call_api
 from rollcage.protocol import ResourceToolSpec, WorkerInput
 from rollcage.supervisor.config import ProxyConfig
 from rollcage.supervisor.fds import connection_budget, is_out_of_descriptors, retry_on_emfile
@@ -487,7 +488,7 @@ class _CaptureFile:
         fd = await asyncio.to_thread(retry_on_emfile, os.open, self._path, flags, 0o600)
         self._cursor = AppendCursor(fd, os.fstat(fd).st_size)
 
-    def _write(self, exchange: _Exchange) -> None:
+    def _write(self, exchange: _Exchange) -> dict[str, Any]:
         cursor = self._cursor
         assert cursor is not None
         seq = sum(self.lines.values()) + 1
@@ -506,13 +507,16 @@ class _CaptureFile:
         except OSError as exc:
             self.failures += 1
             logger.error("cannot append to %s: %s", self._path, exc)
-            return
+            return record
         self.lines[exchange.kind] += 1
+        return record
 
-    async def append(self, exchange: _Exchange) -> None:
+    async def append(self, exchange: _Exchange) -> dict[str, Any] | None:
+        """Append the exchange's line; the record (even when the line could not be written), or ``None``."""
         async with self._lock:
             if self._cursor is not None:
-                await asyncio.to_thread(self._write, exchange)
+                return await asyncio.to_thread(self._write, exchange)
+        return None
 
     async def settled(self) -> None:
         """Return once no line is being written, so ``over_budget`` reflects every finished exchange.
@@ -565,6 +569,12 @@ class EgressProxy:
         on_budget_exceeded: Called once, on the event loop, with the budget's name
             (``"capture_bytes"``) and the reason in words, when the capture passes
             ``config.max_capture_bytes``.
+        on_capture: Awaited with every capture record (whether or not its line could be written),
+            once the line is appended: the supervisor journals a harness's model calls from it.
+        model_call_limit: Model calls (``POST`` to ``/chat/completions`` or ``/responses``) forwarded
+            at most; later ones are answered 403 with an OpenAI-shaped error (code
+            ``max_policy_calls``) and never reach the model. ``None``: no limit (the builtin loop
+            bounds its own calls).
     """
 
     def __init__(
@@ -578,6 +588,8 @@ class EgressProxy:
         socket_owner: tuple[int, int] | None = None,
         identity: Mapping[str, str] | None = None,
         on_budget_exceeded: Callable[[str, str], None] | None = None,
+        on_capture: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+        model_call_limit: int | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.routes = list(routes)
@@ -587,6 +599,9 @@ class EgressProxy:
         identity = {"X-Rollout-Id": rollout_id} if identity is None else identity
         self._identity = [(k.lower().encode("latin-1"), v.encode("utf-8")) for k, v in identity.items()]
         self._on_budget_exceeded = on_budget_exceeded
+        self._on_capture = on_capture
+        self._model_call_limit = model_call_limit
+        self._model_calls = 0
         self._model_routes = [_parse_model_route(route) for route in config.model_routes]
         self._capture = _CaptureFile(
             capture_path,
@@ -838,7 +853,12 @@ class EgressProxy:
 
     async def _record(self, exchange: _Exchange) -> None:
         self.exchanges[exchange.kind] += 1
-        await self._capture.append(exchange)
+        record = await self._capture.append(exchange)
+        if record is not None and self._on_capture is not None:
+            try:
+                await self._on_capture(record)
+            except Exception:
+                logger.exception("rollout %s: the capture hook failed", self._rollout_id)
         if self._capture.over_budget and not self._budget_reported:
             self._budget_reported = True
             logger.warning("rollout %s: the capture is over its budget", self._rollout_id)
@@ -956,10 +976,12 @@ class EgressProxy:
             while left > 0 and (data := await self._recv(sock, deadline)):
                 left -= len(data)
 
-    async def _send_simple(self, conn: h11.Connection, sock: socket.socket, status: int, text: str) -> None:
+    async def _send_simple(
+        self, conn: h11.Connection, sock: socket.socket, status: int, text: str, *, json: bool = False
+    ) -> None:
         body = (text + "\n").encode()
         headers = [
-            ("content-type", "text/plain; charset=utf-8"),
+            ("content-type", "application/json" if json else "text/plain; charset=utf-8"),
             ("content-length", str(len(body))),
             ("x-rollcage-proxy", "1"),
         ]
@@ -1040,8 +1062,25 @@ class EgressProxy:
             ]
             await self._send_simple(conn, sock, 403, self._refusal(ex, matched))
             return True
+        if self._over_call_limit(ex.method, matched):
+            limit = self._model_call_limit
+            ex.status = 403
+            ex.error = f"refused: the rollout's {limit} model calls (max_policy_calls) are spent"
+            ex.response_headers = [(b"content-type", b"application/json"), (b"x-rollcage-proxy", b"1")]
+            await self._send_simple(conn, sock, 403, budget_refusal(limit or 0).decode(), json=True)
+            return True
         ex.upstream_url = matched[0].upstream.rstrip("/") + matched[1]
         return await self._run(conn, sock, ex)
+
+    def _over_call_limit(self, method: str, matched: tuple[Route, str]) -> bool:
+        """Count a model call; whether it is past ``model_call_limit`` (then it is not forwarded)."""
+        route, rest = matched
+        if self._model_call_limit is None or route.kind != "model" or model_call_api(method, rest) is None:
+            return False
+        if self._model_calls >= self._model_call_limit:
+            return True
+        self._model_calls += 1
+        return False
 
     async def _run(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bool:
         # While the upstream answers, watch the client: if it goes away (worker killed or

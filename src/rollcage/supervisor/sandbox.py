@@ -193,6 +193,10 @@ class LaunchPlan:
         proxy_socket: The proxy socket as the worker sees it (``None`` without a proxy).
         owner: ``(uid, gid)`` the worker runs as on the host, when it differs from
             the supervisor's: the worker-writable paths are handed to it first.
+        pass_fds: Descriptors the worker inherits besides its standard ones (the relay of a
+            harness rollout's boundaries to the supervisor).
+        worker_journal: The worker writes ``checkpoint.jsonl``; ``False`` for a harness rollout,
+            whose journal the supervisor writes (the sandbox then does not see the file).
     """
 
     sandbox: Literal["bwrap", "none"]
@@ -202,6 +206,8 @@ class LaunchPlan:
     result_dir: Path
     proxy_socket: str | None
     owner: tuple[int, int] | None = None
+    pass_fds: tuple[int, ...] = ()
+    worker_journal: bool = True
 
 
 @dataclass(frozen=True)
@@ -231,6 +237,7 @@ def bwrap_argv(
     as_root: bool,
     status_fd: int | None = None,
     scratch: Scratch | None = None,
+    worker_journal: bool = True,
 ) -> list[str]:
     """The full command line that runs ``worker_argv`` in the sandbox (pure: nothing is checked on disk).
 
@@ -248,6 +255,8 @@ def bwrap_argv(
             init, whose death takes the whole sandbox with it.
         scratch: The writable places; ``None``: the workspace in place and bubblewrap tmpfs of the
             configured sizes.
+        worker_journal: Mount ``checkpoint.jsonl`` for the worker to append to; ``False``: the
+            supervisor writes it (a harness rollout) and the sandbox does not see it.
 
     Returns:
         The argv to execute.
@@ -265,7 +274,11 @@ def bwrap_argv(
     mounts += [
         Bind(str(layout.worker_root), SANDBOX_ROLLOUT_DIR, writable=True),
         Bind(str(layout.worker_input), f"{SANDBOX_ROLLOUT_DIR}/input.json"),
-        Bind(str(layout.checkpoint), f"{SANDBOX_ROLLOUT_DIR}/checkpoint.jsonl", writable=True),
+        *(
+            [Bind(str(layout.checkpoint), f"{SANDBOX_ROLLOUT_DIR}/checkpoint.jsonl", writable=True)]
+            if worker_journal
+            else []
+        ),
         Bind(str(scratch.workspace), f"{SANDBOX_ROLLOUT_DIR}/workspace", writable=True),
     ]
     run_as = (
@@ -357,6 +370,9 @@ class BwrapLauncher:
         status_fd: int | None = None,
         scratch: Scratch | None = None,
         enter: Sequence[str] = (),
+        extra_ro: Sequence[str] = (),
+        worker_journal: bool = True,
+        pass_fds: Sequence[int] = (),
     ) -> LaunchPlan:
         """The launch plan for one rollout (call :meth:`check` first).
 
@@ -369,6 +385,9 @@ class BwrapLauncher:
                 inherited by the launched process.
             scratch: The writable places the budgets chose (see :class:`Scratch`).
             enter: A prefix run first on the host (moving the sandbox into its cgroups).
+            extra_ro: More host paths mounted read-only at the same place (a harness's environment).
+            worker_journal: See :attr:`LaunchPlan.worker_journal`.
+            pass_fds: See :attr:`LaunchPlan.pass_fds`.
         """
         tools = self.check()
         root = SANDBOX_ROLLOUT_DIR
@@ -379,7 +398,7 @@ class BwrapLauncher:
             "--checkpoint",
             f"{root}/checkpoint.jsonl",
         ]
-        ro = [*python_paths(), *self.config.extra_ro_paths]
+        ro = [*python_paths(), *self.config.extra_ro_paths, *extra_ro]
         if os.path.isabs(worker_command[0]):
             ro.append(os.path.dirname(worker_command[0]))
         env = dict(worker_env)
@@ -397,6 +416,7 @@ class BwrapLauncher:
             as_root=os.geteuid() == 0,
             status_fd=status_fd,
             scratch=scratch,
+            worker_journal=worker_journal,
         )
         return LaunchPlan(
             sandbox="bwrap",
@@ -406,6 +426,8 @@ class BwrapLauncher:
             result_dir=layout.worker_root,
             proxy_socket=SANDBOX_PROXY_SOCKET if layout.proxy_socket is not None else None,
             owner=self.owner,
+            pass_fds=tuple(pass_fds),
+            worker_journal=worker_journal,
         )
 
 
@@ -432,10 +454,12 @@ class NoSandboxLauncher:
         worker_env: Mapping[str, str],
         token_env: Mapping[str, str],
         status_fd: int | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> LaunchPlan:
         """The launch plan for one rollout: the worker in ``R`` itself, dying with the supervisor.
 
-        ``status_fd`` is accepted for symmetry with bwrap and ignored.
+        ``status_fd`` is accepted for symmetry with bwrap and ignored; ``pass_fds`` are inherited
+        (see :attr:`LaunchPlan.pass_fds`).
         """
         argv = [
             *worker_command,
@@ -456,6 +480,7 @@ class NoSandboxLauncher:
             cwd=str(layout.workspace),
             result_dir=layout.root,
             proxy_socket=str(layout.proxy_socket) if layout.proxy_socket is not None else None,
+            pass_fds=tuple(pass_fds),
         )
 
 

@@ -16,9 +16,12 @@ from rollcage.tools._executor import (
     Executor,
     ExecutorState,
     ToolBridge,
+    bound_middle,
+    kill_group,
     make_executor,
+    signal_group,
 )
-from rollcage.tools._resources import ResourceTools, tool_parameters
+from rollcage.tools._resources import ResourceTools, cookie_header, parse_set_cookie, tool_parameters
 
 __all__ = [
     "BridgedTools",
@@ -28,6 +31,11 @@ __all__ = [
     "ExecutorState",
     "ResourceTools",
     "ToolBridge",
+    "bound_middle",
+    "cookie_header",
+    "kill_group",
     "make_executor",
+    "parse_set_cookie",
+    "signal_group",
     "tool_parameters",
 ]

@@ -41,7 +41,10 @@ __all__ = [
     "Executor",
     "ExecutorState",
     "ToolBridge",
+    "bound_middle",
+    "kill_group",
     "make_executor",
+    "signal_group",
 ]
 
 _T = TypeVar("_T")

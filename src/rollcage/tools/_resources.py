@@ -33,7 +33,7 @@ from rollcage.errors import ConfigError, ResourceUnavailableError
 from rollcage.model._httpx import httpx, transport_for
 from rollcage.protocol import ResourceEndpoint, ResourceToolSpec, ToolStatus
 
-__all__ = ["ResourceTools", "tool_parameters"]
+__all__ = ["ResourceTools", "cookie_header", "parse_set_cookie", "tool_parameters"]
 
 _UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
 """Statuses that say "the resource is not there", not "your request was wrong"."""
@@ -199,7 +199,7 @@ class ResourceTools:
         endpoint = self._resources[spec.resource]
         client = self._clients[spec.resource]
         path = spec.path if spec.path is not None else f"/{name}"
-        headers = {"Cookie": _cookie_header(self._cookies)} if self._cookies else None
+        headers = {"Cookie": cookie_header(self._cookies)} if self._cookies else None
         try:
             # httpx's timeout bounds each phase; this bounds the whole call (a
             # resource trickling its answer byte by byte must not hold the rollout).
@@ -247,7 +247,7 @@ class ResourceTools:
 
     def _update_cookies(self, response: httpx.Response) -> None:
         for header in response.headers.get_list("set-cookie"):
-            parsed = _parse_set_cookie(header)
+            parsed = parse_set_cookie(header)
             if parsed is None:
                 continue
             name, value, expired = parsed
@@ -257,11 +257,12 @@ class ResourceTools:
                 self._cookies[name] = value
 
 
-def _cookie_header(cookies: Mapping[str, str]) -> str:
+def cookie_header(cookies: Mapping[str, str]) -> str:
+    """A ``Cookie`` header's value for ``cookies``."""
     return "; ".join(f"{name}={value}" for name, value in cookies.items())
 
 
-def _parse_set_cookie(header: str) -> tuple[str, str, bool] | None:
+def parse_set_cookie(header: str) -> tuple[str, str, bool] | None:
     """``(name, value, expired)`` from one ``Set-Cookie`` header; None if it has no name.
 
     Domain and path are ignored on purpose: the protocol keeps one flat
