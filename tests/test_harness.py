@@ -10,6 +10,7 @@ executor's cage. The harness environment is installed once per machine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -26,9 +27,11 @@ import pytest
 from rollcage import load_checkpoint
 from rollcage.durable import read_journal
 from rollcage.protocol import RolloutRecord, RunMetrics, SupervisorReceipt, WorkerResult
+from tests.helpers.formats import AtifTrajectory, NgTrajectoryRecord, check_training_items
 from tests.helpers.harness_env import HarnessEnvs, prepare_harness_envs
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.waiting import wait_for
+from tests.test_nemo_gym_conformance import GymVerifyResponse
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -148,6 +151,37 @@ def test_nooa_model_calls_are_journaled_by_the_supervisor_from_the_capture(nooa_
         assert [c.api for c in result.trajectory.model_calls] == [
             "responses" if record.task_id == "cairo-sum" else "chat"
         ] * 2
+
+
+def test_nooa_evidence_is_as_rl_grade_as_a_native_rollout(nooa_run: Path) -> None:
+    for record in records(nooa_run).values():
+        rid = record.rollout_id
+        result = result_of(record)
+        trajectory = result.trajectory
+        calls = trajectory.model_calls
+        # One turn per model call, owning exactly it, with the wire's one attempt.
+        assert [(c.id, c.turn) for c in calls] == [(f"{rid}:m0", 0), (f"{rid}:m1", 1)]
+        assert [(t.id, t.model_calls, t.resolution) for t in trajectory.turns] == [
+            (f"{rid}:t0", [f"{rid}:m0"], "acted"),
+            (f"{rid}:t1", [f"{rid}:m1"], "acted"),
+        ]
+        assert all([(a.status, a.http_status) for a in c.attempts] == [("completed", 200)] for c in calls)
+        # Turn 0 asks the task; turn 1 only what the harness added since (the cell's output).
+        assert "Oslo" in json.dumps(trajectory.turns[0].input) or "Cairo" in json.dumps(
+            trajectory.turns[0].input
+        )
+        assert trajectory.turns[1].input and all(
+            i.get("role") != "assistant" and i.get("type") != "function_call"
+            for i in trajectory.turns[1].input
+        )
+        # The supervisor's journal has the same turns (journaled from the capture, outside the sandbox).
+        checkpoint = load_checkpoint(Path(record.rollout_dir) / "checkpoint.jsonl")
+        assert [(t.id, t.model_calls) for t in checkpoint.trajectory.turns] == [
+            (t.id, t.model_calls) for t in trajectory.turns
+        ]
+        assert [c.tokens for c in checkpoint.trajectory.model_calls] == [c.tokens for c in calls]
+        # Health ran every check (none unobserved): the turns own their calls, the capture agrees.
+        assert record.health.verdict == "healthy" and not record.health.unobserved, record.health
 
 
 def test_nooa_steps_are_harness_reported_with_the_synthetic_first_turn_given_its_origin(
@@ -326,6 +360,38 @@ def test_command_harness_runs_an_openai_sdk_agent_with_its_tool_calls_in_evidenc
         assert [x["route"] for x in capture(root)].count("resource") == 1
 
 
+def test_a_command_harness_rollout_has_token_data_and_exports_in_both_formats(
+    command_run: Path, tmp_path: Path
+) -> None:
+    record = records(command_run)["oslo-sum"]
+    result = result_of(record)
+    calls = result.trajectory.model_calls
+    # cli-agent asks for token ids and log probabilities as an RL harness does; they are read off the wire.
+    assert [c.tokens.status for c in calls] == ["observed", "observed"]
+    assert all(c.response is not None and "prompt_token_ids" not in c.response for c in calls)
+    checkpoint = load_checkpoint(Path(record.rollout_dir) / "checkpoint.jsonl")
+    assert [c.tokens for c in checkpoint.trajectory.model_calls] == [c.tokens for c in calls]
+    assert [t.resolution for t in result.trajectory.turns] == ["acted", "answered"]
+    assert record.health.verdict == "healthy", record.health
+    atif = rollcage("export", str(command_run), "--format", "atif", "--out", str(tmp_path / "atif"))
+    assert atif.returncode == 0, atif.stderr
+    document = json.loads((tmp_path / "atif" / f"{record.rollout_id}.json").read_text())
+    AtifTrajectory.model_validate(document)
+    nemo = rollcage("export", str(command_run), "--format", "nemo-gym", "--out", str(tmp_path / "ng.jsonl"))
+    assert nemo.returncode == 0, nemo.stderr
+    rows = {
+        row["_ng_rollout_id"]: row
+        for row in map(json.loads, (tmp_path / "ng.jsonl").read_text().splitlines())
+    }
+    row = rows[record.rollout_id]
+    GymVerifyResponse.model_validate(row)
+    trajectory = NgTrajectoryRecord.model_validate(row["ng_trajectory"])
+    # Each model call's token arrays ride on its output, as NeMo Gym trains on them.
+    assert check_training_items(row["response"]["output"]) == len(trajectory.model_calls) == 2
+    refs = [ref.model_call_id for turn in trajectory.turns for ref in turn.model_calls]
+    assert refs == [call.model_call_id for call in trajectory.model_calls] == [c.id for c in calls]
+
+
 def test_command_harness_runs_mini_swe_agent(envs: HarnessEnvs, command_run: Path) -> None:
     if envs.mini is not None:
         pytest.skip(f"optional: {envs.mini}")
@@ -445,7 +511,9 @@ def test_sigkill_after_k_model_calls_leaves_k_boundaries_in_the_journal(
             targets += [pid for pid in _pids_with("worker") if _has_token(pid, token)]
         assert targets
         for pid in targets:
-            os.kill(pid, signal.SIGKILL)
+            # The cage's bubblewrap carries the marker too: killed first, it takes the rest with it.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         receipt = _receipt(proc)
     finally:
         if proc.poll() is None:

@@ -8,6 +8,7 @@ harness itself is replaced by the test's own HTTP client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from rollcage.harness import (
     BUDGET_CODE,
     CaptureJournal,
     Forwarder,
+    WireCalls,
     WireExchange,
     read_events,
     relay_line,
@@ -34,17 +36,19 @@ from rollcage.harness._events import MAX_EVENT_BYTES
 from rollcage.policy import PolicyServer
 from rollcage.protocol import (
     BoundaryRecord,
+    CallAttempt,
     CommandHarness,
     HarnessEnvironment,
     ModelCall,
     ModelEndpoint,
     ToolCall,
     Trajectory,
+    TurnStart,
     WorkerInput,
 )
 from rollcage.supervisor import ProxyConfig
 from rollcage.supervisor.proxy import MODEL_PREFIX, EgressProxy, routes_for, sandbox_input
-from rollcage.trajectory import project_output
+from rollcage.trajectory import build_turns, project_output
 from tests.helpers.waiting import wait_for_async
 
 SCRIPT = {
@@ -84,9 +88,16 @@ def spec_for(base_url: str, *, uds: str | None = None, max_policy_calls: int = 8
     )
 
 
-def chat(client: httpx.AsyncClient, base: str, token: str | None = TOKEN) -> Any:
+def chat(
+    client: httpx.AsyncClient,
+    base: str,
+    token: str | None = TOKEN,
+    *,
+    messages: list[dict[str, Any]] | None = None,
+    **extra: Any,
+) -> Any:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": "m", "messages": messages or [{"role": "user", "content": "hi"}], **extra}
     return client.post(f"{base}/chat/completions", json=body, headers=headers)
 
 
@@ -113,6 +124,65 @@ async def test_forwarder_records_each_model_call_before_the_harness_sees_its_end
             response = await pending
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["tool_calls"]
     assert seen[0].api == "chat" and seen[0].status == 200 and seen[0].response == response.content
+
+
+async def test_a_model_call_in_flight_when_the_rollout_stops_is_interrupted_not_failed() -> None:
+    seen: list[WireExchange] = []
+
+    async def record(exchange: WireExchange) -> None:
+        seen.append(exchange)
+
+    with PolicyServer(SCRIPT, faults=["kind=hang"]) as policy:
+        async with Forwarder(spec_for(policy.base_url), token=TOKEN, on_model_exchange=record) as fwd:
+            async with httpx.AsyncClient(timeout=30) as client:
+                pending = asyncio.ensure_future(chat(client, fwd.base_url))
+                assert await asyncio.to_thread(policy.state.wait_for_requests, 1, 30)
+                await fwd.aclose()  # as the worker does when it is cancelled
+                with contextlib.suppress(httpx.HTTPError):
+                    await pending
+    (exchange,) = seen
+    assert exchange.interrupted
+    wire = await WireCalls("r1").next(exchange)
+    call = wire.call
+    assert (call.status, call.incomplete_reason, [a.status for a in call.attempts]) == (
+        "incomplete",
+        "interrupted",
+        ["incomplete"],
+    )
+    (turn,) = build_turns([wire.turn], [call], wire.tools, final=True)
+    assert (turn.model_calls, turn.resolution) == (["r1:m0"], "interrupted")
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        3,
+        [1],
+        [{"role": 1}],
+        [{"role": "assistant", "tool_calls": 5}],
+        [{"role": "assistant", "tool_calls": "ab"}],
+        [{"role": "assistant", "tool_calls": [{"id": 1, "function": {}}]}],
+        [{"role": "tool", "content": "no call id"}],
+        [{"role": "user", "content": [{"type": "input_audio"}]}],
+        [{"role": "assistant", "content": {"not": "text"}}],
+    ],
+)
+async def test_a_harness_request_of_any_shape_is_kept_and_read_back_only_when_faithful(messages: Any) -> None:
+    body = json.dumps({"model": "m", "messages": messages}).encode()
+    answer = json.dumps({"choices": [{"message": {"role": "assistant", "content": "ok"}}]}).encode()
+    exchange = WireExchange(
+        api="chat",
+        request=body,
+        status=200,
+        content_type="application/json",
+        response=answer,
+        started_at=1.0,
+        first_byte_at=1.5,
+        ended_at=2.0,
+    )
+    wire = await WireCalls("r1").next(exchange)
+    assert wire.call.status == "completed" and wire.call.request["messages"] == messages
+    assert wire.call.input is None and wire.turn.input == []
 
 
 async def test_forwarder_refuses_model_calls_past_the_budget_without_forwarding_them(
@@ -227,7 +297,10 @@ async def test_the_journal_keeps_model_calls_from_the_capture_and_relayed_tool_c
     pump = asyncio.ensure_future(rig.journal.pump(read_fd))
     try:
         async with httpx.AsyncClient(timeout=30) as client:
-            assert (await chat(client, rig.forwarder.base_url)).status_code == 200
+            # As an RL harness asks: token ids and log probabilities (vLLM's request fields).
+            ask = {"logprobs": True, "return_token_ids": True}
+            first = await chat(client, rig.forwarder.base_url, **ask)
+            assert first.status_code == 200
             await wait_for_async(lambda: rig.journal.model_calls == 1, within_s=30, what="the first call")
             # The worker relays the end of call_1_0 having seen two model calls; the second is not journaled
             # yet, so the relayed boundary waits for it. It claims to be the supervisor's: it is not.
@@ -247,7 +320,14 @@ async def test_the_journal_keeps_model_calls_from_the_capture_and_relayed_tool_c
             )
             os.write(write_fd, relay_line(record, after=2))
             await asyncio.sleep(0.1)
-            assert (await chat(client, rig.forwarder.base_url)).status_code == 200
+            # The harness's next request: its history, the model's tool call (its server id) and the output.
+            answer = first.json()["choices"][0]["message"]
+            history = [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": answer["tool_calls"]},
+                {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "1"},
+            ]
+            assert (await chat(client, rig.forwarder.base_url, messages=history, **ask)).status_code == 200
         # As the supervisor does: the proxy's last capture journaled, then the relay drained.
         await wait_for_async(lambda: rig.journal.model_calls == 2, within_s=30, what="the second call")
         os.close(write_fd)
@@ -259,17 +339,42 @@ async def test_the_journal_keeps_model_calls_from_the_capture_and_relayed_tool_c
     entries = read_journal(rig.root / "checkpoint.jsonl")
     assert [(e["kind"], e["reported_by"]) for e in entries] == [
         ("start", "supervisor"),
+        ("turn_start", "supervisor"),
         ("model_call", "supervisor"),
+        ("turn_start", "supervisor"),
         ("model_call", "supervisor"),
         ("tool_call", "harness"),
     ]
     checkpoint = load_checkpoint(rig.root / "checkpoint.jsonl")
-    assert [c.index for c in checkpoint.trajectory.model_calls] == [0, 1]
-    calls = {c.call_id: c for c in checkpoint.trajectory.tool_calls}
+    trajectory = checkpoint.trajectory
+    assert [(c.id, c.index, c.turn) for c in trajectory.model_calls] == [("r1:m0", 0, 0), ("r1:m1", 1, 1)]
+    calls = {c.call_id: c for c in trajectory.tool_calls}
     assert calls["call_0_0"].status == "pending" and calls["call_1_0"].status == "completed"
     # The journal's second request is a delta against the first (O(new content) a line), rebuilt whole.
-    assert entries[2].get("deltas")
-    assert checkpoint.trajectory.model_calls[1].request["messages"][0]["content"] == "hi"
+    assert entries[4].get("deltas")
+    assert trajectory.model_calls[1].request["messages"][0]["content"] == "hi"
+    for call in trajectory.model_calls:
+        # Evidence as RL-grade as the builtin loop's: the wire's attempt, the server's token data
+        # (lifted out of the kept response), the chat messages as Responses items.
+        (attempt,) = call.attempts
+        assert (attempt.status, attempt.http_status) == ("completed", 200)
+        assert attempt.started_at == call.started_at and attempt.ended_at == call.ended_at
+        assert call.tokens.status == "observed" and call.tokens.generation_token_ids
+        assert call.response is not None and "prompt_token_ids" not in call.response
+    assert trajectory.model_calls[0].input == [{"type": "message", "role": "user", "content": "hi"}]
+    assert [i["type"] for i in trajectory.model_calls[1].input_items()] == [
+        "message",
+        "function_call",
+        "function_call_output",
+    ]
+    # One turn per model call, owning exactly it; turn 1's question is the tool output, not the history.
+    assert [(t.id, t.model_calls, t.resolution) for t in trajectory.turns] == [
+        ("r1:t0", ["r1:m0"], "acted"),
+        ("r1:t1", ["r1:m1"], "acted"),
+    ]
+    assert trajectory.turns[1].input == [
+        {"type": "function_call_output", "call_id": answer["tool_calls"][0]["id"], "output": "1"}
+    ]
 
 
 # --------------------------------------------------------------------------- events, protocol, projection
@@ -319,11 +424,14 @@ def test_a_dataset_row_cannot_choose_what_the_sandbox_mounts(tmp_path: Path) -> 
 
 def test_a_call_the_harness_made_before_a_model_call_is_projected_before_it() -> None:
     call = ModelCall(
+        id="r1:m0",
         index=0,
+        turn=0,
         api="chat",
         request={},
         status="completed",
         output=[{"type": "message", "role": "assistant", "content": "hi"}],
+        attempts=[CallAttempt(index=0, status="completed", http_status=200, started_at=10.0, ended_at=11.0)],
         started_at=10.0,
         ended_at=11.0,
     )
@@ -341,3 +449,7 @@ def test_a_call_the_harness_made_before_a_model_call_is_projected_before_it() ->
     )
     items = project_output(Trajectory(model_calls=[call], tool_calls=[prefill]), partial=False)
     assert [item["type"] for item in items] == ["function_call", "function_call_output", "message"]
+    # The turn owns the call the harness ran before it, but the model only answered: it did not act.
+    start = TurnStart(index=0, id="r1:t0", model_call_id="r1:m0", started_at=9.0, input=[])
+    (turn,) = build_turns([start], [call], [prefill], final=True)
+    assert (turn.tool_calls, turn.resolution) == (["harness_0"], "answered")

@@ -81,7 +81,19 @@ def main() -> int:
     ]
     messages: list[dict[str, object]] = [{"role": "user", "content": task}]
     for _ in range(MAX_TURNS):
-        reply = client.chat.completions.create(model=model, messages=messages, tools=tools).choices[0].message
+        # Token ids and log probabilities (vLLM's fields) are what a trainer needs: rollcage reads them
+        # off the wire into each model call's evidence, whatever the agent does with them.
+        reply = (
+            client.chat.completions.create(
+                model=model,
+                messages=messages,
+                tools=tools,
+                logprobs=True,
+                extra_body={"return_token_ids": True},
+            )
+            .choices[0]
+            .message
+        )
         if not reply.tool_calls:
             print(reply.content or "")
             return 0

@@ -156,15 +156,18 @@ def build_turns(
     calls_of: dict[int, list[ModelCall]] = {}
     for call in calls:
         calls_of.setdefault(call.turn, []).append(call)
-    tools_of: dict[int, list[str]] = {}
+    tools_of: dict[int, list[ToolCall]] = {}
     for tool in tools:
-        tools_of.setdefault(tool.turn, []).append(tool.call_id)
+        tools_of.setdefault(tool.turn, []).append(tool)
     turns: list[Turn] = []
     steps = 0
     for start in starts:
         owned = calls_of.get(start.index, [])
-        tool_ids = tools_of.get(start.index, [])
+        owned_tools = tools_of.get(start.index, [])
+        tool_ids = [tool.call_id for tool in owned_tools]
         steps += len(tool_ids)
+        # What a harness ran on its own before the model call (``lead``) is not the model acting.
+        acted = any(not _leads(tool, owned[0] if owned else None) for tool in owned_tools)
         output = owned[-1].output if owned else []
         turns.append(
             Turn(
@@ -178,10 +181,15 @@ def build_turns(
                 reasoning=[item for item in output if item.get("type") == "reasoning"],
                 tool_calls=tool_ids,
                 tool_steps=steps,
-                resolution=_resolution(owned[-1] if owned else None, bool(tool_ids), final=final),
+                resolution=_resolution(owned[-1] if owned else None, acted, final=final),
             )
         )
     return turns
+
+
+def _leads(tool: ToolCall, call: ModelCall | None) -> bool:
+    """Whether a harness ran ``tool`` on its own before ``call`` (a ``ProjectedCall``'s lead)."""
+    return tool.origin == "harness" and call is not None and tool.started_at < call.started_at
 
 
 def _resolution(call: ModelCall | None, acted: bool, *, final: bool) -> TurnResolution:
@@ -242,7 +250,7 @@ def project_calls(trajectory: Trajectory, *, partial: bool) -> list[ProjectedCal
         tools = by_turn.pop(call.turn, [])
         shown = {t.call_id for t in tools if not partial or t.status in _DONE}
         # A call a harness made on its own before this model call (NOOA's first turn) comes first.
-        before = [t for t in tools if t.origin == "harness" and t.started_at < call.started_at]
+        before = [t for t in tools if _leads(t, call)]
         items: list[ResponseItem] = []
         for tool in before:
             if tool.call_id in shown:

@@ -21,7 +21,15 @@ model itself, so rollcage takes its evidence from the wire:
 ``rollcage run`` finds it, or takes ``--harness-env PATH`` (:func:`resolve_environment`).
 """
 
-from rollcage.harness._calls import Api, WireExchange, model_call, model_call_api, requested_tool_calls
+from rollcage.harness._calls import (
+    Api,
+    WireCall,
+    WireCalls,
+    WireExchange,
+    model_call,
+    model_call_api,
+    requested_tool_calls,
+)
 from rollcage.harness._environments import (
     NOOA_PYTHONS,
     NOOA_VERSION,
@@ -72,6 +80,8 @@ __all__ = [
     "RelayWriter",
     "ToolEndEvent",
     "ToolStartEvent",
+    "WireCall",
+    "WireCalls",
     "WireExchange",
     "budget_refusal",
     "default_environment_dir",

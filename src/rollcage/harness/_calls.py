@@ -8,6 +8,15 @@ journal, from ``model_capture.jsonl``). Both turn an exchange into the same
 ``ToolCall`` records named as the builtin loop names them (``call_<index>_<k>``),
 so the journal and the result agree on every id.
 
+Each call is recorded as the builtin loop records its own: an id
+(``<rollout_id>:m<index>``), its one HTTP attempt (status and timings from the
+wire), the token ids and log probabilities the server returned (read by the
+model client's parser, lifted out of the kept response), and, for a chat call,
+its messages read back as Responses items. A harness's turns are not visible
+from outside, so every model call is one turn (``<rollout_id>:t<index>``) whose
+question is what the request added to the conversation since the previous call
+(:class:`WireCalls`).
+
 A model call is a ``POST`` to ``/chat/completions`` or ``/responses`` below the
 model route; anything else (``GET /models``) is traffic, not a call.
 """
@@ -16,15 +25,42 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import orjson
 
 from rollcage.agent import own_call_ids
-from rollcage.model import ServerEventError, WireError, assemble_stream, parse_payload, sse_events, sse_lines
-from rollcage.protocol import MAX_JSON_DEPTH, ModelCall, RunnerError, ToolCall, json_problem
+from rollcage.model import (
+    ServerEventError,
+    WireError,
+    assemble_stream,
+    chat_input_items,
+    parse_payload,
+    sse_events,
+    sse_lines,
+    without_lifted,
+)
+from rollcage.protocol import (
+    MAX_JSON_DEPTH,
+    CallAttempt,
+    ModelCall,
+    ResponseItem,
+    RunnerError,
+    ToolCall,
+    TurnStart,
+    json_problem,
+)
+from rollcage.trajectory import INTERRUPTED
 
-__all__ = ["Api", "WireExchange", "model_call", "model_call_api", "requested_tool_calls"]
+__all__ = [
+    "Api",
+    "WireCall",
+    "WireCalls",
+    "WireExchange",
+    "model_call",
+    "model_call_api",
+    "requested_tool_calls",
+]
 
 Api = Literal["chat", "responses"]
 
@@ -62,6 +98,7 @@ class WireExchange:
         first_byte_at: Unix time of the first response byte.
         ended_at: Unix time the exchange ended.
         error: Why the exchange did not end normally (upstream unreachable, cut off), if it did not.
+        interrupted: The rollout stopped while the exchange was in flight.
     """
 
     api: Api
@@ -73,14 +110,98 @@ class WireExchange:
     first_byte_at: float | None
     ended_at: float
     error: str | None = None
+    interrupted: bool = False
 
 
-async def model_call(index: int, exchange: WireExchange) -> tuple[ModelCall, list[str | None]]:
+class WireCall(NamedTuple):
+    """One model exchange as evidence: the turn it is, the call, and the tool calls it asks for (pending)."""
+
+    turn: TurnStart
+    call: ModelCall
+    tools: list[ToolCall]
+
+
+class WireCalls:
+    """Numbers a harness's model calls and gives each its turn, the same way on both sides of the sandbox.
+
+    The worker (from its forwarder) and the supervisor (from the capture) each keep
+    one and feed it the same exchanges in the same order, so the journal and the
+    result agree on every id, turn and question.
+
+    Args:
+        rollout_id: The rollout the ids are made of.
+    """
+
+    def __init__(self, rollout_id: str) -> None:
+        self._rollout_id = rollout_id
+        self._count = 0
+        self._asked: list[ResponseItem] | None = None
+
+    @property
+    def count(self) -> int:
+        """Model calls numbered so far."""
+        return self._count
+
+    async def next(self, exchange: WireExchange) -> WireCall:
+        """The next call's evidence (see :func:`model_call` for how the wire is read; never raises for it).
+
+        **Cancellation:** safe; the call is not numbered.
+        """
+        index = self._count
+        call, server_ids = await model_call(index, exchange, rollout_id=self._rollout_id)
+        asked = _asked_items(call)
+        start = TurnStart(
+            index=index,
+            id=f"{self._rollout_id}:t{index}",
+            model_call_id=call.id,
+            started_at=call.started_at,
+            input=_question(self._asked, asked),
+        )
+        self._count += 1
+        self._asked = asked
+        return WireCall(start, call, requested_tool_calls(call, server_ids))
+
+
+def _asked_items(call: ModelCall) -> list[ResponseItem]:
+    """The conversation a call sent, as Responses items (a Responses text input: one user message)."""
+    text = call.request.get("input")
+    if call.api == "responses" and isinstance(text, str):
+        return [{"type": "message", "role": "user", "content": text}]
+    return call.input_items()
+
+
+def _question(before: list[ResponseItem] | None, asked: list[ResponseItem]) -> list[ResponseItem]:
+    """What a call added to the conversation since the previous one: past their common part, less the echo
+    of the previous answer (a harness that rewrote its history asks everything anew)."""
+    if before is None:
+        return list(asked)
+    keep = 0
+    for old, new in zip(before, asked, strict=False):
+        if old != new:
+            break
+        keep += 1
+    rest = asked[keep:]
+    while rest and _is_model_item(rest[0]):
+        rest = rest[1:]
+    return list(rest)
+
+
+def _is_model_item(item: ResponseItem) -> bool:
+    kind = item.get("type", "message")
+    return kind in ("function_call", "reasoning") or (kind == "message" and item.get("role") == "assistant")
+
+
+async def model_call(
+    index: int, exchange: WireExchange, *, rollout_id: str
+) -> tuple[ModelCall, list[str | None]]:
     """The ``ModelCall`` an exchange was, with its function calls renamed ``call_<index>_<k>``.
 
     A non-2xx answer, an answer that cannot be read, or none at all is a ``failed``
     call whose error says whose fault it was (400/413/422: ``fatal``, the policy's
-    request; anything else: ``transient``). Never raises for anything the wire holds.
+    request; anything else: ``transient``); one in flight when the rollout stopped is
+    ``incomplete`` (``interrupted``). Its one attempt carries the wire's status and
+    timings; its token data is what the server returned. Never raises for anything the
+    wire holds.
 
     Returns:
         The call, and the server's ids of its function calls in order (``None`` where it gave none).
@@ -88,16 +209,31 @@ async def model_call(index: int, exchange: WireExchange) -> tuple[ModelCall, lis
     **Cancellation:** safe; nothing is kept.
     """
     request = _request_payload(exchange.request)
+    attempt = CallAttempt(
+        index=0,
+        status="completed",
+        http_status=exchange.status,
+        started_at=exchange.started_at,
+        first_byte_at=exchange.first_byte_at,
+        ended_at=exchange.ended_at,
+    )
     base: dict[str, Any] = {
+        "id": f"{rollout_id}:m{index}",
         "index": index,
+        "turn": index,
         "api": exchange.api,
         "request": request,
+        "input": chat_input_items(request.get("messages")) if exchange.api == "chat" else None,
         "http_status": exchange.status,
+        "attempts": [attempt],
         "started_at": exchange.started_at,
         "first_byte_at": exchange.first_byte_at,
         "ended_at": exchange.ended_at,
     }
     status, body = exchange.status, exchange.response
+    if exchange.interrupted:
+        base["attempts"] = [attempt.model_copy(update={"status": "incomplete"})]
+        return ModelCall(**base, status="incomplete", incomplete_reason=INTERRUPTED), []
     if status is None:
         return _failed(base, None, "transient", f"no answer: {exchange.error or 'the exchange ended early'}")
     if not 200 <= status < 300:
@@ -129,11 +265,12 @@ async def model_call(index: int, exchange: WireExchange) -> tuple[ModelCall, lis
         return _failed(base, payload, "transient", message)
     call = ModelCall(
         **base,
-        response=payload,
+        response=without_lifted(exchange.api, payload),
         status=outcome.status,
         incomplete_reason=outcome.incomplete_reason,
         output=outcome.output,
         usage=outcome.usage,
+        tokens=outcome.tokens,
     )
     return own_call_ids(call)
 
@@ -152,7 +289,7 @@ def requested_tool_calls(call: ModelCall, server_ids: list[str | None]) -> list[
             server_call_id=server_id,
             name=str(item.get("name", "")),
             arguments=str(item.get("arguments", "")),
-            turn=call.index,
+            turn=call.turn,
             status="pending",
             started_at=call.ended_at,
             reported_by="harness",
@@ -164,12 +301,9 @@ def requested_tool_calls(call: ModelCall, server_ids: list[str | None]) -> list[
 def _failed(
     base: dict[str, Any], response: dict[str, Any] | None, kind: Literal["transient", "fatal"], message: str
 ) -> tuple[ModelCall, list[str | None]]:
-    call = ModelCall(
-        **base,
-        response=response,
-        status="failed",
-        error=RunnerError(kind=kind, type="HarnessModelCall", message=message),
-    )
+    error = RunnerError(kind=kind, type="HarnessModelCall", message=message)
+    attempt = base["attempts"][0].model_copy(update={"status": "failed", "error": error})
+    call = ModelCall(**{**base, "attempts": [attempt]}, response=response, status="failed", error=error)
     return call, []
 
 

@@ -228,6 +228,10 @@ class Forwarder:
             await self._serve(reader, writer)
         except (OSError, h11.ProtocolError, TimeoutError) as exc:
             logger.debug("forwarder connection ended: %r", exc)
+        except asyncio.CancelledError:
+            # aclose cancelled the exchange (its record says interrupted). The task is asyncio's, which
+            # on Python 3.11 logs a handler that ends cancelled as an error: it ends normally instead.
+            logger.debug("forwarder connection closed by the shutdown")
         finally:
             self._handlers.discard(task)
             writer.close()
@@ -422,6 +426,7 @@ class Forwarder:
         held: bytes | None = None
         reusable = True
         response_from_proxy = False
+        interrupted = False
         client = self._client(route)
         try:
             request = client.build_request(
@@ -470,6 +475,10 @@ class Forwarder:
                 raise
             finally:
                 await response.aclose()
+        except asyncio.CancelledError:
+            # The rollout is stopping (the forwarder closes): the call was in flight, not failed.
+            interrupted = True
+            raise
         finally:
             if kept is not None:
                 self._held -= len(kept)
@@ -487,6 +496,7 @@ class Forwarder:
                     first_byte_at=first_byte,
                     ended_at=time.time(),
                     error=error,
+                    interrupted=interrupted and error is None,
                 )
                 await asyncio.shield(self._on_model_exchange(exchange))
         if held is not None:

@@ -6,9 +6,11 @@ cannot even see it) and appends, durably and in the record format
 ``rollcage.load_checkpoint`` reads:
 
 * a ``start`` record when the rollout starts;
-* one ``model_call`` record per model exchange the egress proxy captured
+* per model exchange the egress proxy captured, a ``turn_start`` record (one
+  turn per call: a black box's turns are not visible) and a ``model_call`` record
   (``reported_by: supervisor``), with the tool calls its response asks for as
-  pending calls named ``call_<index>_<k>`` — the worker names them the same way;
+  pending calls named ``call_<index>_<k>`` — the worker numbers and names them the
+  same way (``WireCalls``);
 * the tool calls the harness reported ending (``reported_by: harness``), relayed
   by the worker through a pipe; each waits (briefly) for the model calls the
   worker had seen before it, so the journal keeps the order things happened in.
@@ -35,7 +37,7 @@ import orjson
 from rollcage.checkpoint import CallCompactor
 from rollcage.durable import CheckpointJournal
 from rollcage.errors import RollcageError
-from rollcage.harness._calls import WireExchange, model_call, model_call_api, requested_tool_calls
+from rollcage.harness._calls import WireCalls, WireExchange, model_call_api
 from rollcage.harness._events import parse_relay_line, read_lines
 from rollcage.protocol import BoundaryRecord
 
@@ -74,6 +76,7 @@ class CaptureJournal:
         self._prefix = model_prefix.rstrip("/")
         self._relay_left = max_relayed_bytes
         self._compactor = CallCompactor()
+        self._wire = WireCalls(rollout_id)
         self._lock = asyncio.Lock()
         self._advanced = asyncio.Condition()
         self._calls = 0
@@ -133,16 +136,19 @@ class CaptureJournal:
         if exchange is None:
             return
         async with self._lock:
-            call, server_ids = await model_call(self._calls, exchange)
-            pending = requested_tool_calls(call, server_ids)
-            compact, deltas = self._compactor.compact(call)
+            wire = await self._wire.next(exchange)
+            compact, deltas = self._compactor.compact(wire.call)
+            turn = BoundaryRecord(
+                kind="turn_start", at=wire.turn.started_at, turn=wire.turn, reported_by="supervisor"
+            )
+            await self._append(turn)
             await self._append(
                 BoundaryRecord(
                     kind="model_call",
                     at=time.time(),
                     model_call=compact,
                     deltas=deltas,
-                    tool_calls=pending,
+                    tool_calls=wire.tools,
                     reported_by="supervisor",
                 )
             )

@@ -44,7 +44,7 @@ import orjson
 
 from rollcage.agent import AgentResult
 from rollcage.errors import HarnessError, TransientModelError
-from rollcage.harness._calls import WireExchange, model_call, requested_tool_calls
+from rollcage.harness._calls import WireCalls, WireExchange
 from rollcage.harness._events import (
     EVENTS_FD_ENV,
     RELAY_FD_ENV,
@@ -134,6 +134,7 @@ class HarnessRunner:
         self._journal_model_calls = journal_model_calls
         self._token = secrets.token_urlsafe(24)
         self._forwarder: Forwarder | None = None
+        self._wire = WireCalls(spec.rollout_id)
         self._lock = asyncio.Lock()
         self._by_harness_id: dict[str, str] = {}
         self._harness_calls = 0
@@ -398,18 +399,22 @@ class HarnessRunner:
 
     async def _on_model_exchange(self, exchange: WireExchange) -> None:
         async with self._lock:
-            index = len(self._recorder.model_calls)
-            call, server_ids = await model_call(index, exchange)
-            pending = requested_tool_calls(call, server_ids)
-            self._recorder.add_model_call(call)
-            for tool in pending:
+            wire = await self._wire.next(exchange)
+            self._recorder.start_turn(wire.turn)
+            self._recorder.add_model_call(wire.call)
+            for tool in wire.tools:
                 self._recorder.apply(tool)
             if self._journal_model_calls:
+                index = wire.call.index
+                turn = BoundaryRecord(
+                    kind="turn_start", at=wire.turn.started_at, turn=wire.turn, reported_by="worker"
+                )
+                await self._sink(turn, index)
                 record = BoundaryRecord(
                     kind="model_call",
                     at=time.time(),
-                    model_call=call,
-                    tool_calls=pending,
+                    model_call=wire.call,
+                    tool_calls=wire.tools,
                     reported_by="worker",
                 )
                 await self._sink(record, index)

@@ -23,12 +23,14 @@ from rollcage.model._wire import (
     CallOutcome,
     WireError,
     build_request,
+    chat_input_items,
     chat_messages,
     chat_tools,
     parse_chat_completion,
     parse_payload,
     parse_response,
     responses_tools,
+    without_lifted,
 )
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "WireError",
     "assemble_stream",
     "build_request",
+    "chat_input_items",
     "chat_messages",
     "chat_tools",
     "failed_call",
@@ -50,4 +53,5 @@ __all__ = [
     "retry_wait_bounds",
     "sse_events",
     "sse_lines",
+    "without_lifted",
 ]

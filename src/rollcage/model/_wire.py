@@ -22,6 +22,7 @@ __all__ = [
     "CallOutcome",
     "WireError",
     "build_request",
+    "chat_input_items",
     "chat_messages",
     "chat_tools",
     "parse_chat_completion",
@@ -381,6 +382,91 @@ def chat_messages(items: Sequence[Mapping[str, Any]], instructions: str | None) 
         for m in messages
         if not (m["role"] == "assistant" and m["content"] is None and "tool_calls" not in m)
     ]
+
+
+def chat_input_items(messages: Any) -> list[ResponseItem] | None:
+    """Read Chat Completions messages back as Responses-API input items (``chat_messages``' inverse).
+
+    For a request rollcage did not build (a harness's): the items ``ModelCall.input``
+    holds for a chat call. System and developer messages stay messages of their role,
+    an assistant message becomes its text (``output_text``) and its ``function_call``
+    items, a ``tool`` message a ``function_call_output``. Text is kept as sent.
+
+    Returns:
+        The items, or ``None`` when ``messages`` is not a list of messages this can
+        read faithfully (the wire request is the evidence then).
+    """
+    if not isinstance(messages, list):
+        return None
+    items: list[ResponseItem] = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return None
+        role, content = message["role"], message.get("content")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                return None
+            output = _text_of(content)
+            if output is None:
+                return None
+            items.append({"type": "function_call_output", "call_id": call_id, "output": output})
+        elif role == "assistant":
+            text = _text_of(content) if content is not None else ""
+            if text is None:
+                return None
+            if text:
+                items.append(_message_item(text))
+            calls = message.get("tool_calls") or []
+            if not isinstance(calls, list):
+                return None
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(call.get("id"), str):
+                    return None
+                items.append(
+                    {
+                        "type": "function_call",
+                        "call_id": call["id"],
+                        "name": str(function.get("name", "")),
+                        "arguments": _raw_arguments(function.get("arguments")),
+                    }
+                )
+        else:
+            parts = _input_parts(content)
+            if parts is None:
+                return None
+            items.append({"type": "message", "role": role, "content": parts})
+    return items
+
+
+def _text_of(content: Any) -> str | None:
+    """Chat content as text: a string, or text parts joined; ``None`` for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def _input_parts(content: Any) -> str | list[dict[str, Any]] | None:
+    """A user/system message's chat content as Responses content (``_chat_content``'s inverse)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "input_text", "text": part["text"]})
+        elif kind == "image_url" and isinstance(part.get("image_url"), dict):
+            parts.append({"type": "input_image", "image_url": str(part["image_url"].get("url", ""))})
+        else:
+            return None
+    return parts
 
 
 def _chat_content(content: Any) -> str | list[dict[str, Any]]:
