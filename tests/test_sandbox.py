@@ -51,7 +51,7 @@ from rollcage.supervisor import (
     classify_outcome,
     supervise,
 )
-from rollcage.supervisor.procs import ensure_subreaper
+from rollcage.procs import ensure_subreaper
 from rollcage.supervisor.sandbox import BwrapTools, bwrap_argv
 from rollcage.tools import make_executor
 from tests.helpers.supervisor_env import (

@@ -32,7 +32,7 @@ from rollcage.supervisor import (
     kill_leftovers,
     supervise,
 )
-from rollcage.supervisor.procs import PidHandle, ensure_subreaper, is_subreaper, read_proc
+from rollcage.procs import PidHandle, ensure_subreaper, is_subreaper, read_proc
 from tests.helpers.supervisor_env import (
     HELPERS,
     config,
@@ -355,7 +355,7 @@ def test_a_process_group_is_signalled_whole_through_its_leaders_pidfd() -> None:
 
 
 def processes_in_group(pgid: int) -> list[int]:
-    from rollcage.supervisor.procs import scan_processes
+    from rollcage.procs import scan_processes
 
     return [info.pid for info in scan_processes().values() if info.pgid == pgid and info.alive]
 

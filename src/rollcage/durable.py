@@ -41,6 +41,7 @@ import orjson
 from pydantic import BaseModel
 
 from rollcage.errors import DurableWriteError, JournalCorruptError
+from rollcage.procs import wait_shared
 
 __all__ = [
     "AppendCursor",
@@ -605,7 +606,7 @@ class CheckpointJournal:
         assert self._stopped is not None  # set whenever the state is OPEN
         try:
             async with asyncio.timeout(self._timeout_s):
-                await asyncio.shield(self._stopped)
+                await wait_shared(self._stopped)
         except TimeoutError as exc:
             raise DurableWriteError(
                 errno.ETIMEDOUT, f"journal {self._path}: closing took longer than {self._timeout_s} s"

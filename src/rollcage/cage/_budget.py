@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from rollcage.procs import PidHandle, read_proc
 from rollcage.protocol import BudgetMechanism, BudgetName
 
 __all__ = [
@@ -410,19 +411,24 @@ def kill_cgroup(directory: Path) -> None:
     except (OSError, ValueError):
         return
     for pid in pids:
+        info = read_proc(pid)
         # Through a pidfd checked against the cgroup after opening: a reused PID is never hit.
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue
-        try:
-            with open(f"/proc/{pid}/cgroup", encoding="utf-8") as file:
-                if f"{directory.name}\n" in file.read():
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        handle = None if info is None else PidHandle.open_checked(info, lambda p: _in_cgroup(p, directory))
+        if handle is not None:
+            try:
+                handle.send(signal.SIGKILL)
+            except OSError:
+                pass  # not ours to signal after all: nothing more to do here
+            finally:
+                handle.close()
+
+
+def _in_cgroup(pid: int, directory: Path) -> bool:
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8") as file:
+            return f"{directory.name}\n" in file.read()
+    except OSError:
+        return False
 
 
 def _write(path: Path, value: str, *, quiet: bool = False) -> bool:

@@ -23,7 +23,6 @@ when its init dies. A caller that is not root needs one stage.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -37,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollcage.errors import SandboxError
+from rollcage.procs import signal_group
 
 logger = logging.getLogger("rollcage.cage")
 
@@ -443,8 +443,7 @@ def _self_check(bwrap: str, setpriv: str | None, run_as: tuple[int, int] | None,
         try:
             _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)  # not reaped yet: the group id is still its own
             proc.communicate()
             logger.warning("the bubblewrap self-check took over %gs", timeout)
             continue

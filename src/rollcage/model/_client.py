@@ -43,6 +43,7 @@ from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, Tran
 from rollcage.model._httpx import httpx, transport_for
 from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
 from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload
+from rollcage.procs import shielded
 from rollcage.protocol import MAX_JSON_DEPTH, ModelCall, ModelEndpoint, RunnerError, json_problem
 
 __all__ = ["ClientState", "ModelClient", "failed_call", "max_call_seconds", "retry_wait_bounds"]
@@ -258,12 +259,13 @@ class ModelClient:
     async def aclose(self) -> None:
         """Close the connection pool; later calls raise ``RuntimeError``. Closing twice is a no-op.
 
-        **Cancellation:** the pool is closed even if cancelled while closing (shielded).
+        **Cancellation:** the pool is closed even if cancelled while closing (shielded), then
+        ``CancelledError`` propagates.
         """
         http, self._http = self._http, None
         self._state = ClientState.CLOSED
         if http is not None:
-            await asyncio.shield(http.aclose())
+            await shielded(http.aclose())
 
     async def call(
         self,

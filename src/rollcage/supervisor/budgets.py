@@ -49,9 +49,9 @@ from rollcage.cage import (
     unmount,
 )
 from rollcage.cage import BudgetName as BudgetName
+from rollcage.procs import read_proc
 from rollcage.protocol import BudgetUse
 from rollcage.supervisor.config import BwrapSandbox
-from rollcage.supervisor.procs import read_proc
 from rollcage.supervisor.sandbox import RolloutLayout, Scratch
 
 __all__ = ["RolloutBudgets", "owner_tag", "release_leftovers", "sweep_orphans"]
