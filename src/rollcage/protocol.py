@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-from rollcage.errors import ControllerOnlyFieldError
+from rollcage.errors import ControllerOnlyFieldError, ErrorKind
 
 __all__ = [
     "MAX_JSON_DEPTH",
@@ -78,9 +78,6 @@ so a value that was accepted can always be written back into a journal line or a
 """
 
 _DAY_S = 86_400.0
-
-ErrorKind = Literal["transient", "fatal", "cancelled"]
-"""``transient``: infrastructure, retry the rollout; ``fatal``: final; ``cancelled``: stopped on request."""
 
 Outcome = Literal["completed", "agent_error", "timeout", "cancelled", "infra_failure"]
 """How one attempt ended, as classified by the supervisor (see DESIGN.md's outcome table)."""
