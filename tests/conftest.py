@@ -84,4 +84,3 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     finally:
         if subprocess.run([umount, str(directory)], capture_output=True).returncode != 0:
             subprocess.run([umount, "-l", str(directory)], check=False)
-

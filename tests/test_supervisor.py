@@ -22,6 +22,7 @@ import pytest
 
 from rollcage.durable import is_temp_artifact
 from rollcage.errors import ConfigError, SandboxError
+from rollcage.procs import PidHandle, ensure_subreaper, is_subreaper, read_proc
 from rollcage.protocol import RunnerError, SupervisorReceipt, WorkerResult
 from rollcage.supervisor import (
     BwrapSandbox,
@@ -32,7 +33,6 @@ from rollcage.supervisor import (
     kill_leftovers,
     supervise,
 )
-from rollcage.procs import PidHandle, ensure_subreaper, is_subreaper, read_proc
 from tests.helpers.supervisor_env import (
     HELPERS,
     config,

@@ -47,6 +47,7 @@ __all__ = [
     "AppendCursor",
     "CheckpointJournal",
     "JournalState",
+    "fsync_directory",
     "is_temp_artifact",
     "open_regular",
     "publish_json",
@@ -172,7 +173,7 @@ def publish_json(path: str | os.PathLike[str], value: BaseModel | Any, *, mode: 
             ) from exc
         raise
     try:
-        _fsync_directory(directory)
+        fsync_directory(directory)
     except OSError as exc:
         raise _write_error(
             f"published {target}, but syncing its directory failed, so the new file may not survive a crash",
@@ -216,7 +217,15 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         offset += written
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str | os.PathLike[str]) -> None:
+    """``fsync`` a directory, so a rename or a new file in it survives a crash (blocking).
+
+    A file system that cannot sync a directory at all (``EINVAL``, ``ENOTSUP``) is
+    not an error: its renames are as durable as they will ever be.
+
+    Raises:
+        OSError: The directory cannot be opened, or the sync failed.
+    """
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -656,7 +665,7 @@ class CheckpointJournal:
                 os.fchmod(fd, self._mode)
             if created:
                 # The file's name must be as durable as the lines it will hold.
-                _fsync_directory(os.path.dirname(os.path.abspath(self._path)))
+                fsync_directory(os.path.dirname(os.path.abspath(self._path)))
                 return fd, 0
             data = _read_all(fd)
             scan = _scan(data, self._path)

@@ -22,8 +22,9 @@ from typing import Self
 
 from pydantic import ValidationError
 
+from rollcage.durable import fsync_directory
 from rollcage.errors import ConfigError, DurableWriteError
-from rollcage.protocol import RolloutRecord
+from rollcage.protocol import RolloutRecord, describe_validation_error
 
 __all__ = ["LoadReport", "RecordLog", "load_records"]
 
@@ -41,14 +42,6 @@ class LoadReport:
 
     records: int
     repaired_bytes: int
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_records(path: Path, on_record: Callable[[RolloutRecord], None]) -> LoadReport:
@@ -87,7 +80,7 @@ def load_records(path: Path, on_record: Callable[[RolloutRecord], None]) -> Load
             try:
                 record = RolloutRecord.model_validate_json(raw)
             except ValidationError as exc:
-                bad = (number, f"not a RolloutRecord: {exc.errors()[0]['msg']}")
+                bad = (number, f"not a RolloutRecord: {describe_validation_error(exc, limit=1)}")
                 continue
             on_record(record)
             count += 1
@@ -146,7 +139,7 @@ class RecordLog:
         try:
             fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
             if not existed:
-                _fsync_dir(self._path.parent)
+                fsync_directory(self._path.parent)
         except OSError as exc:
             raise DurableWriteError(f"cannot open {self._path}: {exc.strerror or exc}") from exc
         return fd

@@ -43,7 +43,7 @@ from typing import Literal
 import orjson
 from pydantic import ValidationError
 
-from rollcage.durable import publish_json, read_journal, sweep_temp_artifacts
+from rollcage.durable import fsync_directory, publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
 from rollcage.procs import (
     ChildProcess,
@@ -59,7 +59,13 @@ from rollcage.procs import (
     wait_readable,
     within,
 )
-from rollcage.protocol import SignalEvent, SupervisorReceipt, WorkerInput, WorkerResult
+from rollcage.protocol import (
+    SignalEvent,
+    SupervisorReceipt,
+    WorkerInput,
+    WorkerResult,
+    describe_validation_error,
+)
 from rollcage.supervisor.budgets import RolloutBudgets, owner_tag, release_leftovers, sweep_orphans
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
@@ -277,7 +283,8 @@ class _Supervision:
         try:
             self.original = WorkerInput.model_validate_json(raw)
         except (ValidationError, RollcageError) as exc:
-            self.setup_failure = f"the worker was not started: input.json is invalid: {_summarise(exc)}"
+            problem = describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+            self.setup_failure = f"the worker was not started: input.json is invalid: {problem}"
             return
         self.rollout_id = self.original.rollout_id
 
@@ -694,7 +701,7 @@ class _Supervision:
             return True, None, "result.json is not a regular file (a link or special file is never followed)"
         if source != self.layout.result:
             os.replace(source, self.layout.result)
-            _fsync_dir(self.layout.root)
+            fsync_directory(self.layout.root)
         try:
             fd = retry_on_emfile(os.open, self.layout.result, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with os.fdopen(fd, "rb") as file:
@@ -709,28 +716,10 @@ class _Supervision:
         try:
             result = WorkerResult.model_validate_json(data)
         except ValidationError as exc:
-            return True, None, _summarise(exc)
+            return True, None, describe_validation_error(exc)
         if result.rollout_id not in ("", self.rollout_id):
             return True, None, f"result.json is for rollout {result.rollout_id!r}, not {self.rollout_id!r}"
         return True, result, None
-
-
-def _summarise(exc: BaseException) -> str:
-    if isinstance(exc, ValidationError):
-        errors = exc.errors()
-        first = errors[0]
-        where = ".".join(str(part) for part in first.get("loc", ())) or "(top level)"
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        return f"{where}: {first.get('msg', 'invalid')}{more}"
-    return str(exc)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _log_tail(path: Path) -> str | None:

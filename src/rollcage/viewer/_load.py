@@ -26,6 +26,7 @@ from rollcage.protocol import (
     RunMetrics,
     SupervisorReceipt,
     WorkerResult,
+    describe_validation_error,
 )
 from rollcage.viewer._capture import CaptureComparison, compare_capture
 
@@ -279,12 +280,8 @@ def _read_model(path: Path, model: type[_M], problems: list[str]) -> _M | None:
     except OSError as exc:
         problems.append(f"{path.name}: cannot read: {exc}")
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-        problems.append(
-            f"{path.name}: not a valid {model.__name__} ({exc.error_count()} error(s); "
-            f"first at {where}: {first['msg']})"
-        )
+        problem = describe_validation_error(exc, limit=1)
+        problems.append(f"{path.name}: not a valid {model.__name__}: {problem}")
     return None
 
 
