@@ -203,10 +203,9 @@ def python_paths() -> list[str]:
     ``rollcage`` package is imported from (its ``src`` directory, never the
     checkout around it). Paths inside another entry are dropped.
     """
-    import rollcage
-
+    package = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # .../src/rollcage
     candidates = [sys.prefix, sys.exec_prefix, *interpreter_paths()]
-    candidates.append(str(os.path.dirname(os.path.dirname(os.path.realpath(rollcage.__file__)))))
+    candidates.append(os.path.dirname(package))
     candidates.append(os.path.dirname(sys.executable))
     return outermost(os.path.abspath(path) for path in candidates)
 

@@ -40,9 +40,9 @@ from typing import Any, NoReturn, Self
 import orjson
 
 from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
-from rollcage.model._httpx import httpx, transport_for
 from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
 from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload
+from rollcage.model.http import httpx, transport_for
 from rollcage.procs import shielded
 from rollcage.protocol import MAX_JSON_DEPTH, ModelCall, ModelEndpoint, RunnerError, json_problem
 

@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from rollcage.errors import ConfigError, ResourceUnavailableError
-from rollcage.model._httpx import httpx, transport_for
+from rollcage.model.http import httpx, transport_for
 from rollcage.protocol import ResourceEndpoint, ResourceToolSpec
 
 __all__ = ["ResourceTools", "tool_parameters"]
