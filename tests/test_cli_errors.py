@@ -74,6 +74,16 @@ ROWS = [
     Row("run-grace-nan", ("run", str(DATASET), "--grace", "nan"), "--grace"),
     Row("run-concurrency-0", ("run", str(DATASET), "--concurrency", "0"), "--concurrency"),
     Row(
+        "run-budget-without-sandbox",
+        ("run", str(DATASET), "--sandbox", "none", "--memory-budget", "1G", "--out", "{tmp}/o"),
+        "--memory-budget needs --sandbox bwrap",
+    ),
+    Row(
+        "supervise-budget-without-sandbox",
+        ("supervise", "{tmp}/rollout", "--sandbox", "none", "--workspace-inodes", "100"),
+        "--workspace-inodes needs --sandbox bwrap",
+    ),
+    Row(
         "run-policy-alias-bomb",
         ("run", str(DATASET), "--policy", "{tmp}/bomb.yaml", "--out", "{tmp}/o", "--quiet"),
         "aliases",

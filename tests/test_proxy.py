@@ -579,6 +579,8 @@ async def test_passing_the_capture_budget_drops_bodies_and_ends_the_rollout(harn
     assert last["request"]["body"]["truncated"] is True and "text" not in last["request"]["body"]
     assert "capture budget of 65536 bytes exceeded" in last["error"]
     assert harness.capture.stat().st_size <= 64 * 1024
+    # The budget is reported to the supervisor once the line is on disk, just after the file shows it.
+    await wait_for_async(lambda: harness.budget_events, what="the budget to be reported")
     (event,) = harness.budget_events
     assert event[0] == "capture_bytes" and "65536" in event[1]
     answer = await harness.raw(b"GET /model/v1/models HTTP/1.1\r\n\r\n")  # no more requests taken

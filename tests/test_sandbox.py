@@ -611,7 +611,7 @@ def test_budget_flags_are_the_config_fields() -> None:
         "tmp_budget": None,
         "unrelated": "ignored",
     }
-    fields = bwrap_fields(flags)
+    fields = bwrap_fields(flags, sandbox="bwrap")
     sandbox = BwrapSandbox(**fields)
     assert (sandbox.memory_bytes, sandbox.max_processes, sandbox.workspace_bytes) == (1 << 30, 64, 8 << 20)
     assert (sandbox.shm_inodes, sandbox.cgroups, sandbox.executor_cage) == (500, "off", "shared")

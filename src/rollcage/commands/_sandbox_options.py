@@ -157,17 +157,25 @@ _FIELDS = {
 }
 
 
-def bwrap_fields(flags: Mapping[str, Any]) -> dict[str, Any]:
+def bwrap_fields(flags: Mapping[str, Any], *, sandbox: str) -> dict[str, Any]:
     """The ``BwrapSandbox`` fields the flags set (flags left out keep the defaults).
 
     Args:
         flags: The command's parameters (e.g. its ``locals()``); only :data:`BUDGET_FLAGS` are read.
+        sandbox: The ``--sandbox`` chosen: budgets are enforced by the bubblewrap sandbox only.
+
+    Raises:
+        typer.BadParameter: A budget flag was given with ``--sandbox none`` (it would be ignored).
     """
     fields: dict[str, Any] = {}
     for name in BUDGET_FLAGS:
         value = flags.get(name)
         if value is None:
             continue
+        if sandbox != "bwrap":
+            flag = "--" + name.replace("_", "-")
+            why = f"{flag} needs --sandbox bwrap: with --sandbox {sandbox} no budget is enforced"
+            raise typer.BadParameter(why, param_hint=flag)
         if name in _SIZES:
             value = parse_size(value)
         elif isinstance(value, enum.Enum):

@@ -212,7 +212,7 @@ def command(
     from rollcage.supervisor import BwrapSandbox
 
     try:
-        bwrap = BwrapSandbox(**bwrap_fields(flags))
+        bwrap = BwrapSandbox(**bwrap_fields(flags, sandbox=sandbox.value))
     except ValidationError as exc:
         raise typer.BadParameter(describe_validation_error(exc)) from exc
     reporter = RichReporter(quiet=quiet)

@@ -101,14 +101,12 @@ def command(
     from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig, supervise
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    budgets = bwrap_fields(flags, sandbox=sandbox.value)  # refuses budget flags with --sandbox none
     try:
         config = SupervisorConfig(
             deadline_s=deadline,
             grace_s=grace,
-            sandbox=BwrapSandbox(
-                extra_ro_paths=[str(p.absolute()) for p in ro_path or []],
-                **bwrap_fields(flags),
-            )
+            sandbox=BwrapSandbox(extra_ro_paths=[str(p.absolute()) for p in ro_path or []], **budgets)
             if sandbox is SandboxChoice.bwrap
             else NoSandbox(),
             api_key_env=api_key_env,

@@ -465,6 +465,14 @@ class _CaptureFile:
             if self._cursor is not None:
                 await asyncio.to_thread(self._write, exchange)
 
+    async def settled(self) -> None:
+        """Return once no line is being written, so ``over_budget`` reflects every finished exchange.
+
+        **Cancellation:** only the wait is abandoned.
+        """
+        async with self._lock:
+            pass
+
     async def close(self) -> None:
         async with self._lock:
             if self._cursor is not None:
@@ -694,6 +702,10 @@ class EgressProxy:
                 await asyncio.sleep(_ACCEPT_RETRY_S)
                 continue
             failing = False
+            # An exchange that has just answered its client may still be writing its capture line: the
+            # client's next request must find the budget spent if that line spends it, not slip in.
+            # (The line's task took the capture's lock before this accept could be seen.)
+            await self._capture.settled()
             if self.over_budget or not budget.try_acquire(len(self._handlers), self._config.max_connections):
                 self._refuse(sock)
                 await asyncio.sleep(_REFUSE_PAUSE_S)
