@@ -552,6 +552,19 @@ class _Supervision:
         if not tree.exited():
             await stopping.kill("grace_expired" if self.signals else cause)
 
+    async def _stop_what_runs(self, tree: WorkerTree, stopping: TreeStop, *, cancelled: bool) -> None:
+        """The worker still runs as the supervision ends: take the stop on from where it stands."""
+        if cancelled and stopping.phase is StopPhase.RUNNING:
+            await self._terminate("stop")
+        elif stopping.phase is StopPhase.TERMINATING and stopping.grace_until is not None:
+            # Cancelled during the grace period: the rest of it, unless cancelled again (hurry).
+            await stopping.wait_grace()
+            if not tree.exited():
+                await stopping.kill("grace_expired")
+        else:
+            # The supervisor's own failure: no grace.
+            await stopping.kill("stop")
+
     # ----------------------------------------------------------------- finish
 
     async def finish(self, *, cancelled: bool) -> SupervisorReceipt:
@@ -562,16 +575,7 @@ class _Supervision:
         try:
             if tree is not None and stopping is not None:
                 if not tree.exited():
-                    if cancelled and stopping.phase is StopPhase.RUNNING:
-                        await self._terminate("stop")
-                    elif stopping.phase is StopPhase.TERMINATING and stopping.grace_until is not None:
-                        # Cancelled during the grace period: the rest of it, unless cancelled again (hurry).
-                        await stopping.wait_grace()
-                        if not tree.exited():
-                            await stopping.kill("grace_expired")
-                    else:
-                        # The supervisor's own failure: no grace.
-                        await stopping.kill("stop")
+                    await self._stop_what_runs(tree, stopping, cancelled=cancelled)
                 confirmed = await stopping.sweep()
                 killed = tree.stragglers_killed
                 status = tree.child.release()

@@ -154,31 +154,38 @@ class WorkerTree:
             if not alive and child.status is not None:
                 confirmed = True
                 break
-            fresh = False
-            for info in alive:
-                handle = self._handle(info)
-                key = (info.pid, info.starttime)
-                if handle is not None and handle.send(signal.SIGKILL) and key not in self._sigkilled:
-                    # Not one already killed with the tree (and still dying): a straggler.
-                    if key not in killed:
-                        killed.add(key)
-                        fresh = True
-            if fresh:
+            if self._kill_stragglers(alive, killed):
                 self.record(signal.SIGKILL, "descendants", "cleanup")
             if time.monotonic() >= end:
                 break
-            pending = [h for h in self._handles.values() if not h.exited()]
-            if child.status is None:
-                await within(child.wait(), min(0.05, end - time.monotonic()))
-            elif pending:
-                await within(any_exit(pending), min(0.05, end - time.monotonic()))
-            else:
-                await asyncio.sleep(0.005)
+            await self._pause(min(0.05, end - time.monotonic()))
         for handle in self._handles.values():
             if handle.exited():
                 handle.reap()
         self.stragglers_killed = len(killed)
         return confirmed
+
+    def _kill_stragglers(self, alive: list[ProcInfo], killed: set[tuple[int, int]]) -> bool:
+        """SIGKILL each of ``alive``; whether one is a straggler not seen before (added to ``killed``)."""
+        fresh = False
+        for info in alive:
+            handle = self._handle(info)
+            key = (info.pid, info.starttime)
+            # Not one already killed with the tree (and still dying): a straggler.
+            if handle is not None and handle.send(signal.SIGKILL) and key not in self._sigkilled | killed:
+                killed.add(key)
+                fresh = True
+        return fresh
+
+    async def _pause(self, seconds: float) -> None:
+        """Until the child or a held process exits, or ``seconds`` pass; a moment when none is left."""
+        pending = [h for h in self._handles.values() if not h.exited()]
+        if self.child.status is None:
+            await within(self.child.wait(), seconds)
+        elif pending:
+            await within(any_exit(pending), seconds)
+        else:
+            await asyncio.sleep(0.005)
 
     # ----------------------------------------------------------------- the sandbox
 
