@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, Unpack
 
 from rollcage.errors import ConfigError, ExecutorError, SandboxError
 from rollcage.procs import shielded
@@ -39,6 +39,7 @@ __all__ = [
     "CellResult",
     "CellStatus",
     "Executor",
+    "ExecutorOptions",
     "ExecutorState",
     "ToolBridge",
     "make_executor",
@@ -69,6 +70,25 @@ CellStatus = Literal["ok", "error", "timeout", "restarted"]
 """How a cell ended: ``ok``; ``error`` (an exception, traceback in ``error``);
 ``timeout`` (interrupted at its timeout, state kept); ``restarted`` (the process
 was killed or died, the session's state is lost)."""
+
+
+class ExecutorOptions(TypedDict):
+    """How an executor's child is started and bounded (the keyword arguments of every backend)."""
+
+    cwd: Path
+    """Working directory of the child (the rollout's workspace)."""
+    bridge: ToolBridge | None
+    """Called for bridged tool calls made by agent code."""
+    bridged_tools: BridgedTools
+    """Tool functions to define in the namespace."""
+    output_limit: int
+    """Bound, in characters, of each stream, the value, the traceback and the cell's text."""
+    env: Mapping[str, str] | None
+    """Environment of the child; None: the worker's own."""
+    start_timeout_s: float
+    """How long the child may take to become ready."""
+    prefix: NotRequired[Sequence[str]]
+    """A command-line prefix the child is started under (its cage); absent or empty: none."""
 
 
 class ExecutorState(enum.Enum):
@@ -279,30 +299,20 @@ class Executor(abc.ABC):
 
     _current: PendingCell | None = None
 
-    def __init__(
-        self,
-        settings: ExecutorSettings,
-        *,
-        cwd: Path,
-        bridge: ToolBridge | None,
-        bridged_tools: BridgedTools,
-        output_limit: int,
-        env: Mapping[str, str] | None,
-        start_timeout_s: float,
-        prefix: Sequence[str] = (),
-    ) -> None:
-        if output_limit < 64:
-            raise ValueError(f"output_limit must be at least 64 characters, got {output_limit}")
+    def __init__(self, settings: ExecutorSettings, **options: Unpack[ExecutorOptions]) -> None:
+        if options["output_limit"] < 64:
+            raise ValueError(f"output_limit must be at least 64 characters, got {options['output_limit']}")
         self._settings = settings
-        self._cwd = Path(cwd)
-        self._bridge = bridge
-        self._tools = normalise_bridged_tools(bridged_tools)
-        if self._tools and bridge is None:
+        self._cwd = Path(options["cwd"])
+        self._bridge = options["bridge"]
+        self._tools = normalise_bridged_tools(options["bridged_tools"])
+        if self._tools and self._bridge is None:
             raise ValueError("bridged_tools were given without a bridge to call")
-        self._output_limit = output_limit
+        self._output_limit = options["output_limit"]
+        env = options["env"]
         self._env = dict(os.environ if env is None else env)
-        self._start_timeout_s = start_timeout_s
-        self._prefix = list(prefix)
+        self._start_timeout_s = options["start_timeout_s"]
+        self._prefix = list(options.get("prefix", ()))
         self._state = ExecutorState.UNOPENED
         self._closed = False
         self._restarts = 0
@@ -582,28 +592,21 @@ def make_executor(
         ConfigError: a bridged tool name is not a valid function name.
         ValueError: bridged tools without a bridge, or ``output_limit`` below 64.
     """
-    if settings.backend == "repl":
-        from rollcage.tools._repl import ReplExecutor
-
-        return ReplExecutor(
-            settings,
-            cwd=cwd,
-            bridge=bridge,
-            bridged_tools=bridged_tools,
-            output_limit=output_limit,
-            env=env,
-            start_timeout_s=20.0 if start_timeout_s is None else start_timeout_s,
-            prefix=prefix,
-        )
-    from rollcage.tools._jupyter import JupyterExecutor
-
-    return JupyterExecutor(
-        settings,
+    options = ExecutorOptions(
         cwd=cwd,
         bridge=bridge,
         bridged_tools=bridged_tools,
         output_limit=output_limit,
         env=env,
-        start_timeout_s=60.0 if start_timeout_s is None else start_timeout_s,
+        start_timeout_s=(20.0 if settings.backend == "repl" else 60.0)
+        if start_timeout_s is None
+        else start_timeout_s,
         prefix=prefix,
     )
+    if settings.backend == "repl":
+        from rollcage.tools._repl import ReplExecutor
+
+        return ReplExecutor(settings, **options)
+    from rollcage.tools._jupyter import JupyterExecutor
+
+    return JupyterExecutor(settings, **options)

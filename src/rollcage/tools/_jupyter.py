@@ -32,9 +32,8 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from jupyter_client.manager import AsyncKernelManager
 
@@ -50,12 +49,11 @@ from rollcage.procs import (
     wait_shared,
 )
 from rollcage.tools._executor import (
-    BridgedTools,
     CellOutput,
     Executor,
+    ExecutorOptions,
     PendingCell,
     ProcessDied,
-    ToolBridge,
     bound_tail,
     fail_future,
     mark_dropped,
@@ -341,28 +339,8 @@ class JupyterExecutor(Executor):
 
     backend: Literal["repl", "jupyter"] = "jupyter"
 
-    def __init__(
-        self,
-        settings: ExecutorSettings,
-        *,
-        cwd: Path,
-        bridge: ToolBridge | None,
-        bridged_tools: BridgedTools,
-        output_limit: int,
-        env: Mapping[str, str] | None,
-        start_timeout_s: float,
-        prefix: Sequence[str] = (),
-    ) -> None:
-        super().__init__(
-            settings,
-            cwd=cwd,
-            bridge=bridge,
-            bridged_tools=bridged_tools,
-            output_limit=output_limit,
-            env=env,
-            start_timeout_s=start_timeout_s,
-            prefix=prefix,
-        )
+    def __init__(self, settings: ExecutorSettings, **options: Unpack[ExecutorOptions]) -> None:
+        super().__init__(settings, **options)
         self._km: AsyncKernelManager | None = None
         self._kc: AsyncKernelClient | None = None
         self._tmpdir: str | None = None

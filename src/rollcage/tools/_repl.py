@@ -24,9 +24,9 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from rollcage.errors import ExecutorError
 from rollcage.procs import (
@@ -40,12 +40,11 @@ from rollcage.procs import (
     wait_shared,
 )
 from rollcage.tools._executor import (
-    BridgedTools,
     CellOutput,
     Executor,
+    ExecutorOptions,
     PendingCell,
     ProcessDied,
-    ToolBridge,
     fail_future,
     mark_dropped,
 )
@@ -226,30 +225,9 @@ class ReplExecutor(Executor):
 
     backend: Literal["repl", "jupyter"] = "repl"
 
-    def __init__(
-        self,
-        settings: ExecutorSettings,
-        *,
-        cwd: Path,
-        bridge: ToolBridge | None,
-        bridged_tools: BridgedTools,
-        output_limit: int,
-        env: Mapping[str, str] | None,
-        start_timeout_s: float,
-        python: str | None = None,
-        prefix: Sequence[str] = (),
-    ) -> None:
-        super().__init__(
-            settings,
-            cwd=cwd,
-            bridge=bridge,
-            bridged_tools=bridged_tools,
-            output_limit=output_limit,
-            env=env,
-            start_timeout_s=start_timeout_s,
-            prefix=prefix,
-        )
-        self._python = python or sys.executable
+    def __init__(self, settings: ExecutorSettings, **options: Unpack[ExecutorOptions]) -> None:
+        super().__init__(settings, **options)
+        self._python = sys.executable
         self._proc: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
