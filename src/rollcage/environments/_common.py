@@ -27,6 +27,8 @@ async def read_json_object(request: Request) -> dict[str, Any]:
 
     Raises:
         BadRequest: The body is too large, not JSON, or not an object.
+
+    **Cancellation:** the body is no longer read (the request is being abandoned anyway).
     """
     body = await request.body()
     if len(body) > _MAX_BODY:

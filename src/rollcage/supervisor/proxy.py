@@ -641,7 +641,10 @@ class EgressProxy:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Stop serving (see :meth:`aclose`)."""
+        """Stop serving (see :meth:`aclose`).
+
+        **Cancellation:** as for :meth:`aclose`.
+        """
         await self.aclose()
 
     async def aclose(self) -> None:

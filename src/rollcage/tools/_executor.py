@@ -353,7 +353,10 @@ class Executor(abc.ABC):
         """Pid (and process group id) of the current child process; None when there is none."""
 
     async def __aenter__(self) -> Executor:
-        """Start the executor (see :meth:`start`)."""
+        """Start the executor (see :meth:`start`).
+
+        **Cancellation:** as for :meth:`start`.
+        """
         await self.start()
         return self
 
@@ -363,7 +366,10 @@ class Executor(abc.ABC):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Close the executor (see :meth:`aclose`)."""
+        """Close the executor (see :meth:`aclose`).
+
+        **Cancellation:** as for :meth:`aclose`.
+        """
         await self.aclose()
 
     async def start(self) -> None:
