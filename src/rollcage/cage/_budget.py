@@ -55,14 +55,12 @@ from pathlib import Path
 from typing import Literal
 
 from rollcage.procs import PidHandle, read_proc
-from rollcage.protocol import BudgetMechanism, BudgetName
+from rollcage.protocol import BudgetMechanism
 
 __all__ = [
-    "BudgetName",
     "CgroupSet",
     "CgroupSupport",
     "CopyReport",
-    "Mechanism",
     "PolledTree",
     "ProcRootTmpfs",
     "TmpfsVolume",
@@ -78,8 +76,6 @@ __all__ = [
 
 logger = logging.getLogger("rollcage.cage")
 
-Mechanism = BudgetMechanism
-"""How a budget is enforced (the receipt's word for it)."""
 
 _MS_NOSUID = 2
 _MS_NODEV = 4
@@ -455,8 +451,8 @@ class Volume:
         self.peak_bytes: int | None = None
         self.peak_inodes: int | None = None
 
-    bytes_mechanism: Mechanism = "none"
-    inodes_mechanism: Mechanism = "none"
+    bytes_mechanism: BudgetMechanism = "none"
+    inodes_mechanism: BudgetMechanism = "none"
 
     def usage(self) -> tuple[int, int] | None:
         """(bytes, inodes) in use now; ``None`` when it cannot be measured now."""
@@ -500,8 +496,8 @@ def _statvfs_usage(path: str | int) -> tuple[int, int, int, int] | None:
 class TmpfsVolume(Volume):
     """A tmpfs the supervisor mounted (root): a hard bound on bytes and inodes, read by ``statvfs``."""
 
-    bytes_mechanism: Mechanism = "tmpfs"
-    inodes_mechanism: Mechanism = "tmpfs"
+    bytes_mechanism: BudgetMechanism = "tmpfs"
+    inodes_mechanism: BudgetMechanism = "tmpfs"
 
     def __init__(
         self,
@@ -552,8 +548,8 @@ class ProcRootTmpfs(Volume):
     gone, still sees it.
     """
 
-    bytes_mechanism: Mechanism = "tmpfs"
-    inodes_mechanism: Mechanism = "poll"
+    bytes_mechanism: BudgetMechanism = "tmpfs"
+    inodes_mechanism: BudgetMechanism = "poll"
 
     def __init__(
         self, name: str, inside: str, root_of: Callable[[], str | None], *, max_bytes: int, max_inodes: int
@@ -603,8 +599,8 @@ class ProcRootTmpfs(Volume):
 class PolledTree(Volume):
     """A host directory measured by a bounded walk (the workspace without root): late by one poll."""
 
-    bytes_mechanism: Mechanism = "poll"
-    inodes_mechanism: Mechanism = "poll"
+    bytes_mechanism: BudgetMechanism = "poll"
+    inodes_mechanism: BudgetMechanism = "poll"
 
     def __init__(self, name: str, path: Path, *, max_bytes: int, max_inodes: int) -> None:
         super().__init__(name, max_bytes=max_bytes, max_inodes=max_inodes)

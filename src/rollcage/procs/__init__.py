@@ -33,11 +33,9 @@ from rollcage.procs._handles import (
     any_exit,
     describe_exit,
     ensure_subreaper,
-    group_exists,
     is_subreaper,
     pid_exists,
     signal_group,
-    signal_name,
     wait_readable,
 )
 from rollcage.procs._stop import GroupTree, ProcessTree, StopPhase, StopStrategy, TreeStop, stop_tree
@@ -69,7 +67,6 @@ __all__ = [
     "describe_exit",
     "ensure_subreaper",
     "environ_has",
-    "group_exists",
     "in_proc_thread",
     "is_running",
     "is_subreaper",
@@ -80,7 +77,6 @@ __all__ = [
     "scan_processes",
     "shielded",
     "signal_group",
-    "signal_name",
     "stop_tree",
     "subtree",
     "wait_readable",

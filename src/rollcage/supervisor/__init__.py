@@ -19,11 +19,9 @@ line), :mod:`~rollcage.supervisor.proxy` (the egress proxy and the capture),
 from rollcage.supervisor.config import BwrapSandbox, NoSandbox, ProxyConfig, SandboxConfig, SupervisorConfig
 from rollcage.supervisor.core import default_worker_command, kill_leftovers, supervise
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
-from rollcage.supervisor.sandbox import SANDBOX_PROXY_SOCKET, SANDBOX_ROLLOUT_DIR, RolloutLayout
+from rollcage.supervisor.sandbox import RolloutLayout
 
 __all__ = [
-    "SANDBOX_PROXY_SOCKET",
-    "SANDBOX_ROLLOUT_DIR",
     "BwrapSandbox",
     "NoSandbox",
     "OutcomeEvidence",

@@ -48,9 +48,8 @@ from rollcage.cage import (
     remove_cgroup,
     unmount,
 )
-from rollcage.cage import BudgetName as BudgetName
 from rollcage.procs import read_proc
-from rollcage.protocol import BudgetUse
+from rollcage.protocol import BudgetName, BudgetUse
 from rollcage.supervisor.config import BwrapSandbox
 from rollcage.supervisor.sandbox import RolloutLayout, Scratch
 
