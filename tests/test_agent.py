@@ -55,7 +55,7 @@ def _spec(url: str) -> WorkerInput:
             "rollout_id": "r",
             "task_id": "t",
             "input": "go",
-            "model": {"base_url": url, "model": "m", "max_retries": 0, "timeout_s": 10},
+            "model": {"base_url": url, "model": "m", "max_retries": 0, "timeout_s": 120},
             "tools": [{"type": "python"}],
         }
     )

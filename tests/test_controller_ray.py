@@ -201,7 +201,7 @@ def test_local_run_and_ray_config_never_import_ray(tmp_path: Path) -> None:
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

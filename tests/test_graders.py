@@ -65,4 +65,5 @@ async def test_a_victim_rollout_finishes_while_a_runaway_grade_runs(tmp_path: Pa
     # The victim's record was appended first: its rollout ran while the evil grade was still running.
     assert [r.task_id for r in records] == ["victim", "evil"]
     assert records[0].reward == 1.0
-    assert records[1].reward is None and "timed out after 5 s" in (records[1].grader or {})["error"]
+    # Its own regex timeout (5 s) ends it, or on a machine too busy to run it in time, the grade's bound.
+    assert records[1].reward is None and "timed out after" in (records[1].grader or {})["error"]
