@@ -16,6 +16,7 @@ from rollcage.procs import (
     StopPhase,
     StopStrategy,
     TreeStop,
+    first_of,
     is_running,
     live_members,
     shielded,
@@ -195,3 +196,13 @@ async def test_wait_shared_leaves_at_once_and_the_shared_future_runs_on() -> Non
     assert not shared.cancelled()
     shared.set_result("still here")
     assert await wait_shared(shared) == "still here"
+
+
+async def test_first_of_ends_the_other_waits_and_says_which_finished() -> None:
+    quick = asyncio.Event()
+    never = asyncio.Event()
+    quick.set()
+    finished, cut = await first_of(quick.wait(), never.wait())
+    assert not finished.cancelled() and cut.cancelled()
+    (timed_out,) = await first_of(never.wait(), seconds=0.01)
+    assert timed_out.cancelled()

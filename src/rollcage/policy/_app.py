@@ -35,6 +35,7 @@ from rollcage.policy._render import (
     with_fault,
 )
 from rollcage.policy._script import PolicyScript
+from rollcage.procs import first_of
 
 __all__ = ["PolicyApp", "PolicyState", "RequestRecord", "count_model_turns", "find_task_marker"]
 
@@ -428,16 +429,7 @@ class PolicyApp:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        waiters = [
-            asyncio.ensure_future(disconnected()),
-            asyncio.ensure_future(self.state.shutting_down.wait()),
-        ]
-        try:
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-            await asyncio.gather(*waiters, return_exceptions=True)
+        await first_of(disconnected(), self.state.shutting_down.wait())
 
     async def _abort(self, request: Request) -> Response:
         """Drop the connection without an answer: RST on TCP, a bare close on a Unix socket."""

@@ -16,7 +16,7 @@ not outlive them. What they share lives here, at the bottom of the import graph
   on any :class:`ProcessTree`, its progress an explicit :class:`TreeStop` state;
 * the one cancellation dialect: :func:`shielded` (shield and finish: the work
   runs to its end, a cancellation is remembered and re-raised after),
-  :func:`wait_shared` and :func:`within`.
+  :func:`wait_shared`, :func:`within` and :func:`first_of`.
 
 Stopping a child the way the executors do::
 
@@ -25,7 +25,7 @@ Stopping a child the way the executors do::
     gone = await stop_tree(GroupTree(proc.pid, exit_future), StopStrategy(grace_s=2, kill_wait_s=5))
 """
 
-from rollcage.procs._cancel import shielded, wait_shared, within
+from rollcage.procs._cancel import first_of, shielded, wait_shared, within
 from rollcage.procs._handles import (
     ChildProcess,
     ExitStatus,
@@ -67,6 +67,7 @@ __all__ = [
     "describe_exit",
     "ensure_subreaper",
     "environ_has",
+    "first_of",
     "in_proc_thread",
     "is_running",
     "is_subreaper",

@@ -13,16 +13,18 @@ Here there are three words, each with one meaning:
 * :func:`wait_shared` -- wait for a future that others share without cancelling
   it: the caller leaves at once when cancelled, the future runs on.
 * :func:`within` -- wait at most some seconds and carry on quietly (trio's
-  ``move_on_after``); ``asyncio.timeout`` is the raising half of the pair.
+  ``move_on_after``); ``asyncio.timeout`` is the raising half of the pair;
+* :func:`first_of` -- race several waits: the first to finish ends the others,
+  which are cancelled and awaited (no task outlives the call).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["shielded", "wait_shared", "within"]
+__all__ = ["first_of", "shielded", "wait_shared", "within"]
 
 _T = TypeVar("_T")
 
@@ -101,3 +103,24 @@ async def within(work: Awaitable[_T], seconds: float) -> _T | None:
             return await work
     except TimeoutError:
         return None
+
+
+async def first_of(*works: Awaitable[Any], seconds: float | None = None) -> list[asyncio.Future[Any]]:
+    """Run ``works`` concurrently until the first finishes (or ``seconds`` pass); cancel the rest.
+
+    Returns:
+        One finished task per work, in order: ``task.cancelled()`` tells the ones that were
+        cut short from the one(s) that finished on their own (whose result or exception
+        the task holds; an exception is not raised here).
+
+    **Cancellation:** every work is cancelled and awaited, then ``CancelledError`` propagates.
+    """
+    tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(work) for work in works]
+    try:
+        bound = None if seconds is None else max(seconds, 0.0)
+        await asyncio.wait(tasks, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return tasks

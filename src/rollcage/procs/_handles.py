@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from rollcage.procs._cancel import first_of
 from rollcage.procs._table import ProcInfo, read_proc
 
 __all__ = [
@@ -305,13 +306,7 @@ async def any_exit(handles: Sequence[PidHandle]) -> None:
 
     **Cancellation:** the waits are cancelled; nothing happens to the processes.
     """
-    waits = [asyncio.ensure_future(handle.wait()) for handle in handles]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in waits:
-            task.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
+    await first_of(*(handle.wait() for handle in handles))
 
 
 class ChildProcess:

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollcage.procs._cancel import shielded, within
+from rollcage.procs._cancel import first_of, shielded, within
 from rollcage.procs._handles import PidHandle, group_exists, signal_group
 from rollcage.procs._table import in_proc_thread, live_members
 
@@ -176,18 +176,7 @@ class TreeStop:
         until = self._grace_until
         if until is None or self.tree.exited() or self._hurry.is_set():
             return
-        exited = asyncio.ensure_future(self.tree.wait())
-        hurry = asyncio.ensure_future(self._hurry.wait())
-        try:
-            await asyncio.wait(
-                {exited, hurry},
-                timeout=max(until - time.monotonic(), 0.0),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            for task in (exited, hurry):
-                task.cancel()
-            await asyncio.gather(exited, hurry, return_exceptions=True)
+        await first_of(self.tree.wait(), self._hurry.wait(), seconds=until - time.monotonic())
 
     async def kill(self, reason: str) -> None:
         """→ KILLING (again, if it already is): SIGKILL the whole tree, then wait up to

@@ -54,6 +54,7 @@ from rollcage.procs import (
     TreeStop,
     ensure_subreaper,
     environ_has,
+    first_of,
     scan_processes,
     shielded,
     wait_readable,
@@ -475,25 +476,18 @@ class _Supervision:
             os.close(fd)
 
     async def _watch(self, child: ChildProcess) -> None:
-        exited = asyncio.ensure_future(child.wait())
-        stopped = asyncio.ensure_future(self._stop_arrives())
-        over = asyncio.ensure_future(self._over_budget.wait())
-        try:
-            await asyncio.wait(
-                {exited, stopped, over},
-                timeout=max(self.deadline_at - time.monotonic(), 0.0),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            for task in (exited, stopped, over):
-                task.cancel()
-            await asyncio.gather(exited, stopped, over, return_exceptions=True)
-        if child.status is not None or (exited.done() and not exited.cancelled()):
+        exited, stopped, _ = await first_of(
+            child.wait(),
+            self._stop_arrives(),
+            self._over_budget.wait(),
+            seconds=self.deadline_at - time.monotonic(),
+        )
+        if child.status is not None or not exited.cancelled():
             return
         if self._over_budget.is_set():
             await self._terminate("budget")
         else:
-            await self._terminate("stop" if stopped.done() and not stopped.cancelled() else "deadline")
+            await self._terminate("deadline" if stopped.cancelled() else "stop")
 
     async def _watch_budgets(self) -> None:
         """Read the sandbox's budgets until one is exceeded (then the rollout ends); never without budgets."""
