@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from rollcage.durable import CheckpointJournal, publish_json
-from rollcage.protocol import BoundaryRecord, ModelCall, ToolCall, Trajectory
+from rollcage.protocol import BoundaryRecord, CallAttempt, ModelCall, ToolCall, Trajectory
 
 SIZES = (10, 100, 1000)
 TOOL_OUTPUT_BYTES = 4096
@@ -76,7 +76,14 @@ def make_boundaries(n: int) -> list[BoundaryRecord]:
                 started_at=at,
             )
             model_call = ModelCall(
+                id=f"r:m{turn}",
                 index=turn,
+                turn=turn,
+                attempts=[
+                    CallAttempt(
+                        index=0, status="completed", http_status=200, started_at=at - 0.4, ended_at=at
+                    )
+                ],
                 api="responses",
                 request={"model": "m", "input": f"step {turn}"},
                 response={

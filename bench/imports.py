@@ -30,8 +30,12 @@ _FIRST_PARSE = (
     "body = {'choices': [{'message': {'role': 'assistant', 'content': 'hi'}, 'finish_reason': 'stop'}],"
     " 'usage': {'prompt_tokens': 1, 'completion_tokens': 1, 'total_tokens': 2}}\n"
     "out = rollcage.model.parse_chat_completion(body)\n"
-    "rollcage.protocol.ModelCall(index=0, api='chat', request={}, response=body, status=out.status,"
-    " output=out.output, usage=out.usage, started_at=time.time(), ended_at=time.time())"
+    "now = time.time()\n"
+    "attempt = rollcage.protocol.CallAttempt(index=0, status='completed', http_status=200, started_at=now,"
+    " ended_at=now)\n"
+    "rollcage.protocol.ModelCall(id='r:m0', index=0, turn=0, api='chat', request={}, response=body,"
+    " status=out.status, output=out.output, usage=out.usage, tokens=out.tokens, attempts=[attempt],"
+    " started_at=now, ended_at=now)"
 )
 CASES: dict[str, str] = {
     "python -c pass": "pass",

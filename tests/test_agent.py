@@ -95,7 +95,7 @@ async def test_next_action_waits_until_the_boundary_is_durable(server: PolicySer
         await cells.executor.aclose()
     assert result.termination_reason == "completed"
     assert (tmp_path / "ran").read_text() == "yes"
-    assert [r.kind for r in seen] == ["model_call", "tool_call", "model_call"]
+    assert [r.kind for r in seen] == ["turn_start", "model_call", "tool_call", "turn_start", "model_call"]
 
 
 async def test_cancelling_the_loop_leaves_the_running_call_pending(
@@ -125,6 +125,40 @@ async def test_cancelling_the_loop_leaves_the_running_call_pending(
         with pytest.raises(asyncio.CancelledError):
             await task
     assert [c.status for c in recorder.pending()] == ["pending"]
+
+
+async def test_a_model_call_cancelled_in_flight_is_recorded_interrupted_with_its_turn(tmp_path: Path) -> None:
+    """The journal says the call started; the trajectory keeps it, incomplete, owned by its turn."""
+    script = {"tasks": {"t": [{"text": "never seen"}]}}
+    seen: list[BoundaryRecord] = []
+
+    async def sink(record: BoundaryRecord) -> None:
+        seen.append(record)
+
+    with PolicyServer(script, faults=["call=1:kind=hang"]) as srv:
+        spec = _spec(srv.base_url)
+        recorder = TrajectoryRecorder()
+        async with ModelClient(spec.model, rollout_id="r", task_id="t") as client:
+            agent = Agent(spec, model=client, resources=None, cells=None, recorder=recorder, boundary=sink)
+            task = asyncio.create_task(agent.run())
+            assert await asyncio.to_thread(srv.state.wait_for_requests, 1, 20.0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    assert [r.kind for r in seen] == ["turn_start"]
+    assert seen[0].turn is not None and seen[0].turn.model_call_id == "r:m0"
+    assert seen[0].turn.input == [{"type": "message", "role": "user", "content": "go"}]
+    trajectory = recorder.snapshot(final=True)
+    (call,) = trajectory.model_calls
+    assert (call.id, call.turn, call.status, call.incomplete_reason) == (
+        "r:m0",
+        0,
+        "incomplete",
+        "interrupted",
+    )
+    assert [a.status for a in call.attempts] == ["incomplete"] and call.request["messages"]
+    (turn,) = trajectory.turns
+    assert (turn.id, turn.model_calls, turn.resolution) == ("r:t0", ["r:m0"], "interrupted")
 
 
 @pytest.mark.parametrize(
@@ -217,8 +251,9 @@ async def test_a_response_with_10000_calls_stops_at_the_budget_in_one_record(
 ) -> None:
     result, recorder, seen, cells = await _run_hostile(hostile_server, "many", max_tool_calls=8)
     assert result.termination_reason == "max_tool_calls" and cells.cells == []
-    assert [r.kind for r in seen] == ["model_call"]  # the refusals ride in the response's own record
-    (record,) = seen
+    # The refusals ride in the response's own record (after the turn's start).
+    assert [r.kind for r in seen] == ["turn_start", "model_call"]
+    record = seen[-1]
     assert len(record.tool_calls) == 10_000 and {c.status for c in record.tool_calls} == {"failed"}
     assert len({c.call_id for c in recorder.snapshot().tool_calls}) == 10_000
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from rollcage.controller import (
     EXIT_ALL_INFRA,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    HEALTH_CHECKS,
     Controller,
     LocalBackend,
     ModelEndpointConfig,
@@ -319,24 +321,37 @@ async def test_health_findings_have_stable_names_and_count_unobserved_tokens(tmp
     cfg = config(tmp_path, dataset)
     summary = await run(cfg, FakeSupervisor(plan=plan))
     health = summary.metrics.health
-    assert set(health) == {
-        "unobserved_result",
-        "cancelled_by_run",
-        "no_model_turn",
-        "hollow_turn",
-        "failed_model_call",
-        "unobserved_tokens",
-        "zero_completion_tokens",
-        "runaway_generation",
-        "token_total_mismatch",
-        "capture_mismatch",
-        "grader_error",
-        "task_without_model_success",
-    }
-    assert health["unobserved_tokens"].count == 2
-    assert health["zero_completion_tokens"].count == 0  # unobserved is not counted as healthy or as zero
-    assert (health["hollow_turn"].count, health["hollow_turn"].rollouts) == (1, [rollout_id("b", 0, 0)])
-    assert summary.metrics.tokens.total_tokens is None
+    assert set(health) == set(HEALTH_CHECKS)  # every check, NeMo Gym's and rollcage's, 0 when clean
+    missing = health["model_call_missing_token_counts"]
+    assert (missing.count, missing.evaluated) == (2, 2)
+    zero = health["model_call_zero_completion_tokens"]
+    assert (zero.count, zero.evaluated) == (0, 2)  # unreported counts are neither healthy nor zero
+    hollow = health["agent_turn_hollow"]
+    assert (hollow.count, hollow.rollouts) == (1, [rollout_id("b", 0, 0)])
+    # The fake runs without an egress proxy: the capture cannot be compared, and says why.
+    capture = health["trajectory_capture_mismatch"]
+    assert (capture.evaluated, capture.unobserved, list(capture.missing)) == (
+        0,
+        2,
+        ["no egress capture (the rollout ran without the proxy)"],
+    )
+    assert summary.metrics.tokens.total_tokens is None and summary.metrics.tokens_partial == 2
+    assert summary.metrics.health_verdicts == {"healthy": 0, "unhealthy": 2, "unobserved": 0}
+
+
+async def test_resume_reads_health_from_the_records_and_opens_no_rollout_directory(tmp_path: Path) -> None:
+    dataset = write_rows(tmp_path / "d.jsonl", [row("a"), row("b")])
+
+    def plan(worker_input: WorkerInput, try_index: int) -> FakePlan:
+        return FakePlan(answer="42" if worker_input.task_id == "a" else "", usage=None)
+
+    cfg = config(tmp_path, dataset)
+    first = await run(cfg, FakeSupervisor(plan=plan))
+    shutil.rmtree(cfg.out / "rollouts")  # health computed once: the records carry it
+    again = await run(cfg, FakeSupervisor(plan=plan))
+    assert again.attempts_run == 0
+    assert again.metrics.health == first.metrics.health
+    assert again.metrics.health_verdicts == first.metrics.health_verdicts
 
 
 async def test_resume_sweeps_the_temporary_files_a_killed_run_left(tmp_path: Path) -> None:

@@ -171,4 +171,4 @@ async def test_chaos_injected_faults_are_classified_exactly(tmp_path: Path) -> N
     finals = {(r.task_id, r.sample): r for r in got}  # the last record of each sample
     assert all(r.outcome != "infra_failure" for r in finals.values())  # every sample retried to completion
     assert summary.metrics.retries == sum(1 for r in got if r.outcome == "infra_failure")
-    assert summary.metrics.health["capture_mismatch"].count == 0
+    assert summary.metrics.health["trajectory_capture_mismatch"].count == 0

@@ -20,7 +20,7 @@ from rollcage.controller import (
 from rollcage.controller._graders import grade_builtin, read_workspace_files, verify_remote
 from rollcage.controller._ledger import percentiles
 from rollcage.errors import ConfigError, DurableWriteError
-from rollcage.protocol import RolloutRecord, SupervisorReceipt
+from rollcage.protocol import RolloutHealth, RolloutRecord, SupervisorReceipt
 
 
 @pytest.mark.parametrize(
@@ -120,6 +120,7 @@ def record(rollout_id: str) -> RolloutRecord:
         graded=False,
         reward=None,
         receipt=receipt,
+        health=RolloutHealth(verdict="healthy"),
         rollout_dir="/x",
     )
 

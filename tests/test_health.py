@@ -1,70 +1,218 @@
-"""Health checks of one finished attempt: missing evidence is never healthy, the run's own stops apart."""
+"""Health checks of one finished attempt, under NeMo Gym's names: missing evidence is never healthy."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rollcage.controller._health import HEALTH_CHECKS, inspect_rollout
-from rollcage.protocol import Outcome, RolloutRecord, RunnerError, WorkerResult
-from tests.helpers.viewer_fixtures import completed_result, model_call, receipt, record
+import pytest
+
+from rollcage.controller import HEALTH_ALIASES, HEALTH_CHECKS
+from rollcage.controller._health import rollout_health, rollout_metrics
+from rollcage.controller._ledger import RunLedger
+from rollcage.protocol import (
+    CallAttempt,
+    CallTokens,
+    ModelCall,
+    Outcome,
+    ResponseOutput,
+    RolloutRecord,
+    RunnerError,
+    SupervisorReceipt,
+    TokenUsage,
+    WorkerResult,
+)
+from tests.helpers.viewer_fixtures import completed_result, model_call, receipt, record, trajectory_of
+
+NEMO_CHECKS = {
+    "rollout_missing_agent_turns",
+    "agent_turn_hollow",
+    "trajectory_capture_mismatch",
+    "model_call_failed",
+    "model_call_missing_token_counts",
+    "model_call_zero_completion_tokens",
+    "model_call_runaway_generation",
+    "rollout_token_count_mismatch",
+    "task_consistently_unhealthy",
+    "task_no_successful_model_calls",
+}
+FAILED = RunnerError(kind="transient", type="TransientModelError", message="HTTP 503")
 
 
-def _record(outcome: Outcome, **receipt_fields: Any) -> RolloutRecord:
-    base = record("r", "t", outcome, None, rollout_dir="rollouts/r")
-    return base.model_copy(update={"receipt": receipt("r", outcome, **receipt_fields)})
+def _receipt(outcome: Outcome = "completed", **fields: Any) -> SupervisorReceipt:
+    return receipt("r", outcome, **{"model_calls_captured": 1, **fields})
 
 
-def _result(*calls: Any, error: RunnerError | None = None) -> dict[str, Any]:
-    result = completed_result("r", "t")
-    trajectory = result.trajectory.model_copy(update={"model_calls": list(calls), "tool_calls": []})
-    updated: WorkerResult = result.model_copy(update={"trajectory": trajectory, "error": error})
-    return updated.model_dump(mode="json")
+def _result(*calls: ModelCall, usage: TokenUsage | None = None) -> WorkerResult:
+    base = completed_result("r", "t")
+    response = ResponseOutput(id="r", model="m", status="completed", output=[], usage=usage or _summed(calls))
+    return base.model_copy(update={"trajectory": trajectory_of(calls, []), "response": response})
 
 
-def test_every_check_has_a_stable_name_including_the_unobserved_and_the_runs_own_stops() -> None:
-    assert {"unobserved_result", "cancelled_by_run", "no_model_turn", "capture_mismatch"} <= set(
-        HEALTH_CHECKS
+def _summed(calls: tuple[ModelCall, ...]) -> TokenUsage:
+    answered = [c for c in calls if c.status != "failed"]
+    return TokenUsage(
+        input_tokens=sum(c.usage.input_tokens or 0 for c in answered),
+        output_tokens=sum(c.usage.output_tokens or 0 for c in answered),
     )
 
 
-def test_a_missing_result_is_unobserved_never_healthy() -> None:
-    found = inspect_rollout(_record("infra_failure"), None)
-    assert found == {"unobserved_result": 1}
+def test_every_nemo_gym_check_is_computed_under_its_name_and_old_names_map_to_them() -> None:
+    assert NEMO_CHECKS <= set(HEALTH_CHECKS)
+    assert {info.nemo for name, info in HEALTH_CHECKS.items() if name in NEMO_CHECKS} == {
+        f"H{n}" for n in range(4, 14)
+    }
+    assert set(HEALTH_ALIASES.values()) <= NEMO_CHECKS
+    assert HEALTH_ALIASES["no_model_turn"] == "rollout_missing_agent_turns"
 
 
-def test_a_result_the_receipt_calls_invalid_is_unobserved() -> None:
-    found = inspect_rollout(_record("infra_failure", result_valid=False, result_present=True), _result())
-    assert found == {"unobserved_result": 1}
+@pytest.mark.parametrize("valid", [False, True])
+def test_a_missing_or_invalid_result_leaves_every_check_unobserved_never_healthy(valid: bool) -> None:
+    bad_receipt = _receipt("infra_failure", result_valid=False, result_present=valid)
+    health = rollout_health(_result(model_call(0, text="x")) if valid else None, bad_receipt)
+    assert health.verdict == "unobserved" and not health.findings
+    assert set(health.unobserved) == NEMO_CHECKS - {
+        "task_consistently_unhealthy",
+        "task_no_successful_model_calls",
+    }
+    assert set(health.unobserved.values()) == {"no valid result.json"}
+    assert health.successful_model_calls is None
 
 
-def test_a_rollout_whose_calls_all_failed_has_no_model_turn() -> None:
-    failed = RunnerError(kind="transient", type="TransientModelError", message="503")
-    calls = [model_call(0, status="failed", error=failed), model_call(1, status="failed", error=failed)]
-    found = inspect_rollout(_record("completed", model_calls_captured=2), _result(*calls))
-    assert found["no_model_turn"] == 1 and found["failed_model_call"] == 2
-
-
-def test_a_rollout_the_run_cancelled_is_reported_apart_not_as_model_findings() -> None:
-    # Stopped before its first answer, with the first exchange in flight (captured, never recorded).
-    found = inspect_rollout(_record("cancelled", model_calls_captured=1), _result())
-    assert found == {"cancelled_by_run": 1}
-
-
-def test_a_stopped_rollout_may_have_one_exchange_in_flight_but_not_two() -> None:
-    call = model_call(0, text="hi")
-    assert "capture_mismatch" not in inspect_rollout(
-        _record("timeout", model_calls_captured=2), _result(call)
+def test_a_clean_rollout_is_healthy_with_every_check_evaluated() -> None:
+    calls = (model_call(0, text="x", calls=[("c", "python", "{}")]), model_call(1, text="done", start=1.0))
+    health = rollout_health(_result(*calls), _receipt(model_calls_captured=2))
+    assert (health.verdict, health.findings, health.unobserved, health.successful_model_calls) == (
+        "healthy",
+        {},
+        {},
+        2,
     )
-    assert "capture_mismatch" in inspect_rollout(_record("timeout", model_calls_captured=3), _result(call))
-    assert "capture_mismatch" in inspect_rollout(_record("completed", model_calls_captured=2), _result(call))
 
 
-def test_a_length_limited_call_is_runaway_generation_not_zero_completion() -> None:
-    call = model_call(0, text="", status="incomplete", incomplete_reason="length", tokens=(50, 0))
-    found = inspect_rollout(_record("completed", model_calls_captured=1), _result(call))
-    assert found.get("runaway_generation") == 1 and "zero_completion_tokens" not in found
-    zero = model_call(0, text="x", tokens=(50, 0))
-    assert (
-        inspect_rollout(_record("completed", model_calls_captured=1), _result(zero))["zero_completion_tokens"]
-        == 1
+def test_a_rollout_whose_calls_all_failed_has_no_agent_turn_and_failed_calls() -> None:
+    calls = (model_call(0, status="failed", error=FAILED), model_call(1, status="failed", error=FAILED))
+    health = rollout_health(_result(*calls), _receipt(model_calls_captured=2))
+    assert health.findings == {"rollout_missing_agent_turns": 1, "model_call_failed": 2}
+    assert health.verdict == "unhealthy" and health.successful_model_calls == 0
+    # Checks of answered calls cannot run: unobserved, with the reason, not passed.
+    assert health.unobserved["model_call_missing_token_counts"] == "no answered model call"
+
+
+def test_a_rollout_the_run_cancelled_is_reported_apart_and_its_turns_unobserved() -> None:
+    interrupted = model_call(0, status="incomplete", incomplete_reason="interrupted", tokens=(None, None))
+    interrupted = interrupted.model_copy(update={"output": [], "response": None})
+    health = rollout_health(_result(interrupted), _receipt("cancelled"))
+    assert health.findings == {"cancelled_by_run": 1}
+    assert "rollout_missing_agent_turns" in health.unobserved and health.verdict == "unobserved"
+
+
+@pytest.mark.parametrize(("captured", "mismatch"), [(0, True), (1, False), (2, False), (3, True)])
+def test_capture_must_account_for_every_attempt_that_got_an_answer(captured: int, mismatch: bool) -> None:
+    # Two attempts: a 503 answered, then one cut off in flight (it may or may not have reached the proxy).
+    call = model_call(0, text="x").model_copy(
+        update={
+            "attempts": [
+                CallAttempt(
+                    index=0, status="failed", http_status=503, error=FAILED, started_at=1, ended_at=2
+                ),
+                CallAttempt(index=1, status="incomplete", started_at=3, ended_at=4),
+            ]
+        }
     )
+    health = rollout_health(_result(call), _receipt(model_calls_captured=captured))
+    assert ("trajectory_capture_mismatch" in health.findings) is mismatch
+
+
+def test_without_an_egress_capture_the_capture_check_is_unobserved() -> None:
+    health = rollout_health(_result(model_call(0, text="x")), _receipt(model_calls_captured=None))
+    assert "egress capture" in health.unobserved["trajectory_capture_mismatch"]
+
+
+@pytest.mark.parametrize(
+    "breaks",
+    [
+        lambda t: t.model_copy(update={"turns": [t.turns[0].model_copy(update={"model_calls": ["r:m9"]})]}),
+        lambda t: t.model_copy(update={"turns": [t.turns[0].model_copy(update={"model_calls": []})]}),
+        lambda t: t.model_copy(update={"turns": [t.turns[0], t.turns[0].model_copy(update={"index": 1})]}),
+        lambda t: t.model_copy(update={"model_calls": [t.model_calls[0].model_copy(update={"turn": 3})]}),
+    ],
+    ids=["unknown-call", "unowned-call", "owned-twice", "owner-disagrees"],
+)
+def test_model_call_ownership_that_does_not_add_up_is_a_capture_mismatch(breaks: Any) -> None:
+    result = _result(model_call(0, text="x"))
+    broken = result.model_copy(update={"trajectory": breaks(result.trajectory)})
+    assert rollout_health(broken, _receipt()).findings.get("trajectory_capture_mismatch") == 1
+
+
+def test_a_length_limited_call_is_exempt_from_zero_tokens_and_runaway_only_without_content() -> None:
+    cut_empty = model_call(0, text="", status="incomplete", incomplete_reason="length", tokens=(50, 0))
+    cut_text = model_call(1, text="half an ans", status="incomplete", incomplete_reason="length", start=1)
+    zero = model_call(2, text="x", tokens=(50, 0), start=2)
+    health = rollout_health(_result(cut_empty, cut_text, zero), _receipt(model_calls_captured=3))
+    assert health.findings["model_call_runaway_generation"] == 1  # the empty one only (NeMo Gym's rule)
+    assert health.findings["model_call_zero_completion_tokens"] == 1  # the one not cut at the limit
+    assert health.findings["agent_turn_hollow"] == 1
+
+
+def test_token_counts_missing_or_mismatched_are_findings_and_totals_missing_are_unobserved() -> None:
+    silent = model_call(0, text="x", tokens=(None, None))
+    health = rollout_health(_result(silent), _receipt())
+    assert health.findings["model_call_missing_token_counts"] == 1
+    assert health.unobserved["rollout_token_count_mismatch"] == "a model call reported no token counts"
+    call = model_call(0, text="x")
+    wrong = rollout_health(_result(call, usage=TokenUsage(input_tokens=1, output_tokens=1)), _receipt())
+    assert wrong.findings["rollout_token_count_mismatch"] == 1
+    off = call.model_copy(update={"usage": TokenUsage(input_tokens=3, output_tokens=4, total_tokens=99)})
+    assert rollout_health(_result(off), _receipt()).findings["rollout_token_count_mismatch"] == 1
+
+
+def test_metrics_say_when_token_sums_are_partial_and_whether_token_ids_are_complete() -> None:
+    reported = model_call(0, text="x").model_copy(
+        update={
+            "tokens": CallTokens(prompt_token_ids=[1], generation_token_ids=[2], generation_log_probs=[-1.0])
+        }
+    )
+    silent = model_call(1, text="y", tokens=(None, None), start=1)
+    metrics = rollout_metrics(_result(reported, silent), _receipt())
+    assert (metrics.input_tokens, metrics.token_counts, metrics.token_ids) == (120, "partial", "partial")
+    whole = rollout_metrics(_result(reported), _receipt())
+    assert (whole.token_counts, whole.token_ids) == ("complete", "complete")
+    none = rollout_metrics(None, _receipt("infra_failure", result_valid=False))
+    assert (none.input_tokens, none.token_counts, none.token_ids) == (None, "unobserved", "unobserved")
+
+
+def _record_of(
+    task: str, sample: int, health_of: WorkerResult | None, outcome: Outcome = "completed"
+) -> RolloutRecord:
+    rid = f"{task}-s{sample}-t0"
+    got = receipt(
+        rid, outcome, model_calls_captured=len(health_of.trajectory.model_calls) if health_of else None
+    )
+    if health_of is None:
+        got = got.model_copy(update={"result_valid": False, "result_present": False})
+    base = record(rid, task, outcome, None, rollout_dir=f"rollouts/{rid}", sample=sample)
+    return base.model_copy(update={"receipt": got, "health": rollout_health(health_of, got)})
+
+
+def test_task_checks_need_every_repeat_observed_and_two_computable_verdicts() -> None:
+    failed = _result(model_call(0, status="failed", error=FAILED))
+    good = _result(model_call(0, text="x"))
+    ledger = RunLedger(dataset="d", k=2, max_infra_retries=0)
+    for rec in (
+        _record_of("doomed", 0, failed),
+        _record_of("doomed", 1, failed),
+        _record_of("mixed", 0, failed),
+        _record_of("mixed", 1, good),
+        _record_of("blind", 0, failed),
+        _record_of("blind", 1, None, "infra_failure"),
+    ):
+        ledger.add(rec)
+    health = ledger.snapshot(1.0).health
+    none = health["task_no_successful_model_calls"]
+    assert (none.count, none.rollouts, none.evaluated, none.unobserved) == (1, ["doomed"], 2, 1)
+    consistently = health["task_consistently_unhealthy"]
+    assert (consistently.count, consistently.rollouts, consistently.evaluated) == (1, ["doomed"], 2)
+    assert consistently.missing == {"fewer than two repeats with a computable verdict": 1}
+    failed_calls = health["model_call_failed"]
+    assert (failed_calls.count, failed_calls.evaluated, failed_calls.unobserved) == (4, 5, 1)
+    assert ledger.snapshot(1.0).health_verdicts == {"healthy": 1, "unhealthy": 4, "unobserved": 1}

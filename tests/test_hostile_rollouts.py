@@ -250,8 +250,8 @@ def test_tool_call_ids_are_unique_and_the_servers_ids_are_kept(ran: dict[str, Ra
 @pytest.mark.timeout(600)
 def test_a_response_with_10000_calls_costs_one_journal_record(ran: dict[str, Ran]) -> None:
     records = read_journal(ran["many-calls"].root / "checkpoint.jsonl")
-    assert [record["kind"] for record in records] == ["start", "model_call"]
-    assert len(records[1]["tool_calls"]) == 10_000
+    assert [record["kind"] for record in records] == ["start", "turn_start", "model_call"]
+    assert len(records[2]["tool_calls"]) == 10_000
 
 
 @_bwrap

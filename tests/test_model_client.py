@@ -114,7 +114,7 @@ async def test_two_turn_tool_episode_is_normalised_to_responses_items(
         ("call_0_1", "python", '{"code":"print(sum([40, 2]))"}'),
     ]
     assert second.index == 1 and text_of(second) == "cold;sum=42"
-    assert first.attempts == 1 and first.http_status == 200
+    assert len(first.attempts) == 1 and first.http_status == 200
     assert first.response is not None
     assert first.started_at <= (first.first_byte_at or 0) <= first.ended_at
     # The record keeps the exact payload that went over the wire.
@@ -230,7 +230,7 @@ async def test_fault_is_classified_retried_as_bounded_and_timed(
         assert elapsed >= attempts * endpoint.timeout_s
     record = failed_call(raised.value)
     assert record is not None and record is getattr(raised.value, "record", None)
-    assert record.status == "failed" and record.attempts == attempts
+    assert record.status == "failed" and len(record.attempts) == attempts
     assert record.error is not None and record.error.type == error.__name__
     assert record.error.kind == error.kind
     assert record.request["model"] == "scripted-policy" and record.response is None
@@ -247,7 +247,7 @@ async def test_transient_fault_on_first_attempt_replays_the_same_turn(
     endpoint = endpoint_of(faulty_server, api, stream, timeout_s=1.0 if rule == "kind=hang" else None)
     async with ModelClient(endpoint, rollout_id=rollout, task_id="weather") as client:
         record = await client.call(USER)
-    assert record.status == "completed" and record.attempts == 2
+    assert record.status == "completed" and len(record.attempts) == 2
     assert faulty_server.requests[rollout] == 2
     assert [f.rollout_call for f in faulty_server.faults_injected if f.rollout_id == rollout] == [1]
     assert [name for _, name, _ in calls_of(record)] == ["get_weather", "python"]
@@ -284,7 +284,7 @@ async def test_retry_after_is_honoured(serve_policy: Callable[..., PolicyServer]
     started = time.monotonic()
     async with ModelClient(endpoint, rollout_id="r-429", task_id="weather") as client:
         record = await client.call(USER)
-    assert record.attempts == 2
+    assert len(record.attempts) == 2
     assert time.monotonic() - started >= 0.3
 
 
@@ -317,7 +317,7 @@ async def test_refused_connection_is_transient_and_bounded() -> None:
         with pytest.raises(TransientModelError) as raised:
             await client.call(USER)
     assert type(raised.value) is TransientModelError
-    assert (record := failed_call(raised.value)) is not None and record.attempts == 3
+    assert (record := failed_call(raised.value)) is not None and len(record.attempts) == 3
     assert time.monotonic() - started <= max_call_seconds(endpoint)
 
 
@@ -505,7 +505,7 @@ async def test_a_2xx_body_of_the_wrong_shape_is_the_servers_fault(body: Any) -> 
     ) as client:
         with pytest.raises(TransientModelError) as raised:
             await client.call(USER)
-    assert (record := failed_call(raised.value)) is not None and record.attempts == 2
+    assert (record := failed_call(raised.value)) is not None and len(record.attempts) == 2
 
 
 async def test_failed_responses_status_is_classified_by_its_code() -> None:
@@ -520,7 +520,7 @@ async def test_failed_responses_status_is_classified_by_its_code() -> None:
         with pytest.raises(TransientModelError) as raised:
             await client.call(USER)
     record = failed_call(raised.value)
-    assert record is not None and record.response == body and record.attempts == 2
+    assert record is not None and record.response == body and len(record.attempts) == 2
 
 
 async def test_in_stream_error_event_is_classified() -> None:
@@ -553,7 +553,7 @@ async def test_retry_after_ms_and_http_date_are_understood() -> None:
         mock_endpoint(max_retries=2), rollout_id="r", task_id="t", transport=httpx.MockTransport(handler)
     ) as client:
         record = await client.call(USER)
-    assert record.attempts == 3 and time.monotonic() - started >= 0.05
+    assert len(record.attempts) == 3 and time.monotonic() - started >= 0.05
 
 
 def test_chat_request_groups_one_model_turn_into_one_assistant_message() -> None:
@@ -672,20 +672,20 @@ async def test_random_faults_are_classified_as_injected(
             assert type(outcome) is TransientModelError and last in RETRYABLE_KINDS
             assert retried == endpoint.max_retries
             continue
-        assert outcome.attempts == len(faults) and last not in RETRYABLE_KINDS
+        assert len(outcome.attempts) == len(faults) and last not in RETRYABLE_KINDS
         assert outcome.status == ("incomplete" if last == "length" else "completed")
         if last == "empty":
             assert text_of(outcome) == "" and not calls_of(outcome)
         if last is None:
             assert [name for _, name, _ in calls_of(outcome)] == ["get_weather", "python"]
-    assert any(isinstance(outcome, ModelCall) and outcome.attempts > 1 for outcome in outcomes.values())
+    assert any(isinstance(outcome, ModelCall) and len(outcome.attempts) > 1 for outcome in outcomes.values())
 
 
 async def test_latency_within_the_deadline_is_just_slow(serve_policy: Callable[..., PolicyServer]) -> None:
     server = serve_policy(faults=["kind=latency:delay=0.1"])
     async with ModelClient(endpoint_of(server, "chat", True), rollout_id="r", task_id="x") as client:
         record = await client.call(USER)
-    assert record.attempts == 1 and record.ended_at - record.started_at >= 0.1
+    assert len(record.attempts) == 1 and record.ended_at - record.started_at >= 0.1
     assert [fault.kind for fault in server.faults_injected] == ["latency"]
 
 

@@ -35,7 +35,15 @@ from rollcage.controller import Controller, RunConfig
 from rollcage.controller._nemo_gym import to_nemo_response
 from rollcage.controller._servers import AppServer
 from rollcage.environments import create_app
-from rollcage.protocol import ModelCall, ResponseOutput, RolloutRecord, TokenUsage, Trajectory, WorkerResult
+from rollcage.protocol import (
+    CallAttempt,
+    ModelCall,
+    ResponseOutput,
+    RolloutRecord,
+    TokenUsage,
+    Trajectory,
+    WorkerResult,
+)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "nemo-counter"
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -276,7 +284,17 @@ async def test_nemo_gym_dataset_runs_unchanged_and_every_body_conforms(
 
 def result_with(output: list[dict[str, Any]], usage: TokenUsage) -> WorkerResult:
     now = time.time()
-    call = ModelCall(index=0, api="chat", request={}, status="completed", started_at=now, ended_at=now)
+    call = ModelCall(
+        id="r:m0",
+        index=0,
+        turn=0,
+        api="chat",
+        request={},
+        status="completed",
+        attempts=[CallAttempt(index=0, status="completed", started_at=now, ended_at=now)],
+        started_at=now,
+        ended_at=now,
+    )
     return WorkerResult(
         rollout_id="r",
         task_id="t",

@@ -11,7 +11,10 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from rollcage.protocol import (
+    SCHEMA_VERSION,
     BoundaryRecord,
+    CallAttempt,
+    CallTokens,
     CapturedBody,
     CapturedMessage,
     CaptureExchange,
@@ -20,12 +23,14 @@ from rollcage.protocol import (
     ModelEndpoint,
     ResourceEndpoint,
     ResourceToolSpec,
+    RolloutHealth,
     RolloutRecord,
     RunMetrics,
     RunnerError,
     SupervisorReceipt,
     ToolCall,
     Trajectory,
+    Turn,
     WorkerInput,
     WorkerResult,
     artifact_models,
@@ -44,12 +49,27 @@ def _input(**extra: Any) -> dict[str, Any]:
 
 def _call(index: int = 0) -> ModelCall:
     return ModelCall(
+        id=f"r-1:m{index}",
         index=index,
+        turn=index,
         api="chat",
         request={"messages": [{"role": "user", "content": "hi"}]},
+        input=[{"type": "message", "role": "user", "content": "hi"}],
         response={"id": "x"},
         status="completed",
         output=[{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}],
+        tokens=CallTokens(prompt_token_ids=[1, 2], generation_token_ids=[3], generation_log_probs=[-0.1]),
+        attempts=[
+            CallAttempt(
+                index=0,
+                status="failed",
+                http_status=503,
+                error=RunnerError(kind="transient", type="TransientModelError", message="HTTP 503"),
+                started_at=1.0,
+                ended_at=1.2,
+            ),
+            CallAttempt(index=1, status="completed", http_status=200, started_at=1.5, ended_at=2.0),
+        ],
         started_at=1.0,
         ended_at=2.0,
     )
@@ -86,6 +106,19 @@ EXAMPLES: dict[str, BaseModel] = {
             tool_calls=[
                 ToolCall(call_id="c", name="python", arguments="{}", turn=0, status="pending", started_at=1)
             ],
+            turns=[
+                Turn(
+                    index=0,
+                    id="r-1:t0",
+                    started_at=1.0,
+                    ended_at=2.0,
+                    input=[{"type": "message", "role": "user", "content": "hi"}],
+                    model_calls=["r-1:m0"],
+                    tool_calls=["c"],
+                    tool_steps=1,
+                    resolution="acted",
+                )
+            ],
         ),
         termination_reason="cancelled",
         error=RunnerError(kind="cancelled", type="Cancelled", message="SIGTERM"),
@@ -104,6 +137,9 @@ EXAMPLES: dict[str, BaseModel] = {
         graded=True,
         reward=1.0,
         receipt=_receipt(),
+        health=RolloutHealth(
+            verdict="unhealthy", findings={"model_call_failed": 1}, successful_model_calls=2
+        ),
         rollout_dir="runs/x/rollouts/r-1",
     ),
     "CaptureExchange": CaptureExchange(
@@ -297,7 +333,9 @@ def test_schema_command_prints_every_artifact_and_one() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "rollcage", "schema"], capture_output=True, text=True, check=True, timeout=60
     ).stdout
-    assert set(json.loads(out)) == set(artifact_models())
+    schemas = json.loads(out)
+    assert set(schemas) == set(artifact_models())
+    assert {schema["x-rollcage-schema-version"] for schema in schemas.values()} == {SCHEMA_VERSION}
     one = subprocess.run(
         [sys.executable, "-m", "rollcage", "schema", "WorkerInput"],
         capture_output=True,
@@ -310,3 +348,66 @@ def test_schema_command_prints_every_artifact_and_one() -> None:
         [sys.executable, "-m", "rollcage", "schema", "Nope"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode != 0 and "unknown artifact" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "name", ["WorkerInput", "WorkerResult", "SupervisorReceipt", "RolloutRecord", "RunMetrics"]
+)
+@pytest.mark.parametrize("version", [1, SCHEMA_VERSION + 1])
+def test_an_artifact_of_another_schema_version_is_refused_naming_both_versions(
+    name: str, version: int
+) -> None:
+    model = artifact_models()[name]
+    data = json.loads(EXAMPLES[name].model_dump_json())
+    data["schema_version"] = version
+    with pytest.raises(ValidationError) as raised:
+        model.model_validate_json(json.dumps(data))
+    message = str(raised.value)
+    assert f"schema version {version}" in message and f"reads version {SCHEMA_VERSION} only" in message
+    assert ("an older rollcage" if version < SCHEMA_VERSION else "a newer rollcage") in message
+
+
+@pytest.mark.parametrize(
+    ("extra_body", "problem"),
+    [
+        ({"return_token_ids": True, "prompt_logprobs": 0, "chat_template_kwargs": {"x": [1]}}, None),
+        ({"messages": []}, "rollcage sets itself"),
+        ({"logprobs": True}, "rollcage sets itself"),
+        ({"n": 4}, "rollcage sets itself"),
+        ({"bad key": 1}, "not a request field name"),
+        ({"api_key": "sk-1"}, "controller-only"),
+        ({f"k{i}": i for i in range(33)}, "at most 32"),
+        ({"deep": json.loads("[" * 17 + "]" * 17)}, "nested more than 16"),
+        ({"big": "x" * 70_000}, "at most 65536"),
+    ],
+)
+def test_extra_body_is_a_validated_pass_through(extra_body: dict[str, Any], problem: str | None) -> None:
+    data = _input(
+        model={"base_url": "http://127.0.0.1:9/v1", "model": "m", "sampling": {"extra_body": extra_body}}
+    )
+    if problem is None:
+        assert WorkerInput.model_validate(data).model.sampling.extra_body == extra_body
+        return
+    with pytest.raises(ValueError, match=problem):
+        WorkerInput.model_validate(data)
+
+
+def test_call_tokens_say_what_was_not_observed_whatever_the_writer_claims() -> None:
+    assert (CallTokens().status, CallTokens().missing) == (
+        "unobserved",
+        ["prompt_token_ids", "generation_token_ids", "generation_log_probs"],
+    )
+    partial = CallTokens.model_validate({"generation_token_ids": [1], "status": "observed", "missing": []})
+    assert (partial.status, partial.missing) == ("partial", ["prompt_token_ids", "generation_log_probs"])
+    whole = CallTokens(prompt_token_ids=[], generation_token_ids=[1, 2], generation_log_probs=[-1.0, -2.0])
+    assert (whole.status, whole.missing) == ("observed", [])
+    with pytest.raises(ValidationError, match="2 tokens but generation_log_probs 1"):
+        CallTokens(generation_token_ids=[1, 2], generation_log_probs=[-1.0])
+
+
+def test_a_record_with_its_result_in_memory_equals_the_same_record_read_back() -> None:
+    record = EXAMPLES["RolloutRecord"]
+    assert isinstance(record, RolloutRecord)
+    held = RolloutRecord.model_validate_json(record.model_dump_json()).with_result(EXAMPLES["WorkerResult"])  # type: ignore[arg-type]
+    assert held == record and held.result() is EXAMPLES["WorkerResult"]
+    assert "_result" not in held.model_dump_json()

@@ -298,6 +298,49 @@ async def test_a_resource_route_forwards_only_posts_to_its_tools(
         assert record["route"] == "denied"
 
 
+@pytest.mark.parametrize("harness", [{"idle_timeout_s": 2.0}], indirect=True)
+async def test_a_request_sent_as_the_previous_response_ends_is_never_lost(harness: Harness) -> None:
+    """Watching the client while the upstream answers must never consume the client's next request.
+
+    A client that sends its next request on a kept-alive connection the moment a response ends
+    races the watch on the client's socket: bytes it read and then dropped left the proxy waiting
+    for a request it had already swallowed, until the idle timeout closed the connection.
+    """
+    import http.client
+    import socket as socket_module
+
+    class UnixHTTPConnection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+            self.sock.connect(str(harness.proxy.socket_path))
+
+    def client(count: int) -> list[str]:
+        failures: list[str] = []
+        connection = UnixHTTPConnection("rollcage-proxy", timeout=30)
+        body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+        headers = {"Content-Type": "application/json"}
+        try:
+            for n in range(count):
+                started = time.monotonic()
+                try:
+                    connection.request("POST", "/model/v1/chat/completions", body=body, headers=headers)
+                    response = connection.getresponse()
+                    response.read()
+                    if response.status != 200:
+                        failures.append(f"request {n}: status {response.status}")
+                except (OSError, http.client.HTTPException) as exc:
+                    failures.append(
+                        f"request {n}: {type(exc).__name__} after {time.monotonic() - started:.1f}s"
+                    )
+                    connection.close()
+        finally:
+            connection.close()
+        return failures
+
+    failures = await asyncio.to_thread(client, 400)
+    assert failures == [], failures[:5]
+
+
 async def test_unreachable_upstream_is_a_502_with_the_reason(harness: Harness) -> None:
     response = await harness.client.post("/resource/down/x", json={})
     assert response.status_code == 502 and "unreachable" in response.text

@@ -153,6 +153,13 @@ SPECS = [
 ]
 
 
+async def _ok(tools: ResourceTools, name: str, arguments: dict[str, Any]) -> str:
+    """The text of a call that must have succeeded (status completed)."""
+    status, text = await tools.call(name, arguments)
+    assert status == "completed", text
+    return text
+
+
 def tools_for(
     url: str, *, uds: str | None = None, timeout_s: float = 30.0, cookies: dict[str, str] | None = None
 ) -> ResourceTools:
@@ -162,15 +169,15 @@ def tools_for(
 
 async def test_call_posts_json_and_returns_the_response_text(tcp_url: str) -> None:
     async with tools_for(tcp_url) as tools:
-        answer = json.loads(await tools.call("get_weather", {"city": "Oslo"}))
+        answer = json.loads(await _ok(tools, "get_weather", {"city": "Oslo"}))
     assert (answer["city"], answer["weather"]) == ("Oslo", "cold")
 
 
 async def test_session_cookie_from_set_cookie_is_kept_and_sent_back(tcp_url: str) -> None:
     async with tools_for(tcp_url) as tools:
-        first = json.loads(await tools.call("get_weather", {"city": "Oslo"}))
+        first = json.loads(await _ok(tools, "get_weather", {"city": "Oslo"}))
         session = tools.cookies["session"]
-        second = json.loads(await tools.call("get_weather", {"city": "Oslo"}))
+        second = json.loads(await _ok(tools, "get_weather", {"city": "Oslo"}))
     assert (first["visits"], second["visits"]) == (1, 2)
     assert second["cookies"] == {"session": session}
     assert tools.cookies == {"session": session}  # still readable after close, for the result
@@ -178,7 +185,7 @@ async def test_session_cookie_from_set_cookie_is_kept_and_sent_back(tcp_url: str
 
 async def test_initial_cookies_and_rollout_id_are_sent(tcp_url: str) -> None:
     async with tools_for(tcp_url, cookies={"session": "resumed", "tenant": "t1"}) as tools:
-        answer = json.loads(await tools.call("get_weather", {"city": "Oslo"}))
+        answer = json.loads(await _ok(tools, "get_weather", {"city": "Oslo"}))
     assert answer["rollout"] == ROLLOUT_ID
     assert answer["cookies"] == {"session": "resumed", "tenant": "t1"}
     assert tools.cookies == {"session": "resumed", "tenant": "t1"}
@@ -186,16 +193,16 @@ async def test_initial_cookies_and_rollout_id_are_sent(tcp_url: str) -> None:
 
 async def test_cookie_deleted_by_the_resource_is_dropped(tcp_url: str) -> None:
     async with tools_for(tcp_url, cookies={"session": "s-old", "tenant": "t1"}) as tools:
-        assert await tools.call("logout", {}) == "bye"
+        assert await _ok(tools, "logout", {}) == "bye"
     assert tools.cookies == {"tenant": "t1"}
 
 
-async def test_http_error_statuses_come_back_as_text_for_the_model(tcp_url: str) -> None:
+async def test_http_error_statuses_come_back_as_text_for_the_model_and_fail_the_call(tcp_url: str) -> None:
     async with tools_for(tcp_url) as tools:
         missing = await tools.call("missing", {"city": "Oslo"})
         boom = await tools.call("boom", {"city": 3})
-    assert missing.startswith("error: HTTP 404 from missing")
-    assert boom == "error: HTTP 500 from boom: city must be a string"
+    assert missing[0] == "failed" and missing[1].startswith("error: HTTP 404 from missing")
+    assert boom == ("failed", "error: HTTP 500 from boom: city must be a string")
 
 
 async def test_unavailable_status_raises_an_infrastructure_error(tcp_url: str) -> None:
@@ -228,21 +235,21 @@ async def test_missing_unix_socket_raises_an_infrastructure_error(tmp_path: Path
 
 async def test_calls_go_over_a_unix_socket_when_uds_is_set(uds_path: str) -> None:
     async with tools_for("http://weather", uds=uds_path) as tools:
-        answer = json.loads(await tools.call("get_weather", {"city": "Bergen"}))
-        again = json.loads(await tools.call("get_weather", {"city": "Bergen"}))
+        answer = json.loads(await _ok(tools, "get_weather", {"city": "Bergen"}))
+        again = json.loads(await _ok(tools, "get_weather", {"city": "Bergen"}))
     assert (answer["weather"], answer["rollout"], again["visits"]) == ("cold", ROLLOUT_ID, 2)
 
 
 async def test_spec_path_overrides_the_tool_name(tcp_url: str) -> None:
     async with tools_for(tcp_url) as tools:
-        assert await tools.call("forecast", {"city": "Oslo"}) == "forecast for Oslo: cold"
+        assert await _ok(tools, "forecast", {"city": "Oslo"}) == "forecast for Oslo: cold"
 
 
 async def test_concurrent_calls_each_get_their_answer(tcp_url: str) -> None:
     cities = [f"city-{i}" for i in range(5)]
     async with tools_for(tcp_url) as tools:
         answers = await asyncio.gather(*(tools.call("forecast", {"city": c}) for c in cities))
-    assert answers == [f"forecast for {c}: cold" for c in cities]
+    assert answers == [("completed", f"forecast for {c}: cold") for c in cities]
 
 
 async def test_huge_response_is_cut_with_a_marker(tcp_url: str) -> None:
@@ -251,14 +258,16 @@ async def test_huge_response_is_cut_with_a_marker(tcp_url: str) -> None:
         {"weather": endpoint}, SPECS, rollout_id=ROLLOUT_ID, cookies={}, max_response_bytes=1000
     )
     async with tools:
-        text = await tools.call("big", {})
+        text = await _ok(tools, "big", {})
     assert text.startswith("z" * 1000) and text.endswith("…[truncated 2999000 bytes]…")
 
 
 async def test_unknown_tool_is_error_text_for_the_model(tcp_url: str) -> None:
     async with tools_for(tcp_url) as tools:
-        text = await tools.call("get_wether", {})
-    assert text.startswith("error: unknown tool 'get_wether'") and "get_weather" in text
+        status, text = await tools.call("get_wether", {})
+    assert (
+        status == "failed" and text.startswith("error: unknown tool 'get_wether'") and "get_weather" in text
+    )
 
 
 def test_specs_must_name_defined_resources_and_be_unique() -> None:

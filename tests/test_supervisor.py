@@ -89,11 +89,14 @@ def _no_strays() -> Any:
 def _result(*, error: RunnerError | None, responses: int = 0) -> WorkerResult:
     calls = [
         {
+            "id": f"r:m{i}",
             "index": i,
+            "turn": i,
             "api": "chat",
             "request": {},
             "response": {"id": str(i)},
             "status": "completed",
+            "attempts": [{"index": 0, "status": "completed", "started_at": 1.0, "ended_at": 2.0}],
             "started_at": 1.0,
             "ended_at": 2.0,
         }

@@ -4,23 +4,46 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollcage.checkpoint import RequestCompactor, fold_records
-from rollcage.protocol import BoundaryRecord, ModelCall, TokenUsage, Trajectory
+from rollcage.checkpoint import CallCompactor, fold_records
+from rollcage.protocol import (
+    BoundaryRecord,
+    CallAttempt,
+    CallTokens,
+    ModelCall,
+    TokenUsage,
+    Trajectory,
+    TurnStart,
+)
 from rollcage.trajectory import TrajectoryRecorder, final_text, project_output, sum_usage
 
 
 def _model_call(
-    index: int, output: list[dict[str, Any]], messages: list[dict[str, Any]] | None = None
+    index: int,
+    output: list[dict[str, Any]],
+    messages: list[dict[str, Any]] | None = None,
+    *,
+    tokens: CallTokens | None = None,
 ) -> ModelCall:
     return ModelCall(
+        id=f"r:m{index}",
         index=index,
+        turn=index,
         api="chat",
         request={"model": "m", "messages": messages or [{"role": "user", "content": "go"}]},
+        input=[{"type": "message", "role": "user", "content": "go"}],
         status="completed",
         output=output,
         usage=TokenUsage(input_tokens=10, output_tokens=5, total_tokens=15),
+        tokens=tokens or CallTokens(),
+        attempts=[CallAttempt(index=0, status="completed", http_status=200, started_at=1.0, ended_at=2.0)],
         started_at=1.0,
         ended_at=2.0,
+    )
+
+
+def _start(index: int, items: list[dict[str, Any]] | None = None) -> TurnStart:
+    return TurnStart(
+        index=index, id=f"r:t{index}", model_call_id=f"r:m{index}", started_at=1.0, input=items or []
     )
 
 
@@ -90,23 +113,38 @@ def test_usage_sum_stays_none_when_any_call_did_not_report() -> None:
     assert total.output_tokens is None
 
 
-def test_journal_deltas_rebuild_the_exact_requests() -> None:
+def test_journal_deltas_rebuild_the_exact_requests_inputs_and_prompt_tokens() -> None:
     history: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
-    compactor = RequestCompactor()
+    compactor = CallCompactor()
     records: list[dict[str, Any]] = [{"seq": 1, "kind": "start", "at": 0.0, "rollout_id": "r"}]
     originals = []
+    prompt: list[int] = [1, 2, 3]
     for index in range(4):
         history = [*history, {"role": "assistant", "content": f"turn {index}"}]
-        call = _model_call(index, [{"type": "message", "role": "assistant", "content": "x"}], list(history))
+        generation = [100 + index, 200 + index]
+        tokens = CallTokens(
+            prompt_token_ids=prompt, generation_token_ids=generation, generation_log_probs=[-0.5, -1.0]
+        )
+        call = _model_call(
+            index, [{"type": "message", "role": "assistant", "content": "x"}], list(history), tokens=tokens
+        )
+        prompt = [*prompt, *generation, 9]
         originals.append(call)
-        stripped, delta = compactor.compact(call)
+        stripped, deltas = compactor.compact(call)
         if index > 0:
-            assert delta is not None and len(delta.append) == 1  # O(new items), not O(transcript)
-            assert "messages" not in stripped.request
-        record = BoundaryRecord(kind="model_call", at=1.0, model_call=stripped, request_delta=delta)
+            by_field = {delta.field: delta for delta in deltas}
+            # O(new items), not O(transcript): one message, and the previous generation plus one token.
+            assert len(by_field["request.messages"].append) == 1
+            assert by_field["tokens.prompt_token_ids"].append == [100 + index - 1, 200 + index - 1, 9]
+            assert "messages" not in stripped.request and stripped.tokens.prompt_token_ids is None
+        record = BoundaryRecord(kind="model_call", at=1.0, model_call=stripped, deltas=deltas)
         records.append({"seq": index + 2, **record.model_dump(mode="json", exclude_none=True)})
     checkpoint = fold_records(records)
-    assert [c.request for c in checkpoint.trajectory.model_calls] == [c.request for c in originals]
+    folded = checkpoint.trajectory.model_calls
+    assert [c.request for c in folded] == [c.request for c in originals]
+    assert [c.input for c in folded] == [c.input for c in originals]
+    assert [c.tokens for c in folded] == [c.tokens for c in originals]
+    assert all(c.tokens.status == "observed" for c in folded)
     assert checkpoint.rollout_id == "r" and checkpoint.seq == 5 and checkpoint.partial is True
 
 

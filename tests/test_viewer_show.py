@@ -27,6 +27,7 @@ from tests.helpers.viewer_fixtures import (
     partial_journal,
     receipt,
     tool_call,
+    trajectory_of,
     write_rollout_dir,
     write_run,
 )
@@ -87,7 +88,7 @@ def test_partial_checkpoint_is_marked_not_graded(run: RunFixture) -> None:
     text = show(run.path / "rollouts" / "calc-3-s0-t0")
     assert PARTIAL_LABEL == "partial — not graded"
     assert PARTIAL_LABEL in text
-    assert "journal up to seq 2" in text
+    assert "journal up to seq 3" in text
     assert "Running the calculation now." in text
     assert "tool python [call_py_9] pending" in text
     assert "output — (none yet)" in text
@@ -161,7 +162,7 @@ def test_run_shows_summary_and_every_rollout_with_outcome_and_reward(run: RunFix
         assert rec.rollout_id in text
     assert "showing 6 of 6 rollout(s)" in text
     assert "torn" in text  # the torn last line is skipped and said so
-    assert "health: capture_mismatch" in text
+    assert "health: trajectory_capture_mismatch" in text
 
 
 def test_run_filters_by_outcome(run: RunFixture) -> None:
@@ -237,13 +238,15 @@ def test_local_health_findings_use_the_controllers_check_names(tmp_path: Path) -
     calls = [
         model_call(0, status="failed", tokens=(None, None), attempts=3),
         model_call(1, text="ok", tokens=(100, None), start=2.0),
-        model_call(2, status="incomplete", incomplete_reason="length", text="aaaa", start=4.0),
+        model_call(2, status="incomplete", incomplete_reason="length", text="", start=4.0),
     ]
-    result = completed_result().model_copy(update={"trajectory": Trajectory(model_calls=calls)})
+    result = completed_result().model_copy(update={"trajectory": trajectory_of(calls, [])})
     text = show(write_rollout_dir(tmp_path / "r", result=result))
-    assert "failed_model_call: 1 of 3 model calls failed (calls 0)" in text
-    assert "unobserved_tokens: calls 1 reported no token counts" in text
-    assert "runaway_generation: calls 2 stopped at the length limit" in text
+    assert "model_call_failed: 1 — model calls that failed" in text
+    assert "model_call_missing_token_counts: 1 — answered model calls without input or output token" in text
+    assert "model_call_runaway_generation: 1 — model calls cut at the output length limit with no" in text
+    # A bare rollout directory has no receipt: the capture check says so rather than passing.
+    assert "unobserved (no receipt.json): trajectory_capture_mismatch" in text
     assert "3 attempts" in text and "HTTP 500" in text
 
 

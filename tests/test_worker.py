@@ -165,19 +165,24 @@ def test_sigkill_after_k_boundaries_leaves_exactly_those_in_the_checkpoint(
         {"tool_calls": [{"name": "python", "arguments": {"code": "x += 1\nx"}}]},
         {"text": "never reached"},
     ]
-    # The third model request hangs, so the journal is still when we kill: start + 2 x (model + tool) = 5.
+    # The third model request hangs, so the journal is still when we kill:
+    # start + 2 x (turn start + model + tool) + the third turn's start = 8.
     server = policy({"t": turns}, faults=("call=3:kind=hang",))
     rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
     rollout.start()
     wait_for(lambda: server.faults_injected, what="the third model request")
-    wait_for(lambda: len(rollout.records()) == 5, what="five durable boundaries")
+    wait_for(lambda: len(rollout.records()) == 8, what="eight durable boundaries")
     assert rollout.proc is not None
     os.killpg(rollout.proc.pid, signal.SIGKILL)
     assert rollout.wait() == -signal.SIGKILL
     assert not rollout.result.exists()
     checkpoint = load_checkpoint(rollout.checkpoint)
-    assert checkpoint.partial is True and checkpoint.seq == 5
+    assert checkpoint.partial is True and checkpoint.seq == 8
     assert [c.index for c in checkpoint.trajectory.model_calls] == [0, 1]
+    # The call in flight when the worker died left its turn's start: the journal says it was sent.
+    turns_seen = checkpoint.trajectory.turns
+    assert [t.resolution for t in turns_seen] == ["acted", "acted", "pending"]
+    assert turns_seen[2].model_calls == [] and turns_seen[2].input[0]["type"] == "function_call_output"
     assert [c.status for c in checkpoint.trajectory.tool_calls] == ["completed", "completed"]
     assert "2" in (checkpoint.trajectory.tool_calls[1].output or "")
     assert [i["type"] for i in checkpoint.output].count("function_call_output") == 2

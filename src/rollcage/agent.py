@@ -9,9 +9,14 @@ Two action styles:
   Python functions in the executor whose calls come back to this loop, so each is
   recorded, timed and checkpointed like any other tool call.
 
+Every turn starts with a ``turn_start`` boundary (its question: the items added to
+the conversation since the last model call, and the id of the model call it is
+about to make), so a call still in flight when the rollout stops leaves a trace.
 After every model response and every tool completion the loop emits a *boundary*
 and waits until the boundary sink returns before taking its next action; the
-worker makes that wait cover the journal's fsync. Calls a response asks for but
+worker makes that wait cover the journal's fsync. Each model call has an id
+(``<rollout_id>:m<index>``) and belongs to exactly one turn (``<rollout_id>:t<index>``);
+one that is cancelled in flight is recorded ``incomplete`` (``interrupted``). Calls a response asks for but
 that are not run (the response was cut off, the tool-call budget is spent) end in
 that response's own boundary, so however many calls a response holds, refusing
 them costs one journal record.
@@ -33,7 +38,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -46,7 +51,9 @@ from rollcage.protocol import (
     ResponseItem,
     TerminationReason,
     ToolCall,
+    ToolSpec,
     ToolStatus,
+    TurnStart,
     WorkerInput,
 )
 from rollcage.trajectory import TrajectoryRecorder, arguments_json, message_text
@@ -59,6 +66,7 @@ __all__ = [
     "ModelCaller",
     "ResourceCaller",
     "extract_code_blocks",
+    "function_tools",
 ]
 
 BoundarySink = Callable[[BoundaryRecord], Awaitable[None]]
@@ -78,8 +86,15 @@ class ModelCaller(Protocol):
         instructions: str | None,
         tools: list[dict[str, Any]],
         index: int,
+        id: str,
+        turn: int,
     ) -> ModelCall:
         """Make one model call; raise a ``ModelError`` carrying ``.record`` on failure."""
+        ...
+
+    @property
+    def interrupted(self) -> ModelCall | None:
+        """The record of the last call cancelled in flight (``incomplete``, ``interrupted``), if any."""
         ...
 
     @property
@@ -91,8 +106,8 @@ class ModelCaller(Protocol):
 class ResourceCaller(Protocol):
     """What the loop needs of the HTTP resource tools."""
 
-    async def call(self, name: str, arguments: dict[str, Any]) -> str:
-        """Call one resource tool and return the text for the model."""
+    async def call(self, name: str, arguments: dict[str, Any]) -> tuple[ToolStatus, str]:
+        """Call one resource tool; return its status (failed: an error answer) and the text for the model."""
         ...
 
     @property
@@ -151,6 +166,8 @@ class Agent:
         self._recorder = recorder
         self._boundary = boundary
         self._history: list[ResponseItem] = _initial_input(spec.input)
+        self._asked = 0
+        """How much of the history earlier turns' model calls have seen: the rest is the next question."""
         self._tool_count = 0
         self._invalid = 0
         self._python = next((t for t in spec.tools if isinstance(t, PythonToolSpec)), None)
@@ -182,12 +199,12 @@ class Agent:
     # ------------------------------------------------------------------ function calling
 
     async def _run_function_calling(self) -> AgentResult:
-        tools = self._function_tools()
+        tools = function_tools(self._spec.tools, codeact=False)
         last_text: str | None = None
         for index in range(self._spec.agent.max_policy_calls):
             call, server_ids = await self._call_model(index, tools)
             pending = self._start_calls(call, server_ids)
-            self._history.extend(call.output)
+            self._answered(call.output)
             text = _text_of(call.output)
             if text:
                 last_text = text
@@ -225,32 +242,6 @@ class Agent:
             )
             for item, server_id in zip(items, server_ids, strict=True)
         ]
-
-    def _function_tools(self) -> list[dict[str, Any]]:
-        tools: list[dict[str, Any]] = []
-        if self._python is not None:
-            tools.append(
-                {
-                    "type": "function",
-                    "name": self._python.name,
-                    "description": self._python.description,
-                    "parameters": {
-                        "type": "object",
-                        "properties": {"code": {"type": "string", "description": "Python source to run."}},
-                        "required": ["code"],
-                    },
-                }
-            )
-        for spec in self._resource_specs.values():
-            tools.append(
-                {
-                    "type": "function",
-                    "name": spec.name,
-                    "description": spec.description,
-                    "parameters": spec.parameters,
-                }
-            )
-        return tools
 
     async def _run_tool_calls(self, pending: list[ToolCall]) -> bool:
         """Run one response's calls concurrently; return whether any could not be run as asked."""
@@ -306,7 +297,7 @@ class Agent:
         if self._python is not None and call.name == self._python.name:
             return await self._run_cell(call.call_id, str(arguments["code"]))
         self._recorder.mark_started(call.call_id)
-        return "completed", await self._call_resource(call.name, arguments)
+        return await self._call_resource(call.name, arguments)
 
     # ------------------------------------------------------------------ codeact
 
@@ -318,7 +309,7 @@ class Agent:
             call, server_ids = await self._call_model(index, [])
             text = _text_of(call.output)
             last_text = text or last_text
-            self._history.extend(_as_input(call.output))
+            self._answered(_as_input(call.output))
             # No function was offered: in codeact, tools are functions called from code. Every call
             # the model made anyway gets its refusal as output, as the API requires of every call.
             stray = self._reject(
@@ -384,8 +375,8 @@ class Agent:
             await self._finish(call_id, "failed", f"error: there is no tool named {name!r}")
             return f"error: there is no tool named {name!r}"
         self._tool_count += 1
-        output = await self._call_resource(name, kwargs)
-        await self._finish(call_id, "completed", output)
+        status, output = await self._call_resource(name, kwargs)
+        await self._finish(call_id, status, output)
         return output
 
     # ------------------------------------------------------------------ shared steps
@@ -393,19 +384,50 @@ class Agent:
     async def _call_model(
         self, index: int, tools: list[dict[str, Any]]
     ) -> tuple[ModelCall, list[str | None]]:
-        """One model call, recorded with the loop's own tool-call ids; also the server's ids, in order."""
+        """One turn's model call, recorded with the loop's own tool-call ids; also the server's ids, in order.
+
+        The turn's start is journaled first. A call cancelled in flight is recorded
+        as the client kept it (``incomplete``, ``interrupted``) before the
+        cancellation goes on; it gets no boundary of its own (the turn's start is
+        its trace in the journal).
+        """
+        rollout = self._spec.rollout_id
+        start = TurnStart(
+            index=index,
+            id=f"{rollout}:t{index}",
+            model_call_id=f"{rollout}:m{index}",
+            started_at=time.time(),
+            input=self._history[self._asked :],
+        )
+        self._recorder.start_turn(start)
+        await self._emit("turn_start", turn=start)
         try:
             call = await self._model.call(
-                input=list(self._history), instructions=self._instructions(), tools=tools, index=index
+                input=list(self._history),
+                instructions=self._instructions(),
+                tools=tools,
+                index=index,
+                id=start.model_call_id,
+                turn=index,
             )
         except ModelError as exc:
             if exc.record is not None:
                 self._recorder.add_model_call(exc.record)
                 await self._emit("model_call", model_call=exc.record, tool_calls=[])
             raise
+        except asyncio.CancelledError:
+            interrupted = self._model.interrupted
+            if interrupted is not None and interrupted.id == start.model_call_id:
+                self._recorder.add_model_call(interrupted)
+            raise
         call, server_ids = _own_ids(call)
         self._recorder.add_model_call(call)
         return call, server_ids
+
+    def _answered(self, items: list[ResponseItem]) -> None:
+        """Add a model answer's items to the conversation; what follows them is the next turn's question."""
+        self._history.extend(items)
+        self._asked = len(self._history)
 
     def _instructions(self) -> str | None:
         if self._spec.agent.mode != "codeact":
@@ -427,13 +449,13 @@ class Agent:
             self._recorder.mark_started(call_id)
             return await self._cells.run_cell(code, self._spec.agent.tool_timeout_s)
 
-    async def _call_resource(self, name: str, arguments: dict[str, Any]) -> str:
+    async def _call_resource(self, name: str, arguments: dict[str, Any]) -> tuple[ToolStatus, str]:
         assert self._resources is not None
-        text = await self._resources.call(name, arguments)
+        status, text = await self._resources.call(name, arguments)
         limit = self._spec.agent.tool_output_limit
         if len(text) > limit:
             text = f"{text[:limit]}\n…[truncated {len(text) - limit} chars]"
-        return text
+        return status, text
 
     async def _finish(self, call_id: str, status: ToolStatus, output: str) -> None:
         done = self._recorder.finish_tool_call(call_id, status, output)
@@ -459,8 +481,9 @@ class Agent:
 
     async def _emit(
         self,
-        kind: Literal["model_call", "tool_call"],
+        kind: Literal["turn_start", "model_call", "tool_call"],
         *,
+        turn: TurnStart | None = None,
         model_call: ModelCall | None = None,
         tool_calls: list[ToolCall] | None = None,
     ) -> None:
@@ -470,6 +493,7 @@ class Agent:
         record = BoundaryRecord(
             kind=kind,
             at=time.time(),
+            turn=turn,
             model_call=model_call,
             tool_calls=tool_calls or [],
             model_cookies=model_cookies if model_cookies != seen_model else None,
@@ -477,6 +501,42 @@ class Agent:
         )
         self._cookies_seen = (model_cookies, resource_cookies)
         await self._boundary(record)
+
+
+def function_tools(tools: Sequence[ToolSpec], *, codeact: bool) -> list[dict[str, Any]]:
+    """The Responses-style function tools the loop offers the model (none in codeact: tools are functions).
+
+    The Python tool comes first, then the resource tools in the input's order; every
+    request of a rollout sends this list, so it can be rebuilt from ``input.json``.
+    """
+    if codeact:
+        return []
+    offered: list[dict[str, Any]] = []
+    python = next((t for t in tools if isinstance(t, PythonToolSpec)), None)
+    if python is not None:
+        offered.append(
+            {
+                "type": "function",
+                "name": python.name,
+                "description": python.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"code": {"type": "string", "description": "Python source to run."}},
+                    "required": ["code"],
+                },
+            }
+        )
+    for spec in tools:
+        if isinstance(spec, ResourceToolSpec):
+            offered.append(
+                {
+                    "type": "function",
+                    "name": spec.name,
+                    "description": spec.description,
+                    "parameters": spec.parameters,
+                }
+            )
+    return offered
 
 
 def _own_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:

@@ -1,55 +1,133 @@
 """Folding a checkpoint journal into a ``Checkpoint``: evidence of an interrupted rollout.
 
 A checkpoint is never a result and never graded (``partial`` is always true). It
-holds every boundary that reached the disk: finished model calls, the tool calls
-they requested (pending until a later record ends them), and the latest cookies.
+holds every boundary that reached the disk: turns started (an in-flight model call
+leaves its turn ``pending``), finished model calls, the tool calls they requested
+(pending until a later record ends them), and the latest cookies.
+
+Every model call repeats the conversation so far (its request's ``messages`` or
+``input``, a chat call's Responses-shaped ``input``) and the prompt's token ids;
+``CallCompactor`` journals each such list as a ``ListDelta`` against the same list
+of the previous call, so a boundary stays O(new content), and ``fold_records``
+rebuilds them.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from rollcage.durable import read_journal
 from rollcage.errors import JournalCorruptError
-from rollcage.protocol import BoundaryRecord, Checkpoint, ModelCall, RequestDelta
+from rollcage.protocol import (
+    SCHEMA_VERSION,
+    BoundaryRecord,
+    CallTokens,
+    Checkpoint,
+    DeltaField,
+    ListDelta,
+    ModelCall,
+)
 from rollcage.trajectory import TrajectoryRecorder, project_output
 
-__all__ = ["RequestCompactor", "fold_records", "load_checkpoint"]
+__all__ = ["CallCompactor", "fold_records", "load_checkpoint"]
 
-_LIST_KEYS = ("messages", "input")
+_FIELDS: tuple[DeltaField, ...] = (
+    "request.messages",
+    "request.input",
+    "input",
+    "tokens.prompt_token_ids",
+    "tokens.prompt_log_probs",
+)
 
 
-class RequestCompactor:
-    """Turns each model call's full request into a delta against the previous one.
+def _get(call: ModelCall, field: DeltaField) -> list[Any] | None:
+    """The list ``field`` names in ``call``, if it is one."""
+    owner, _, key = field.rpartition(".")
+    if owner == "request":
+        value: Any = call.request.get(key)
+    elif owner == "tokens":
+        value = getattr(call.tokens, key)
+    else:
+        value = getattr(call, key)
+    return value if isinstance(value, list) else None
 
-    Every request repeats the whole conversation so far; journaling it whole would
-    make each boundary O(transcript). The delta keeps a boundary O(new items).
+
+def _without(call: ModelCall, fields: list[DeltaField]) -> ModelCall:
+    """``call`` with the lists ``fields`` name left out (empty request keys dropped, others None)."""
+    update: dict[str, Any] = {}
+    request_keys = {f.partition(".")[2] for f in fields if f.startswith("request.")}
+    if request_keys:
+        update["request"] = {k: v for k, v in call.request.items() if k not in request_keys}
+    token_keys = {f.partition(".")[2]: None for f in fields if f.startswith("tokens.")}
+    if token_keys:
+        update["tokens"] = call.tokens.model_copy(update=token_keys)
+    if "input" in fields:
+        update["input"] = None
+    return call.model_copy(update=update)
+
+
+def _with(call: ModelCall, lists: dict[DeltaField, list[Any]]) -> ModelCall:
+    """``call`` with the rebuilt lists put back."""
+    update: dict[str, Any] = {}
+    request = {key.partition(".")[2]: value for key, value in lists.items() if key.startswith("request.")}
+    if request:
+        update["request"] = {**call.request, **request}
+    tokens = {key.partition(".")[2]: value for key, value in lists.items() if key.startswith("tokens.")}
+    if tokens:
+        # Validated, not copied: the tokens' status follows from the arrays, which are whole again.
+        update["tokens"] = CallTokens.model_validate({**call.tokens.model_dump(), **tokens})
+    if "input" in lists:
+        update["input"] = lists["input"]
+    return call.model_copy(update=update)
+
+
+class CallCompactor:
+    """Turns each model call's repeated lists into deltas against the previous call's.
+
+    Every request repeats the whole conversation so far, and every prompt's token
+    ids repeat the previous prompt's; journaling them whole would make each
+    boundary O(transcript). The deltas keep a boundary O(new items).
     """
 
     def __init__(self) -> None:
-        """Start with no earlier request."""
-        self._previous: tuple[int, str, list[object]] | None = None
+        """Start with no earlier call."""
+        self._previous: dict[DeltaField, tuple[int, list[Any]]] = {}
 
-    def compact(self, call: ModelCall) -> tuple[ModelCall, RequestDelta | None]:
-        """Return the call with its conversation list removed, and the delta that rebuilds it."""
-        key = next((k for k in _LIST_KEYS if isinstance(call.request.get(k), list)), None)
-        if key is None:
-            return call, None
-        items: list[object] = call.request[key]
-        previous, self._previous = self._previous, (call.index, key, items)
-        if previous is None or previous[1] != key:
-            return call, None
-        base, _, before = previous
-        keep = 0
-        # Identity first: the client builds each request from the same item objects,
-        # so most of the prefix compares in O(1) per item.
-        for old, new in zip(before, items, strict=False):
-            if old is not new and old != new:
-                break
-            keep += 1
-        request = {k: v for k, v in call.request.items() if k != key}
-        delta = RequestDelta(key=key, base=base, keep=keep, append=list(items[keep:]))
-        return call.model_copy(update={"request": request}), delta
+    def compact(self, call: ModelCall) -> tuple[ModelCall, list[ListDelta]]:
+        """Return the call without its repeated lists, and the deltas that rebuild them."""
+        deltas: list[ListDelta] = []
+        for field in _FIELDS:
+            items = _get(call, field)
+            if items is None:
+                continue
+            previous = self._previous.get(field)
+            self._previous[field] = (call.index, items)
+            if previous is None:
+                continue
+            base, before = previous
+            keep = _common_prefix(before, items)
+            deltas.append(ListDelta(field=field, base=base, keep=keep, append=list(items[keep:])))
+        if not deltas:
+            return call, []
+        return _without(call, [delta.field for delta in deltas]), deltas
+
+
+def _common_prefix(before: list[Any], items: list[Any]) -> int:
+    """How many leading items the two lists share.
+
+    The usual case, a list that extends the previous one, is one list comparison in
+    C (which tries identity first: the client builds each request from the same item
+    objects); only a list that diverges is walked item by item.
+    """
+    if len(items) >= len(before) and items[: len(before)] == before:
+        return len(before)
+    keep = 0
+    for old, new in zip(before, items, strict=False):
+        if old is not new and old != new:
+            break
+        keep += 1
+    return keep
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
@@ -59,8 +137,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     last line is ignored.
 
     Raises:
-        JournalCorruptError: a line other than the last is damaged, or a record
-            does not have the shape of a boundary record.
+        JournalCorruptError: a line other than the last is damaged, a record does
+            not have the shape of a boundary record, or the journal was written with
+            another artifact schema version.
     """
     return fold_records(read_journal(path), source=str(path))
 
@@ -69,10 +148,16 @@ def fold_records(records: list[dict[str, object]], *, source: str = "journal") -
     """Fold journal records (each with ``seq``) into a ``Checkpoint``."""
     recorder = TrajectoryRecorder()
     checkpoint = Checkpoint()
-    lists: dict[int, list[object]] = {}
+    lists: dict[tuple[int, DeltaField], list[Any]] = {}
     seq: int | None = None
     for raw in records:
         body = {k: v for k, v in raw.items() if k != "seq"}
+        version = body.get("schema_version")
+        if body.get("kind") == "start" and version is not None and version != SCHEMA_VERSION:
+            raise JournalCorruptError(
+                f"{source}: written with artifact schema version {version!r}; this rollcage reads version "
+                f"{SCHEMA_VERSION} only: read it with the rollcage that wrote it"
+            )
         try:
             record = BoundaryRecord.model_validate(body)
         except ValueError as exc:
@@ -82,6 +167,8 @@ def fold_records(records: list[dict[str, object]], *, source: str = "journal") -
         seq = int(str(raw["seq"]))
         if record.kind == "start":
             checkpoint.rollout_id = record.rollout_id
+        elif record.kind == "turn_start" and record.turn is not None:
+            recorder.start_turn(record.turn)
         elif record.kind == "model_call" and record.model_call is not None:
             recorder.add_model_call(_expand(record, lists, source))
         for tool in record.tool_calls:
@@ -97,17 +184,22 @@ def fold_records(records: list[dict[str, object]], *, source: str = "journal") -
     return checkpoint
 
 
-def _expand(record: BoundaryRecord, lists: dict[int, list[object]], source: str) -> ModelCall:
-    """Rebuild a journaled model call's full request from its delta."""
+def _expand(record: BoundaryRecord, lists: dict[tuple[int, DeltaField], list[Any]], source: str) -> ModelCall:
+    """Rebuild a journaled model call's lists from its deltas; remember its lists for later deltas."""
     call = record.model_call
     assert call is not None
-    delta = record.request_delta
-    if delta is not None:
-        if delta.base not in lists:
-            raise JournalCorruptError(f"{source}: model call {call.index} extends unknown call {delta.base}")
-        items = lists[delta.base][: delta.keep] + list(delta.append)
-        call = call.model_copy(update={"request": {**call.request, delta.key: items}})
-    key = next((k for k in _LIST_KEYS if isinstance(call.request.get(k), list)), None)
-    if key is not None:
-        lists[call.index] = call.request[key]
+    rebuilt: dict[DeltaField, list[Any]] = {}
+    for delta in record.deltas:
+        base = lists.get((delta.base, delta.field))
+        if base is None:
+            raise JournalCorruptError(
+                f"{source}: model call {call.index} extends {delta.field} of unknown call {delta.base}"
+            )
+        rebuilt[delta.field] = base[: delta.keep] + list(delta.append)
+    if rebuilt:
+        call = _with(call, rebuilt)
+    for field in _FIELDS:
+        items = _get(call, field)
+        if items is not None:
+            lists[(call.index, field)] = items
     return call

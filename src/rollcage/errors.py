@@ -18,6 +18,7 @@ publishes as ``RunnerError.kind`` (``transient`` for the infrastructure's,
     │   ├── ResourceUnavailableError (ToolError)     a resource endpoint cannot be reached
     │   ├── SandboxError                             bubblewrap missing or failing
     │   ├── SupervisorError                          the supervisor could not do its job
+    │   ├── RunFailedError                           the controller itself failed mid-run
     │   ├── RayTaskLostError                         a Ray task ended without a record
     │   │   └── RayTaskOverdueError (TimeoutError)   it did not start or return in time
     │   └── ArtifactsTooLargeError                   a rollout dir too large to ship to the driver
@@ -60,6 +61,7 @@ __all__ = [
     "RayTaskOverdueError",
     "ResourceUnavailableError",
     "RollcageError",
+    "RunFailedError",
     "SandboxError",
     "SupervisorError",
     "ToolError",
@@ -167,3 +169,10 @@ class RayTaskOverdueError(RayTaskLostError, TimeoutError):
 
 class ArtifactsTooLargeError(InfrastructureError):
     """A rollout directory holds more than the limit for shipping it to the driver."""
+
+
+class RunFailedError(InfrastructureError):
+    """A run stopped because the controller itself failed (``rollouts.jsonl`` could not be written).
+
+    The records written before are intact; fix the cause and run again to resume.
+    """

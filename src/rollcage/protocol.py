@@ -12,9 +12,12 @@ API, because they are carried through verbatim rather than interpreted.
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -23,30 +26,36 @@ from rollcage.errors import ControllerOnlyFieldError, ErrorKind
 
 __all__ = [
     "MAX_JSON_DEPTH",
+    "RESERVED_REQUEST_FIELDS",
     "SCHEMA_VERSION",
     "AgentSettings",
     "BoundaryRecord",
     "BudgetMechanism",
     "BudgetName",
     "BudgetUse",
+    "CallAttempt",
+    "CallTokens",
     "CaptureExchange",
     "CapturedBody",
     "CapturedMessage",
     "Checkpoint",
     "CheckpointSettings",
+    "DeltaField",
     "ErrorKind",
     "ExecutorSettings",
     "HealthFinding",
+    "HealthVerdict",
+    "ListDelta",
     "ModelCall",
     "ModelEndpoint",
     "Outcome",
     "Percentiles",
     "PythonToolSpec",
-    "RequestDelta",
     "ResourceEndpoint",
     "ResourceToolSpec",
     "ResponseItem",
     "ResponseOutput",
+    "RolloutHealth",
     "RolloutMetrics",
     "RolloutRecord",
     "RunMetrics",
@@ -55,11 +64,16 @@ __all__ = [
     "SignalEvent",
     "SupervisorReceipt",
     "TerminationReason",
+    "TokenCoverage",
+    "TokenField",
     "TokenUsage",
     "ToolCall",
     "ToolSpec",
     "ToolStatus",
     "Trajectory",
+    "Turn",
+    "TurnResolution",
+    "TurnStart",
     "WorkerInput",
     "WorkerResult",
     "artifact_models",
@@ -67,7 +81,13 @@ __all__ = [
     "json_problem",
 ]
 
-SCHEMA_VERSION: Literal[1] = 1
+SCHEMA_VERSION: Literal[2] = 2
+"""Version of the artifact formats (every artifact of one rollcage shares it).
+
+2: model calls carry ids, attempts, owning turn and token data; trajectories have turns;
+rollout records carry their health; the journal's deltas and call starts.
+A reader meets any other version with an error that names both (see ``_check_version``).
+"""
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of containers accepted in JSON that crosses a boundary (input.json, a model response).
@@ -78,6 +98,35 @@ so a value that was accepted can always be written back into a journal line or a
 """
 
 _DAY_S = 86_400.0
+_EXTRA_BODY_KEYS = 32
+_EXTRA_BODY_DEPTH = 16
+_EXTRA_BODY_BYTES = 64 * 1024
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+RESERVED_REQUEST_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "input",
+        "instructions",
+        "tools",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+        "seed",
+        "stop",
+        "logprobs",
+        "top_logprobs",
+        "include",
+        "n",
+    }
+)
+"""Request fields rollcage builds itself, never taken from ``SamplingParams.extra_body``: the conversation,
+the tools, streaming, the typed sampling settings, and ``n`` (rollcage reads one choice)."""
 
 Outcome = Literal["completed", "agent_error", "timeout", "cancelled", "infra_failure"]
 """How one attempt ended, as classified by the supervisor (see DESIGN.md's outcome table)."""
@@ -124,6 +173,33 @@ class _Frozen(_Model):
     model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
 
 
+def _check_version(data: Any, artifact: str) -> Any:
+    """Refuse an artifact of another schema version, with a message that names both versions."""
+    if isinstance(data, dict) and "schema_version" in data:
+        found = data["schema_version"]
+        if found != SCHEMA_VERSION:
+            older = isinstance(found, int) and not isinstance(found, bool) and found < SCHEMA_VERSION
+            writer = "an older rollcage" if older else "a newer rollcage (or something else)"
+            raise ValueError(
+                f"field 'schema_version': this {artifact} has artifact schema version {found!r}, written by "
+                f"{writer}; this rollcage reads version {SCHEMA_VERSION} only: read it with the rollcage "
+                "that wrote it, or produce it again"
+            )
+    return data
+
+
+class _VersionGate(BaseModel):
+    """Mixin of the versioned artifacts: another ``schema_version`` is refused by name, first."""
+
+    # The same settings as _Model: deferred, or importing the protocol would build (and pay for) it.
+    model_config = ConfigDict(extra="forbid", defer_build=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _same_version(cls, data: Any) -> Any:
+        return _check_version(data, cls.__name__)
+
+
 class RunnerError(_Frozen):
     """Why a rollout did not complete normally."""
 
@@ -150,6 +226,49 @@ class SamplingParams(_Model):
         default=None, ge=-(2**63), le=2**64 - 1, description="Sampling seed, where the server supports it."
     )
     stop: list[str] | None = Field(default=None, description="Stop sequences (Chat Completions only).")
+    logprobs: bool | None = Field(
+        default=None,
+        description="Ask for the log probability of every sampled token: 'logprobs' for Chat Completions, "
+        "include 'message.output_text.logprobs' for Responses. The trajectory keeps them per model call "
+        "(ModelCall.tokens).",
+    )
+    top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description="Most likely alternatives returned per token, beside the sampled one (0: none). vLLM "
+        "returns per-token logprobs only when this is set with 'logprobs'.",
+    )
+    extra_body: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Server-specific request fields, sent as they are beside the ones rollcage builds (the "
+        "OpenAI SDK's extra_body). For RL on vLLM: {'return_token_ids': true} (prompt and completion token "
+        "ids), {'return_tokens_as_token_ids': true} (logprob tokens as 'token_id:N'), {'prompt_logprobs': 0} "
+        "(the prompt tokens' log probabilities); also 'top_k', 'min_p', 'repetition_penalty', "
+        "'chat_template_kwargs'. At most 32 keys, names of letters, digits and '_', JSON values at most 16 "
+        "deep and 64 KiB in all; a field rollcage sets itself (RESERVED_REQUEST_FIELDS) is refused.",
+    )
+
+    @field_validator("extra_body")
+    @classmethod
+    def _pass_through_only(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if len(value) > _EXTRA_BODY_KEYS:
+            raise ValueError(f"extra_body: {len(value)} fields, at most {_EXTRA_BODY_KEYS}")
+        for key in value:
+            if not _FIELD_NAME.fullmatch(key):
+                raise ValueError(f"extra_body: {key!r} is not a request field name (letters, digits, '_')")
+            if key in RESERVED_REQUEST_FIELDS:
+                raise ValueError(
+                    f"extra_body: {key!r} is a field rollcage sets itself; use the sampling setting or the "
+                    "endpoint setting for it"
+                )
+        problem = json_problem(value, max_depth=_EXTRA_BODY_DEPTH)
+        if problem is not None:
+            raise ValueError(f"extra_body: {problem}")
+        size = len(json.dumps(value, allow_nan=False, separators=(",", ":")))
+        if size > _EXTRA_BODY_BYTES:
+            raise ValueError(f"extra_body: {size} bytes of JSON, at most {_EXTRA_BODY_BYTES}")
+        return value
 
 
 class ModelEndpoint(_Model):
@@ -274,14 +393,14 @@ class CheckpointSettings(_Model):
     enabled: bool = Field(default=True, description="Write a boundary record after every model/tool step.")
 
 
-class WorkerInput(_Model):
+class WorkerInput(_Model, _VersionGate):
     """``input.json``: the complete allow-list of what enters the sandbox.
 
     Controller-only state (reference answers, grader settings, rewards,
     credentials) has no field here and is rejected by name if present.
     """
 
-    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
+    schema_version: Literal[2] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
     rollout_id: str = Field(min_length=1, description="Unique id of this attempt.")
     task_id: str = Field(min_length=1, description="Id of the task (dataset row).")
     input: str | list[ResponseItem] = Field(description="Model-visible input: text or Responses-API items.")
@@ -440,28 +559,144 @@ class TokenUsage(_Model):
     total_tokens: int | None = Field(default=None, description="input + output, as the server said.")
 
 
-class ModelCall(_Model):
-    """One model call: the exact request, the raw response and what it meant."""
+TokenField = Literal["prompt_token_ids", "generation_token_ids", "generation_log_probs"]
+"""The three token arrays an RL trainer needs of a model call (NeMo Gym's names)."""
 
+TokenCoverage = Literal["complete", "partial", "unobserved"]
+"""How much of something was reported: all of it, some of it, none of it."""
+
+_TOKEN_FIELDS: tuple[TokenField, ...] = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+class CallTokens(_Model):
+    """Token-level data of one model call, as the server returned it (NeMo Gym's field names).
+
+    ``None`` means the server did not return that array (``status`` and ``missing``
+    say so): rollcage never guesses or re-tokenizes. Ask for them with
+    ``SamplingParams.logprobs`` and, on vLLM, ``extra_body={"return_token_ids": true}``.
+    """
+
+    prompt_token_ids: list[int] | None = Field(
+        default=None,
+        description="Token ids of the whole prompt the server sampled from (chat template applied).",
+    )
+    generation_token_ids: list[int] | None = Field(
+        default=None, description="Token ids of exactly what was sampled, in order."
+    )
+    generation_log_probs: list[float] | None = Field(
+        default=None, description="Log probability of each sampled token, aligned with generation_token_ids."
+    )
+    prompt_log_probs: list[float | None] | None = Field(
+        default=None,
+        description="Log probability of each prompt token given the ones before it (vLLM's prompt_logprobs; "
+        "None for the first token); None: not returned.",
+    )
+    scope: Literal["generation", "message_text"] = Field(
+        default="generation",
+        description="What generation_* cover: every sampled token (generation), or only the text of the "
+        "output messages (message_text: a Responses server's output_text logprobs, which leave out "
+        "reasoning and tool calls).",
+    )
+    status: Literal["observed", "partial", "unobserved"] = Field(
+        default="unobserved",
+        description="observed: all three of prompt_token_ids, generation_token_ids and generation_log_probs "
+        "came back; partial: some; unobserved: none.",
+    )
+    missing: list[TokenField] = Field(
+        default_factory=lambda: list(_TOKEN_FIELDS),
+        description="The arrays the server did not return.",
+    )
+    note: str | None = Field(
+        default=None,
+        description="What was wrong with the token data the server sent and was not kept (e.g. arrays of "
+        "different lengths); None: nothing.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_status(cls, data: Any) -> Any:
+        # status and missing follow from the arrays; a writer need not (and cannot wrongly) set them.
+        if isinstance(data, dict):
+            missing = [name for name in _TOKEN_FIELDS if data.get(name) is None]
+            status = "unobserved" if len(missing) == 3 else "partial" if missing else "observed"
+            data = {**data, "missing": missing, "status": status}
+        return data
+
+    @model_validator(mode="after")
+    def _aligned(self) -> CallTokens:
+        ids, probs = self.generation_token_ids, self.generation_log_probs
+        if ids is not None and probs is not None and len(ids) != len(probs):
+            raise ValueError(
+                f"generation_token_ids has {len(ids)} tokens but generation_log_probs {len(probs)} values"
+            )
+        return self
+
+
+class CallAttempt(_Model):
+    """One HTTP attempt of a model call (a retried call has several)."""
+
+    index: int = Field(ge=0, description="0-based attempt number within the call.")
+    status: Literal["completed", "failed", "incomplete"] = Field(
+        description="completed: an answer came back and was used; failed: an error (error says which); "
+        "incomplete: it was in flight when the rollout stopped."
+    )
+    http_status: int | None = Field(default=None, description="HTTP status of the answer; None: none came.")
+    error: RunnerError | None = Field(default=None, description="Why the attempt failed, if it did.")
+    started_at: float = Field(description="Unix time the attempt started.")
+    first_byte_at: float | None = Field(default=None, description="Unix time of its first response byte.")
+    ended_at: float = Field(description="Unix time it ended (or was abandoned).")
+
+
+class ModelCall(_Model):
+    """One model call: the exact request, the raw response, what it meant, and who owns it."""
+
+    id: str = Field(
+        min_length=1,
+        description="Unique id of the call ('<rollout_id>:m<index>'), the key turns use to own it.",
+    )
     index: int = Field(ge=0, description="0-based position among the rollout's model calls.")
+    turn: int = Field(ge=0, description="Index of the turn that owns the call (Trajectory.turns).")
     api: Literal["chat", "responses"] = Field(description="API style used.")
     request: dict[str, Any] = Field(description="The exact JSON payload of the last attempt.")
+    input: list[ResponseItem] | None = Field(
+        default=None,
+        description="Chat calls: the Responses-API input items the messages were built from (the wire "
+        "messages are in request); None for Responses calls, whose request.input is that list.",
+    )
     response: dict[str, Any] | None = Field(
         default=None,
-        description="The raw response payload (assembled from events if streamed); None on failure.",
+        description="The raw response payload (assembled from events if streamed), with the token arrays "
+        "that were lifted into tokens (prompt_token_ids, prompt_logprobs) removed; None when no usable "
+        "answer came.",
     )
     status: Literal["completed", "incomplete", "failed"] = Field(description="How the call ended.")
     incomplete_reason: str | None = Field(
-        default=None, description="Why the output is incomplete, e.g. 'max_output_tokens', 'length'."
+        default=None,
+        description="Why the output is incomplete: the server's word ('max_output_tokens', 'length', ...), "
+        "or 'interrupted' for a call still in flight when the rollout stopped.",
     )
-    output: list[ResponseItem] = Field(default_factory=list, description="The output as Responses-API items.")
+    output: list[ResponseItem] = Field(
+        default_factory=list, description="The output as Responses-API items (server item ids kept)."
+    )
     usage: TokenUsage = Field(default_factory=TokenUsage, description="Token counts.")
+    tokens: CallTokens = Field(
+        default_factory=CallTokens, description="Token ids and log probabilities, where the server sent them."
+    )
     http_status: int | None = Field(default=None, description="HTTP status of the last attempt.")
-    attempts: int = Field(default=1, ge=1, description="HTTP attempts made (1 + retries).")
+    attempts: list[CallAttempt] = Field(
+        min_length=1, description="Every HTTP attempt, in order; earlier ones of a retried call included."
+    )
     started_at: float = Field(description="Unix time the call started.")
     first_byte_at: float | None = Field(default=None, description="Unix time of the first response byte.")
     ended_at: float = Field(description="Unix time the call ended.")
     error: RunnerError | None = Field(default=None, description="Why the call failed, if it did.")
+
+    def input_items(self) -> list[ResponseItem]:
+        """The call's model-visible input as Responses-API items, whichever API it used."""
+        if self.input is not None:
+            return self.input
+        items = self.request.get("input")
+        return items if isinstance(items, list) else []
 
 
 ToolStatus = Literal["pending", "completed", "failed", "cancelled", "incomplete"]
@@ -481,12 +716,64 @@ class ToolCall(_Model):
     )
     name: str = Field(description="Tool name.")
     arguments: str = Field(description="Arguments exactly as the model wrote them (JSON text or code).")
-    turn: int = Field(ge=0, description="Index of the model call that requested it.")
-    status: ToolStatus = Field(description="pending until it ends; incomplete if it never did.")
+    turn: int = Field(ge=0, description="Index of the turn (and of its model call) that requested it.")
+    status: ToolStatus = Field(
+        description="pending until it ends; completed; failed (the tool answered with an error, HTTP "
+        "4xx/5xx included, or the call could not be run); cancelled; incomplete if it never ended."
+    )
     output: str | None = Field(default=None, description="Text shown to the model; None while pending.")
     started_at: float = Field(description="Unix time the call started.")
     ended_at: float | None = Field(default=None, description="Unix time the call ended; None while pending.")
     duration_s: float | None = Field(default=None, description="ended_at - started_at.")
+
+
+TurnResolution = Literal["acted", "answered", "cut_off", "failed", "interrupted", "pending"]
+"""How one turn ended: acted (it asked for tool calls or ran code), answered (an answer and no action),
+cut_off (stopped at the length limit; its actions were not run), failed (the model call failed),
+interrupted (the rollout stopped while the model call was in flight), pending (in a checkpoint: its
+model call has not come back yet)."""
+
+
+class TurnStart(_Model):
+    """The start of one turn, journaled before its model call is sent: an in-flight call leaves a trace."""
+
+    index: int = Field(ge=0, description="0-based turn number.")
+    id: str = Field(min_length=1, description="Unique id of the turn ('<rollout_id>:t<index>').")
+    model_call_id: str = Field(min_length=1, description="Id of the model call the turn makes.")
+    started_at: float = Field(description="Unix time the turn started (its model call is sent next).")
+    input: list[ResponseItem] = Field(
+        description="Responses-API items the turn adds to the conversation before its model call: the task's "
+        "input for turn 0, then tool outputs and feedback."
+    )
+
+
+class Turn(_Model):
+    """One agent turn: its question, the model's answer and reasoning, and what it did."""
+
+    index: int = Field(ge=0, description="0-based turn number.")
+    id: str = Field(min_length=1, description="Unique id of the turn ('<rollout_id>:t<index>').")
+    started_at: float = Field(description="Unix time the turn started.")
+    ended_at: float | None = Field(
+        default=None, description="Unix time its model call ended; None while it is in flight."
+    )
+    input: list[ResponseItem] = Field(
+        description="The question: Responses-API items the turn added to the conversation before its model "
+        "call (the task's input for turn 0, then tool outputs and feedback)."
+    )
+    model_calls: list[str] = Field(description="Ids of the model calls the turn owns (exact ownership).")
+    answer: list[ResponseItem] = Field(
+        default_factory=list, description="The model's output items other than reasoning (messages, calls)."
+    )
+    reasoning: list[ResponseItem] = Field(default_factory=list, description="The model's reasoning items.")
+    tool_calls: list[str] = Field(
+        default_factory=list,
+        description="call_ids of the tool calls the turn requested or ran (Trajectory.tool_calls holds them "
+        "with their outputs).",
+    )
+    tool_steps: int = Field(
+        ge=0, description="Tool calls of the rollout so far, this turn's included (run or refused)."
+    )
+    resolution: TurnResolution = Field(description="How the turn ended (see TurnResolution).")
 
 
 class Trajectory(_Model):
@@ -494,6 +781,7 @@ class Trajectory(_Model):
 
     model_calls: list[ModelCall] = Field(default_factory=list, description="Model calls in order.")
     tool_calls: list[ToolCall] = Field(default_factory=list, description="Tool calls in order of request.")
+    turns: list[Turn] = Field(default_factory=list, description="Turns in order; each owns its model calls.")
 
 
 class ResponseOutput(_Model):
@@ -510,10 +798,10 @@ class ResponseOutput(_Model):
     )
 
 
-class WorkerResult(_Frozen):
+class WorkerResult(_Frozen, _VersionGate):
     """``result.json``: published once, atomically, by the worker. Never carries a reward."""
 
-    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
+    schema_version: Literal[2] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
     rollout_id: str = Field(description="Id of this attempt ('' if the input could not be read).")
     task_id: str = Field(description="Id of the task ('' if the input could not be read).")
     response: ResponseOutput | None = Field(
@@ -529,14 +817,20 @@ class WorkerResult(_Frozen):
     ended_at: float = Field(description="Unix time the result was built.")
 
 
-class RequestDelta(_Model):
-    """How a model call's request extends an earlier one, so a journal line stays O(new content).
+DeltaField = Literal[
+    "request.messages", "request.input", "input", "tokens.prompt_token_ids", "tokens.prompt_log_probs"
+]
 
-    The request's conversation list (``messages`` for chat, ``input`` for responses)
-    is the first ``keep`` items of model call ``base``'s list followed by ``append``.
+
+class ListDelta(_Model):
+    """How a list of a model call extends the same list of an earlier call, so a journal line stays O(new).
+
+    Every request repeats the conversation so far, and every prompt's token ids
+    repeat the previous prompt's: the list named by ``field`` is the first ``keep``
+    items of model call ``base``'s list followed by ``append``.
     """
 
-    key: Literal["messages", "input"] = Field(description="Which request field the delta rebuilds.")
+    field: DeltaField = Field(description="Which list of the call the delta rebuilds (a dotted path).")
     base: int = Field(ge=0, description="Index of the earlier model call whose list this one extends.")
     keep: int = Field(ge=0, description="Leading items of the base list that are kept.")
     append: list[Any] = Field(description="Items that follow them.")
@@ -545,16 +839,19 @@ class RequestDelta(_Model):
 class BoundaryRecord(_Model):
     """One line of ``checkpoint.jsonl`` (its ``seq`` and checksum are added by the journal).
 
-    ``start`` carries the rollout id; ``model_call`` a finished model call and the
-    tool calls it requested (pending); ``tool_call`` one finished tool call.
+    ``start`` carries the rollout id and the schema version; ``turn_start`` a turn
+    whose model call is about to be sent; ``model_call`` a finished model call and
+    the tool calls it requested (pending); ``tool_call`` one finished tool call.
     """
 
-    kind: Literal["start", "model_call", "tool_call"] = Field(description="Which boundary this is.")
+    kind: Literal["start", "turn_start", "model_call", "tool_call"] = Field(description="Which boundary.")
     at: float = Field(description="Unix time of the boundary.")
+    schema_version: int | None = Field(default=None, description="Set on 'start': SCHEMA_VERSION.")
     rollout_id: str | None = Field(default=None, description="Set on 'start'.")
+    turn: TurnStart | None = Field(default=None, description="Set on 'turn_start'.")
     model_call: ModelCall | None = Field(default=None, description="Set on 'model_call'.")
-    request_delta: RequestDelta | None = Field(
-        default=None, description="When set, model_call.request lacks its list field; rebuild it from this."
+    deltas: list[ListDelta] = Field(
+        default_factory=list, description="Lists of model_call left out of it; rebuild them from these."
     )
     tool_calls: list[ToolCall] = Field(
         default_factory=list, description="On 'model_call': requested calls (pending); on 'tool_call': one."
@@ -625,10 +922,10 @@ class BudgetUse(_Model):
     exceeded: bool = Field(description="This budget ended the rollout.")
 
 
-class SupervisorReceipt(_Frozen):
+class SupervisorReceipt(_Frozen, _VersionGate):
     """``receipt.json``: written last by the supervisor, out of the sandbox's reach."""
 
-    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
+    schema_version: Literal[2] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
     rollout_id: str = Field(description="Id of this attempt.")
     outcome: Outcome = Field(description="The classification of this attempt.")
     outcome_reason: str = Field(description="Why this outcome, in words.")
@@ -738,7 +1035,7 @@ class CaptureExchange(_Model):
 
 
 class RolloutMetrics(_Model):
-    """Per-rollout numbers the controller aggregates."""
+    """Per-rollout numbers the controller aggregates, computed once when the attempt ends."""
 
     model_calls: int = Field(default=0, description="Model calls made.")
     failed_model_calls: int = Field(default=0, description="Model calls that failed.")
@@ -746,13 +1043,49 @@ class RolloutMetrics(_Model):
     input_tokens: int | None = Field(default=None, description="Sum of reported prompt tokens.")
     output_tokens: int | None = Field(default=None, description="Sum of reported completion tokens.")
     total_tokens: int | None = Field(default=None, description="Sum of reported totals.")
+    token_counts: TokenCoverage = Field(
+        default="unobserved",
+        description="complete: every answered model call reported its input and output tokens, so the sums "
+        "are the rollout's; partial: the sums cover only the calls that did (or a call was interrupted); "
+        "unobserved: none did, or there is no valid result.",
+    )
+    token_ids: TokenCoverage = Field(
+        default="unobserved",
+        description="complete: every answered model call has prompt and generation token ids and log "
+        "probabilities (CallTokens.status observed); partial: some do; unobserved: none.",
+    )
     duration_s: float = Field(default=0.0, description="Supervised wall time.")
 
 
-class RolloutRecord(_Frozen):
+HealthVerdict = Literal["healthy", "unhealthy", "unobserved"]
+"""A rollout's health: unhealthy (a check found something), else unobserved (a check could not run for
+want of evidence), else healthy (every check ran and found nothing)."""
+
+
+class RolloutHealth(_Frozen):
+    """Health checks of one attempt, computed once from its result and receipt (checks by stable name).
+
+    A check listed in neither ``findings`` nor ``unobserved`` ran and found nothing.
+    """
+
+    verdict: HealthVerdict = Field(description="See HealthVerdict; informational checks do not count.")
+    findings: dict[str, int] = Field(
+        default_factory=dict, description="Check name -> findings (calls, turns, or 1 for the rollout)."
+    )
+    unobserved: dict[str, str] = Field(
+        default_factory=dict, description="Check name -> the evidence (capability) it lacked, in words."
+    )
+    successful_model_calls: int | None = Field(
+        default=None,
+        description="Model calls that were answered (for the per-task check); None: unobserved (no valid "
+        "result).",
+    )
+
+
+class RolloutRecord(_Frozen, _VersionGate):
     """One line of ``rollouts.jsonl``: one finished attempt, as the controller saw it."""
 
-    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
+    schema_version: Literal[2] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
     rollout_id: str = Field(description="Id of this attempt (derived from task id, sample and try).")
     task_id: str = Field(description="Dataset row id.")
     sample: int = Field(ge=0, description="Which of the --attempts samples of the task (for pass@k).")
@@ -772,15 +1105,55 @@ class RolloutRecord(_Frozen):
     termination_reason: TerminationReason | None = Field(default=None, description="From the result.")
     receipt: SupervisorReceipt = Field(description="The supervisor's receipt.")
     metrics: RolloutMetrics = Field(default_factory=RolloutMetrics, description="Token and timing metrics.")
+    health: RolloutHealth = Field(description="Health checks, computed once when the attempt ended.")
     rollout_dir: str = Field(description="Path of the rollout directory.")
+
+    _result: WorkerResult | None = PrivateAttr(default=None)
+
+    def result(self) -> WorkerResult | None:
+        """The attempt's ``WorkerResult``: its trajectory, turns and token data.
+
+        The one the supervisor parsed when the attempt ended, when this process ran
+        it (``rollcage.collect`` yields such records); else ``result.json`` read from
+        ``rollout_dir`` once (blocking) and kept. ``None`` when there is no valid one.
+        """
+        if self._result is None and self.receipt.result_valid:
+            try:
+                with open(os.path.join(self.rollout_dir, "result.json"), "rb") as file:
+                    self._result = WorkerResult.model_validate_json(file.read())
+            except (OSError, ValueError):
+                return None
+        return self._result
+
+    def with_result(self, result: WorkerResult | None) -> RolloutRecord:
+        """This record, holding ``result`` in memory for ``result()`` (nothing is written)."""
+        self._result = result
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        """Records are equal when their fields are; a result held in memory does not count."""
+        if not isinstance(other, RolloutRecord):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # fields hold dicts and lists: a record is not hashable
 
 
 class HealthFinding(_Model):
     """One named health check over a run; names are stable so dashboards can key on them."""
 
-    count: int = Field(ge=0, description="How many rollouts (or calls, per the check) are affected.")
-    rollouts: list[str] = Field(default_factory=list, description="Affected rollout ids (first 100).")
+    count: int = Field(ge=0, description="Findings: rollouts, calls or turns affected, per the check.")
+    rollouts: list[str] = Field(
+        default_factory=list, description="Affected rollout ids (task ids for task checks; first 100)."
+    )
     detail: str = Field(default="", description="What the check looks for.")
+    evaluated: int = Field(default=0, ge=0, description="Rollouts (or tasks) on which the check could run.")
+    unobserved: int = Field(
+        default=0, ge=0, description="Rollouts (or tasks) on which it could not, for want of evidence."
+    )
+    missing: dict[str, int] = Field(
+        default_factory=dict, description="Why it could not: the missing evidence, and how often (first 20)."
+    )
 
 
 class Percentiles(_Model):
@@ -793,10 +1166,10 @@ class Percentiles(_Model):
     max: float | None = None
 
 
-class RunMetrics(_Model):
+class RunMetrics(_Model, _VersionGate):
     """``metrics.json``: the summary of a run, rewritten atomically as the run progresses."""
 
-    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
+    schema_version: Literal[2] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
     dataset: str = Field(description="Path of the dataset.")
     tasks: int = Field(ge=0, description="Distinct task ids with at least one finished attempt.")
     rollouts: int = Field(ge=0, description="Finished attempts (records in rollouts.jsonl).")
@@ -817,10 +1190,19 @@ class RunMetrics(_Model):
     retries: int = Field(ge=0, description="Infrastructure retries made.")
     invalid_rows: int = Field(default=0, ge=0, description="Dataset rows rejected as malformed.")
     tokens: TokenUsage = Field(default_factory=TokenUsage, description="Summed reported tokens.")
+    tokens_partial: int = Field(
+        default=0,
+        ge=0,
+        description="Rollouts whose token sums are partial or unobserved (RolloutMetrics.token_counts), so "
+        "tokens undercounts by them.",
+    )
     duration_s: Percentiles = Field(default_factory=Percentiles, description="Per-rollout wall time.")
     wall_s: float = Field(default=0.0, description="Wall time of the run so far.")
     health: dict[str, HealthFinding] = Field(
-        default_factory=dict, description="Health checks by stable name."
+        default_factory=dict, description="Health checks by stable name (NeMo Gym's where it has one)."
+    )
+    health_verdicts: dict[HealthVerdict, int] = Field(
+        default_factory=dict, description="Rollouts per health verdict."
     )
 
 

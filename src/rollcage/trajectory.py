@@ -1,8 +1,12 @@
-"""Recording model and tool calls, and projecting them to Responses-API items.
+"""Recording turns, model calls and tool calls, and projecting them to Responses-API items.
 
 A ``TrajectoryRecorder`` is the single mutable record of a rollout while it runs;
-``Trajectory`` (protocol) is its published, immutable form. Two projections turn
-it into the Responses-style ``output`` list:
+``Trajectory`` (protocol) is its published, immutable form. Turns are built, not
+journaled: a turn's start (its question and the id of the model call it makes)
+is recorded when it starts, and the rest (answer, reasoning, tool calls, tool
+steps, resolution) follows from its model call and the tool calls it owns, so
+a checkpoint and a result can never disagree about them. Two projections turn the
+trajectory into the Responses-style ``output`` list:
 
 * *partial* (checkpoints): a tool call whose output is still pending is left out
   together with its ``function_call``, so the view never shows a call without
@@ -17,15 +21,29 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
-from rollcage.protocol import ModelCall, ResponseItem, TokenUsage, ToolCall, ToolStatus, Trajectory
+from rollcage.protocol import (
+    ModelCall,
+    ResponseItem,
+    TokenUsage,
+    ToolCall,
+    ToolStatus,
+    Trajectory,
+    Turn,
+    TurnResolution,
+    TurnStart,
+)
 
 __all__ = [
+    "INTERRUPTED",
+    "ProjectedCall",
     "TrajectoryRecorder",
     "arguments_json",
+    "build_turns",
     "final_text",
     "message_text",
+    "project_calls",
     "project_output",
     "sum_usage",
 ]
@@ -39,20 +57,23 @@ class TrajectoryRecorder:
     Not thread-safe; it lives on the worker's event loop.
     """
 
-    def __init__(self, trajectory: Trajectory | None = None) -> None:
-        """Start empty, or continue from a folded trajectory (checkpoints)."""
-        self._model_calls: list[ModelCall] = list(trajectory.model_calls) if trajectory else []
-        self._tool_calls: dict[str, ToolCall] = (
-            {c.call_id: c for c in trajectory.tool_calls} if trajectory else {}
-        )
+    def __init__(self) -> None:
+        """Start empty."""
+        self._turns: list[TurnStart] = []
+        self._model_calls: list[ModelCall] = []
+        self._tool_calls: dict[str, ToolCall] = {}
 
     @property
     def model_calls(self) -> list[ModelCall]:
         """Model calls so far (do not mutate)."""
         return self._model_calls
 
+    def start_turn(self, start: TurnStart) -> None:
+        """Record that a turn started: its question, and the id of the model call it is about to make."""
+        self._turns.append(start)
+
     def add_model_call(self, call: ModelCall) -> None:
-        """Record a finished (completed, incomplete or failed) model call."""
+        """Record a finished (completed, incomplete, failed or interrupted) model call."""
         self._model_calls.append(call)
 
     def start_tool_call(
@@ -113,9 +134,68 @@ class TrajectoryRecorder:
         """End every pending call with ``status`` (cancellation, or a loop that stopped early)."""
         return [self.finish_tool_call(c.call_id, status, output) for c in self.pending()]
 
-    def snapshot(self) -> Trajectory:
-        """The trajectory as an immutable protocol value."""
-        return Trajectory(model_calls=list(self._model_calls), tool_calls=list(self._tool_calls.values()))
+    def snapshot(self, *, final: bool = False) -> Trajectory:
+        """The trajectory as an immutable protocol value.
+
+        Args:
+            final: For a result: a turn whose model call never came back (none
+                recorded, not even an interrupted one) is ``interrupted``, not ``pending``.
+        """
+        tools = list(self._tool_calls.values())
+        return Trajectory(
+            model_calls=list(self._model_calls),
+            tool_calls=tools,
+            turns=build_turns(self._turns, self._model_calls, tools, final=final),
+        )
+
+
+def build_turns(
+    starts: Iterable[TurnStart], calls: Iterable[ModelCall], tools: Iterable[ToolCall], *, final: bool
+) -> list[Turn]:
+    """The turn records: each start, with what its model calls and tool calls say about it."""
+    calls_of: dict[int, list[ModelCall]] = {}
+    for call in calls:
+        calls_of.setdefault(call.turn, []).append(call)
+    tools_of: dict[int, list[str]] = {}
+    for tool in tools:
+        tools_of.setdefault(tool.turn, []).append(tool.call_id)
+    turns: list[Turn] = []
+    steps = 0
+    for start in starts:
+        owned = calls_of.get(start.index, [])
+        tool_ids = tools_of.get(start.index, [])
+        steps += len(tool_ids)
+        output = owned[-1].output if owned else []
+        turns.append(
+            Turn(
+                index=start.index,
+                id=start.id,
+                started_at=start.started_at,
+                ended_at=owned[-1].ended_at if owned else None,
+                input=start.input,
+                model_calls=[call.id for call in owned],
+                answer=[item for item in output if item.get("type") != "reasoning"],
+                reasoning=[item for item in output if item.get("type") == "reasoning"],
+                tool_calls=tool_ids,
+                tool_steps=steps,
+                resolution=_resolution(owned[-1] if owned else None, bool(tool_ids), final=final),
+            )
+        )
+    return turns
+
+
+def _resolution(call: ModelCall | None, acted: bool, *, final: bool) -> TurnResolution:
+    if call is None:
+        return "interrupted" if final else "pending"
+    if call.status == "failed":
+        return "failed"
+    if call.status == "incomplete":
+        return "interrupted" if call.incomplete_reason == INTERRUPTED else "cut_off"
+    return "acted" if acted else "answered"
+
+
+INTERRUPTED = "interrupted"
+"""``ModelCall.incomplete_reason`` of a call still in flight when the rollout stopped."""
 
 
 def project_output(trajectory: Trajectory, *, partial: bool) -> list[ResponseItem]:
@@ -132,20 +212,41 @@ def project_output(trajectory: Trajectory, *, partial: bool) -> list[ResponseIte
         ``function_call`` item of the model's own) appear as a ``function_call``
         named after the tool plus its output, so every action is visible.
     """
+    return [item for projected in project_calls(trajectory, partial=partial) for item in projected.items]
+
+
+class ProjectedCall(NamedTuple):
+    """One model call's share of ``project_output``.
+
+    Attributes:
+        call: The model call.
+        items: Its items in the projection: its own output first, then its tools'.
+        own: How many of ``items`` are the call's own output (the model's generation).
+    """
+
+    call: ModelCall
+    items: list[ResponseItem]
+    own: int
+
+
+def project_calls(trajectory: Trajectory, *, partial: bool) -> list[ProjectedCall]:
+    """``project_output``, call by call (exporters attach each call's token data to its last own item)."""
     by_turn: dict[int, list[ToolCall]] = {}
     for tool in trajectory.tool_calls:
         by_turn.setdefault(tool.turn, []).append(tool)
-    items: list[ResponseItem] = []
+    projected: list[ProjectedCall] = []
     for call in trajectory.model_calls:
-        tools = by_turn.get(call.index, [])
+        tools = by_turn.pop(call.turn, [])
         shown = {t.call_id for t in tools if not partial or t.status in _DONE}
         declared: set[str] = set()
+        items: list[ResponseItem] = []
         for item in call.output:
             if item.get("type") == "function_call":
                 declared.add(str(item.get("call_id")))
                 if str(item.get("call_id")) not in shown:
                     continue
             items.append(item)
+        own = len(items)
         for tool in tools:
             if tool.call_id not in shown:
                 continue
@@ -159,7 +260,8 @@ def project_output(trajectory: Trajectory, *, partial: bool) -> list[ResponseIte
                     }
                 )
             items.append(_output_item(tool))
-    return items
+        projected.append(ProjectedCall(call, items, own))
+    return projected
 
 
 def _output_item(tool: ToolCall) -> ResponseItem:

@@ -41,11 +41,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rollcage.agent import SUBMIT, Agent, AgentResult
-from rollcage.checkpoint import RequestCompactor
+from rollcage.checkpoint import CallCompactor
 from rollcage.durable import CheckpointJournal, publish_json, read_bounded
 from rollcage.errors import ConfigError, RollcageError
 from rollcage.procs import shielded, wait_shared
 from rollcage.protocol import (
+    SCHEMA_VERSION,
     BoundaryRecord,
     PythonToolSpec,
     ResourceToolSpec,
@@ -58,7 +59,7 @@ from rollcage.protocol import (
     describe_validation_error,
     json_problem,
 )
-from rollcage.trajectory import TrajectoryRecorder, final_text, project_output, sum_usage
+from rollcage.trajectory import INTERRUPTED, TrajectoryRecorder, final_text, project_output, sum_usage
 
 __all__ = [
     "EXIT_CANCELLED",
@@ -266,7 +267,7 @@ class _Session:
         self.started = started
         self.recorder = TrajectoryRecorder()
         self.journal: CheckpointJournal | None = None
-        self.compactor = RequestCompactor()
+        self.compactor = CallCompactor()
         self.checkpoint_failures = 0
         self.cancel_signal: int | None = None
         self.task: asyncio.Task[AgentResult] | None = None
@@ -354,12 +355,16 @@ class _Session:
             log.error("checkpoint journal unavailable, continuing without it: %s", exc)
             return
         self.journal = journal
-        await self._boundary(BoundaryRecord(kind="start", at=time.time(), rollout_id=self.spec.rollout_id))
+        await self._boundary(
+            BoundaryRecord(
+                kind="start", at=time.time(), schema_version=SCHEMA_VERSION, rollout_id=self.spec.rollout_id
+            )
+        )
 
     async def _boundary(self, record: BoundaryRecord) -> None:
         if record.model_call is not None:
-            call, delta = self.compactor.compact(record.model_call)
-            record = record.model_copy(update={"model_call": call, "request_delta": delta})
+            call, deltas = self.compactor.compact(record.model_call)
+            record = record.model_copy(update={"model_call": call, "deltas": deltas})
         if self.journal is None:
             return
         try:
@@ -434,8 +439,10 @@ class _Session:
             self.recorder.stop_pending(
                 "cancelled" if error.kind == "cancelled" else "incomplete", f"[{reason}: {error.message}]"
             )
-        trajectory = self.recorder.snapshot()
-        answered = [c for c in trajectory.model_calls if c.status != "failed"]
+        trajectory = self.recorder.snapshot(final=True)
+        answered = [
+            c for c in trajectory.model_calls if c.status != "failed" and c.incomplete_reason != INTERRUPTED
+        ]
         response = None
         if answered:
             items = project_output(trajectory, partial=False)

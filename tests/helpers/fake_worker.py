@@ -134,15 +134,26 @@ def model_call(spec: dict[str, Any], index: int = 0) -> dict[str, Any]:
     status, response = http_post(model["base_url"], model.get("uds"), "/chat/completions", request)
     if status != 200 or not isinstance(response, dict):
         raise SystemExit(f"model call failed: {status} {response}")
+    ended = time.time()
+    attempt = {
+        "index": 0,
+        "status": "completed",
+        "http_status": status,
+        "started_at": started,
+        "ended_at": ended,
+    }
     return {
+        "id": f"{spec.get('rollout_id', 'r')}:m{index}",
         "index": index,
+        "turn": index,
         "api": "chat",
         "request": request,
         "response": response,
         "status": "completed",
         "http_status": status,
+        "attempts": [attempt],
         "started_at": started,
-        "ended_at": time.time(),
+        "ended_at": ended,
     }
 
 

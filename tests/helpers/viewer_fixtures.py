@@ -18,7 +18,9 @@ from typing import Any
 import orjson
 
 from rollcage.protocol import (
+    SCHEMA_VERSION,
     BoundaryRecord,
+    CallAttempt,
     CapturedBody,
     CapturedMessage,
     CaptureExchange,
@@ -27,6 +29,7 @@ from rollcage.protocol import (
     Outcome,
     Percentiles,
     ResponseOutput,
+    RolloutHealth,
     RolloutMetrics,
     RolloutRecord,
     RunMetrics,
@@ -36,8 +39,10 @@ from rollcage.protocol import (
     TokenUsage,
     ToolCall,
     Trajectory,
+    TurnStart,
     WorkerResult,
 )
+from rollcage.trajectory import build_turns
 
 __all__ = [
     "T0",
@@ -52,6 +57,7 @@ __all__ = [
     "receipt",
     "record",
     "tool_call",
+    "trajectory_of",
     "write_large_run",
     "write_rollout_dir",
     "write_run",
@@ -90,8 +96,32 @@ def model_call(
         "model": "scripted",
         "input": [{"role": "user", "content": "What is 2+2?"}] + [{"turn": i} for i in range(index)],
     }
+    tries = [
+        CallAttempt(
+            index=k,
+            status="failed",
+            http_status=503,
+            error=RunnerError(kind="transient", type="TransientModelError", message="HTTP 503"),
+            started_at=T0 + start,
+            ended_at=T0 + start + latency / 2,
+        )
+        for k in range(attempts - 1)
+    ]
+    tries.append(
+        CallAttempt(
+            index=attempts - 1,
+            status="failed" if status == "failed" else "completed",
+            http_status=500 if status == "failed" else 200,
+            error=error,
+            started_at=T0 + start,
+            first_byte_at=T0 + start + latency / 4,
+            ended_at=T0 + start + latency,
+        )
+    )
     return ModelCall(
+        id=f"r:m{index}",
         index=index,
+        turn=index,
         api="responses",
         request=request,
         response=None if status == "failed" else {"id": f"resp_{index}", "output": output},
@@ -104,11 +134,28 @@ def model_call(
             total_tokens=None if None in tokens else (tokens[0] or 0) + (tokens[1] or 0),
         ),
         http_status=500 if status == "failed" else 200,
-        attempts=attempts,
+        attempts=tries,
         started_at=T0 + start,
         first_byte_at=T0 + start + latency / 4,
         ended_at=T0 + start + latency,
         error=error,
+    )
+
+
+def trajectory_of(calls: Sequence[ModelCall], tools: Sequence[ToolCall]) -> Trajectory:
+    """A trajectory whose turns own ``calls`` one each (each turn's question: one user message)."""
+    starts = [
+        TurnStart(
+            index=call.turn,
+            id=f"r:t{call.turn}",
+            model_call_id=call.id,
+            started_at=call.started_at,
+            input=[{"type": "message", "role": "user", "content": f"question {call.turn}"}],
+        )
+        for call in calls
+    ]
+    return Trajectory(
+        model_calls=list(calls), tool_calls=list(tools), turns=build_turns(starts, calls, tools, final=True)
     )
 
 
@@ -162,7 +209,7 @@ def completed_result(
         response=ResponseOutput(
             id=rollout_id, model="scripted", status="completed", output=[], output_text=answer
         ),
-        trajectory=Trajectory(model_calls=calls, tool_calls=tools),
+        trajectory=trajectory_of(calls, tools),
         termination_reason="completed",
         started_at=T0 - 0.1,
         ended_at=T0 + 2.5,
@@ -193,7 +240,7 @@ def cancelled_result(rollout_id: str = "calc-2-s0-t0", task_id: str = "calc-2") 
         rollout_id=rollout_id,
         task_id=task_id,
         response=None,
-        trajectory=Trajectory(model_calls=calls, tool_calls=tools),
+        trajectory=trajectory_of(calls, tools),
         termination_reason="cancelled",
         error=RunnerError(
             kind="cancelled", type="Cancelled", message="SIGTERM received: the run was cancelled"
@@ -213,8 +260,16 @@ def partial_journal(rollout_id: str = "calc-3-s0-t0") -> list[BoundaryRecord]:
     pending = tool_call(
         "call_py_9", "python", '{"code": "sum(range(10))"}', 0, output=None, status="pending", duration=None
     )
+    start = TurnStart(
+        index=0,
+        id=f"{rollout_id}:t0",
+        model_call_id=call.id,
+        started_at=T0,
+        input=[{"type": "message", "role": "user", "content": "Sum 0..9."}],
+    )
     return [
-        BoundaryRecord(kind="start", at=T0, rollout_id=rollout_id),
+        BoundaryRecord(kind="start", at=T0, schema_version=SCHEMA_VERSION, rollout_id=rollout_id),
+        BoundaryRecord(kind="turn_start", at=T0, turn=start),
         BoundaryRecord(kind="model_call", at=T0 + 0.8, model_call=call, tool_calls=[pending]),
     ]
 
@@ -268,6 +323,7 @@ def record(
     try_index: int = 0,
     tokens: int | None = 322,
     duration: float = 3.2,
+    health: RolloutHealth | None = None,
 ) -> RolloutRecord:
     """One ``rollouts.jsonl`` line."""
     graded = outcome in ("completed", "agent_error")
@@ -285,6 +341,7 @@ def record(
         metrics=RolloutMetrics(
             model_calls=2, tool_calls=1, total_tokens=tokens, input_tokens=None, duration_s=duration
         ),
+        health=health or RolloutHealth(verdict="healthy", successful_model_calls=2),
         rollout_dir=rollout_dir,
     )
 
@@ -293,7 +350,7 @@ def capture_lines(result: WorkerResult) -> list[dict[str, Any]]:
     """A ``model_capture.jsonl`` that agrees with ``result``'s trajectory, in the proxy's own line shape."""
     lines = []
     for call in result.trajectory.model_calls:
-        for _ in range(call.attempts):
+        for _ in range(len(call.attempts)):
             body = orjson.dumps(call.request)
             answer = orjson.dumps(call.response)
             exchange = CaptureExchange(
@@ -356,7 +413,7 @@ def write_rollout_dir(
     if task_input is not None:
         # input.json as the supervisor writes it; the viewer reads only ids, input and instructions.
         payload = {
-            "schema_version": 1,
+            "schema_version": SCHEMA_VERSION,
             "rollout_id": rollout_id,
             "task_id": rollout_id.rsplit("-s", 1)[0],
             "input": task_input,
@@ -487,8 +544,8 @@ def write_run(run_dir: Path, *, torn_tail: bool = True) -> RunFixture:
         duration_s=Percentiles(mean=102.67, p50=3.2, p90=301.6, p99=570.16, max=600.0),
         wall_s=612.5,
         health={
-            "failed_model_call": HealthFinding(count=0, detail="model calls that failed (count: calls)"),
-            "capture_mismatch": HealthFinding(
+            "model_call_failed": HealthFinding(count=0, detail="model calls that failed (count: calls)"),
+            "trajectory_capture_mismatch": HealthFinding(
                 count=1, rollouts=["calc-5-s0-t0"], detail="worker trajectory vs model_capture.jsonl"
             ),
         },

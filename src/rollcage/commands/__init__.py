@@ -17,7 +17,7 @@ __all__ = ["fail", "finite", "one_line", "register"]
 
 def register(app: typer.Typer) -> None:
     """Attach every verb to ``app``."""
-    from rollcage.commands import report, run, schema, serve_policy, show, supervise, worker
+    from rollcage.commands import export, report, run, schema, serve_policy, show, supervise, worker
 
     app.command("run")(run.command)
     app.command("worker")(worker.command)
@@ -26,6 +26,7 @@ def register(app: typer.Typer) -> None:
     app.command("show")(show.command)
     app.command("report")(report.command)
     app.command("schema")(schema.command)
+    app.command("export")(export.command)
 
 
 def one_line(message: str, *, limit: int = 2000) -> str:

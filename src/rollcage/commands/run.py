@@ -310,33 +310,37 @@ def _log_through(reporter: RichReporter) -> None:
 
 
 async def _run(config: RunConfig, reporter: RichReporter) -> RunSummary:
-    """Run the controller with Ctrl-C/SIGTERM handling; return its summary.
+    """Collect the dataset's rollouts (``rollcage.collect``) with Ctrl-C/SIGTERM handling; return the summary.
 
-    First signal: stop gracefully (in-flight rollouts stopped through their
-    supervisors and recorded as cancelled). Second: cancel at once (records on disk
-    stay consistent; abandoned rollouts rerun on resume). A third falls through to
-    the default handler.
+    The records are shown by the reporter as they land. First signal: stop
+    gracefully (in-flight rollouts stopped through their supervisors and recorded
+    as cancelled). Second: cancel at once (records on disk stay consistent;
+    abandoned rollouts rerun on resume). A third falls through to the default handler.
 
     **Cancellation:** see above; the summary is returned either way.
     """
     import asyncio
     import signal
 
-    from rollcage.controller import Controller
-    from rollcage.errors import ConfigError
+    from rollcage.controller import Collection
+    from rollcage.errors import ConfigError, RunFailedError
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    controller = Controller(config, reporter=reporter, stop=stop)
+    collection = Collection(config, reporter=reporter, stop=stop)
     presses = 0
 
     async def guarded() -> RunSummary | ConfigError:
         # A ConfigError is returned, not raised, so it does not come out of the task
         # group wrapped in an ExceptionGroup; it is raised again below.
         try:
-            return await controller.run()
+            async for _ in collection:
+                pass  # each record is on disk, and on screen through the reporter, as it lands
         except ConfigError as exc:
             return exc
+        except RunFailedError:
+            pass  # the summary says why (exit code 1)
+        return collection.summary()
 
     async with asyncio.TaskGroup() as group:
         job = group.create_task(guarded())
@@ -363,7 +367,7 @@ async def _run(config: RunConfig, reporter: RichReporter) -> RunSummary:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
     if job.cancelled():
-        return controller.summary(interrupted=True)
+        return collection.summary(interrupted=True)
     outcome = job.result()
     if isinstance(outcome, ConfigError):
         raise outcome

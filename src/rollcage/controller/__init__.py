@@ -1,6 +1,7 @@
 """The controller: run a dataset through supervisors, grade outside the sandbox, record, resume.
 
-Public face of ``rollcage run``. The unit of work a backend executes is
+Public face of ``rollcage run`` and of ``rollcage.collect`` (``Collection``: records
+yielded as they land, for trainers). The unit of work a backend executes is
 ``run_rollout(prepared, settings)`` → ``RolloutRecord``; ``Controller`` streams the
 dataset, schedules those units with bounded concurrency, retries infrastructure
 failures, appends ``rollouts.jsonl`` and publishes ``metrics.json``. Backends:
@@ -9,6 +10,7 @@ imported only when that backend is built).
 """
 
 from rollcage.controller._backend import Backend, LocalBackend
+from rollcage.controller._collect import Collection, collect
 from rollcage.controller._config import (
     BackendConfig,
     EmbeddedPolicyConfig,
@@ -28,9 +30,10 @@ from rollcage.controller._graders import (
     RegexGrader,
     VerifyGrader,
 )
-from rollcage.controller._health import HEALTH_CHECKS
+from rollcage.controller._health import HEALTH_ALIASES, HEALTH_CHECKS, rollout_health, rollout_metrics
 from rollcage.controller._ids import rollout_id
 from rollcage.controller._ledger import RunLedger, pass_at_k
+from rollcage.controller._nemo_gym import create_params_for, function_tools, to_nemo_response
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._run import (
     EXIT_ALL_GRADER_ERRORS,
@@ -62,9 +65,11 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_USAGE",
+    "HEALTH_ALIASES",
     "HEALTH_CHECKS",
     "Backend",
     "BackendConfig",
+    "Collection",
     "Controller",
     "DatasetRow",
     "EmbeddedPolicyConfig",
@@ -95,10 +100,16 @@ __all__ = [
     "RunSummary",
     "Task",
     "VerifyGrader",
+    "collect",
+    "create_params_for",
+    "function_tools",
     "iter_dataset",
     "load_records",
     "pass_at_k",
     "prepare_rollout",
+    "rollout_health",
     "rollout_id",
+    "rollout_metrics",
     "run_rollout",
+    "to_nemo_response",
 ]

@@ -83,9 +83,9 @@ class LocalBackend:
             raise RuntimeError(f"LocalBackend cannot be entered when {self._state}")
         if self._supervise is None:
             try:
-                from rollcage.supervisor import supervise
+                from rollcage.supervisor import supervise_rollout
 
-                self._supervise = supervise
+                self._supervise = supervise_rollout
                 if self._config is None:
                     self._config = build_supervisor_config(self._settings)
             except ImportError as exc:

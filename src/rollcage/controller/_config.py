@@ -136,9 +136,11 @@ BackendConfig = Annotated[LocalBackendConfig | RayBackendConfig, Field(discrimin
 
 
 class RunConfig(_Config):
-    """Everything ``rollcage run`` needs; every field has a default but the dataset and output."""
+    """Everything ``rollcage run`` and ``rollcage.collect`` need; every field has a default but the output."""
 
-    dataset: Path = Field(description="The JSONL dataset.")
+    dataset: Path | None = Field(
+        default=None, description="The JSONL dataset; None: the tasks are given in memory (rollcage.collect)."
+    )
     out: Path = Field(description="Output directory (rollouts.jsonl, metrics.json, rollouts/).")
     model: ModelSource = Field(default_factory=EmbeddedPolicyConfig, description="The model endpoint.")
     api: Literal["chat", "responses"] = Field(default="chat", description="API style unless a row says.")

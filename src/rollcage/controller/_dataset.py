@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import re
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO, Literal
@@ -64,6 +64,7 @@ __all__ = [
     "detect_format",
     "iter_dataset",
     "normalise_url",
+    "tasks_from_rows",
     "url_key",
 ]
 
@@ -345,6 +346,13 @@ def validate_row(
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         return InvalidRow(line, f"not valid JSON: {exc}")
+    return validate_value(line, value, format=format, environment=environment)
+
+
+def validate_value(
+    line: int, value: Any, *, format: DatasetFormat = "rollcage", environment: str | None = None
+) -> Task | InvalidRow:
+    """Resolve one parsed row, numbered ``line`` (1-based) in its source (duplicates are not checked here)."""
     if not isinstance(value, dict):
         return InvalidRow(line, f"a row must be a JSON object, got {type(value).__name__}")
     raw_id = value.get("id")
@@ -427,14 +435,42 @@ def iter_dataset(
         ConfigError: The file cannot be opened.
     """
     handle = _open(path)
-    seen: dict[str, int] = {}
     with handle:
-        for number, raw in _lines(handle):
-            item = validate_row(number, raw, format=format, environment=environment)
-            if isinstance(item, Task):
-                first = seen.get(item.id)
-                if first is not None:
-                    yield InvalidRow(number, f"duplicate id {item.id!r} (first on line {first})", item.id)
-                    continue
-                seen[item.id] = number
-            yield item
+        rows = (validate_row(n, raw, format=format, environment=environment) for n, raw in _lines(handle))
+        yield from _unique(rows)
+
+
+def tasks_from_rows(
+    rows: Iterable[Any],
+    *,
+    format: DatasetFormat | Literal["auto"] = "rollcage",
+    environment: str | None = None,
+) -> list[Task | InvalidRow]:
+    """Validate in-memory rows (parsed dataset lines, numbered from 1) like ``iter_dataset`` validates a file.
+
+    ``auto`` detects the format from the first rows that say (rollcage when none does).
+    """
+    values = list(rows)
+    chosen: DatasetFormat = "rollcage" if format == "auto" else format
+    if format == "auto":
+        found = (detect_format_of(value) for value in values[:_DETECT_LINES])
+        chosen = next((f for f in found if f is not None), "rollcage")
+    return list(
+        _unique(
+            validate_value(number, value, format=chosen, environment=environment)
+            for number, value in enumerate(values, start=1)
+        )
+    )
+
+
+def _unique(items: Iterable[Task | InvalidRow]) -> Iterator[Task | InvalidRow]:
+    """The items, a task whose id came before made an ``InvalidRow`` (rollout ids would collide)."""
+    seen: dict[str, int] = {}
+    for item in items:
+        if isinstance(item, Task):
+            first = seen.get(item.id)
+            if first is not None:
+                yield InvalidRow(item.line, f"duplicate id {item.id!r} (first on line {first})", item.id)
+                continue
+            seen[item.id] = item.line
+        yield item

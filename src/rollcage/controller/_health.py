@@ -1,165 +1,420 @@
-"""Health checks over a run: stable names, so dashboards and alerts can key on them.
+"""Health checks of a rollout, computed once when it ends, under NeMo Gym's names.
 
-Each check looks for a way a run can *look* fine while its data is not: a reward
-computed over rollouts where the model never answered, token counts nobody
-reported, a capture that disagrees with what the worker says it did. A count the
-check cannot establish (e.g. no token counts reported) is counted as
-*unobserved*, never silently as healthy: a rollout whose ``result.json`` is
-missing or invalid is counted by ``unobserved_result`` (its calls could not be
-checked), never passed as clean.
+Each check looks for a way a rollout can *look* fine while its data is not: a
+reward computed where the model never answered, token counts nobody reported, a
+capture that disagrees with what the worker says it did. The checks are NeMo Gym's
+(``responses_api_agents/nooa_agent/ACCEPTANCE.md`` in NVIDIA-NeMo/Gym, H4-H13,
+and the code that computes them), applied to rollcage's own trajectory, where
+every model call is owned by exactly one turn by construction:
 
-Rollouts the run itself stopped (Ctrl-C, shutdown: outcome ``cancelled``) are
-counted apart, by ``cancelled_by_run``: they did not fail, they were not allowed
-to finish, so "no model turn" says nothing about the model there. A rollout that
-was stopped (cancelled or timed out) may have had one exchange in flight that the
-proxy captured and the worker never recorded; the capture check allows for it.
+=================================  =====  ==================================================
+check                              NeMo   finds
+=================================  =====  ==================================================
+rollout_missing_agent_turns        H4     no turn whose model call came back with an answer
+agent_turn_hollow                  H5     answered turns with no text, reasoning or tool call
+trajectory_capture_mismatch        H6     ownership that does not add up (a call owned by no
+                                          turn, by two, or by one it does not name), or HTTP
+                                          attempts the egress capture does not account for
+model_call_failed                  H7     model calls that failed
+model_call_missing_token_counts    H8     answered calls without input or output token counts
+model_call_zero_completion_tokens  H9     answered calls reporting 0 output tokens (calls cut
+                                          at the length limit exempt)
+model_call_runaway_generation      H10    calls cut at the length limit with no content
+rollout_token_count_mismatch       H11    the result's token totals differ from the sum of
+                                          its calls' (or a call's total is not in + out)
+task_consistently_unhealthy        H12    tasks whose every computable repeat is unhealthy
+task_no_successful_model_calls     H13    tasks with no answered model call in any repeat
+=================================  =====  ==================================================
+
+A check either runs (and finds something or not) or is *unobserved*, with the
+evidence it lacked in words: no valid ``result.json``, no model call, no answered
+call, no egress capture, no token totals. Missing evidence is never read as
+healthy. Rollouts the run itself stopped (Ctrl-C: ``cancelled``) are counted by
+the informational ``cancelled_by_run``; a turn-dependent check is unobserved there
+rather than a finding. ``grader_error`` (informational too) counts rollouts whose
+grader failed. The verdict: ``unhealthy`` when a check found something, else
+``unobserved`` when one could not run, else ``healthy``.
+
+Everything here is computed from the typed ``WorkerResult`` the supervisor
+parsed, once per rollout (``assess``), and carried on the ``RolloutRecord``: a
+resumed run reads it back from ``rollouts.jsonl`` and never opens a result again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
-import orjson
+from rollcage.protocol import (
+    CallTokens,
+    HealthVerdict,
+    ModelCall,
+    ResponseItem,
+    RolloutHealth,
+    RolloutMetrics,
+    SupervisorReceipt,
+    TokenCoverage,
+    WorkerResult,
+)
 
-from rollcage.protocol import RolloutRecord
+__all__ = [
+    "HEALTH_ALIASES",
+    "HEALTH_CHECKS",
+    "INFORMATIONAL_CHECKS",
+    "TASK_CHECKS",
+    "CheckInfo",
+    "assess",
+    "rollout_health",
+    "rollout_metrics",
+    "unobserved_health",
+]
 
-__all__ = ["HEALTH_CHECKS", "TASK_CHECK", "inspect_rollout", "load_result"]
 
-HEALTH_CHECKS: dict[str, str] = {
-    "unobserved_result": "rollouts whose result.json is missing or invalid: no per-call check could be "
-    "made (unobserved, not healthy)",
-    "cancelled_by_run": "rollouts the run itself stopped (Ctrl-C, shutdown) before they finished; reported "
-    "apart, not as model findings",
-    "no_model_turn": "rollouts whose result records no answered model call (none made, or every one failed)",
-    "hollow_turn": "completed model calls with neither answer text nor tool calls (count: calls)",
-    "failed_model_call": "model calls that failed (count: calls)",
-    "unobserved_tokens": "model calls without input or output token counts: unobserved, not healthy "
-    "(count: calls)",
-    "zero_completion_tokens": "model calls that reported 0 output tokens, length-limited calls exempt "
-    "(count: calls)",
-    "runaway_generation": "model calls stopped by the output length limit (count: calls)",
-    "token_total_mismatch": "rollouts whose per-call token counts do not add up to the rollout's "
-    "or a call's total is not input + output",
-    "capture_mismatch": "rollouts whose model_capture.jsonl exchange count differs from the HTTP attempts "
-    "the worker's trajectory records (a stopped rollout may have one more, in flight when it was stopped)",
-    "grader_error": "rollouts the outcome allowed to grade but whose grader failed (no reward)",
-    "task_without_model_success": "tasks with no completed model call in any attempt (ids: task ids)",
+@dataclass(frozen=True, slots=True)
+class CheckInfo:
+    """One check of the registry.
+
+    Attributes:
+        scope: What it is counted over: a rollout's calls or turns, the rollout, or a task.
+        nemo: NeMo Gym's acceptance id (``H4``...); ``None``: rollcage's own.
+        detail: What it looks for, in words.
+    """
+
+    scope: Literal["rollout", "task"]
+    nemo: str | None
+    detail: str
+
+
+HEALTH_CHECKS: dict[str, CheckInfo] = {
+    "rollout_missing_agent_turns": CheckInfo(
+        "rollout", "H4", "rollouts with no turn whose model call came back with an answer"
+    ),
+    "agent_turn_hollow": CheckInfo(
+        "rollout", "H5", "answered turns with no text, reasoning or tool call (count: turns)"
+    ),
+    "trajectory_capture_mismatch": CheckInfo(
+        "rollout",
+        "H6",
+        "rollouts whose model-call ownership does not add up (a call owned by no turn, by two, or by a turn "
+        "it does not name) or whose HTTP attempts model_capture.jsonl does not account for",
+    ),
+    "model_call_failed": CheckInfo("rollout", "H7", "model calls that failed (count: calls)"),
+    "model_call_missing_token_counts": CheckInfo(
+        "rollout", "H8", "answered model calls without input or output token counts (count: calls)"
+    ),
+    "model_call_zero_completion_tokens": CheckInfo(
+        "rollout",
+        "H9",
+        "answered model calls that reported 0 output tokens; calls cut at the length limit are exempt "
+        "(count: calls)",
+    ),
+    "model_call_runaway_generation": CheckInfo(
+        "rollout", "H10", "model calls cut at the output length limit with no content (count: calls)"
+    ),
+    "rollout_token_count_mismatch": CheckInfo(
+        "rollout",
+        "H11",
+        "rollouts whose result token totals differ from the sum of their calls', or with a call whose "
+        "total is not input + output",
+    ),
+    "task_consistently_unhealthy": CheckInfo(
+        "task", "H12", "tasks with at least two computable repeats, all unhealthy (ids: task ids)"
+    ),
+    "task_no_successful_model_calls": CheckInfo(
+        "task", "H13", "tasks with no answered model call in any repeat (ids: task ids)"
+    ),
+    "cancelled_by_run": CheckInfo(
+        "rollout",
+        None,
+        "rollouts the run itself stopped (Ctrl-C, shutdown) before they finished; informational, not a "
+        "model finding",
+    ),
+    "grader_error": CheckInfo(
+        "rollout", None, "rollouts the outcome allowed to grade but whose grader failed (no reward)"
+    ),
 }
-"""Every check's stable name and what it looks for; all appear in metrics.json, 0 when clean."""
+"""Every check by its stable name (NeMo Gym's where it has one); all appear in metrics.json."""
 
-TASK_CHECK = "task_without_model_success"
-"""The one check counted per task (the others are per rollout or per call)."""
+INFORMATIONAL_CHECKS = frozenset({"cancelled_by_run", "grader_error"})
+"""Checks that say something about the run, not the rollout's health: they never set its verdict."""
+
+TASK_CHECKS = frozenset(name for name, info in HEALTH_CHECKS.items() if info.scope == "task")
+"""Checks counted per task, over its repeats (the others are per rollout)."""
+
+HEALTH_ALIASES: dict[str, str] = {
+    "no_model_turn": "rollout_missing_agent_turns",
+    "hollow_turn": "agent_turn_hollow",
+    "capture_mismatch": "trajectory_capture_mismatch",
+    "failed_model_call": "model_call_failed",
+    "unobserved_tokens": "model_call_missing_token_counts",
+    "zero_completion_tokens": "model_call_zero_completion_tokens",
+    "runaway_generation": "model_call_runaway_generation",
+    "token_total_mismatch": "rollout_token_count_mismatch",
+    "task_without_model_success": "task_no_successful_model_calls",
+}
+"""rollcage's earlier check names, and the NeMo Gym names that replaced them (dashboards keyed on them)."""
 
 _LENGTH_REASONS = frozenset({"length", "max_output_tokens", "max_tokens"})
+_INTERRUPTED = "interrupted"
+_NO_RESULT = "no valid result.json"
+_CONTENT_KEYS = ("text", "content", "output_text", "refusal", "encrypted_content", "summary", "arguments")
+_TOOL_CALL_TYPES = frozenset({"function_call", "custom_tool_call", "mcp_call", "code_interpreter_call"})
 
 
-def load_result(rollout_dir: Path) -> dict[str, Any] | None:
-    """``result.json`` of a rollout as plain JSON, or ``None`` when absent or unreadable (blocking)."""
-    try:
-        value = orjson.loads((rollout_dir / "result.json").read_bytes())
-    except (OSError, orjson.JSONDecodeError):
+@dataclass(frozen=True, slots=True)
+class _Evidence:
+    """What one rollout offers the checks."""
+
+    result: WorkerResult
+    receipt: SupervisorReceipt | None
+    answered: list[ModelCall]
+    """Calls that came back with an answer (completed, or cut at the length limit)."""
+
+
+_Check = Callable[[_Evidence], "int | str"]
+"""A rollout check: the number of findings (0: none), or why it could not run."""
+
+
+def assess(
+    result: WorkerResult | None, receipt: SupervisorReceipt, *, grader_failed: bool
+) -> tuple[RolloutHealth, RolloutMetrics]:
+    """Health and metrics of one finished attempt, computed once from its parsed result and receipt.
+
+    Args:
+        result: The attempt's ``result.json`` as the supervisor validated it; ``None`` when
+            there is no valid one.
+        receipt: Its receipt.
+        grader_failed: The outcome allowed grading and the grader failed.
+    """
+    return rollout_health(result, receipt, grader_failed=grader_failed), rollout_metrics(result, receipt)
+
+
+def rollout_health(
+    result: WorkerResult | None, receipt: SupervisorReceipt | None, *, grader_failed: bool = False
+) -> RolloutHealth:
+    """The health of one finished attempt (see the module's table).
+
+    Args:
+        result: Its parsed ``result.json``; ``None`` when there is no valid one.
+        receipt: Its receipt; ``None`` for a bare result (the viewer), whose capture is then unobserved.
+        grader_failed: The outcome allowed grading and the grader failed.
+    """
+    findings: dict[str, int] = {}
+    unobserved: dict[str, str] = {}
+    if receipt is not None and receipt.outcome == "cancelled":
+        findings["cancelled_by_run"] = 1
+    if grader_failed:
+        findings["grader_error"] = 1
+    evidence = _evidence(result, receipt)
+    for name, check in _ROLLOUT_CHECKS.items():
+        found = _NO_RESULT if evidence is None else check(evidence)
+        if isinstance(found, str):
+            unobserved[name] = found
+        elif found:
+            findings[name] = found
+    return RolloutHealth(
+        verdict=_verdict(findings, unobserved),
+        findings=findings,
+        unobserved=unobserved,
+        successful_model_calls=None if evidence is None else len(evidence.answered),
+    )
+
+
+def unobserved_health(reason: str) -> RolloutHealth:
+    """The health of an attempt with no evidence at all (e.g. a task lost with its node): all unobserved."""
+    return RolloutHealth(verdict="unobserved", unobserved=dict.fromkeys(_ROLLOUT_CHECKS, reason))
+
+
+def _verdict(findings: Mapping[str, int], unobserved: Mapping[str, str]) -> HealthVerdict:
+    if any(name not in INFORMATIONAL_CHECKS for name in findings):
+        return "unhealthy"
+    return "unobserved" if unobserved else "healthy"
+
+
+def _evidence(result: WorkerResult | None, receipt: SupervisorReceipt | None) -> _Evidence | None:
+    if result is None or (receipt is not None and not receipt.result_valid):
         return None
-    return value if isinstance(value, dict) else None
+    answered = [c for c in result.trajectory.model_calls if _answered(c)]
+    return _Evidence(result=result, receipt=receipt, answered=answered)
 
 
-def _has_answer(output: list[Any]) -> bool:
-    for item in output:
-        if not isinstance(item, Mapping):
-            continue
-        if item.get("type") == "function_call":
-            return True
-        if item.get("type") == "message":
-            for part in item.get("content") or []:
-                if isinstance(part, Mapping) and str(part.get("text") or "").strip():
-                    return True
+def _answered(call: ModelCall) -> bool:
+    return call.status == "completed" or (
+        call.status == "incomplete" and call.incomplete_reason != _INTERRUPTED
+    )
+
+
+def _length_limited(call: ModelCall) -> bool:
+    return call.status == "incomplete" and call.incomplete_reason in _LENGTH_REASONS
+
+
+# ----------------------------------------------------------------------------- the rollout checks
+
+
+def _missing_agent_turns(evidence: _Evidence) -> int | str:
+    if any(_has_content(call.output) for call in evidence.answered):
+        return 0
+    if evidence.receipt is not None and evidence.receipt.outcome == "cancelled":
+        return "the run stopped the rollout before an agent turn was answered"
+    return 1
+
+
+def _hollow_turns(evidence: _Evidence) -> int | str:
+    answered = {call.id for call in evidence.answered}
+    turns = [turn for turn in evidence.result.trajectory.turns if set(turn.model_calls) & answered]
+    if not turns:
+        return "no answered turn"
+    return sum(1 for turn in turns if not _has_content([*turn.answer, *turn.reasoning]))
+
+
+def _capture_mismatch(evidence: _Evidence) -> int | str:
+    trajectory = evidence.result.trajectory
+    if _ownership_contradictions(
+        trajectory.model_calls, [(t.index, t.model_calls) for t in trajectory.turns]
+    ):
+        return 1
+    if evidence.receipt is None:
+        return "no receipt.json"
+    captured = evidence.receipt.model_calls_captured
+    if captured is None:
+        return "no egress capture (the rollout ran without the proxy)"
+    attempts = [attempt for call in trajectory.model_calls for attempt in call.attempts]
+    # An attempt that got an HTTP status certainly crossed the proxy; one that failed without an
+    # answer (or was cut off by the stop) may have ended before it reached the proxy.
+    answered = sum(1 for attempt in attempts if attempt.http_status is not None)
+    return 0 if answered <= captured <= len(attempts) else 1
+
+
+def _ownership_contradictions(calls: list[ModelCall], turns: list[tuple[int, list[str]]]) -> bool:
+    """Whether the turns' model-call references do not resolve exactly once, each to its own call."""
+    by_id: dict[str, ModelCall] = {}
+    for call in calls:
+        if call.id in by_id:
+            return True  # two calls with one id: a reference to it would be ambiguous
+        by_id[call.id] = call
+    owned: set[str] = set()
+    for index, references in turns:
+        for reference in references:
+            owner = by_id.get(reference)
+            if owner is None or reference in owned or owner.turn != index:
+                return True
+            owned.add(reference)
+    return owned != set(by_id)
+
+
+def _failed_calls(evidence: _Evidence) -> int | str:
+    calls = evidence.result.trajectory.model_calls
+    if not calls:
+        return "no model call was made"
+    return sum(1 for call in calls if call.status == "failed")
+
+
+def _missing_token_counts(evidence: _Evidence) -> int | str:
+    if not evidence.answered:
+        return "no answered model call"
+    return sum(1 for c in evidence.answered if c.usage.input_tokens is None or c.usage.output_tokens is None)
+
+
+def _zero_completion_tokens(evidence: _Evidence) -> int | str:
+    if not evidence.answered:
+        return "no answered model call"
+    return sum(1 for c in evidence.answered if c.usage.output_tokens == 0 and not _length_limited(c))
+
+
+def _runaway_generation(evidence: _Evidence) -> int | str:
+    if not evidence.answered:
+        return "no answered model call"
+    return sum(1 for c in evidence.answered if _length_limited(c) and not _has_content(c.output))
+
+
+def _token_count_mismatch(evidence: _Evidence) -> int | str:
+    calls = evidence.answered
+    if any(
+        c.usage.total_tokens is not None
+        and c.usage.input_tokens is not None
+        and c.usage.output_tokens is not None
+        and c.usage.total_tokens != c.usage.input_tokens + c.usage.output_tokens
+        for c in calls
+    ):
+        return 1
+    response = evidence.result.response
+    if response is None or response.usage.input_tokens is None or response.usage.output_tokens is None:
+        return "the result reports no token totals"
+    if any(c.usage.input_tokens is None or c.usage.output_tokens is None for c in calls):
+        return "a model call reported no token counts"
+    summed = (sum(c.usage.input_tokens or 0 for c in calls), sum(c.usage.output_tokens or 0 for c in calls))
+    return 0 if summed == (response.usage.input_tokens, response.usage.output_tokens) else 1
+
+
+_ROLLOUT_CHECKS: dict[str, _Check] = {
+    "rollout_missing_agent_turns": _missing_agent_turns,
+    "agent_turn_hollow": _hollow_turns,
+    "trajectory_capture_mismatch": _capture_mismatch,
+    "model_call_failed": _failed_calls,
+    "model_call_missing_token_counts": _missing_token_counts,
+    "model_call_zero_completion_tokens": _zero_completion_tokens,
+    "model_call_runaway_generation": _runaway_generation,
+    "rollout_token_count_mismatch": _token_count_mismatch,
+}
+
+
+def _has_content(items: list[ResponseItem]) -> bool:
+    """Whether the items hold anything: non-blank text, reasoning, or a tool call (NeMo Gym's rule)."""
+    return any(item.get("type") in _TOOL_CALL_TYPES or _nonempty(item) for item in items)
+
+
+def _nonempty(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, str):
+            if current.strip():
+                return True
+        elif isinstance(current, list):
+            stack.extend(current)
+        elif isinstance(current, dict):
+            stack.extend(current.get(key) for key in _CONTENT_KEYS)
     return False
 
 
+# ----------------------------------------------------------------------------- metrics
+
+
+def rollout_metrics(result: WorkerResult | None, receipt: SupervisorReceipt) -> RolloutMetrics:
+    """Token and timing metrics of one finished attempt; sums say whether they cover every call."""
+    if result is None or not receipt.result_valid:
+        return RolloutMetrics(duration_s=receipt.duration_s)
+    calls = result.trajectory.model_calls
+    answered = [c for c in calls if _answered(c)]
+    interrupted = any(c.incomplete_reason == _INTERRUPTED for c in calls)
+    return RolloutMetrics(
+        model_calls=len(calls),
+        failed_model_calls=sum(1 for c in calls if c.status == "failed"),
+        tool_calls=len(result.trajectory.tool_calls),
+        input_tokens=_sum([c.usage.input_tokens for c in answered]),
+        output_tokens=_sum([c.usage.output_tokens for c in answered]),
+        total_tokens=_sum([c.usage.total_tokens for c in answered]),
+        token_counts=_coverage(
+            [c.usage.input_tokens is not None and c.usage.output_tokens is not None for c in answered],
+            incomplete=interrupted,
+        ),
+        token_ids=_coverage([_complete(c.tokens) for c in answered], incomplete=False),
+        duration_s=receipt.duration_s,
+    )
+
+
+def _complete(tokens: CallTokens) -> bool:
+    return tokens.status == "observed" and tokens.scope == "generation"
+
+
+def _coverage(reported: list[bool], *, incomplete: bool) -> TokenCoverage:
+    if not any(reported):
+        return "unobserved"
+    return "complete" if all(reported) and not incomplete else "partial"
+
+
 def _sum(values: list[int | None]) -> int | None:
-    return None if not values or any(v is None for v in values) else sum(v for v in values if v is not None)
-
-
-def inspect_rollout(record: RolloutRecord, result: Mapping[str, Any] | None) -> dict[str, int]:
-    """The per-rollout health counts of one finished attempt (only checks that fired).
-
-    Args:
-        record: The attempt's record (its receipt and grader detail are used).
-        result: Its ``result.json`` as plain JSON, when the receipt says it is valid
-            and it could be read; ``None`` otherwise (counted as unobserved).
-
-    Returns:
-        Check name → count (rollout checks count 1, call checks count calls).
-    """
-    found: dict[str, int] = {}
-    if record.grader is not None and "error" in record.grader:
-        found["grader_error"] = 1
-    cancelled = record.outcome == "cancelled"
-    if cancelled:
-        found["cancelled_by_run"] = 1
-    trajectory = result.get("trajectory") if result is not None and record.receipt.result_valid else None
-    if not isinstance(trajectory, Mapping):
-        found["unobserved_result"] = 1
-        return found
-    calls = [c for c in trajectory.get("model_calls") or [] if isinstance(c, Mapping)]
-    per_call, attempts, mismatch, inputs, outputs = _inspect_calls(calls)
-    found.update(per_call)
-    if not cancelled and not any(call.get("status") != "failed" for call in calls):
-        found["no_model_turn"] = 1
-    response = result.get("response") if result is not None else None
-    totals = (response.get("usage") or {}) if isinstance(response, Mapping) else {}
-    for key, parts in (("input_tokens", inputs), ("output_tokens", outputs)):
-        summed, reported = _sum(parts), totals.get(key) if isinstance(totals, Mapping) else None
-        if summed is not None and reported is not None and summed != reported:
-            mismatch = True
-    if mismatch:
-        found["token_total_mismatch"] = 1
-    captured = record.receipt.model_calls_captured
-    # A stopped worker may have had one exchange in flight: captured by the proxy, never recorded.
-    in_flight = 1 if record.outcome in ("cancelled", "timeout") else 0
-    if captured is not None and not attempts <= captured <= attempts + in_flight:
-        found["capture_mismatch"] = 1
-    return found
-
-
-def _inspect_calls(
-    calls: list[Mapping[str, Any]],
-) -> tuple[dict[str, int], int, bool, list[int | None], list[int | None]]:
-    """Per-call counts, HTTP attempts, whether a call's total is off, and the token counts per call."""
-    per_call: dict[str, int] = {}
-    inputs: list[int | None] = []
-    outputs: list[int | None] = []
-    attempts = 0
-    mismatch = False
-
-    def count(name: str) -> None:
-        per_call[name] = per_call.get(name, 0) + 1
-
-    for call in calls:
-        attempts += _int(call.get("attempts")) or 1
-        status = call.get("status")
-        raw_usage = call.get("usage")
-        usage: Mapping[str, Any] = raw_usage if isinstance(raw_usage, Mapping) else {}
-        if status == "failed":
-            count("failed_model_call")
-            continue
-        length_limited = status == "incomplete" and call.get("incomplete_reason") in _LENGTH_REASONS
-        if status == "completed" and not _has_answer(call.get("output") or []):
-            count("hollow_turn")
-        if length_limited:
-            count("runaway_generation")
-        i, o, t = (_int(usage.get(key)) for key in ("input_tokens", "output_tokens", "total_tokens"))
-        inputs.append(i)
-        outputs.append(o)
-        if i is None or o is None:
-            count("unobserved_tokens")
-        elif o == 0 and not length_limited:
-            count("zero_completion_tokens")
-        if i is not None and o is not None and t is not None and t != i + o:
-            mismatch = True
-    return per_call, attempts, mismatch, inputs, outputs
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """The sum of the reported values; ``None`` when none was reported (``token_counts`` says how many)."""
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import get_args
 
-from rollcage.controller._health import HEALTH_CHECKS, TASK_CHECK
-from rollcage.protocol import HealthFinding, Outcome, Percentiles, RolloutRecord, RunMetrics, TokenUsage
+from rollcage.controller._health import HEALTH_CHECKS, TASK_CHECKS
+from rollcage.protocol import (
+    HealthFinding,
+    HealthVerdict,
+    Outcome,
+    Percentiles,
+    RolloutHealth,
+    RolloutRecord,
+    RunMetrics,
+    TokenUsage,
+)
 
 __all__ = ["FINAL_OUTCOMES", "RunLedger", "SampleState", "pass_at_k"]
 
@@ -22,6 +31,8 @@ FINAL_OUTCOMES: frozenset[Outcome] = frozenset({"completed", "agent_error", "tim
 
 _OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 _MAX_IDS = 100
+_MAX_REASONS = 20
+_ROLLOUT_CHECKS = tuple(name for name in HEALTH_CHECKS if name not in TASK_CHECKS)
 
 
 @dataclass(slots=True)
@@ -36,6 +47,8 @@ class SampleState:
         reward: Its reward.
         grader_failed: The outcome allowed grading but the grader could not grade.
         masked: The latest attempt was masked by its environment (left out of reward metrics).
+        verdict: The latest attempt's health verdict.
+        answered_calls: Its answered model calls; ``None``: unobserved (no valid result).
     """
 
     tries: int = 0
@@ -45,6 +58,8 @@ class SampleState:
     reward: float | None = None
     grader_failed: bool = False
     masked: bool = False
+    verdict: HealthVerdict = "unobserved"
+    answered_calls: int | None = None
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -61,13 +76,36 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 @dataclass
 class _Tally:
+    """One check's counts over the run."""
+
     count: int = 0
     ids: list[str] = field(default_factory=list)
+    evaluated: int = 0
+    unobserved: int = 0
+    missing: dict[str, int] = field(default_factory=dict)
 
     def add(self, ident: str, count: int) -> None:
+        self.evaluated += 1
+        if count <= 0:
+            return
         self.count += count
         if len(self.ids) < _MAX_IDS:
             self.ids.append(ident)
+
+    def lack(self, reason: str) -> None:
+        self.unobserved += 1
+        if reason in self.missing or len(self.missing) < _MAX_REASONS:
+            self.missing[reason] = self.missing.get(reason, 0) + 1
+
+    def finding(self, detail: str) -> HealthFinding:
+        return HealthFinding(
+            count=self.count,
+            rollouts=list(self.ids),
+            detail=detail,
+            evaluated=self.evaluated,
+            unobserved=self.unobserved,
+            missing=dict(self.missing),
+        )
 
 
 class RunLedger:
@@ -87,7 +125,7 @@ class RunLedger:
         self.max_infra_retries = max_infra_retries
         self.pass_threshold = pass_threshold
         self._samples: dict[tuple[str, int], SampleState] = {}
-        self._model_success: dict[str, bool] = {}
+        self._model_success: set[str] = set()
         self._outcomes: dict[Outcome, int] = dict.fromkeys(_OUTCOMES, 0)
         self._graded = 0
         self._masked = 0
@@ -96,8 +134,10 @@ class RunLedger:
         self._reward_sum = 0.0
         self._retries = 0
         self._tokens: list[int | None] = [None, None, None]
+        self._tokens_partial = 0
         self._durations = array("d")
-        self._health: dict[str, _Tally] = {name: _Tally() for name in HEALTH_CHECKS}
+        self._health: dict[str, _Tally] = {name: _Tally() for name in _ROLLOUT_CHECKS}
+        self._verdicts: dict[HealthVerdict, int] = {"healthy": 0, "unhealthy": 0, "unobserved": 0}
         self.invalid_rows = 0
         self.rollouts = 0
 
@@ -127,8 +167,8 @@ class RunLedger:
 
     # ------------------------------------------------------------------ folding
 
-    def add(self, record: RolloutRecord, health: Mapping[str, int]) -> SampleState:
-        """Fold one record (in log order) and its health counts; return the sample's new state."""
+    def add(self, record: RolloutRecord) -> SampleState:
+        """Fold one record (in log order), its health included; return the sample's new state."""
         key = (record.task_id, record.sample)
         state = self._samples.get(key)
         if state is None:
@@ -143,6 +183,8 @@ class RunLedger:
         state.reward = record.reward if state.graded else None
         state.grader_failed = record.grader is not None and "error" in record.grader
         state.masked = state.graded and record.masked
+        state.verdict = record.health.verdict
+        state.answered_calls = record.health.successful_model_calls
 
         self.rollouts += 1
         self._outcomes[record.outcome] += 1
@@ -161,18 +203,22 @@ class RunLedger:
         for index, value in enumerate((m.input_tokens, m.output_tokens, m.total_tokens)):
             if value is not None:
                 self._tokens[index] = (self._tokens[index] or 0) + value
+        if m.token_counts != "complete":
+            self._tokens_partial += 1
         self._durations.append(record.receipt.duration_s)
-        succeeded = m.model_calls - m.failed_model_calls > 0
-        self._model_success[record.task_id] = self._model_success.get(record.task_id, False) or succeeded
-        for name, count in health.items():
-            tally = self._health.get(name)
-            if tally is not None and count > 0:
-                tally.add(record.rollout_id, count)
+        if record.health.successful_model_calls:
+            self._model_success.add(record.task_id)
+        self._fold_health(record.rollout_id, record.health)
         return state
 
-    def add_invalid_row(self) -> None:
-        """Count a malformed dataset row."""
-        self.invalid_rows += 1
+    def _fold_health(self, rollout_id: str, health: RolloutHealth) -> None:
+        self._verdicts[health.verdict] += 1
+        for name, tally in self._health.items():
+            reason = health.unobserved.get(name)
+            if reason is not None:
+                tally.lack(reason)
+            else:
+                tally.add(rollout_id, health.findings.get(name, 0))
 
     # ------------------------------------------------------------------ reading
 
@@ -211,14 +257,8 @@ class RunLedger:
     def snapshot(self, wall_s: float) -> RunMetrics:
         """The metrics so far, as ``metrics.json`` holds them."""
         pass1, passk = self._pass_rates()
-        health: dict[str, HealthFinding] = {}
-        for name, detail in HEALTH_CHECKS.items():
-            if name == TASK_CHECK:
-                failing = [task for task, ok in self._model_success.items() if not ok]
-                health[name] = HealthFinding(count=len(failing), rollouts=failing[:_MAX_IDS], detail=detail)
-            else:
-                tally = self._health[name]
-                health[name] = HealthFinding(count=tally.count, rollouts=list(tally.ids), detail=detail)
+        health = {name: tally.finding(HEALTH_CHECKS[name].detail) for name, tally in self._health.items()}
+        health.update(self._task_health())
         i, o, t = self._tokens
         return RunMetrics(
             dataset=self.dataset,
@@ -235,10 +275,39 @@ class RunLedger:
             retries=self._retries,
             invalid_rows=self.invalid_rows,
             tokens=TokenUsage(input_tokens=i, output_tokens=o, total_tokens=t),
+            tokens_partial=self._tokens_partial,
             duration_s=percentiles(self._durations),
             wall_s=wall_s,
             health=health,
+            health_verdicts=dict(self._verdicts),
         )
+
+    def _task_health(self) -> dict[str, HealthFinding]:
+        """The task checks, over each task's repeats (the latest attempt of each sample)."""
+        repeats: dict[str, list[SampleState]] = {}
+        for (task_id, _), state in self._samples.items():
+            repeats.setdefault(task_id, []).append(state)
+        no_success, unhealthy = _Tally(), _Tally()
+        for task_id, states in repeats.items():
+            if task_id in self._model_success:
+                no_success.add(task_id, 0)
+            elif all(state.answered_calls is not None for state in states):
+                no_success.add(task_id, 1)
+            else:
+                no_success.lack("a repeat has no valid result.json")
+            computable = [state for state in states if state.verdict != "unobserved"]
+            if len(computable) < 2:
+                unhealthy.lack("fewer than two repeats with a computable verdict")
+            else:
+                unhealthy.add(task_id, int(all(state.verdict == "unhealthy" for state in computable)))
+        return {
+            "task_no_successful_model_calls": no_success.finding(
+                HEALTH_CHECKS["task_no_successful_model_calls"].detail
+            ),
+            "task_consistently_unhealthy": unhealthy.finding(
+                HEALTH_CHECKS["task_consistently_unhealthy"].detail
+            ),
+        }
 
 
 def percentiles(values: Iterable[float]) -> Percentiles:

@@ -28,9 +28,11 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from rollcage.agent import function_tools as agent_function_tools
 from rollcage.controller._graders import cookie_header, read_bounded
 from rollcage.errors import ResourceUnavailableError
-from rollcage.protocol import PythonToolSpec, ResourceToolSpec, ToolSpec, WorkerResult
+from rollcage.protocol import ToolSpec, WorkerResult
+from rollcage.trajectory import project_calls
 
 if TYPE_CHECKING:
     import httpx
@@ -79,34 +81,12 @@ CREATE_PARAMS_KEYS = frozenset(
 _NOT_OFFERED = frozenset({404, 405})
 _ANSWER_LIMIT = 1024 * 1024
 _ITEM_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
-_PYTHON_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {"code": {"type": "string", "description": "Python source to run."}},
-    "required": ["code"],
-}
 
 
 def function_tools(tools: list[ToolSpec], *, codeact: bool) -> list[dict[str, Any]]:
-    """The Responses-API function tools the agent offers (none in codeact mode, which has no tools)."""
-    if codeact:
-        return []
-    out: list[dict[str, Any]] = []
-    for tool in tools:
-        if isinstance(tool, PythonToolSpec):
-            parameters: dict[str, Any] = _PYTHON_PARAMETERS
-        else:
-            assert isinstance(tool, ResourceToolSpec)
-            parameters = tool.parameters
-        out.append(
-            {
-                "type": "function",
-                "name": tool.name,
-                "description": tool.description,
-                "parameters": parameters,
-                "strict": False,
-            }
-        )
-    return out
+    """The agent's function tools (``rollcage.agent.function_tools``), each saying ``strict`` as NeMo Gym's
+    ``ToolParam`` requires (none in codeact mode, which has no tools)."""
+    return [{**tool, "strict": False} for tool in agent_function_tools(tools, codeact=codeact)]
 
 
 def create_params_for(
@@ -229,7 +209,9 @@ def _usage(result: WorkerResult) -> dict[str, Any] | None:
     }
 
 
-def to_nemo_response(result: WorkerResult, create_params: Mapping[str, Any]) -> dict[str, Any]:
+def to_nemo_response(
+    result: WorkerResult, create_params: Mapping[str, Any], *, with_tokens: bool = False
+) -> dict[str, Any]:
     """The rollout as a complete NeMo Gym response object (``NeMoGymResponse``, a Responses ``Response``).
 
     Every field NeMo Gym's model requires is present: ``created_at`` as an integer,
@@ -237,10 +219,19 @@ def to_nemo_response(result: WorkerResult, create_params: Mapping[str, Any]) -> 
     an ``id`` and ``status`` on every item, ``annotations`` on every text part, and
     usage with its detail blocks (``None`` when the server did not report counts).
     Items NeMo Gym cannot hold (none the worker produces today) are left out.
+
+    With ``with_tokens``, each model call whose token data is complete puts it where
+    NeMo Gym's training items carry it: ``prompt_token_ids``, ``generation_token_ids``
+    and ``generation_log_probs`` on the last item of the call's own output.
     """
     response = result.response
     items = response.output if response is not None else []
-    output = [x for x in (_nemo_item(item, i) for i, item in enumerate(items)) if x is not None]
+    marks = _token_marks(result, len(items)) if with_tokens else {}
+    output: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        converted = _nemo_item(item, index)
+        if converted is not None:
+            output.append({**converted, **marks.get(index, {})})
     status = response.status if response is not None else "failed"
     error = None
     if result.error is not None:
@@ -266,6 +257,25 @@ def to_nemo_response(result: WorkerResult, create_params: Mapping[str, Any]) -> 
         "max_output_tokens": create_params.get("max_output_tokens"),
         "usage": _usage(result),
     }
+
+
+def _token_marks(result: WorkerResult, projected: int) -> dict[int, dict[str, Any]]:
+    """Position in the output of each call's last own item -> the call's NeMo Gym token arrays."""
+    calls = project_calls(result.trajectory, partial=False)
+    if sum(len(call.items) for call in calls) != projected:
+        return {}  # not the worker's projection of this trajectory: no position can be trusted
+    marks: dict[int, dict[str, Any]] = {}
+    position = 0
+    for call, items, own in calls:
+        tokens = call.tokens
+        if own and tokens.status == "observed" and tokens.scope == "generation":
+            marks[position + own - 1] = {
+                "prompt_token_ids": tokens.prompt_token_ids,
+                "generation_token_ids": tokens.generation_token_ids,
+                "generation_log_probs": tokens.generation_log_probs,
+            }
+        position += len(items)
+    return marks
 
 
 def _cookies_set(response: httpx.Response) -> dict[str, str]:

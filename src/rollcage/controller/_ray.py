@@ -101,9 +101,9 @@ from rollcage.controller._unit import (
     PreparedRollout,
     RolloutSettings,
     SuperviseFn,
-    _failed_receipt,
     _lay_out,
     build_supervisor_config,
+    record_without_result,
     run_rollout,
 )
 from rollcage.errors import (
@@ -114,7 +114,7 @@ from rollcage.errors import (
     RollcageError,
 )
 from rollcage.procs import pid_exists, read_proc, shielded
-from rollcage.protocol import RolloutMetrics, RolloutRecord, SupervisorReceipt
+from rollcage.protocol import RolloutRecord
 
 if TYPE_CHECKING:
     from rollcage.controller._config import RayBackendConfig
@@ -266,8 +266,8 @@ def lost_record(
 ) -> RolloutRecord:
     """The ``infra_failure`` record of an attempt whose task produced no record of its own.
 
-    Built like ``run_rollout``'s record when the supervisor raises: the same receipt
-    (``_failed_receipt``, whose reason names ``reason``), no grading, no result.
+    Built like ``run_rollout``'s record when the supervisor raises
+    (``record_without_result``, whose receipt names ``reason``): no grading, no result.
 
     Args:
         prepared: The attempt.
@@ -276,19 +276,7 @@ def lost_record(
         started: Unix time the attempt was submitted.
     """
     logger.warning("rollout %s: infrastructure failure in the Ray backend: %s", prepared.rollout_id, reason)
-    receipt = _failed_receipt(prepared, settings, reason, started)
-    return RolloutRecord(
-        rollout_id=prepared.rollout_id,
-        task_id=prepared.task_id,
-        sample=prepared.sample,
-        try_index=prepared.try_index,
-        outcome=receipt.outcome,
-        graded=False,
-        reward=None,
-        receipt=receipt,
-        metrics=RolloutMetrics(duration_s=receipt.duration_s),
-        rollout_dir=prepared.rollout_dir,
-    )
+    return record_without_result(prepared, settings, reason, started, where="the controller")
 
 
 # ---------------------------------------------------------------------------- secrets
@@ -585,12 +573,12 @@ async def _watch_stop(flag: Any, stop: asyncio.Event) -> None:
 
 def _supervise_with(credentials: Mapping[str, str]) -> SuperviseFn:
     """The supervisor's entry point, reading credentials from ``credentials``, not the environment."""
-    from rollcage.supervisor import supervise
+    from rollcage.supervisor import Supervised, supervise_rollout
 
     async def supervise_here(
         rollout_dir: Path, config: Any, *, stop: asyncio.Event | None = None
-    ) -> SupervisorReceipt:
-        return await supervise(rollout_dir, config, stop=stop, credentials=credentials)
+    ) -> Supervised:
+        return await supervise_rollout(rollout_dir, config, stop=stop, credentials=credentials)
 
     return supervise_here
 
@@ -647,7 +635,8 @@ class _RolloutThread:
         if self._error is not None:
             raise self._error
         assert self._record is not None
-        return self._record
+        # The driver gets the record and the rollout directory; the parsed result stays here.
+        return self._record.with_result(None)
 
     def _request_stop(self) -> None:
         self._stop_requested.set()

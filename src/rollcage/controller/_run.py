@@ -30,16 +30,22 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rollcage.controller._backend import Backend
 from rollcage.controller._config import EmbeddedPolicyConfig, LocalBackendConfig, RunConfig
-from rollcage.controller._dataset import EnvironmentRef, InvalidRow, Task, detect_format, iter_dataset
+from rollcage.controller._dataset import (
+    EnvironmentRef,
+    InvalidRow,
+    Task,
+    detect_format,
+    iter_dataset,
+    tasks_from_rows,
+)
 from rollcage.controller._formats import DatasetFormat
-from rollcage.controller._health import inspect_rollout, load_result
 from rollcage.controller._ledger import RunLedger
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
@@ -57,6 +63,7 @@ __all__ = [
     "EXIT_USAGE",
     "Controller",
     "NullReporter",
+    "RecordSink",
     "Reporter",
     "RunSummary",
 ]
@@ -209,8 +216,15 @@ async def _wait_or_stop(stop: asyncio.Event, delay: float) -> bool:
     return stop.is_set()
 
 
+RecordSink = Callable[[RolloutRecord], Awaitable[None]]
+"""Receives each record once it is on disk; the sample waits for it (``rollcage.collect``'s backpressure)."""
+
+
 class Controller:
-    """Runs one dataset into one output directory. ``summary`` is readable however ``run`` ended."""
+    """Runs one dataset (a file, or tasks in memory) into one output directory.
+
+    ``summary`` is readable however ``run`` ended.
+    """
 
     def __init__(
         self,
@@ -219,6 +233,8 @@ class Controller:
         reporter: Reporter | None = None,
         backend: Backend | None = None,
         stop: asyncio.Event | None = None,
+        tasks: Sequence[Any] | None = None,
+        sink: RecordSink | None = None,
     ) -> None:
         """Prepare a run.
 
@@ -227,13 +243,28 @@ class Controller:
             reporter: Where progress goes; default: nowhere.
             backend: Where rollouts execute; default: ``config.backend.build(...)``.
             stop: Set it to stop gracefully (in-flight rollouts are stopped and recorded).
+            tasks: The rows to run, parsed (dataset rows in ``config.dataset_format``), instead
+                of ``config.dataset``; exactly one of the two is given.
+            sink: Awaited with each record once it is on disk, before its sample goes on.
+
+        Raises:
+            ConfigError: Both or neither of ``tasks`` and ``config.dataset`` are given.
         """
+        if (tasks is None) == (config.dataset is None):
+            raise ConfigError("give the run either a dataset file or tasks in memory, not both or neither")
         self.config = config
         self.stop = stop if stop is not None else asyncio.Event()
         self._reporter: Reporter = reporter if reporter is not None else NullReporter()
         self._backend = backend
+        self._sink = sink
+        self._given: list[Task | InvalidRow] | None = None
+        if tasks is not None:
+            self._given = tasks_from_rows(tasks, format=config.dataset_format, environment=config.environment)
+        self._source = (
+            str(config.dataset) if config.dataset is not None else f"<{len(tasks or [])} tasks in memory>"
+        )
         self._ledger = RunLedger(
-            dataset=str(config.dataset),
+            dataset=self._source,
             k=config.attempts,
             max_infra_retries=config.max_infra_retries,
             pass_threshold=config.pass_threshold,
@@ -287,7 +318,7 @@ class Controller:
         self._reporter.notice(self._model_line())
         lock_fd: int | None = None
         try:
-            if self.config.dataset_format == "auto":
+            if self.config.dataset is not None and self.config.dataset_format == "auto":
                 self._format = await asyncio.to_thread(detect_format, self.config.dataset)
                 self._reporter.notice(f"Dataset format: {self._format} (detected; --format to choose)")
             self._scan = await asyncio.to_thread(self._prescan_rows)
@@ -297,11 +328,11 @@ class Controller:
             if self.config.strict and self._scan.invalid_count:
                 first = self._scan.invalid[0]
                 raise ConfigError(
-                    f"{self._scan.invalid_count} malformed row(s) in {self.config.dataset} "
+                    f"{self._scan.invalid_count} malformed row(s) in {self._source} "
                     f"(first: line {first.line}: {first.reason}); fix them or run without --strict"
                 )
             if self._scan.tasks == 0:
-                raise ConfigError(f"{self.config.dataset} has no valid rows to run")
+                raise ConfigError(f"{self._source} has no valid rows to run")
             if isinstance(self.config.backend, LocalBackendConfig):
                 self._check_open_files()
             await asyncio.to_thread(self._check_sandbox)
@@ -326,7 +357,7 @@ class Controller:
     def _model_line(self) -> str:
         model = self.config.model
         if isinstance(model, EmbeddedPolicyConfig):
-            script = model.script or self.config.dataset.parent / "policy.yaml"
+            script = self._policy_script(model)
             return (
                 f"Model: the embedded scripted policy (in-process, loopback) playing {script}; "
                 "no --model given. Use --model URL --model-name NAME for a real endpoint."
@@ -365,7 +396,20 @@ class Controller:
             raise ConfigError(str(exc)) from exc
 
     def _rows(self) -> Iterator[Task | InvalidRow]:
+        if self._given is not None:
+            return iter(self._given)
+        assert self.config.dataset is not None
         return iter_dataset(self.config.dataset, format=self._format, environment=self.config.environment)
+
+    def _policy_script(self, model: EmbeddedPolicyConfig) -> Path:
+        """The embedded policy's script: the configured one, else ``policy.yaml`` beside the dataset."""
+        if model.script is not None:
+            return model.script
+        if self.config.dataset is None:
+            raise ConfigError(
+                "the embedded scripted policy needs a script for tasks in memory: give its path"
+            )
+        return self.config.dataset.parent / "policy.yaml"
 
     def _lock_out_dir(self) -> int:
         try:
@@ -424,10 +468,8 @@ class Controller:
             self._reporter.notice(f"Removed {swept} temporary file(s) left by an earlier, interrupted run")
 
     def _load_ledger(self) -> None:
-        def fold(record: RolloutRecord) -> None:
-            self._ledger.add(record, self._health_of(record))
-
-        report = load_records(self._out / "rollouts.jsonl", fold)
+        # Each record carries its health and metrics: resuming reads no rollout directory.
+        report = load_records(self._out / "rollouts.jsonl", self._ledger.add)
         if report.records:
             self._reporter.notice(
                 f"Resuming: {report.records} earlier attempt(s) in {self._out}/rollouts.jsonl"
@@ -444,20 +486,13 @@ class Controller:
                 pending += sum(1 for s in range(self.config.attempts) if not self._ledger.is_done(item.id, s))
         return pending
 
-    def _health_of(self, record: RolloutRecord) -> dict[str, int]:
-        directory = Path(record.rollout_dir)
-        if not directory.is_absolute() or not directory.exists():
-            directory = self._out / "rollouts" / directory.name
-        result = load_result(directory) if record.receipt.result_valid else None
-        return inspect_rollout(record, result)
-
     async def _run_with_servers(self) -> None:
         policy: EmbeddedPolicy | None = None
         pool = EnvironmentPool()
         try:
             model = self.config.model
             if isinstance(model, EmbeddedPolicyConfig):
-                policy = EmbeddedPolicy(model.script or self.config.dataset.parent / "policy.yaml")
+                policy = EmbeddedPolicy(self._policy_script(model))
                 base_url = await asyncio.to_thread(policy.start)
                 name = model.model_name
                 self._reporter.notice(f"Scripted policy serving on {base_url}")
@@ -526,7 +561,6 @@ class Controller:
                         "set aside the unfinished %s from an earlier run: %s", prepared.rollout_id, moved
                     )
                 record = await backend.run(prepared, stop=self.stop)
-                health = await asyncio.to_thread(self._health_of, record)
                 try:
                     await self._log.append(record)
                 except DurableWriteError as exc:
@@ -534,10 +568,12 @@ class Controller:
                     self._reporter.notice(f"Stopping: {self._error}")
                     self.stop.set()
                     return
-                state = self._ledger.add(record, health)
+                state = self._ledger.add(record)
                 self._attempts_run += 1
                 self._reporter.record(record, sample_done=self._ledger.is_done(task.id, sample))
                 await self._maybe_publish()
+                if self._sink is not None:
+                    await self._sink(record)
                 if record.outcome != "infra_failure" or self._ledger.is_done(task.id, sample):
                     return
                 delay = min(

@@ -24,9 +24,9 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollcage.controller._dataset import Task
 from rollcage.controller._graders import (
@@ -36,6 +36,7 @@ from rollcage.controller._graders import (
     read_workspace_files,
     verify_remote,
 )
+from rollcage.controller._health import assess, unobserved_health
 from rollcage.controller._ids import rollout_id
 from rollcage.controller._nemo_gym import (
     close_session,
@@ -50,6 +51,7 @@ from rollcage.protocol import (
     ModelEndpoint,
     Outcome,
     ResourceEndpoint,
+    RolloutHealth,
     RolloutMetrics,
     RolloutRecord,
     SupervisorReceipt,
@@ -57,6 +59,9 @@ from rollcage.protocol import (
     WorkerResult,
 )
 from rollcage.supervisor.config import BwrapSandbox
+
+if TYPE_CHECKING:
+    from rollcage.supervisor import Supervised
 
 __all__ = [
     "Endpoints",
@@ -69,6 +74,7 @@ __all__ = [
     "build_supervisor_config",
     "may_grade",
     "prepare_rollout",
+    "record_without_result",
     "run_rollout",
     "set_aside",
 ]
@@ -146,12 +152,12 @@ class RolloutSettings(_Model):
 
 
 class SuperviseFn(Protocol):
-    """The supervisor's entry point: ``await supervise(rollout_dir, config, stop=...)``."""
+    """The supervisor's entry point: ``await supervise_rollout(rollout_dir, config, stop=...)``."""
 
     def __call__(
         self, rollout_dir: Path, config: Any, *, stop: asyncio.Event | None = None
-    ) -> Awaitable[SupervisorReceipt]:
-        """Supervise one prepared rollout directory and return its receipt."""
+    ) -> Awaitable[Supervised]:
+        """Supervise one prepared rollout directory; return its receipt and its result, parsed once."""
         ...
 
 
@@ -266,33 +272,6 @@ def _lay_out(directory: Path, worker_input: WorkerInput, mode: int) -> None:
     retry_on_emfile(publish_json, directory / "input.json", worker_input, mode=mode)
 
 
-def _read_result(directory: Path) -> WorkerResult | None:
-    try:
-        return WorkerResult.model_validate_json((directory / "result.json").read_bytes())
-    except (OSError, ValidationError):
-        return None
-
-
-def _sum(values: list[int | None]) -> int | None:
-    present = [v for v in values if v is not None]
-    return sum(present) if present else None
-
-
-def _metrics(result: WorkerResult | None, receipt: SupervisorReceipt) -> RolloutMetrics:
-    if result is None:
-        return RolloutMetrics(duration_s=receipt.duration_s)
-    calls = result.trajectory.model_calls
-    return RolloutMetrics(
-        model_calls=len(calls),
-        failed_model_calls=sum(1 for c in calls if c.status == "failed"),
-        tool_calls=len(result.trajectory.tool_calls),
-        input_tokens=_sum([c.usage.input_tokens for c in calls]),
-        output_tokens=_sum([c.usage.output_tokens for c in calls]),
-        total_tokens=_sum([c.usage.total_tokens for c in calls]),
-        duration_s=receipt.duration_s,
-    )
-
-
 def _verify_payload(
     prepared: PreparedRollout,
     plan: EnvironmentPlan,
@@ -374,14 +353,53 @@ async def _close(prepared: PreparedRollout, client: Any, cookies: dict[str, str]
     return problem
 
 
+def record_without_result(
+    prepared: PreparedRollout, settings: RolloutSettings, reason: BaseException, started: float, *, where: str
+) -> RolloutRecord:
+    """The ``infra_failure`` record of an attempt the machinery could not run (no result, no grading).
+
+    Args:
+        prepared: The attempt.
+        settings: Its settings (the receipt repeats the deadline and sandbox).
+        reason: What failed.
+        started: Unix time the attempt started.
+        where: Whose machinery failed, for the reason (``"the controller"``, ``"the Ray backend"``).
+    """
+    receipt = _failed_receipt(prepared, settings, reason, started, where=where)
+    metrics = RolloutMetrics(duration_s=receipt.duration_s)
+    return _record(prepared, receipt, unobserved_health(f"{where} could not run the rollout"), metrics)
+
+
+def _record(
+    prepared: PreparedRollout,
+    receipt: SupervisorReceipt,
+    health: RolloutHealth,
+    metrics: RolloutMetrics,
+    **grading: Any,
+) -> RolloutRecord:
+    """The record of one attempt; ``grading``: the grade's fields (none: not graded)."""
+    return RolloutRecord(
+        rollout_id=prepared.rollout_id,
+        task_id=prepared.task_id,
+        sample=prepared.sample,
+        try_index=prepared.try_index,
+        outcome=receipt.outcome,
+        **{"graded": False, "reward": None, **grading},
+        receipt=receipt,
+        metrics=metrics,
+        health=health,
+        rollout_dir=prepared.rollout_dir,
+    )
+
+
 def _failed_receipt(
-    prepared: PreparedRollout, settings: RolloutSettings, exc: BaseException, started: float
+    prepared: PreparedRollout, settings: RolloutSettings, exc: BaseException, started: float, *, where: str
 ) -> SupervisorReceipt:
     ended = time.time()
     return SupervisorReceipt(
         rollout_id=prepared.rollout_id,
         outcome="infra_failure",
-        outcome_reason=f"controller could not run the rollout: {type(exc).__name__}: {exc}"[:2000],
+        outcome_reason=f"{where} could not run the rollout: {type(exc).__name__}: {exc}"[:2000],
         sandbox=settings.sandbox,
         deadline_s=settings.deadline_s,
         grace_s=settings.grace_s,
@@ -411,9 +429,9 @@ def build_supervisor_config(settings: RolloutSettings) -> Any:
 
 
 def _default_supervise() -> SuperviseFn:
-    from rollcage.supervisor import supervise
+    from rollcage.supervisor import supervise_rollout
 
-    fn: SuperviseFn = supervise
+    fn: SuperviseFn = supervise_rollout
     return fn
 
 
@@ -428,11 +446,12 @@ async def run_rollout(
     """Run one attempt end to end and return its record (not yet appended anywhere).
 
     Lays out the rollout directory (``input.json`` from ``worker_input`` only, an
-    empty ``workspace/``), supervises it, reads ``result.json`` when the receipt
-    says it is valid, grades it on this side when the outcome allows, and builds
-    the record. A failure of the machinery itself (the directory cannot be made,
-    the supervisor raises) becomes an ``infra_failure`` record with the reason, so
-    it is retried like any other infrastructure failure.
+    empty ``workspace/``), supervises it, grades the result the supervisor parsed
+    on this side when the outcome allows, computes the attempt's health and
+    metrics once, and builds the record (holding the parsed result, see
+    ``RolloutRecord.result``). A failure of the machinery itself (the directory
+    cannot be made, the supervisor raises) becomes an ``infra_failure`` record with
+    the reason, so it is retried like any other infrastructure failure.
 
     Args:
         prepared: The attempt (see ``prepare_rollout``); its directory must not exist.
@@ -470,6 +489,7 @@ async def _run_and_grade(
     rollout_dir = Path(prepared.rollout_dir)
     started = time.time()
     seeded = False
+    result: WorkerResult | None = None
     try:
         if client is not None:
             prepared = await _seed(prepared, client)
@@ -480,11 +500,12 @@ async def _run_and_grade(
             config = supervisor_config if supervisor_config is not None else build_supervisor_config(settings)
         else:
             fn, config = supervise, supervisor_config
-        receipt = await fn(rollout_dir, config, stop=stop)
+        receipt, result = await fn(rollout_dir, config, stop=stop)
     except (RollcageError, OSError, ImportError, ValueError, TypeError, RuntimeError) as exc:
         logger.warning("rollout %s: infrastructure failure in the controller: %r", prepared.rollout_id, exc)
-        receipt = _failed_receipt(prepared, settings, exc, started)
-    result = await asyncio.to_thread(_read_result, rollout_dir) if receipt.result_valid else None
+        receipt = _failed_receipt(prepared, settings, exc, started, where="the controller")
+    if not receipt.result_valid:
+        result = None
     graded = False
     masked = False
     failure_kind: str | None = None
@@ -511,22 +532,22 @@ async def _run_and_grade(
         problem = await _close(prepared, client, cookies)
         if problem is not None and grader is not None:
             grader["close_session_error"] = problem
-    return RolloutRecord(
-        rollout_id=prepared.rollout_id,
-        task_id=prepared.task_id,
-        sample=prepared.sample,
-        try_index=prepared.try_index,
-        outcome=receipt.outcome,
+    # Computed once, here, from the result already in memory; a resumed run reads them from the record.
+    health, metrics = await asyncio.to_thread(
+        assess, result, receipt, grader_failed=grader is not None and "error" in grader
+    )
+    return _record(
+        prepared,
+        receipt,
+        health,
+        metrics,
         graded=graded,
         reward=reward,
         masked=masked,
         failure_kind=failure_kind,
         grader=grader,
         termination_reason=result.termination_reason if result is not None else None,
-        receipt=receipt,
-        metrics=_metrics(result, receipt),
-        rollout_dir=prepared.rollout_dir,
-    )
+    ).with_result(result)
 
 
 def set_aside(rollout_dir: Path, attic: Path) -> Path | None:

@@ -3,7 +3,7 @@
 It lets the scheduler (concurrency, retries, resume, stop) be tested in
 milliseconds and deterministically; the real supervisor is exercised by the
 end-to-end tests. It reads ``input.json``, writes ``result.json`` (when the
-planned outcome has one) and ``receipt.json``, and returns the receipt.
+planned outcome has one) and ``receipt.json``, and returns both (``supervise_rollout``'s ``Supervised``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from rollcage.durable import publish_json
 from rollcage.protocol import (
+    CallAttempt,
     ModelCall,
     Outcome,
     ResponseOutput,
@@ -24,9 +25,12 @@ from rollcage.protocol import (
     SupervisorReceipt,
     TokenUsage,
     Trajectory,
+    TurnStart,
     WorkerInput,
     WorkerResult,
 )
+from rollcage.supervisor import Supervised
+from rollcage.trajectory import build_turns
 
 __all__ = ["FakePlan", "FakeSupervisor"]
 
@@ -105,8 +109,8 @@ class FakeSupervisor:
 
     async def __call__(
         self, rollout_dir: Path, config: Any, *, stop: asyncio.Event | None = None
-    ) -> SupervisorReceipt:
-        """Play one attempt and return its receipt.
+    ) -> Supervised:
+        """Play one attempt and return its receipt and result (``supervise_rollout``'s contract).
 
         **Cancellation:** propagates at once; nothing is written after it.
         """
@@ -159,7 +163,7 @@ class FakeSupervisor:
                 model_calls_captured=None,
             )
             await asyncio.to_thread(publish_json, rollout_dir / "receipt.json", receipt)
-            return receipt
+            return Supervised(receipt, result)
         finally:
             self.in_flight -= 1
             self._changed.set()
@@ -177,16 +181,29 @@ class FakeSupervisor:
             "role": "assistant",
             "content": [{"type": "output_text", "text": plan.answer}],
         }
+        rid = worker_input.rollout_id
         call = ModelCall(
+            id=f"{rid}:m0",
             index=0,
+            turn=0,
             api="chat",
             request={},
             response={},
             status="completed",
             output=[message],
             usage=usage,
+            attempts=[
+                CallAttempt(index=0, status="completed", http_status=200, started_at=started, ended_at=now)
+            ],
             started_at=started,
             ended_at=now,
+        )
+        start = TurnStart(
+            index=0,
+            id=f"{rid}:t0",
+            model_call_id=call.id,
+            started_at=started,
+            input=[{"type": "message", "role": "user", "content": "task"}],
         )
         error: RunnerError | None = None
         if outcome == "agent_error":
@@ -204,7 +221,7 @@ class FakeSupervisor:
                 output_text=plan.answer,
                 usage=usage,
             ),
-            trajectory=Trajectory(model_calls=[call]),
+            trajectory=Trajectory(model_calls=[call], turns=build_turns([start], [call], [], final=True)),
             # A worker that called no tool ends with the cookies it started with.
             resource_cookies=dict(worker_input.resource_cookies),
             termination_reason="completed"

@@ -35,16 +35,26 @@ from email.utils import parsedate_to_datetime
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from http.cookies import CookieError, SimpleCookie
 from types import TracebackType
-from typing import Any, NoReturn, Self
+from typing import Any, Literal, NoReturn, Self
 
 import orjson
 
 from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
 from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
-from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload
+from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload, without_lifted
 from rollcage.model.http import httpx, transport_for
 from rollcage.procs import shielded
-from rollcage.protocol import MAX_JSON_DEPTH, ModelCall, ModelEndpoint, RunnerError, json_problem
+from rollcage.protocol import (
+    MAX_JSON_DEPTH,
+    CallAttempt,
+    CallTokens,
+    ModelCall,
+    ModelEndpoint,
+    ResponseItem,
+    RunnerError,
+    TokenUsage,
+    json_problem,
+)
 
 __all__ = ["ClientState", "ModelClient", "failed_call", "max_call_seconds", "retry_wait_bounds"]
 
@@ -152,6 +162,8 @@ class _AttemptFailed(Exception):
         self.response = response
         self.why = why
         """Words on whose fault it is, appended to the message where that is not obvious."""
+        self.first_byte_at: float | None = None
+        """Unix time the attempt's first response byte came, if one did."""
 
 
 class _Exchange:
@@ -206,6 +218,7 @@ class ModelClient:
         self._transport = transport
         self._state = ClientState.UNOPENED
         self._http: httpx.AsyncClient | None = None
+        self._interrupted: ModelCall | None = None
         path = "/chat/completions" if endpoint.api == "chat" else "/responses"
         self._url = endpoint.base_url.rstrip("/") + path
 
@@ -274,6 +287,8 @@ class ModelClient:
         instructions: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         index: int = 0,
+        id: str | None = None,
+        turn: int | None = None,
     ) -> ModelCall:
         """Make one model call, retrying transient failures, and return its record.
 
@@ -284,11 +299,14 @@ class ModelClient:
             instructions: System instructions; ``None`` sends none.
             tools: Responses-style function tools; converted for ``api: chat``.
             index: The call's position in the rollout (``ModelCall.index``).
+            id: The call's id (``ModelCall.id``); ``None``: ``<rollout_id>:m<index>``.
+            turn: The turn that owns the call (``ModelCall.turn``); ``None``: ``index``.
 
         Returns:
             The record of a ``completed`` or ``incomplete`` call: the exact request,
-            the raw (or assembled) response, output as Responses items, token
-            counts as reported, timings and the number of attempts.
+            the Responses-shaped input (chat), the raw (or assembled) response, output
+            as Responses items, token counts and token data as reported, timings and
+            every attempt.
 
         Raises:
             TransientModelError: retries exhausted on connection errors, 408, 409,
@@ -304,59 +322,137 @@ class ModelClient:
             ``failed`` ``ModelCall`` (see ``failed_call``).
 
         **Cancellation:** cancellable at any point, also during a backoff wait; the
-        request in flight is abandoned (its connection closed), no record is made,
-        and ``CancelledError`` propagates. The call never takes longer than
-        ``max_call_seconds(endpoint)``.
+        request in flight is abandoned (its connection closed) and ``CancelledError``
+        propagates. The record of the interrupted call (status ``incomplete``, reason
+        ``interrupted``, its attempts so far) is kept as ``interrupted``. The call
+        never takes longer than ``max_call_seconds(endpoint)``.
         """
         if self._state is not ClientState.OPENED or self._http is None:
             raise RuntimeError(f"ModelClient is {self._state.value}; use it inside 'async with'")
         endpoint = self._endpoint
-        started_at = time.time()
+        self._interrupted = None
+        items: list[dict[str, Any]] | None = None
+        if endpoint.api == "chat" and not isinstance(input, str):
+            items = [item if isinstance(item, dict) else dict(item) for item in input]
+        call = _Call(
+            id=id if id is not None else f"{self._rollout_id}:m{index}",
+            index=index,
+            turn=index if turn is None else turn,
+            payload={"input": _jsonable(input)},
+            items=items,
+            started_at=time.time(),
+        )
         try:
-            payload = build_request(endpoint, input, instructions=instructions, tools=tools)
-            body = orjson.dumps(payload)
+            call.payload = build_request(endpoint, input, instructions=instructions, tools=tools)
+            body = orjson.dumps(call.payload)
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             failure = _AttemptFailed(
                 FatalModelError, f"cannot build the request (none sent): {exc!r}", retry=False
             )
-            self._fail(failure, index, {"input": _jsonable(input)}, started_at, None, 1)
-        attempts = 0
-        first_byte_at: float | None = None
+            call.attempts.append(_failed_attempt(failure, 0, call.started_at))
+            self._fail(failure, call)
+        try:
+            return await self._attempts(call, body)
+        except asyncio.CancelledError:
+            self._interrupted = self._interrupted_record(call)
+            raise
+
+    @property
+    def interrupted(self) -> ModelCall | None:
+        """The record of the last call cancelled while in flight (``incomplete``, ``interrupted``); else None.
+
+        Reset by every ``call``: it belongs to the call that was cancelled last.
+        """
+        return self._interrupted
+
+    async def _attempts(self, call: _Call, body: bytes) -> ModelCall:
+        endpoint = self._endpoint
         while True:
-            attempts += 1
+            call.attempt_started = time.time()
             try:
                 exchange = await self._attempt(body)
-                first_byte_at = exchange.first_byte_at
                 outcome = self._interpret(exchange)
             except _AttemptFailed as failure:
-                if not failure.retry or attempts > endpoint.max_retries:
-                    self._fail(failure, index, payload, started_at, first_byte_at, attempts)
-                wait = self._wait_before_retry(attempts, failure.retry_after)
+                call.attempts.append(_failed_attempt(failure, len(call.attempts), call.attempt_started))
+                call.attempt_started = None
+                if not failure.retry or len(call.attempts) > endpoint.max_retries:
+                    self._fail(failure, call)
+                wait = self._wait_before_retry(len(call.attempts), failure.retry_after)
                 logger.info(
-                    "model call %s/%d attempt %d failed (%s); retrying in %.2fs",
-                    self._rollout_id,
-                    index,
-                    attempts,
+                    "model call %s attempt %d failed (%s); retrying in %.2fs",
+                    call.id,
+                    len(call.attempts),
                     failure,
                     wait,
                 )
                 await asyncio.sleep(wait)
                 continue
-            return ModelCall(
-                index=index,
-                api=endpoint.api,
-                request=payload,
-                response=exchange.payload,
+            call.attempts.append(
+                CallAttempt(
+                    index=len(call.attempts),
+                    status="completed",
+                    http_status=exchange.http_status,
+                    started_at=call.attempt_started,
+                    first_byte_at=exchange.first_byte_at,
+                    ended_at=time.time(),
+                )
+            )
+            return self._record(
+                call,
                 status="incomplete" if outcome.status == "incomplete" else "completed",
+                response=without_lifted(endpoint.api, exchange.payload),
                 incomplete_reason=outcome.incomplete_reason,
                 output=outcome.output,
                 usage=outcome.usage,
-                http_status=exchange.http_status,
-                attempts=attempts,
-                started_at=started_at,
-                first_byte_at=first_byte_at,
-                ended_at=time.time(),
+                tokens=outcome.tokens,
             )
+
+    def _record(
+        self,
+        call: _Call,
+        *,
+        status: Literal["completed", "incomplete", "failed"],
+        response: dict[str, Any] | None = None,
+        incomplete_reason: str | None = None,
+        output: list[ResponseItem] | None = None,
+        usage: TokenUsage | None = None,
+        tokens: CallTokens | None = None,
+        error: RunnerError | None = None,
+    ) -> ModelCall:
+        last = call.attempts[-1]
+        first_bytes = [a.first_byte_at for a in call.attempts if a.first_byte_at is not None]
+        return ModelCall(
+            id=call.id,
+            index=call.index,
+            turn=call.turn,
+            api=self._endpoint.api,
+            request=call.payload,
+            input=call.items,
+            response=response,
+            status=status,
+            incomplete_reason=incomplete_reason,
+            output=output or [],
+            usage=usage or TokenUsage(),
+            tokens=tokens or CallTokens(),
+            http_status=last.http_status,
+            attempts=list(call.attempts),
+            started_at=call.started_at,
+            first_byte_at=first_bytes[-1] if first_bytes else None,
+            ended_at=last.ended_at,
+            error=error,
+        )
+
+    def _interrupted_record(self, call: _Call) -> ModelCall:
+        """The record of a call cancelled in flight: its attempts so far, the one in flight incomplete."""
+        if call.attempt_started is not None or not call.attempts:
+            started = call.attempt_started if call.attempt_started is not None else call.started_at
+            call.attempts.append(
+                CallAttempt(
+                    index=len(call.attempts), status="incomplete", started_at=started, ended_at=time.time()
+                )
+            )
+            call.attempt_started = None
+        return self._record(call, status="incomplete", incomplete_reason="interrupted")
 
     # ------------------------------------------------------------------ one attempt
 
@@ -386,8 +482,8 @@ class ModelClient:
             response = await self._http.send(request, stream=True)
         except httpx.HTTPError as exc:
             _raise_transport(exc)
+        first_byte_at = time.time()
         try:
-            first_byte_at = time.time()
             self._keep_cookies(response)
             status = response.status_code
             if not 200 <= status < 300:
@@ -416,8 +512,15 @@ class ModelClient:
                     str(exc) if isinstance(exc, WireError) else _unexpected(exc), status
                 ) from exc
             return _Exchange(status, payload, first)
+        except _AttemptFailed as failure:
+            failure.first_byte_at = first_byte_at
+            raise
         except httpx.HTTPError as exc:
-            _raise_transport(exc)
+            try:
+                _raise_transport(exc)
+            except _AttemptFailed as failure:
+                failure.first_byte_at = first_byte_at
+                raise
         finally:
             await response.aclose()
 
@@ -488,34 +591,59 @@ class ModelClient:
                 else:
                     self._cookies[name] = morsel.value
 
-    def _fail(
-        self,
-        failure: _AttemptFailed,
-        index: int,
-        payload: dict[str, Any],
-        started_at: float,
-        first_byte_at: float | None,
-        attempts: int,
-    ) -> NoReturn:
+    def _fail(self, failure: _AttemptFailed, call: _Call) -> NoReturn:
+        count = len(call.attempts)
         error = failure.error(
-            f"{failure} (after {attempts} attempt{'s' if attempts > 1 else ''}; {self._endpoint.api} "
+            f"{failure} (after {count} attempt{'s' if count > 1 else ''}; {self._endpoint.api} "
             f"endpoint {self._url})"
         )
-        record = ModelCall(
-            index=index,
-            api=self._endpoint.api,
-            request=payload,
-            response=failure.response,
+        record = self._record(
+            call,
             status="failed",
-            http_status=failure.http_status,
-            attempts=attempts,
-            started_at=started_at,
-            first_byte_at=first_byte_at,
-            ended_at=time.time(),
+            response=failure.response,
             error=RunnerError(kind=error.kind, type=type(error).__name__, message=str(error)),
         )
         error.record = record
         raise error from failure.__cause__
+
+
+class _Call:
+    """What one ``ModelClient.call`` knows so far (its record is built from it, however it ends)."""
+
+    __slots__ = ("attempt_started", "attempts", "id", "index", "items", "payload", "started_at", "turn")
+
+    def __init__(
+        self,
+        *,
+        id: str,
+        index: int,
+        turn: int,
+        payload: dict[str, Any],
+        items: list[dict[str, Any]] | None,
+        started_at: float,
+    ) -> None:
+        self.id = id
+        self.index = index
+        self.turn = turn
+        self.payload = payload
+        self.items = items
+        self.started_at = started_at
+        self.attempts: list[CallAttempt] = []
+        self.attempt_started: float | None = None
+        """Unix time the attempt in flight started; None between attempts."""
+
+
+def _failed_attempt(failure: _AttemptFailed, index: int, started_at: float) -> CallAttempt:
+    error = failure.error(str(failure))
+    return CallAttempt(
+        index=index,
+        status="failed",
+        http_status=failure.http_status,
+        error=RunnerError(kind=error.kind, type=type(error).__name__, message=str(failure)),
+        started_at=started_at,
+        first_byte_at=failure.first_byte_at,
+        ended_at=time.time(),
+    )
 
 
 # --------------------------------------------------------------------------- classification at the edge

@@ -185,15 +185,25 @@ class _Delta(_Lenient):
     tool_calls: list[_ToolCallDelta] | None = None
 
 
+class _ChunkLogprobs(_Lenient):
+    # Kept as they came (the parser reads them from the assembled payload); only the shape is checked.
+    content: list[dict[str, Any]] | None = None
+
+
 class _ChunkChoice(_Lenient):
     index: int = 0
     delta: _Delta | None = None
     finish_reason: str | None = None
+    logprobs: _ChunkLogprobs | None = None
+    token_ids: list[int] | None = None
 
 
 class _Chunk(_Lenient):
     choices: list[_ChunkChoice] | None = None
     usage: dict[str, Any] | None = None
+    # vLLM's return_token_ids / prompt_logprobs: sent once, in the first chunk.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 class _ToolCallParts:
@@ -216,6 +226,9 @@ class _ChatAssembler:
         self._tools: dict[int, _ToolCallParts] = {}
         self._finish: str | None = None
         self._usage: dict[str, Any] | None = None
+        self._logprobs: list[dict[str, Any]] | None = None
+        self._token_ids: list[int] | None = None
+        self._prompt: dict[str, Any] = {}
 
     def feed(self, event: SseEvent) -> bool:
         if event.data.strip() == "[DONE]":
@@ -236,36 +249,49 @@ class _ChatAssembler:
             self._head = {key: raw[key] for key in ("id", "created", "model") if key in raw}
         if chunk.usage:
             self._usage = chunk.usage
+        for key in ("prompt_token_ids", "prompt_logprobs"):
+            if getattr(chunk, key) is not None:
+                self._prompt[key] = raw[key]
         for choice in chunk.choices or []:
-            if choice.index != 0:
-                continue
-            delta = choice.delta or _Delta()
-            self._answered = self._answered or bool(
-                delta.content is not None
-                or delta.reasoning_content
-                or delta.reasoning
-                or delta.tool_calls
-                or choice.finish_reason
-            )
-            if delta.content is not None:
-                if self._content is None:
-                    self._content = []
-                self._content.append(delta.content)
-            for text in (delta.reasoning_content, delta.reasoning):
-                if text:
-                    self._reasoning.append(text)
-            for call in delta.tool_calls or []:
-                parts = self._tools.setdefault(
-                    call.index if call.index is not None else len(self._tools), _ToolCallParts()
-                )
-                parts.id = call.id or parts.id
-                function = call.function or _FunctionDelta()
-                parts.name += function.name or ""
-                if function.arguments:
-                    parts.arguments.append(function.arguments)
-            if choice.finish_reason:
-                self._finish = choice.finish_reason
+            if choice.index == 0:
+                self._take(choice)
         return False
+
+    def _take(self, choice: _ChunkChoice) -> None:
+        """Fold one delta of the first choice into the answer being assembled."""
+        # Token data arrives per delta: the assembled answer carries all of it, in order.
+        if choice.logprobs is not None and choice.logprobs.content is not None:
+            self._logprobs = self._logprobs if self._logprobs is not None else []
+            self._logprobs.extend(choice.logprobs.content)
+        if choice.token_ids is not None:
+            self._token_ids = self._token_ids if self._token_ids is not None else []
+            self._token_ids.extend(choice.token_ids)
+        delta = choice.delta or _Delta()
+        self._answered = self._answered or bool(
+            delta.content is not None
+            or delta.reasoning_content
+            or delta.reasoning
+            or delta.tool_calls
+            or choice.finish_reason
+        )
+        if delta.content is not None:
+            if self._content is None:
+                self._content = []
+            self._content.append(delta.content)
+        for text in (delta.reasoning_content, delta.reasoning):
+            if text:
+                self._reasoning.append(text)
+        for call in delta.tool_calls or []:
+            parts = self._tools.setdefault(
+                call.index if call.index is not None else len(self._tools), _ToolCallParts()
+            )
+            parts.id = call.id or parts.id
+            function = call.function or _FunctionDelta()
+            parts.name += function.name or ""
+            if function.arguments:
+                parts.arguments.append(function.arguments)
+        if choice.finish_reason:
+            self._finish = choice.finish_reason
 
     def payload(self) -> dict[str, Any]:
         message: dict[str, Any] = {
@@ -283,10 +309,16 @@ class _ChatAssembler:
                 }
                 for _, parts in sorted(self._tools.items())
             ]
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self._finish}
+        if self._logprobs is not None:
+            choice["logprobs"] = {"content": self._logprobs}
+        if self._token_ids is not None:
+            choice["token_ids"] = self._token_ids
         return {
             **self._head,
+            **self._prompt,
             "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "finish_reason": self._finish}],
+            "choices": [choice],
             "usage": self._usage,
         }
 

@@ -15,9 +15,10 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollcage.protocol import ModelEndpoint, ResponseItem, TokenUsage
+from rollcage.protocol import CallTokens, ModelEndpoint, ResponseItem, TokenUsage
 
 __all__ = [
+    "LIFTED_FIELDS",
     "CallOutcome",
     "WireError",
     "build_request",
@@ -27,9 +28,15 @@ __all__ = [
     "parse_payload",
     "parse_response",
     "responses_tools",
+    "without_lifted",
 ]
 
 Api = Literal["chat", "responses"]
+
+LIFTED_FIELDS = ("prompt_token_ids", "prompt_logprobs")
+"""Response fields as long as the prompt, moved into ``ModelCall.tokens`` and out of the kept response:
+every call's prompt repeats the conversation, and keeping them twice would make each record O(transcript)."""
+_TOKEN_ID_PREFIX = "token_id:"
 
 
 class WireError(ValueError):
@@ -71,7 +78,15 @@ class _ContentPart(_Lenient):
     refusal: str | None = None
 
 
-class _ChatMessage(_Lenient):
+class _TokenBundle(_Lenient):
+    """Token arrays as NeMo Gym's model servers put them on a message or output item."""
+
+    prompt_token_ids: list[int] | None = None
+    generation_token_ids: list[int] | None = None
+    generation_log_probs: list[float] | None = None
+
+
+class _ChatMessage(_TokenBundle):
     role: str | None = None
     content: str | list[_ContentPart] | None = None
     # vLLM has emitted the reasoning parser's output under both names over its versions.
@@ -80,10 +95,22 @@ class _ChatMessage(_Lenient):
     tool_calls: list[_ChatToolCall] | None = None
 
 
+class _TokenLogprob(_Lenient):
+    token: str | None = None
+    logprob: float | None = None
+
+
+class _ChoiceLogprobs(_Lenient):
+    content: list[_TokenLogprob] | None = None
+
+
 class _ChatChoice(_Lenient):
     index: int = 0
     message: _ChatMessage
     finish_reason: str | None = None
+    logprobs: _ChoiceLogprobs | None = None
+    # vLLM with return_token_ids: the sampled token ids on the choice, the prompt's on the body.
+    token_ids: list[int] | None = None
 
 
 class _CompletionDetails(_Lenient):
@@ -105,6 +132,9 @@ class _ChatUsage(_Lenient):
 class _ChatCompletion(_Lenient):
     choices: list[_ChatChoice]
     usage: _ChatUsage | None = None
+    prompt_token_ids: list[int] | None = None
+    # vLLM's prompt_logprobs: per prompt position, None or {token id: {"logprob": ...}, ...}.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 # --------------------------------------------------------------------------- responses
@@ -133,18 +163,24 @@ class _Item(_Lenient):
     type: str | None = None
 
 
-class _MessageItem(_Lenient):
-    content: list[_ContentPart] | str | None = None
+class _OutputPart(_ContentPart):
+    logprobs: list[_TokenLogprob] | None = None
 
 
-class _FunctionCallItem(_Lenient):
+class _MessageItem(_TokenBundle):
+    id: str | None = None
+    content: list[_OutputPart] | str | None = None
+
+
+class _FunctionCallItem(_TokenBundle):
     call_id: str | None = None
     id: str | None = None
     name: str
     arguments: str | dict[str, Any] | None = None
 
 
-class _ReasoningItem(_Lenient):
+class _ReasoningItem(_TokenBundle):
+    id: str | None = None
     summary: list[_ContentPart] | None = None
     content: list[_ContentPart] | None = None
     encrypted_content: str | None = None
@@ -156,6 +192,7 @@ class _Response(_Lenient):
     usage: _ResponsesUsage | None = None
     incomplete_details: _IncompleteDetails | None = None
     error: _ResponsesError | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CallOutcome(BaseModel):
@@ -171,6 +208,8 @@ class CallOutcome(BaseModel):
     """The output as Responses-API items."""
     usage: TokenUsage
     """Token counts as reported; ``None`` where not reported."""
+    tokens: CallTokens
+    """Token ids and log probabilities as reported; unobserved where not."""
     error_code: str | None = None
     """For ``failed``: the server's error code."""
     error_message: str | None = None
@@ -197,8 +236,9 @@ def build_request(
             chat-style tools are accepted too and converted as needed.
 
     Returns:
-        The payload, exactly as it will be sent. ``seed`` and ``stop`` are sent with
-        Chat Completions only: the Responses API has no such parameters.
+        The payload, exactly as it will be sent. ``seed``, ``stop`` and ``logprobs`` are
+        sent with Chat Completions only: the Responses API has no such parameters (it
+        asks for logprobs with ``include``). ``sampling.extra_body`` follows, as it is.
     """
     items: list[dict[str, Any]] = (
         [{"type": "message", "role": "user", "content": input}]
@@ -217,6 +257,8 @@ def build_request(
             "max_tokens": sampling.max_output_tokens,
             "seed": sampling.seed,
             "stop": sampling.stop,
+            "logprobs": sampling.logprobs,
+            "top_logprobs": sampling.top_logprobs,
         }
         if endpoint.stream:
             payload["stream"] = True
@@ -232,10 +274,15 @@ def build_request(
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_output_tokens": sampling.max_output_tokens,
+            "top_logprobs": sampling.top_logprobs,
         }
+        if sampling.logprobs:
+            payload["include"] = ["message.output_text.logprobs"]
         if endpoint.stream:
             payload["stream"] = True
     payload.update({key: value for key, value in optional.items() if value is not None})
+    # Validated on the way in: no key of extra_body is one rollcage sets (RESERVED_REQUEST_FIELDS).
+    payload.update(sampling.extra_body)
     return payload
 
 
@@ -383,6 +430,9 @@ def parse_chat_completion(payload: Mapping[str, Any]) -> CallOutcome:
     ``finish_reason`` ``length`` or ``content_filter`` makes the call
     ``incomplete`` with that reason. A function call's ``call_id`` is the
     server's id, or ``None`` where it sent none: ids are the agent's to assign.
+    Token data: vLLM's ``prompt_token_ids`` (body) and ``token_ids`` (choice), the
+    choice's ``logprobs`` (their tokens give the ids when written ``token_id:N``)
+    and ``prompt_logprobs``, or NeMo Gym's arrays on the message.
 
     Raises:
         WireError: the payload is not shaped like a chat completion, or a field
@@ -410,6 +460,7 @@ def parse_chat_completion(payload: Mapping[str, Any]) -> CallOutcome:
         status="incomplete" if incomplete else "completed",
         incomplete_reason=finish if incomplete else None,
         output=output,
+        tokens=_chat_tokens(body, choice),
         usage=TokenUsage(
             input_tokens=usage.prompt_tokens,
             output_tokens=usage.completion_tokens,
@@ -427,11 +478,13 @@ def parse_chat_completion(payload: Mapping[str, Any]) -> CallOutcome:
 def parse_response(payload: Mapping[str, Any]) -> CallOutcome:
     """Read a Responses API response object as normalised Responses items.
 
-    Messages keep their ``output_text`` parts (annotations and logprobs are
-    dropped), function calls keep ``call_id`` (the server's, ``None`` where it
+    Messages keep their ``output_text`` parts (annotations dropped; logprobs go to
+    ``tokens``), function calls keep ``call_id`` (the server's, ``None`` where it
     sent none), ``name`` and the raw ``arguments``, reasoning keeps its summary
-    (or, as vLLM emits it, its ``reasoning_text`` content as the summary). Other
-    item types pass through.
+    (or, as vLLM emits it, its ``reasoning_text`` content as the summary); every
+    item keeps the server's ``id``. Other item types pass through. Token data:
+    NeMo Gym's arrays on the items (``prompt_token_ids``, ``generation_token_ids``,
+    ``generation_log_probs``), else the ``output_text`` parts' logprobs.
 
     Raises:
         WireError: the payload is not shaped like a response object, or a field
@@ -439,11 +492,14 @@ def parse_response(payload: Mapping[str, Any]) -> CallOutcome:
     """
     body = _validate(_Response, payload, "a response object")
     output: list[ResponseItem] = []
+    bundles: list[_TokenBundle] = []
+    text_logprobs: list[_TokenLogprob] | None = None
     for position, raw in enumerate(body.output):
         where = f"a response object (output[{position}])"
         kind = _validate(_Item, raw, where).type
         if kind == "message":
             message = _validate(_MessageItem, raw, where)
+            bundles.append(message)
             parts = [message.content] if isinstance(message.content, str) else message.content or []
             texts = [
                 part
@@ -452,36 +508,33 @@ def parse_response(payload: Mapping[str, Any]) -> CallOutcome:
                 for part in parts
                 if isinstance(part, str) or part.type in ("output_text", "refusal")
             ]
-            output.append(_message_item("".join(texts)))
+            for part in parts:
+                if not isinstance(part, str) and part.logprobs is not None:
+                    if text_logprobs is None:
+                        text_logprobs = []
+                    text_logprobs.extend(part.logprobs)
+            output.append(_message_item("".join(texts), message.id))
         elif kind == "function_call":
             call = _validate(_FunctionCallItem, raw, where)
-            output.append(_function_call_item(call.call_id or call.id, call.name, call.arguments))
+            bundles.append(call)
+            item = _function_call_item(call.call_id or call.id, call.name, call.arguments)
+            output.append({**item, "id": call.id} if call.id else item)
         elif kind == "reasoning":
-            item = _validate(_ReasoningItem, raw, where)
-            summary = [
-                {"type": "summary_text", "text": part.text or ""}
-                for part in item.summary or []
-                if part.type == "summary_text"
-            ]
-            if not summary:
-                text = "".join(
-                    part.text or "" for part in item.content or [] if part.type in ("reasoning_text", "text")
-                )
-                summary = [{"type": "summary_text", "text": text}] if text else []
-            reasoning: ResponseItem = {"type": "reasoning", "summary": summary}
-            if item.encrypted_content:
-                reasoning["encrypted_content"] = item.encrypted_content
-            output.append(reasoning)
+            reasoning_item = _validate(_ReasoningItem, raw, where)
+            bundles.append(reasoning_item)
+            output.append(_reasoning_item(reasoning_item))
         else:
             output.append(dict(raw))
     usage = body.usage
     status = body.status or "completed"
     error = body.error
+    tokens = _responses_tokens(body.prompt_token_ids, bundles, text_logprobs)
     if status == "failed":
         return CallOutcome(
             status="failed",
             output=output,
             usage=_responses_usage(usage),
+            tokens=tokens,
             error_code=error.code if error else None,
             error_message=error.message if error else None,
         )
@@ -492,11 +545,174 @@ def parse_response(payload: Mapping[str, Any]) -> CallOutcome:
             incomplete_reason=reason or "unknown",
             output=output,
             usage=_responses_usage(usage),
+            tokens=tokens,
         )
     if status != "completed":
         # queued/in_progress/cancelled: rollcage never asks for background mode, so this is a broken answer.
         raise WireError(f"response status {status!r} is not a final status")
-    return CallOutcome(status="completed", output=output, usage=_responses_usage(usage))
+    return CallOutcome(status="completed", output=output, usage=_responses_usage(usage), tokens=tokens)
+
+
+def _reasoning_item(item: _ReasoningItem) -> ResponseItem:
+    summary = [
+        {"type": "summary_text", "text": part.text or ""}
+        for part in item.summary or []
+        if part.type == "summary_text"
+    ]
+    if not summary:
+        text = "".join(
+            part.text or "" for part in item.content or [] if part.type in ("reasoning_text", "text")
+        )
+        summary = [{"type": "summary_text", "text": text}] if text else []
+    reasoning: ResponseItem = {"type": "reasoning", "summary": summary}
+    if item.id:
+        reasoning["id"] = item.id
+    if item.encrypted_content:
+        reasoning["encrypted_content"] = item.encrypted_content
+    return reasoning
+
+
+# --------------------------------------------------------------------------- token data
+
+
+def _chat_tokens(body: _ChatCompletion, choice: _ChatChoice) -> CallTokens:
+    """Token data of a chat answer: vLLM's (prompt_token_ids, token_ids, logprobs) or NeMo Gym's bundle."""
+    message = choice.message
+    entries = choice.logprobs.content if choice.logprobs is not None else None
+    prompt = body.prompt_token_ids if body.prompt_token_ids is not None else message.prompt_token_ids
+    ids = choice.token_ids if choice.token_ids is not None else message.generation_token_ids
+    probs = message.generation_log_probs
+    if entries is not None:
+        if probs is None and all(entry.logprob is not None for entry in entries):
+            probs = [entry.logprob for entry in entries if entry.logprob is not None]
+        if ids is None:
+            ids = _ids_of(entries)
+    return _tokens(prompt, ids, probs, _prompt_log_probs(body.prompt_logprobs, prompt), "generation")
+
+
+def _responses_tokens(
+    prompt: list[int] | None, bundles: list[_TokenBundle], text_logprobs: list[_TokenLogprob] | None
+) -> CallTokens:
+    """Token data of a Responses answer: NeMo Gym's arrays on its items, else output_text logprobs."""
+    carrying = [
+        b for b in bundles if b.generation_token_ids is not None or b.generation_log_probs is not None
+    ]
+    if carrying:
+        # One call's generation, spread over its items (NeMo Gym puts it on the item that carries it).
+        first_prompt = next((b.prompt_token_ids for b in carrying if b.prompt_token_ids is not None), prompt)
+        ids = _joined([b.generation_token_ids for b in carrying])
+        probs = _joined([b.generation_log_probs for b in carrying])
+        return _tokens(first_prompt, ids, probs, None, "generation")
+    if text_logprobs is not None:
+        probs = [e.logprob for e in text_logprobs if e.logprob is not None]
+        values = probs if len(probs) == len(text_logprobs) else None
+        return _tokens(prompt, _ids_of(text_logprobs), values, None, "message_text")
+    return _tokens(prompt, None, None, None, "generation")
+
+
+_T = TypeVar("_T")
+
+
+def _joined(parts: list[list[_T] | None]) -> list[_T] | None:
+    if any(part is None for part in parts):
+        return None
+    return [value for part in parts if part is not None for value in part]
+
+
+def _ids_of(entries: list[_TokenLogprob]) -> list[int] | None:
+    """Token ids of logprob entries written 'token_id:N' (vLLM's return_tokens_as_token_ids), else None."""
+    ids: list[int] = []
+    for entry in entries:
+        token = entry.token
+        if token is None or not token.startswith(_TOKEN_ID_PREFIX):
+            return None
+        try:
+            ids.append(int(token[len(_TOKEN_ID_PREFIX) :]))
+        except ValueError:
+            return None
+    return ids
+
+
+def _prompt_log_probs(
+    entries: list[dict[str, dict[str, Any]] | None] | None, prompt: list[int] | None
+) -> list[float | None] | None:
+    """Each prompt token's log probability from vLLM's prompt_logprobs (None where there is none)."""
+    if entries is None:
+        return None
+    values: list[float | None] = []
+    for position, entry in enumerate(entries):
+        if entry is None:
+            values.append(None)
+            continue
+        if prompt is not None and position < len(prompt):
+            chosen = entry.get(str(prompt[position]))
+        elif len(entry) == 1:
+            chosen = next(iter(entry.values()))
+        else:
+            return None  # which of the alternatives was the prompt's token cannot be told
+        value = chosen.get("logprob") if isinstance(chosen, dict) else None
+        values.append(
+            float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+        )
+    return values
+
+
+def _tokens(
+    prompt: list[int] | None,
+    ids: list[int] | None,
+    probs: list[float] | None,
+    prompt_probs: list[float | None] | None,
+    scope: Literal["generation", "message_text"],
+) -> CallTokens:
+    """The call's CallTokens; arrays that contradict each other are dropped, with a note saying so."""
+    notes: list[str] = []
+    if ids is not None and probs is not None and len(ids) != len(probs):
+        notes.append(
+            f"the server returned {len(ids)} generation token ids and {len(probs)} log probabilities; "
+            "the log probabilities were not kept"
+        )
+        probs = None
+    if prompt is not None and prompt_probs is not None and len(prompt) != len(prompt_probs):
+        notes.append(
+            f"the server returned {len(prompt)} prompt token ids and {len(prompt_probs)} prompt log "
+            "probabilities; the prompt log probabilities were not kept"
+        )
+        prompt_probs = None
+    return CallTokens(
+        prompt_token_ids=prompt,
+        generation_token_ids=ids,
+        generation_log_probs=probs,
+        prompt_log_probs=prompt_probs,
+        scope=scope,
+        note="; ".join(notes) or None,
+    )
+
+
+def without_lifted(api: Api, payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The response payload without the prompt-long arrays that ``tokens`` holds (``LIFTED_FIELDS``).
+
+    Copies only what it changes: the top level, and the first choice's message (chat)
+    or the output items (Responses) that carry a NeMo Gym token bundle.
+    """
+    kept = {key: value for key, value in payload.items() if key not in LIFTED_FIELDS}
+    if api == "chat":
+        choices = kept.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            message = choices[0].get("message")
+            if isinstance(message, dict) and "prompt_token_ids" in message:
+                first = {
+                    **choices[0],
+                    "message": {k: v for k, v in message.items() if k != "prompt_token_ids"},
+                }
+                kept["choices"] = [first, *choices[1:]]
+        return kept
+    items = kept.get("output")
+    if isinstance(items, list) and any(isinstance(i, dict) and "prompt_token_ids" in i for i in items):
+        kept["output"] = [
+            {k: v for k, v in item.items() if k != "prompt_token_ids"} if isinstance(item, dict) else item
+            for item in items
+        ]
+    return kept
 
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -540,8 +756,15 @@ def _chat_text(content: str | list[_ContentPart] | None) -> str | None:
     return "".join(part.text or "" for part in content if part.type in ("text", "output_text"))
 
 
-def _message_item(text: str) -> ResponseItem:
-    return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+def _message_item(text: str, item_id: str | None = None) -> ResponseItem:
+    item: ResponseItem = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text}],
+    }
+    if item_id:
+        item["id"] = item_id
+    return item
 
 
 def _raw_arguments(arguments: str | dict[str, Any] | None) -> str:

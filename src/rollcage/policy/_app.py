@@ -26,9 +26,10 @@ from starlette.types import Receive, Scope, Send
 from rollcage.policy._faults import CONTENT_FAULTS, WIRE_FAULTS, FaultPlan, FaultRecord, FaultRule, RequestKey
 from rollcage.policy._hostile import hostile_body, hostile_events, trickled
 from rollcage.policy._render import (
+    TokenAsk,
     chat_body,
     chat_events,
-    prompt_tokens,
+    prompt_token_ids,
     reply_for,
     responses_body,
     responses_events,
@@ -323,24 +324,25 @@ class PolicyApp:
             reply = with_fault(reply, rule, turn_index)
         response_id = f"chatcmpl-{call}" if api == "chat" else f"resp_{call}"
         created = int(arrived)
-        prompt = prompt_tokens(body)
+        prompt_ids = prompt_token_ids(body)
+        prompt = len(prompt_ids)
+        ask = TokenAsk.of(body)
         model = str(body.get("model") or self.script.model)
+        # What every rendering of this answer shares (the model's name, ids, the prompt and its tokens).
+        shape: dict[str, Any] = {
+            "model": model,
+            "response_id": response_id,
+            "created": created,
+            "prompt": prompt,
+            "prompt_ids": prompt_ids,
+        }
         if stream:
             if api == "chat":
                 options = body.get("stream_options")
                 include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-                events = chat_events(
-                    reply,
-                    model=model,
-                    response_id=response_id,
-                    created=created,
-                    prompt=prompt,
-                    include_usage=include_usage,
-                )
+                events = chat_events(reply, include_usage=include_usage, ask=ask, **shape)
             else:
-                events = responses_events(
-                    reply, body, model=model, response_id=response_id, created=created, prompt=prompt
-                )
+                events = responses_events(reply, body, **shape)
             media_type = "text/event-stream"
             if rule is not None and rule.kind == "truncated":
                 events = events[: max(1, len(events) // 2)]
@@ -351,12 +353,9 @@ class PolicyApp:
                     rule.kind, self.faults.variant(rule, call), api, events, rule.code
                 )
             return self._send(rule, events, media_type)
-        if api == "chat":
-            payload = chat_body(reply, model=model, response_id=response_id, created=created, prompt=prompt)
-        else:
-            payload = responses_body(
-                reply, body, model=model, response_id=response_id, created=created, prompt=prompt
-            )
+        payload = (
+            chat_body(reply, ask=ask, **shape) if api == "chat" else responses_body(reply, body, **shape)
+        )
         raw, media_type = orjson.dumps(payload), "application/json"
         if rule is not None and rule.kind == "truncated":
             raw = raw[: len(raw) // 2]

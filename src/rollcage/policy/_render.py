@@ -7,6 +7,22 @@ tool-call name and arguments, tool output), plus the tokens of the instructions
 and of the tools' JSON. Output tokens are the tokens of the message text, the
 reasoning, and each tool call's name and arguments; reasoning tokens are the
 reasoning's share of them. Cached tokens are always reported as 0.
+
+Token ids follow the same rule, so they always agree with the counts: a text is
+cut into 4-byte pieces, each piece one token whose id is ``100 + (the piece as a
+little-endian integer) % 100000``; every message or item opens with 4 header
+tokens (ids below 100, by role). A prompt is the instructions, the tools' JSON,
+then the items in order; a generation is the reasoning, the text, then each tool
+call's name and arguments. Each token's log probability is
+``-(1 + (id * 7919 + position) % 997) / 1000`` (position: 0-based in its prompt or
+generation). They are sent the way vLLM sends them when asked: Chat Completions'
+``logprobs`` (and ``top_logprobs`` alternatives, ``return_tokens_as_token_ids``),
+``return_token_ids`` (``prompt_token_ids`` on the body, ``token_ids`` on the choice;
+streamed: the prompt's in the first chunk, the generation's spread over the deltas),
+``prompt_logprobs``; Responses' ``include: ["message.output_text.logprobs"]`` (the
+message text's tokens on its ``output_text`` part), and, with ``return_token_ids``,
+NeMo Gym's arrays (``prompt_token_ids``, ``generation_token_ids``,
+``generation_log_probs``) on the last output item.
 """
 
 from __future__ import annotations
@@ -24,13 +40,18 @@ from rollcage.policy._script import Turn
 __all__ = [
     "UNKNOWN_TOOL",
     "Reply",
+    "TokenAsk",
     "chat_body",
     "chat_events",
     "count_tokens",
+    "generation_token_ids",
+    "prompt_token_ids",
     "prompt_tokens",
     "reply_for",
     "responses_body",
     "responses_events",
+    "token_ids",
+    "token_log_prob",
     "with_fault",
 ]
 
@@ -132,23 +153,160 @@ def count_tokens(text: str) -> int:
     return (len(text.encode("utf-8")) + 3) // 4
 
 
-def prompt_tokens(request: Mapping[str, Any]) -> int:
-    """Input tokens of a chat or responses request, by the module's rule."""
-    total = 0
+_VOCAB = 100_000
+_SPECIAL = 100
+_ROLES = {"system": 10, "developer": 10, "user": 11, "assistant": 12, "tool": 13}
+
+
+def _token_pieces(text: str) -> list[bytes]:
+    raw = text.encode("utf-8")
+    return [raw[start : start + 4] for start in range(0, len(raw), 4)]
+
+
+def _piece_id(piece: bytes) -> int:
+    return _SPECIAL + int.from_bytes(piece, "little") % _VOCAB
+
+
+def token_ids(text: str) -> list[int]:
+    """The ids of a text's tokens: one per 4-byte piece (``count_tokens(text)`` of them)."""
+    return [_piece_id(piece) for piece in _token_pieces(text)]
+
+
+def token_log_prob(token: int, position: int) -> float:
+    """The log probability the scripted policy reports for ``token`` at ``position``."""
+    return -(1 + (token * 7919 + position) % 997) / 1000
+
+
+def prompt_token_ids(request: Mapping[str, Any]) -> list[int]:
+    """Token ids of a chat or responses request's prompt (see the module's rule)."""
+    ids: list[int] = []
+    instructions = request.get("instructions")
+    if isinstance(instructions, str):
+        ids += token_ids(instructions)
+    tools = request.get("tools")
+    if tools:
+        ids += token_ids(json.dumps(tools, sort_keys=True))
     messages = request.get("messages")
     items = messages if isinstance(messages, list) else request.get("input")
     if isinstance(items, str):
-        total += 4 + count_tokens(items)
+        ids += [1, _ROLES["user"], 2, 3, *token_ids(items)]
     elif isinstance(items, list):
         for item in items:
-            total += 4 + sum(count_tokens(text) for text in _texts(item))
-    instructions = request.get("instructions")
-    if isinstance(instructions, str):
-        total += count_tokens(instructions)
-    tools = request.get("tools")
-    if tools:
-        total += count_tokens(json.dumps(tools, sort_keys=True))
-    return total
+            ids += [1, _role_token(item), 2, 3]
+            for text in _texts(item):
+                ids += token_ids(text)
+    return ids
+
+
+def prompt_tokens(request: Mapping[str, Any]) -> int:
+    """Input tokens of a chat or responses request, by the module's rule."""
+    return len(prompt_token_ids(request))
+
+
+def _role_token(item: Any) -> int:
+    if not isinstance(item, dict):
+        return 14
+    kind = item.get("type", "message")
+    if kind in ("function_call", "reasoning"):
+        return _ROLES["assistant"]
+    if kind == "function_call_output":
+        return _ROLES["tool"]
+    return _ROLES.get(str(item.get("role")), 14)
+
+
+def _generation_texts(reply: Reply) -> list[str]:
+    return [
+        reply.reasoning or "",
+        reply.text or "",
+        *(t for c in reply.tool_calls for t in (c.name, c.arguments)),
+    ]
+
+
+def generation_token_ids(reply: Reply) -> list[int]:
+    """Token ids of what a reply generates: reasoning, text, then each tool call's name and arguments."""
+    return [token for text in _generation_texts(reply) for token in token_ids(text)]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenAsk:
+    """What token data a request asks for, in vLLM's (and OpenAI's) request fields.
+
+    Attributes:
+        logprobs: Per-token log probabilities (chat ``logprobs``).
+        top: Alternatives per token (``top_logprobs``).
+        as_ids: Logprob tokens written ``token_id:N`` (``return_tokens_as_token_ids``).
+        return_ids: Prompt and generation token ids (``return_token_ids``).
+        prompt_logprobs: Alternatives per prompt token (``prompt_logprobs``); None: not asked.
+        text_logprobs: The message text's logprobs (Responses ``include``).
+    """
+
+    logprobs: bool = False
+    top: int = 0
+    as_ids: bool = False
+    return_ids: bool = False
+    prompt_logprobs: int | None = None
+    text_logprobs: bool = False
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> TokenAsk:
+        """Read a request body (wrong types count as not asked)."""
+        top = body.get("top_logprobs")
+        prompt = body.get("prompt_logprobs")
+        include = body.get("include")
+        return cls(
+            logprobs=body.get("logprobs") is True,
+            top=top if isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= 20 else 0,
+            as_ids=body.get("return_tokens_as_token_ids") is True,
+            return_ids=body.get("return_token_ids") is True,
+            prompt_logprobs=prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else None,
+            text_logprobs=isinstance(include, list) and "message.output_text.logprobs" in include,
+        )
+
+
+def _logprob_entries(texts: Iterable[str], ask: TokenAsk) -> list[dict[str, Any]]:
+    """OpenAI-style logprob entries (token, logprob, bytes, top_logprobs) of the texts' tokens."""
+    entries: list[dict[str, Any]] = []
+    for piece in (piece for text in texts for piece in _token_pieces(text)):
+        token = _piece_id(piece)
+        logprob = token_log_prob(token, len(entries))
+        shown = f"token_id:{token}" if ask.as_ids else piece.decode("utf-8", "replace")
+        alternatives = [
+            {
+                "token": f"token_id:{token + k}" if ask.as_ids else shown if k == 0 else f"<alt{k}>",
+                "logprob": logprob - k,
+                "bytes": list(piece) if k == 0 else [],
+            }
+            for k in range(ask.top)
+        ]
+        entries.append(
+            {"token": shown, "logprob": logprob, "bytes": list(piece), "top_logprobs": alternatives}
+        )
+    return entries
+
+
+def _prompt_log_probs(prompt_ids: list[int]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first token, then {id: {logprob, rank, decoded_token}}."""
+    return [None] + [
+        {str(token): {"logprob": token_log_prob(token, position), "rank": 1, "decoded_token": ""}}
+        for position, token in enumerate(prompt_ids)
+        if position > 0
+    ]
+
+
+def _chat_token_fields(
+    reply: Reply, prompt_ids: list[int], ask: TokenAsk
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The token fields of a chat answer: (on the body, on the choice), as vLLM sends them when asked."""
+    body: dict[str, Any] = {}
+    choice: dict[str, Any] = {}
+    if ask.return_ids:
+        body["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = generation_token_ids(reply)
+    if ask.prompt_logprobs is not None:
+        body["prompt_logprobs"] = _prompt_log_probs(prompt_ids)
+    if ask.logprobs:
+        choice["logprobs"] = {"content": _logprob_entries(_generation_texts(reply), ask)}
+    return body, choice
 
 
 def _texts(value: Any) -> Iterable[str]:
@@ -191,8 +349,20 @@ def _finish_reason(reply: Reply) -> str:
     return "tool_calls" if reply.tool_calls else "stop"
 
 
-def chat_body(reply: Reply, *, model: str, response_id: str, created: int, prompt: int) -> dict[str, Any]:
-    """A ``chat.completion`` object (reasoning as vLLM sends it: ``message.reasoning_content``)."""
+def chat_body(
+    reply: Reply,
+    *,
+    model: str,
+    response_id: str,
+    created: int,
+    prompt: int,
+    prompt_ids: list[int] | None = None,
+    ask: TokenAsk | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion`` object (reasoning as vLLM sends it: ``message.reasoning_content``).
+
+    With ``ask``, the token data it asks for, as vLLM sends it (``prompt_ids``: the prompt's ids).
+    """
     message: dict[str, Any] = {"role": "assistant", "content": reply.text}
     if reply.reasoning is not None:
         message["reasoning_content"] = reply.reasoning
@@ -205,43 +375,95 @@ def chat_body(reply: Reply, *, model: str, response_id: str, created: int, promp
             }
             for call in reply.tool_calls
         ]
+    on_body, on_choice = _chat_token_fields(reply, prompt_ids or [], ask or TokenAsk())
     return {
         "id": response_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
+        **on_body,
         "choices": [
-            {"index": 0, "message": message, "finish_reason": _finish_reason(reply), "logprobs": None}
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": _finish_reason(reply),
+                "logprobs": None,
+                **on_choice,
+            }
         ],
         "usage": _chat_usage(reply, prompt),
     }
 
 
 def chat_events(
-    reply: Reply, *, model: str, response_id: str, created: int, prompt: int, include_usage: bool
+    reply: Reply,
+    *,
+    model: str,
+    response_id: str,
+    created: int,
+    prompt: int,
+    include_usage: bool,
+    prompt_ids: list[int] | None = None,
+    ask: TokenAsk | None = None,
 ) -> list[bytes]:
-    """``chat.completion.chunk`` events, each one ``data: ...`` SSE frame, ending with ``data: [DONE]``."""
+    """``chat.completion.chunk`` events, each one ``data: ...`` SSE frame, ending with ``data: [DONE]``.
+
+    Token data as vLLM streams it when asked: the prompt's in the first chunk, the
+    generation's spread over the chunks that carry deltas, in order.
+    """
     head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
-
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return _frame({**head, "choices": [choice]})
-
-    events = [chunk({"role": "assistant", "content": "" if reply.text is not None else None})]
-    events += [chunk({"reasoning_content": piece}) for piece in _pieces(reply.reasoning)]
-    events += [chunk({"content": piece}) for piece in _pieces(reply.text)]
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": "" if reply.text is not None else None}]
+    deltas += [{"reasoning_content": piece} for piece in _pieces(reply.reasoning)]
+    deltas += [{"content": piece} for piece in _pieces(reply.text)]
     for k, call in enumerate(reply.tool_calls):
         opening = {"index": k, **_id("id", call.call_id), "type": "function"}
-        events.append(chunk({"tool_calls": [{**opening, "function": {"name": call.name, "arguments": ""}}]}))
-        events += [
-            chunk({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
-            for piece in _pieces(call.arguments)
+        deltas.append({"tool_calls": [{**opening, "function": {"name": call.name, "arguments": ""}}]})
+        deltas += [
+            {"tool_calls": [{"index": k, "function": {"arguments": p}}]} for p in _pieces(call.arguments)
         ]
-    events.append(chunk({}, _finish_reason(reply)))
+    on_body, on_choice = _chat_token_fields(reply, prompt_ids or [], ask or TokenAsk())
+    shares = _spread(on_choice, len(deltas))
+    events = [
+        _frame(
+            {
+                **head,
+                **(on_body if position == 0 else {}),
+                "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None, **share}],
+            }
+        )
+        for position, (delta, share) in enumerate(zip(deltas, shares, strict=True))
+    ]
+    events.append(
+        _frame(
+            {
+                **head,
+                "choices": [
+                    {"index": 0, "delta": {}, "finish_reason": _finish_reason(reply), "logprobs": None}
+                ],
+            }
+        )
+    )
     if include_usage:
         events.append(_frame({**head, "choices": [], "usage": _chat_usage(reply, prompt)}))
     events.append(b"data: [DONE]\n\n")
     return events
+
+
+def _spread(on_choice: dict[str, Any], chunks: int) -> list[dict[str, Any]]:
+    """The choice's token fields cut into ``chunks`` consecutive shares (sizes differ by at most one)."""
+    ids = on_choice.get("token_ids")
+    entries = on_choice.get("logprobs", {}).get("content") if "logprobs" in on_choice else None
+    total = len(ids) if ids is not None else len(entries) if entries is not None else 0
+    shares: list[dict[str, Any]] = []
+    for k in range(chunks):
+        start, end = total * k // chunks, total * (k + 1) // chunks
+        share: dict[str, Any] = {}
+        if ids is not None:
+            share["token_ids"] = ids[start:end]
+        if entries is not None:
+            share["logprobs"] = {"content": entries[start:end]}
+        shares.append(share)
+    return shares
 
 
 # --------------------------------------------------------------------------- responses
@@ -258,7 +480,10 @@ def _responses_usage(reply: Reply, prompt: int) -> dict[str, Any]:
     }
 
 
-def _responses_items(reply: Reply, response_id: str) -> list[dict[str, Any]]:
+def _responses_items(
+    reply: Reply, response_id: str, prompt_ids: list[int] | None = None, ask: TokenAsk | None = None
+) -> list[dict[str, Any]]:
+    ask = ask or TokenAsk()
     suffix = response_id.removeprefix("resp_")
     items: list[dict[str, Any]] = []
     if reply.reasoning is not None:
@@ -276,7 +501,14 @@ def _responses_items(reply: Reply, response_id: str) -> list[dict[str, Any]]:
                 "type": "message",
                 "role": "assistant",
                 "status": "incomplete" if reply.finish == "length" else "completed",
-                "content": [{"type": "output_text", "text": reply.text, "annotations": []}],
+                "content": [
+                    {
+                        "type": "output_text",
+                        "text": reply.text,
+                        "annotations": [],
+                        **({"logprobs": _logprob_entries([reply.text], ask)} if ask.text_logprobs else {}),
+                    }
+                ],
             }
         )
     for k, call in enumerate(reply.tool_calls):
@@ -290,6 +522,15 @@ def _responses_items(reply: Reply, response_id: str) -> list[dict[str, Any]]:
                 "status": "completed",
             }
         )
+    if ask.return_ids and items:
+        # NeMo Gym's model servers carry a call's token arrays on the item that holds its generation.
+        generation = generation_token_ids(reply)
+        items[-1] = {
+            **items[-1],
+            "prompt_token_ids": prompt_ids or [],
+            "generation_token_ids": generation,
+            "generation_log_probs": [token_log_prob(t, p) for p, t in enumerate(generation)],
+        }
     return items
 
 
@@ -333,9 +574,19 @@ def _response_object(
 
 
 def responses_body(
-    reply: Reply, request: Mapping[str, Any], *, model: str, response_id: str, created: int, prompt: int
+    reply: Reply,
+    request: Mapping[str, Any],
+    *,
+    model: str,
+    response_id: str,
+    created: int,
+    prompt: int,
+    prompt_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """A Responses ``response`` object; a length-stopped reply is ``incomplete`` (``max_output_tokens``)."""
+    """A Responses ``response`` object; a length-stopped reply is ``incomplete`` (``max_output_tokens``).
+
+    The token data the request asks for (``TokenAsk``) rides on the items.
+    """
     incomplete = reply.finish == "length"
     return _response_object(
         request,
@@ -343,14 +594,21 @@ def responses_body(
         response_id=response_id,
         created=created,
         status="incomplete" if incomplete else "completed",
-        output=_responses_items(reply, response_id),
+        output=_responses_items(reply, response_id, prompt_ids, TokenAsk.of(request)),
         usage=_responses_usage(reply, prompt),
         incomplete=incomplete,
     )
 
 
 def responses_events(
-    reply: Reply, request: Mapping[str, Any], *, model: str, response_id: str, created: int, prompt: int
+    reply: Reply,
+    request: Mapping[str, Any],
+    *,
+    model: str,
+    response_id: str,
+    created: int,
+    prompt: int,
+    prompt_ids: list[int] | None = None,
 ) -> list[bytes]:
     """The Responses event stream, from ``response.created`` to ``response.completed``/``.incomplete``."""
     events: list[bytes] = []
@@ -370,7 +628,7 @@ def responses_events(
     )
     emit("response.created", response=skeleton)
     emit("response.in_progress", response=skeleton)
-    items = _responses_items(reply, response_id)
+    items = _responses_items(reply, response_id, prompt_ids, TokenAsk.of(request))
     for index, item in enumerate(items):
         item_id = item.get("id", "")
         if item["type"] == "reasoning":
@@ -460,7 +718,13 @@ def responses_events(
             )
         emit("response.output_item.done", output_index=index, item=item)
     final = responses_body(
-        reply, request, model=model, response_id=response_id, created=created, prompt=prompt
+        reply,
+        request,
+        model=model,
+        response_id=response_id,
+        created=created,
+        prompt=prompt,
+        prompt_ids=prompt_ids,
     )
     emit("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
     return events

@@ -6,6 +6,7 @@ The controller's entry point::
 
     config = SupervisorConfig(deadline_s=300, grace_s=5, sandbox=BwrapSandbox(), api_key_env="OPENAI_API_KEY")
     receipt = await supervise(rollout_dir, config, stop=stop_event)
+    receipt, result = await supervise_rollout(rollout_dir, config, stop=stop_event)  # result parsed once
 
 ``supervise`` runs many rollouts concurrently in one event loop. The rooms
 behind this face: :mod:`~rollcage.supervisor.config` (the configs),
@@ -17,7 +18,13 @@ line), :mod:`~rollcage.supervisor.proxy` (the egress proxy and the capture),
 """
 
 from rollcage.supervisor.config import BwrapSandbox, NoSandbox, ProxyConfig, SandboxConfig, SupervisorConfig
-from rollcage.supervisor.core import default_worker_command, kill_leftovers, supervise
+from rollcage.supervisor.core import (
+    Supervised,
+    default_worker_command,
+    kill_leftovers,
+    supervise,
+    supervise_rollout,
+)
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.sandbox import RolloutLayout
 
@@ -28,9 +35,11 @@ __all__ = [
     "ProxyConfig",
     "RolloutLayout",
     "SandboxConfig",
+    "Supervised",
     "SupervisorConfig",
     "classify_outcome",
     "default_worker_command",
     "kill_leftovers",
     "supervise",
+    "supervise_rollout",
 ]

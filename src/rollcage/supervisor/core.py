@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import orjson
 from pydantic import ValidationError
@@ -81,7 +81,7 @@ from rollcage.supervisor.sandbox import (
 )
 from rollcage.supervisor.tree import WorkerTree
 
-__all__ = ["default_worker_command", "kill_leftovers", "supervise"]
+__all__ = ["Supervised", "default_worker_command", "kill_leftovers", "supervise", "supervise_rollout"]
 
 logger = logging.getLogger("rollcage.supervisor")
 
@@ -130,6 +130,20 @@ def default_worker_command() -> list[str]:
     return [sys.executable, "-I", "-B", "-m", "rollcage", "worker"]
 
 
+class Supervised(NamedTuple):
+    """What supervising one rollout produced: its receipt and its result, parsed once.
+
+    Attributes:
+        receipt: The receipt, as written to ``receipt.json``.
+        result: ``result.json`` as validated for the receipt (``receipt.result_valid``);
+            ``None`` when there is no valid one. Callers use it instead of reading the
+            file again.
+    """
+
+    receipt: SupervisorReceipt
+    result: WorkerResult | None
+
+
 async def supervise(
     rollout_dir: str | os.PathLike[str],
     config: SupervisorConfig | None = None,
@@ -138,6 +152,22 @@ async def supervise(
     credentials: Mapping[str, str] | None = None,
 ) -> SupervisorReceipt:
     """Run the worker on one prepared rollout directory and return its receipt.
+
+    ``supervise_rollout`` does the same and also returns the validated result.
+
+    **Cancellation:** as for ``supervise_rollout``.
+    """
+    return (await supervise_rollout(rollout_dir, config, stop=stop, credentials=credentials)).receipt
+
+
+async def supervise_rollout(
+    rollout_dir: str | os.PathLike[str],
+    config: SupervisorConfig | None = None,
+    *,
+    stop: asyncio.Event | None = None,
+    credentials: Mapping[str, str] | None = None,
+) -> Supervised:
+    """Run the worker on one prepared rollout directory; return its receipt and its parsed result.
 
     The directory must hold ``input.json`` (a ``WorkerInput`` with endpoints as
     the host reaches them) and may hold ``workspace/``; it must not hold a
@@ -158,7 +188,7 @@ async def supervise(
             that every child process inherits.
 
     Returns:
-        The receipt, as written to ``receipt.json``.
+        The receipt, as written to ``receipt.json``, and the result it was classified by.
 
     Raises:
         ConfigError: The directory is missing or was already used, or a credential
@@ -191,7 +221,7 @@ async def supervise(
     receipt = await shielded(run.finish(cancelled=cancelled), on_cancel=run.hurry)
     if cancelled:
         raise asyncio.CancelledError
-    return receipt
+    return Supervised(receipt, run.result)
 
 
 class _Supervision:
@@ -237,6 +267,8 @@ class _Supervision:
         """The budget the policy exceeded first: its name and the reason in words."""
         self._over_budget = asyncio.Event()
         self.credentials: tuple[str | None, dict[str, str]] = (None, {})
+        self.result: WorkerResult | None = None
+        """The validated result.json, once collected."""
 
     # ----------------------------------------------------------------- check and prepare
 
@@ -612,6 +644,7 @@ class _Supervision:
         swept = 0
         if self.plan is not None:
             present, result, problem = self._collect_result(self.plan)
+            self.result = result
             swept = sum(map(sweep_temp_artifacts, {self.plan.result_dir, layout.root}))
         if self.stop_cause is None and os.path.exists(layout.stop) and self.child is not None:
             # The worker saw the stop file itself (it polls it too) and exited before we acted.

@@ -344,6 +344,41 @@ def _nominated(pairs: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
     return names
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _client_left(sock: socket.socket, work: asyncio.Future[Any]) -> bool:
+    """Wait for ``work``; ``True`` if the client closed its connection first (nothing is read).
+
+    Readability is only peeked at: end of stream (or an error) means the client left; bytes
+    mean a next request is on its way, so the client is there, and watching stops.
+    """
+    loop = asyncio.get_running_loop()
+    fd = sock.fileno()
+    while not work.done():
+        readable: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _resolve, readable)
+        try:
+            await asyncio.wait({work, readable}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            loop.remove_reader(fd)
+            readable.cancel()
+        if work.done():
+            return False
+        try:
+            peeked = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            continue  # woken for nothing: watch again
+        except OSError:
+            return True
+        if peeked == b"":
+            return True
+        await asyncio.wait({work})  # the next request waits in the socket for its turn
+    return False
+
+
 @dataclass
 class _Exchange:
     """What one request/response pair was, filled in as it happens."""
@@ -1003,13 +1038,13 @@ class EgressProxy:
 
     async def _run(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bool:
         # While the upstream answers, watch the client: if it goes away (worker killed or
-        # timed out), the upstream request is abandoned rather than left hanging.
-        loop = asyncio.get_running_loop()
+        # timed out), the upstream request is abandoned rather than left hanging. The watch only
+        # peeks: a client may send its next request the moment the response ends, and bytes read
+        # by a watch that is being cancelled would be lost (the proxy would then wait for a
+        # request it had swallowed until the idle timeout closed the connection).
         forward = asyncio.create_task(self._forward(conn, sock, ex))
-        watch = asyncio.create_task(loop.sock_recv(sock, _CHUNK))
         try:
-            await asyncio.wait({forward, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not forward.done() and (watch.exception() is not None or watch.result() == b""):
+            if await _client_left(sock, forward):
                 forward.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await forward
@@ -1017,15 +1052,10 @@ class EgressProxy:
                 return False
             return await forward
         finally:
-            for task in (forward, watch):
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
-            if watch.done() and not watch.cancelled() and watch.exception() is None:
-                # Bytes that arrived meanwhile: the next pipelined request, or b"" for end of stream.
-                with contextlib.suppress(h11.ProtocolError, RuntimeError):
-                    conn.receive_data(watch.result())
+            if not forward.done():
+                forward.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await forward
 
     def _upstream_headers(self, ex: _Exchange, route: Route) -> list[tuple[bytes, bytes]]:
         drop = _REQUEST_DROP | _CREDENTIALS | _IDENTITY | _nominated(ex.request_headers)

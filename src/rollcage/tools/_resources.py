@@ -9,7 +9,8 @@ resource, and end up in the result as ``resource_cookies``.
 What the model sees and what the worker sees are kept apart:
 
 * an answer from the resource, whatever its status, is the model's business:
-  ``4xx`` and ``500`` come back as text (``error: HTTP 404 from get_weather: ...``);
+  ``4xx`` and ``500`` come back as text (``error: HTTP 404 from get_weather: ...``)
+  and the call's status is ``failed`` (a 2xx answer: ``completed``);
 * a resource that cannot be reached, does not answer in time, or answers with a
   gateway/unavailable status (``502``, ``503``, ``504``: how an egress proxy
   reports an upstream it cannot reach) raises
@@ -30,7 +31,7 @@ from typing import Any
 
 from rollcage.errors import ConfigError, ResourceUnavailableError
 from rollcage.model.http import httpx, transport_for
-from rollcage.protocol import ResourceEndpoint, ResourceToolSpec
+from rollcage.protocol import ResourceEndpoint, ResourceToolSpec, ToolStatus
 
 __all__ = ["ResourceTools", "tool_parameters"]
 
@@ -63,7 +64,7 @@ class ResourceTools:
 
         async with ResourceTools(inp.resources, specs, rollout_id=inp.rollout_id,
                                  cookies=inp.resource_cookies) as tools:
-            text = await tools.call("get_weather", {"city": "Oslo"})
+            status, text = await tools.call("get_weather", {"city": "Oslo"})
         result_cookies = tools.cookies
 
     Calls may run concurrently. Requests are never retried here: a POST to a
@@ -166,17 +167,18 @@ class ResourceTools:
         for client in clients.values():
             await client.aclose()
 
-    async def call(self, name: str, arguments: dict[str, Any]) -> str:
-        """Call a tool and return the text the model sees.
+    async def call(self, name: str, arguments: dict[str, Any]) -> tuple[ToolStatus, str]:
+        """Call a tool and return its status and the text the model sees.
 
         Args:
             name: The tool's name.
             arguments: The arguments, sent as the JSON body.
 
         Returns:
-            The response body as text (cut at ``max_response_bytes``); for an
-            error status, ``error: HTTP <status> from <name>: <body>``; for an
-            unknown tool, ``error: unknown tool ...``.
+            ``completed`` and the response body as text (cut at
+            ``max_response_bytes``); for an error status, ``failed`` and
+            ``error: HTTP <status> from <name>: <body>``; for an unknown tool,
+            ``failed`` and ``error: unknown tool ...``.
 
         Raises:
             ResourceUnavailableError: the endpoint could not be reached, did not
@@ -190,7 +192,10 @@ class ResourceTools:
             raise RuntimeError(f"ResourceTools is {self._state.value}; use it inside 'async with'")
         spec = self._specs.get(name)
         if spec is None:
-            return f"error: unknown tool {name!r}; available tools: {', '.join(self._specs) or 'none'}"
+            return (
+                "failed",
+                f"error: unknown tool {name!r}; available tools: {', '.join(self._specs) or 'none'}",
+            )
         endpoint = self._resources[spec.resource]
         client = self._clients[spec.resource]
         path = spec.path if spec.path is not None else f"/{name}"
@@ -224,8 +229,8 @@ class ResourceTools:
                 f"{text[:_ERROR_BODY_CHARS]}"
             )
         if response.status_code >= 400:
-            return f"error: HTTP {response.status_code} from {name}: {text[:_ERROR_BODY_CHARS]}"
-        return text
+            return "failed", f"error: HTTP {response.status_code} from {name}: {text[:_ERROR_BODY_CHARS]}"
+        return "completed", text
 
     async def _read_body(self, response: httpx.Response) -> tuple[bytes, int]:
         """The body, cut at ``max_response_bytes``; returns it and how many bytes were cut."""

@@ -108,7 +108,7 @@ def compare_capture(trajectory: Trajectory, capture_path: Path) -> CaptureCompar
 
     expected: list[tuple[int, int, Any]] = []
     for call in trajectory.model_calls:
-        for attempt in range(1, call.attempts + 1):
+        for attempt in range(1, len(call.attempts) + 1):
             expected.append((call.index, attempt, call.request))
 
     left = [_canonical(body) for _, _, body in expected]

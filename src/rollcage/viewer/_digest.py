@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import orjson
 
+from rollcage.controller import HEALTH_CHECKS, rollout_health
 from rollcage.protocol import ModelCall, RunnerError, SupervisorReceipt, ToolCall, Trajectory
 from rollcage.viewer._capture import CaptureComparison
 from rollcage.viewer._load import RolloutView
@@ -108,6 +109,8 @@ class TurnDigest:
     """Start, in seconds after the rollout's first model call."""
     attempts: int
     """HTTP attempts (1 + retries)."""
+    token_data: str
+    """Token ids and logprobs the server returned: observed, partial or unobserved."""
     http_status: int | None
     """HTTP status of the last attempt."""
     error: ErrorDigest | None
@@ -274,7 +277,7 @@ def digest_rollout(view: RolloutView, *, text_limit: int = DEFAULT_TEXT_LIMIT) -
         problems=[clean_text(problem) for problem in view.problems],
         log_tail=clean_text(view.log_tail) if view.log_tail is not None else None,
     )
-    digest.findings = _findings(view, trajectory, digest)
+    digest.findings = _findings(view, trajectory)
     return digest
 
 
@@ -420,7 +423,8 @@ def _turn(call: ModelCall, tools: list[ToolCall], origin: float | None, text: _C
         latency_s=max(0.0, call.ended_at - call.started_at),
         ttfb_s=None if call.first_byte_at is None else max(0.0, call.first_byte_at - call.started_at),
         offset_s=0.0 if origin is None else call.started_at - origin,
-        attempts=call.attempts,
+        attempts=len(call.attempts),
+        token_data=call.tokens.status,
         http_status=call.http_status,
         error=_error(call.error),
         items=items,
@@ -476,51 +480,23 @@ def _receipt(receipt: SupervisorReceipt) -> ReceiptDigest:
     )
 
 
-def _findings(view: RolloutView, trajectory: Trajectory, digest: RolloutDigest) -> list[FindingDigest]:
-    """Local checks that need only this rollout, then the run's findings that name it.
+def _findings(view: RolloutView, trajectory: Trajectory) -> list[FindingDigest]:
+    """The rollout's health (its record's, else computed by the same checks), then what only a viewer sees.
 
-    Names follow the controller's stable health-check names where the check is
-    the same (``rollcage.controller``'s ``HEALTH_CHECKS``), so the two merge.
-
-    The run's ``metrics.json`` lists at most 100 rollouts per check, so on a large
-    run most affected rollouts would show nothing without the local checks.
+    Names are the controller's stable health-check names (``rollcage.controller``'s
+    ``HEALTH_CHECKS``), so the two merge. Checks that could not run are grouped by
+    the evidence they lacked.
     """
-    found: dict[str, str] = {}
-    calls = trajectory.model_calls
-    stopped_by_run = view.receipt is not None and view.receipt.outcome == "cancelled"
-    if stopped_by_run:
-        found["cancelled_by_run"] = "the run stopped this rollout before it finished (not a model finding)"
-    if view.result is None:
-        found["unobserved_result"] = "no valid result.json: the calls could not all be checked (unobserved)"
-    if digest.source != "none" and not stopped_by_run and all(call.status == "failed" for call in calls):
-        found["no_model_turn"] = (
-            f"none of the {len(calls)} model calls was answered" if calls else "the agent made no model call"
-        )
-    failed = [call.index for call in calls if call.status == "failed"]
-    if failed:
-        found["failed_model_call"] = (
-            f"{len(failed)} of {len(calls)} model calls failed (calls {_ids(failed)})"
-        )
-    unobserved = [
-        call.index
-        for call in calls
-        if call.status != "failed" and (call.usage.input_tokens is None or call.usage.output_tokens is None)
-    ]
-    if unobserved:
-        found["unobserved_tokens"] = f"calls {_ids(unobserved)} reported no token counts (unobserved)"
-    runaway = [call.index for call in calls if call.incomplete_reason in ("length", "max_output_tokens")]
-    zero = [call.index for call in calls if call.usage.output_tokens == 0 and call.index not in runaway]
-    if zero:
-        found["zero_completion_tokens"] = f"calls {_ids(zero)} generated 0 tokens"
-    if runaway:
-        found["runaway_generation"] = f"calls {_ids(runaway)} stopped at the length limit"
-    hollow = [
-        turn.index
-        for turn in digest.turns
-        if turn.status == "completed" and not turn.items and not turn.tools
-    ]
-    if hollow:
-        found["hollow_turn"] = f"calls {_ids(hollow)} produced no text and no tool call"
+    health = view.record.health if view.record is not None else rollout_health(view.result, view.receipt)
+    found: dict[str, str] = {
+        name: f"{count} — {HEALTH_CHECKS[name].detail}" if name in HEALTH_CHECKS else str(count)
+        for name, count in health.findings.items()
+    }
+    lacking: dict[str, list[str]] = {}
+    for name, reason in health.unobserved.items():
+        lacking.setdefault(reason, []).append(name)
+    for reason, names in lacking.items():
+        found[f"unobserved ({reason})"] = ", ".join(names)
     if view.result is not None:
         unfinished = [
             tool.call_id for tool in trajectory.tool_calls if tool.status in ("incomplete", "pending")
@@ -532,7 +508,7 @@ def _findings(view: RolloutView, trajectory: Trajectory, digest: RolloutDigest) 
                 f"{view.result.checkpoint_failures} boundary record(s) failed to persist"
             )
     if view.capture is not None and not view.capture.agrees:
-        found["capture_mismatch"] = (
+        found["trajectory_capture_mismatch"] = (
             f"{len(view.capture.differences)} difference(s) between model_capture.jsonl "
             f"({view.capture.captured} exchanges) and the trajectory "
             f"({view.capture.trajectory_attempts} attempts)"
@@ -542,8 +518,3 @@ def _findings(view: RolloutView, trajectory: Trajectory, digest: RolloutDigest) 
     for name, finding in view.run_findings.items():
         found.setdefault(name, finding.detail or "named by the run's health checks")
     return [FindingDigest(name=name, detail=clean_text(detail)) for name, detail in found.items()]
-
-
-def _ids(indices: list[int]) -> str:
-    shown = ", ".join(str(index) for index in indices[:10])
-    return shown + (f" and {len(indices) - 10} more" if len(indices) > 10 else "")

@@ -163,6 +163,8 @@ def _add_turn(tree: Tree, turn: TurnDigest, excerpt: int) -> None:
     label.append(f" · +{turn.offset_s:.2f} s", style="dim")
     if turn.attempts > 1:
         label.append(f" · {turn.attempts} attempts", style="yellow")
+    if turn.token_data != "unobserved":
+        label.append(f" · token ids {turn.token_data}", style="dim")
     if turn.http_status is not None and turn.http_status >= 400:
         label.append(f" · HTTP {turn.http_status}", style="red")
     node = tree.add(label)

@@ -1,0 +1,173 @@
+"""A rollout as a line of NeMo Gym's rollout JSONL (what ``ng_collect_rollouts`` writes, and NeMo RL reads).
+
+The row is NeMo Gym's verify response: ``responses_create_params`` (the request the
+task makes), ``response`` (a complete NeMo Gym response object, each model call's
+token arrays on the item that carries its generation, as NeMo Gym's training items
+do), ``reward``, the indices ``_ng_task_index`` / ``_ng_rollout_index`` and the rollout
+id (``_ng_rollout_id``), and ``ng_trajectory``: NeMo Gym's canonical trajectory record
+(schema 1.0), in which every model call is owned by the rollout's one agent invocation
+and by exactly one turn, by its ``model_call_id``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from rollcage.controller import create_params_for, function_tools, to_nemo_response
+from rollcage.protocol import ModelCall, RolloutRecord, ToolCall, Turn, WorkerInput, WorkerResult
+
+__all__ = ["NG_TRAJECTORY_VERSION", "to_nemo_gym_row"]
+
+NG_TRAJECTORY_VERSION = "1.0"
+_LENGTH_REASONS = frozenset({"length", "max_output_tokens", "max_tokens"})
+
+
+def to_nemo_gym_row(
+    record: RolloutRecord, result: WorkerResult, spec: WorkerInput, *, task_index: int
+) -> dict[str, Any]:
+    """One rollout JSONL row; ``task_index`` numbers the run's tasks in order of their first record."""
+    params = create_params_for(
+        input=spec.input,
+        instructions=spec.instructions,
+        tools=function_tools(list(spec.tools), codeact=spec.agent.mode == "codeact"),
+        model=spec.model.model,
+        sampling=spec.model.sampling.model_dump(),
+    )
+    return {
+        "_ng_task_index": task_index,
+        "_ng_rollout_index": record.sample,
+        "_ng_rollout_id": record.rollout_id,
+        "task_id": record.task_id,
+        "responses_create_params": params,
+        "response": to_nemo_response(result, params, with_tokens=True),
+        "reward": record.reward,
+        "ng_trajectory": ng_trajectory(record, result, params),
+    }
+
+
+def ng_trajectory(record: RolloutRecord, result: WorkerResult, params: dict[str, Any]) -> dict[str, Any]:
+    """NeMo Gym's ``TrajectoryRecord`` of the rollout."""
+    trajectory = result.trajectory
+    invocation = record.rollout_id
+    conversation = _conversation(params, to_nemo_response(result, params)["output"])
+    last = trajectory.turns[-1].index if trajectory.turns else None
+    return {
+        "schema_version": NG_TRAJECTORY_VERSION,
+        "task_id": record.task_id,
+        "rollout_id": record.rollout_id,
+        "invocations": [
+            {
+                "kind": "agent_invocation",
+                "invocation_id": invocation,
+                "status": _invocation_status(result),
+                "duration_ms": max(0.0, result.ended_at - result.started_at) * 1000,
+                "error_type": result.error.type if result.error is not None else None,
+                "model_calls": [{"model_call_id": call.id} for call in trajectory.model_calls],
+                "conversation": conversation,
+            }
+        ],
+        "turns": [
+            _turn(turn, record, invocation, resolved=_resolved(turn, result, last))
+            for turn in trajectory.turns
+        ],
+        "model_calls": [_model_call(call) for call in trajectory.model_calls],
+        "tool_calls": [_tool_call(tool, invocation) for tool in trajectory.tool_calls],
+        "gaps": [],
+    }
+
+
+def _invocation_status(result: WorkerResult) -> Literal["completed", "failed", "incomplete"]:
+    if result.error is None:
+        return "completed"
+    return "incomplete" if result.error.kind == "cancelled" else "failed"
+
+
+def _resolved(turn: Turn, result: WorkerResult, last: int | None) -> bool | None:
+    """The terminal turn says whether the invocation resolved (answered, completed); earlier ones do not."""
+    if turn.index != last:
+        return None
+    return result.termination_reason == "completed" and result.error is None
+
+
+def _turn(turn: Turn, record: RolloutRecord, invocation: str, *, resolved: bool | None) -> dict[str, Any]:
+    reasoning = "".join(
+        str(part.get("text", ""))
+        for item in turn.reasoning
+        for part in item.get("summary") or []
+        if isinstance(part, dict)
+    )
+    return {
+        "invocation_id": invocation,
+        "task_id": record.task_id,
+        "rollout_id": record.rollout_id,
+        "turn_no": turn.index + 1,
+        "timestamp": turn.started_at,
+        "question": turn.input,
+        "answer": turn.answer,
+        "reasoning_content": reasoning or None,
+        "resolved": resolved,
+        "step_count": turn.tool_steps,
+        "model_calls": [{"model_call_id": call_id} for call_id in turn.model_calls],
+    }
+
+
+def _model_call(call: ModelCall) -> dict[str, Any]:
+    first_byte = call.attempts[-1].first_byte_at
+    last = call.attempts[-1]
+    response_id = call.response.get("id") if isinstance(call.response, dict) else None
+    return {
+        "model_call_id": call.id,
+        "started_at": call.started_at,
+        "completed_at": call.ended_at,
+        "duration_ms": max(0.0, call.ended_at - call.started_at) * 1000,
+        "request": call.request,
+        "response": call.response,
+        "response_metadata": {
+            "response_id": response_id if isinstance(response_id, str) else None,
+            "model": call.request.get("model") if isinstance(call.request.get("model"), str) else None,
+            "dialect": "chat_completions" if call.api == "chat" else "responses",
+            "status_code": call.http_status,
+            "response_status": call.status,
+            "finish_reason": _finish_reason(call),
+            "error_category": call.error.type if call.error is not None else None,
+            "latency_ttft_ms": (first_byte - last.started_at) * 1000 if first_byte is not None else None,
+        },
+        "token_stats": {
+            "prompt_tokens": call.usage.input_tokens,
+            "completion_tokens": call.usage.output_tokens,
+            "reasoning_tokens": call.usage.reasoning_tokens,
+            "total_tokens": call.usage.total_tokens,
+            "cached_tokens": call.usage.cached_tokens,
+        },
+    }
+
+
+def _finish_reason(call: ModelCall) -> str | None:
+    if call.status == "failed":
+        return None
+    if call.status == "incomplete":
+        return "length" if call.incomplete_reason in _LENGTH_REASONS else call.incomplete_reason
+    return "tool_calls" if any(item.get("type") == "function_call" for item in call.output) else "stop"
+
+
+def _tool_call(tool: ToolCall, invocation: str) -> dict[str, Any]:
+    status = tool.status if tool.status != "pending" else "incomplete"
+    return {
+        "kind": "tool_call",
+        "invocation_id": invocation,
+        "tool_call_id": tool.call_id,
+        "tool_name": tool.name,
+        "started_at": tool.started_at,
+        "completed_at": tool.ended_at,
+        "duration_ms": tool.duration_s * 1000 if tool.duration_s is not None else None,
+        "timing_source": "harness",
+        "status": status,
+        "output": tool.output,
+    }
+
+
+def _conversation(params: dict[str, Any], output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The invocation's whole conversation as NeMo Gym input items: the task's input, then the output."""
+    given = params["input"]
+    start = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given)
+    return [*start, *output]
