@@ -260,7 +260,7 @@ def _controller_patches(meters: Meters) -> list[str]:
         (proxy.EgressProxy, "__aenter__", "egress proxy"),
         (proxy.EgressProxy, "aclose", "egress proxy"),
         (proxy.EgressProxy, "_on_connection", "egress proxy"),
-        (_unit, "_lay_out", "controller: prepare the rollout directory"),
+        (_unit, "lay_out", "controller: prepare the rollout directory"),
         (_unit, "_read_result", "grading (read result.json, grade)"),
         (_unit, "_grade", "grading (read result.json, grade)"),
         (_graders, "grade_builtin", "grading (read result.json, grade)"),

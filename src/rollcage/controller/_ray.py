@@ -101,8 +101,8 @@ from rollcage.controller._unit import (
     PreparedRollout,
     RolloutSettings,
     SuperviseFn,
-    _lay_out,
     build_supervisor_config,
+    lay_out,
     record_without_result,
     run_rollout,
 )
@@ -1350,7 +1350,7 @@ class RayBackend:
         if directory.exists():
             return
         try:
-            _lay_out(directory, prepared.worker_input, self._settings.input_mode)
+            lay_out(directory, prepared.worker_input, self._settings.input_mode)
         except (OSError, RollcageError) as exc:
             logger.warning("cannot lay out %s for a lost rollout: %s", directory, exc)
 
