@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from rollcage.durable import fsync_directory
 from rollcage.errors import ConfigError, DurableWriteError
+from rollcage.procs import shielded
 from rollcage.protocol import RolloutRecord, describe_validation_error
 
 __all__ = ["LoadReport", "RecordLog", "load_records"]
@@ -44,7 +45,9 @@ class LoadReport:
     repaired_bytes: int
 
 
-def load_records(path: Path, on_record: Callable[[RolloutRecord], None]) -> LoadReport:
+def load_records(
+    path: Path, on_record: Callable[[RolloutRecord], object], *, repair: bool = True
+) -> LoadReport:
     """Stream the records of an existing log into ``on_record``, repairing a torn tail.
 
     Blocking (reads and may truncate the file); from async code run it in a thread.
@@ -52,6 +55,8 @@ def load_records(path: Path, on_record: Callable[[RolloutRecord], None]) -> Load
     Args:
         path: The log; a missing file is an empty log.
         on_record: Called with each intact record, in file order.
+        repair: Truncate a torn tail away (the run that owns the log); ``False`` only skips it
+            (a reader such as ``rollcage export``, which must not write to a run's files).
 
     Raises:
         ConfigError: A line other than the last is damaged; the message names it.
@@ -87,7 +92,7 @@ def load_records(path: Path, on_record: Callable[[RolloutRecord], None]) -> Load
             good_end += len(raw)
         size = handle.tell()
     repaired = 0
-    if bad is not None:
+    if bad is not None and repair:
         repaired = size - good_end
         logger.warning("%s: truncating a torn last line %d (%s, %d bytes)", path, bad[0], bad[1], repaired)
         try:
@@ -122,14 +127,27 @@ class RecordLog:
 
         Raises:
             DurableWriteError: The file cannot be opened.
+
+        **Cancellation:** an open already handed to its thread completes and the
+        descriptor it made is closed; then ``CancelledError`` propagates.
         """
-        self._fd = await asyncio.to_thread(self._open)
+        opening = asyncio.ensure_future(asyncio.to_thread(self._open))
+        try:
+            self._fd = await shielded(opening)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped: close what it opened, or the descriptor leaks.
+            if not opening.cancelled() and opening.exception() is None:
+                os.close(opening.result())
+            raise
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Close the file (every append is already on disk)."""
+        """Close the file (every append is already on disk).
+
+        **Cancellation:** nothing to wait for: the file is closed at once.
+        """
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
