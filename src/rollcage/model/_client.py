@@ -242,6 +242,8 @@ class ModelClient:
 
         Raises:
             RuntimeError: the client was opened before (a client is opened once).
+
+        **Cancellation:** the client stays unopened (no connection is made before a call).
         """
         if self._state is not ClientState.UNOPENED:
             raise RuntimeError(f"ModelClient is {self._state.value}; a client can be opened only once")
@@ -266,7 +268,10 @@ class ModelClient:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Close the connection pool (see ``aclose``)."""
+        """Close the connection pool (see ``aclose``).
+
+        **Cancellation:** as for ``aclose``.
+        """
         await self.aclose()
 
     async def aclose(self) -> None:

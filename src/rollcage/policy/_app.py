@@ -240,7 +240,11 @@ class PolicyApp:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """ASGI entry point."""
+        """ASGI entry point.
+
+        **Cancellation:** the request being handled is abandoned and ``CancelledError``
+        propagates.
+        """
         if scope["type"] == "http":
             # uvicorn's send is a bound method of its request cycle, which holds the transport.
             scope[_TRANSPORT_KEY] = getattr(getattr(send, "__self__", None), "transport", None)
