@@ -23,6 +23,7 @@ from rollcage.errors import (
     RayTaskOverdueError,
     ResourceUnavailableError,
     RollcageError,
+    RunFailedError,
     SandboxError,
     SupervisorError,
     TransientModelError,
@@ -46,6 +47,7 @@ PUBLISHED_KIND = {
     RayTaskLostError: "transient",
     RayTaskOverdueError: "transient",
     ArtifactsTooLargeError: "transient",
+    RunFailedError: "transient",
 }
 
 
