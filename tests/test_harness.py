@@ -581,15 +581,7 @@ def test_a_stopped_harness_gets_its_grace_before_sigkill(
     time.sleep(600)
     """
     root = _prepare(tmp_path, "graceful", policy, code, envs)
-    proc = _supervise(root, "--grace", "10")
-    try:
-        wait_for(lambda: (root / "workspace" / "started").exists(), what="the harness to start", timeout=180)
-        (root / "stop").touch()
-        receipt = _receipt(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    receipt = _stopped_once_started(root, "the harness")
     assert receipt.outcome == "cancelled"
     assert (root / "workspace" / "said-goodbye").exists()
 
@@ -719,15 +711,7 @@ def test_nooa_stopped_mid_episode_publishes_its_partial_episode(
         "harness_env": env.model_dump(),
     }
     (root / "input.json").write_text(json.dumps(data))
-    proc = _supervise(root, "--grace", "10")
-    try:
-        wait_for(lambda: (root / "workspace" / "started").exists(), what="NOOA's cell to start", timeout=180)
-        (root / "stop").touch()
-        receipt = _receipt(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    receipt = _stopped_once_started(root, "NOOA's cell")
     assert receipt.outcome == "cancelled"
     result = WorkerResult.model_validate_json((root / "result.json").read_bytes())
     assert result.error is not None and result.error.kind == "cancelled"
@@ -737,3 +721,16 @@ def test_nooa_stopped_mid_episode_publishes_its_partial_episode(
     assert (cell.call_id, cell.status, cell.reported_by) == ("call_0_0", "failed", "harness")
     relayed = [t["call_id"] for e in journal(root) if e["kind"] == "tool_call" for t in e["tool_calls"]]
     assert relayed == [prefill.call_id, "call_0_0"]
+
+
+def _stopped_once_started(root: Path, who: str) -> SupervisorReceipt:
+    """Supervise ``root`` (grace 10 s), touch the stop file once ``workspace/started`` exists: the receipt."""
+    proc = _supervise(root, "--grace", "10")
+    try:
+        wait_for(lambda: (root / "workspace" / "started").exists(), what=f"{who} to start", timeout=180)
+        (root / "stop").touch()
+        return _receipt(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from rollcage.cage import outermost
-from rollcage.errors import ConfigError, HarnessError
+from rollcage.errors import ConfigError, HarnessUnavailableError
 from rollcage.protocol import HarnessEnvironment
 
 __all__ = [
@@ -170,7 +170,8 @@ def install_harness(
 
     Raises:
         ConfigError: No suitable interpreter (the message says which versions and how to give one).
-        HarnessError: The environment could not be made (pip failed: its last lines are in the message).
+        HarnessUnavailableError: The environment could not be made (pip failed: its last lines
+            are in the message).
     """
     target = (target or default_environment_dir(kind, version)).absolute()
     with _locked(target):
@@ -196,7 +197,7 @@ def install_harness(
         _run([*pip, f"nooa=={version}"], f"installing nooa=={version}")
         probe = _probe(str(target / "bin" / "python"))
         if probe is None or not probe.get("nooa"):
-            raise HarnessError(f"nooa was installed into {target} but cannot be found there")
+            raise HarnessUnavailableError(f"nooa was installed into {target} but cannot be found there")
         (target / _MARKER).write_text(
             json.dumps({"harness": kind, "version": version, "python": interpreter, "made_at": time.time()})
         )
@@ -212,10 +213,10 @@ def _run(argv: list[str], what: str) -> None:
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise HarnessError(f"{what} failed: {exc}") from exc
+        raise HarnessUnavailableError(f"{what} failed: {exc}") from exc
     if out.returncode != 0:
         tail = " | ".join(line for line in (out.stderr or out.stdout).strip().splitlines()[-3:])
-        raise HarnessError(f"{what} failed (exit code {out.returncode}): {tail}")
+        raise HarnessUnavailableError(f"{what} failed (exit code {out.returncode}): {tail}")
 
 
 def _probe(python: str) -> dict[str, object] | None:

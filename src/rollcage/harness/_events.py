@@ -223,7 +223,10 @@ class RelayWriter:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        """Close the descriptor (see :meth:`aclose`)."""
+        """Close the descriptor (see :meth:`aclose`).
+
+        **Cancellation:** as for :meth:`aclose`.
+        """
         await self.aclose()
 
     async def send(self, record: BoundaryRecord, *, after: int) -> bool:

@@ -36,7 +36,8 @@ from typing import Literal, Self
 import h11
 
 from rollcage.harness._calls import WireExchange, model_call_api
-from rollcage.model._httpx import httpx, transport_for
+from rollcage.model.http import httpx, transport_for
+from rollcage.procs import shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
 from rollcage.tools import cookie_header, parse_set_cookie
 
@@ -191,7 +192,10 @@ class Forwarder:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Stop (see :meth:`aclose`)."""
+        """Stop (see :meth:`aclose`).
+
+        **Cancellation:** as for :meth:`aclose`.
+        """
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -207,10 +211,12 @@ class Forwarder:
         handlers = list(self._handlers)
         for task in handlers:
             task.cancel()
-        if handlers:
-            await asyncio.shield(asyncio.gather(*handlers, return_exceptions=True))
+        await shielded(self._shut(handlers))
+
+    async def _shut(self, handlers: list[asyncio.Task[None]]) -> None:
+        await asyncio.gather(*handlers, return_exceptions=True)
         for client in self._clients.values():
-            await asyncio.shield(client.aclose())
+            await client.aclose()
         self._clients.clear()
 
     # ------------------------------------------------------------------ connections
@@ -498,7 +504,7 @@ class Forwarder:
                     error=error,
                     interrupted=interrupted and error is None,
                 )
-                await asyncio.shield(self._on_model_exchange(exchange))
+                await shielded(self._on_model_exchange(exchange))
         if held is not None:
             await _send(writer, conn.send(h11.Data(data=held)))
         if not reusable:

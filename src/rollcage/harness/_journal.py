@@ -39,6 +39,7 @@ from rollcage.durable import CheckpointJournal
 from rollcage.errors import RollcageError
 from rollcage.harness._calls import WireCalls, WireExchange, model_call_api
 from rollcage.harness._events import parse_relay_line, read_lines
+from rollcage.procs import shielded, wait_shared, within
 from rollcage.protocol import BoundaryRecord
 
 __all__ = ["CaptureJournal"]
@@ -111,7 +112,10 @@ class CaptureJournal:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Close the journal (see :meth:`aclose`)."""
+        """Close the journal (see :meth:`aclose`).
+
+        **Cancellation:** as for :meth:`aclose`.
+        """
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -185,22 +189,17 @@ class CaptureJournal:
     async def finish(self, pump: asyncio.Future[None] | None, *, timeout_s: float = 2.0) -> None:
         """Read what the worker relayed before it ended (bounded), then close.
 
-        **Cancellation:** the journal is closed at once.
+        **Cancellation:** the relay's reader is cancelled and the journal closed before
+        ``CancelledError`` propagates.
         """
         self._closing = True
         async with self._advanced:
             self._advanced.notify_all()
-        if pump is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(pump), timeout_s)
-            except TimeoutError:
-                logger.warning("the worker's relay did not close within %gs; not waiting for it", timeout_s)
-                pump.cancel()
-            except Exception as exc:
-                logger.warning("reading the worker's relay failed: %r", exc)
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pump
-        await self.aclose()
+        try:
+            if pump is not None:
+                await _await_relay(pump, timeout_s)
+        finally:
+            await shielded(self.aclose())
 
     async def _in_order(self, after: int) -> None:
         """Wait (briefly) until the model calls the worker had seen before this boundary are journaled."""
@@ -272,3 +271,16 @@ def _body_bytes(body: Any) -> bytes | None:
     if isinstance(body.get("base64"), str):
         return base64.b64decode(body["base64"])
     return b""
+
+
+async def _await_relay(pump: asyncio.Future[None], timeout_s: float) -> None:
+    """Let the relay's reader finish within ``timeout_s``; cancel it if it does not (or on cancellation)."""
+    try:
+        await within(wait_shared(pump), timeout_s)
+    except Exception as exc:
+        logger.warning("reading the worker's relay failed: %r", exc)
+    finally:
+        if not pump.done():
+            logger.warning("the worker's relay did not close within %gs; not waiting for it", timeout_s)
+            pump.cancel()
+    await asyncio.gather(pump, return_exceptions=True)

@@ -22,6 +22,7 @@ Outcome rules (the same classes as the builtin loop):
   rollout ends with that termination reason, like the builtin loop;
 * a non-zero exit right after the model endpoint failed (5xx, 429, no answer): a
   transient model error (infrastructure: retried); any other: a ``HarnessError``;
+* a harness that cannot be started at all: a ``HarnessUnavailableError`` (infrastructure);
 * cancellation (SIGTERM, the stop file): the harness gets SIGTERM and its grace to
   report its partial episode, then SIGKILL; the cancellation propagates.
 """
@@ -43,7 +44,7 @@ from pathlib import Path
 import orjson
 
 from rollcage.agent import AgentResult
-from rollcage.errors import HarnessError, TransientModelError
+from rollcage.errors import ConfigError, HarnessError, HarnessUnavailableError, TransientModelError
 from rollcage.harness._calls import WireCalls, WireExchange
 from rollcage.harness._events import (
     EVENTS_FD_ENV,
@@ -56,6 +57,16 @@ from rollcage.harness._events import (
     read_events,
 )
 from rollcage.harness._forwarder import Forwarder
+from rollcage.procs import (
+    GroupTree,
+    PidHandle,
+    StopStrategy,
+    command_name,
+    first_of,
+    live_members,
+    shielded,
+    stop_tree,
+)
 from rollcage.protocol import (
     BoundaryRecord,
     CommandHarness,
@@ -66,7 +77,7 @@ from rollcage.protocol import (
     ToolCall,
     WorkerInput,
 )
-from rollcage.tools import bound_middle, kill_group, signal_group
+from rollcage.tools import bound_middle
 from rollcage.trajectory import TrajectoryRecorder, message_text
 
 __all__ = ["GRACE_ENV", "NOOA_ADAPTER", "HarnessRunner", "HarnessSink", "task_text"]
@@ -162,7 +173,9 @@ class HarnessRunner:
         """Run the harness to its end; the termination reason and its answer.
 
         Raises:
-            HarnessError: It could not start, failed, or exited 0 without an answer.
+            HarnessError: It failed, or exited 0 without an answer (the policy's).
+            HarnessUnavailableError: It could not be started (the machine's).
+            ConfigError: A nooa harness without its environment in the input.
             TransientModelError: It failed right after the model endpoint did (infrastructure).
 
         Cancellation:
@@ -193,7 +206,7 @@ class HarnessRunner:
                 )
             except OSError as exc:
                 os.close(events_r)
-                raise HarnessError(f"cannot start the harness ({argv[0]}): {exc}") from exc
+                raise HarnessUnavailableError(f"cannot start the harness ({argv[0]}): {exc}") from exc
             finally:
                 os.close(events_w)
             pumps = [
@@ -205,8 +218,7 @@ class HarnessRunner:
             try:
                 returncode = await self._wait(proc)
             except asyncio.CancelledError:
-                await asyncio.shield(self._stop_harness(proc))
-                await asyncio.shield(self._drain(pumps))
+                await shielded(self._stop_and_drain(proc, pumps))
                 raise
             await self._drain(pumps)
             self._recorder.stop_pending("incomplete", "[the harness did not report how this call ended]")
@@ -218,7 +230,7 @@ class HarnessRunner:
         env = self._spec.harness_env
         if isinstance(self._harness, NooaHarness):
             if env is None:
-                raise HarnessError(
+                raise ConfigError(
                     "the nooa harness needs its Python environment (harness_env in input.json): install it "
                     "with 'rollcage harness install nooa' or give 'rollcage run --harness-env PATH'"
                 )
@@ -303,17 +315,10 @@ class HarnessRunner:
             await asyncio.wait_for(stdin.wait_closed(), 5.0)
 
     async def _wait(self, proc: asyncio.subprocess.Process) -> int:
-        exited = asyncio.ensure_future(proc.wait())
-        stopped = asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait({exited, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-            if not exited.done():
-                # Either a limit was reached (stop it now) or we are being cancelled (the caller stops it).
-                if self._stop.is_set():
-                    await asyncio.shield(self._stop_harness(proc))
-                exited.cancel()
+        # A limit reached (the stop event) stops it now; a cancellation is the caller's to handle.
+        exited, _ = await first_of(proc.wait(), self._stop.wait())
+        if exited.cancelled():
+            await shielded(self._stop_harness(proc))
         return await proc.wait()
 
     def _grace(self) -> float:
@@ -325,17 +330,21 @@ class HarnessRunner:
         return grace
 
     async def _stop_harness(self, proc: asyncio.subprocess.Process) -> None:
-        if proc.returncode is not None:
-            await kill_group(proc.pid, _KILL_WAIT_S)
-            return
-        # Not to the group as a whole: bubblewrap's monitor would die of it and SIGKILL the cage at once.
-        if not await asyncio.to_thread(_terminate_harness, proc.pid):
-            signal_group(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(proc.wait()), self._grace())
-        await kill_group(proc.pid, _KILL_WAIT_S)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), _KILL_WAIT_S)
+        # Already gone: what it left in its group is killed at once; running: SIGTERM and its grace first.
+        grace = 0.0 if proc.returncode is not None else self._grace()
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            await stop_tree(
+                _CagedHarness(proc.pid, exited), StopStrategy(grace_s=grace, kill_wait_s=_KILL_WAIT_S)
+            )
+        finally:
+            exited.cancel()
+
+    async def _stop_and_drain(
+        self, proc: asyncio.subprocess.Process, pumps: list[asyncio.Task[None]]
+    ) -> None:
+        await self._stop_harness(proc)
+        await self._drain(pumps)
 
     async def _drain(self, pumps: list[asyncio.Task[None]]) -> None:
         """Let the pumps read what the harness left in its pipes, briefly; then stop them."""
@@ -548,31 +557,39 @@ class HarnessRunner:
         return " | ".join(last)[-500:] or None
 
 
-def _terminate_harness(session: int) -> bool:
-    """SIGTERM every process of the harness's session but bubblewrap's own; whether /proc could be read.
+class _CagedHarness(GroupTree):
+    """The harness's session: a :class:`GroupTree` whose polite signal spares bubblewrap's own processes."""
+
+    async def signal_group(self, sig: int) -> bool:
+        """Send ``sig`` to the harness's processes, not the cage's monitor (see :func:`_terminate_harness`).
+
+        **Cancellation:** the signal may have reached some of them.
+        """
+        if await asyncio.to_thread(_terminate_harness, self.pgid, sig):
+            return True
+        return await super().signal_group(sig)
+
+
+def _terminate_harness(session: int, sig: int = signal.SIGTERM) -> bool:
+    """Send ``sig`` to every process of the harness's session but bubblewrap's own; whether /proc was read.
 
     The cage's monitor and init are bubblewrap: signalled, they die and the kernel kills the
     cage at once (``--die-with-parent``), so the harness would get no grace. Its own processes
-    get the SIGTERM instead, and SIGKILL to the whole group follows the grace.
+    get the SIGTERM instead (each through a verified pidfd, so a reused PID is never hit), and
+    SIGKILL to the whole group follows the grace.
     """
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
+    members = live_members(session)
+    if members is None:
         return False
-    for entry in entries:
-        if not entry.isdigit():
+    for info in members:
+        if command_name(info.pid) == "bwrap":
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as file:
-                stat_line = file.read()
-        except OSError:
-            continue
-        comm = stat_line[stat_line.find(b"(") + 1 : stat_line.rfind(b")")]
-        fields = stat_line[stat_line.rfind(b")") + 2 :].split()
-        alive = len(fields) > 3 and fields[0] not in (b"Z", b"X")
-        if alive and int(fields[3]) == session and comm != b"bwrap":
-            with contextlib.suppress(OSError):
-                os.kill(int(entry), signal.SIGTERM)
+        handle = PidHandle.open(info)
+        if handle is not None:
+            try:
+                handle.send(sig)
+            finally:
+                handle.close()
     return True
 
 

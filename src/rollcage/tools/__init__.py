@@ -17,9 +17,7 @@ from rollcage.tools._executor import (
     ExecutorState,
     ToolBridge,
     bound_middle,
-    kill_group,
     make_executor,
-    signal_group,
 )
 from rollcage.tools._resources import ResourceTools, cookie_header, parse_set_cookie, tool_parameters
 
@@ -33,9 +31,7 @@ __all__ = [
     "ToolBridge",
     "bound_middle",
     "cookie_header",
-    "kill_group",
     "make_executor",
     "parse_set_cookie",
-    "signal_group",
     "tool_parameters",
 ]
