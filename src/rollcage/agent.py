@@ -42,13 +42,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from rollcage.errors import ModelError
+from rollcage.errors import ModelError, ResumeRefusedError
 from rollcage.protocol import (
     BoundaryRecord,
     ModelCall,
     PythonToolSpec,
     ResourceToolSpec,
     ResponseItem,
+    ResumedFrom,
     TerminationReason,
     ToolCall,
     ToolSpec,
@@ -56,6 +57,7 @@ from rollcage.protocol import (
     TurnStart,
     WorkerInput,
 )
+from rollcage.resume import Replay
 from rollcage.trajectory import TrajectoryRecorder, arguments_json, message_text
 
 __all__ = [
@@ -146,6 +148,9 @@ class Agent:
         cells: The Python executor (may be None when the input offers no Python tool).
         recorder: Where every call is recorded (shared with the caller).
         boundary: Receives each boundary record; awaited before the next action.
+        replay: An earlier attempt's journal to replay first (see ``rollcage.resume``); the
+            loop emits a ``resumed`` boundary when it leaves the journal's prefix, and
+            raises ``ResumeRefusedError`` while replaying if the replay diverges.
     """
 
     def __init__(
@@ -157,8 +162,10 @@ class Agent:
         cells: CellRunner | None,
         recorder: TrajectoryRecorder,
         boundary: BoundarySink,
+        replay: Replay | None = None,
     ) -> None:
         """Bind the loop to its collaborators."""
+        self._replay = replay
         self._spec = spec
         self._model = model
         self._resources = resources
@@ -186,6 +193,8 @@ class Agent:
 
         Raises:
             ModelError: the model call failed (after the client's retries).
+            ResumeRefusedError: replaying the journal diverged (only before the loop
+                left the journal's prefix; the caller starts the rollout fresh).
             RollcageError: a tool failed in a way that ends the rollout.
 
         Cancellation:
@@ -193,8 +202,12 @@ class Agent:
             recorder; the caller marks them cancelled and builds the result.
         """
         if self._spec.agent.mode == "codeact":
-            return await self._run_codeact()
-        return await self._run_function_calling()
+            result = await self._run_codeact()
+        else:
+            result = await self._run_function_calling()
+        # The journal held the whole episode (the attempt died after its last boundary).
+        await self._leave_replay()
+        return result
 
     # ------------------------------------------------------------------ function calling
 
@@ -254,7 +267,14 @@ class Agent:
                 malformed = True
                 await self._finish(call.call_id, "failed", f"error: {problem}")
                 return
-            status, output = await self._dispatch(call, arguments)
+            recorded = self._replay.tool(call.call_id, call.name, call.arguments) if self._replay else None
+            if recorded is None:
+                await self._leave_replay()
+                status, output = await self._dispatch(call, arguments)
+            elif self._python is not None and call.name == self._python.name:
+                status, output = await self._rerun_cell(call.call_id, str(arguments["code"]), recorded)
+            else:
+                status, output = self._replayed(recorded)
             await self._finish(call.call_id, status, output)
 
         # A failing sibling must not hide the others' outputs: each call records its own
@@ -347,7 +367,14 @@ class Agent:
                 if self._submitted is not None:
                     await self._finish(cell.call_id, "failed", "not run: the answer was already submitted")
                     continue
-                status, output = await self._run_cell(cell.call_id, cell.arguments)
+                recorded = (
+                    self._replay.tool(cell.call_id, cell.name, cell.arguments) if self._replay else None
+                )
+                if recorded is None:
+                    await self._leave_replay()
+                    status, output = await self._run_cell(cell.call_id, cell.arguments)
+                else:
+                    status, output = await self._rerun_cell(cell.call_id, cell.arguments, recorded)
                 await self._finish(cell.call_id, status, output)
                 observations.append(output)
             if self._submitted is not None:
@@ -365,7 +392,11 @@ class Agent:
         turn = max(0, len(self._recorder.model_calls) - 1)
         self._bridged += 1
         call_id = f"bridge-{turn}-{self._bridged}"
-        self._recorder.start_tool_call(call_id, name, arguments_json(kwargs), turn)
+        arguments = arguments_json(kwargs)
+        self._recorder.start_tool_call(call_id, name, arguments, turn)
+        if self._replay is not None and self._replay.active:
+            # Agent code re-run from the journal: its tool calls are answered from it, never sent again.
+            return await self._bridge_replayed(call_id, name, arguments, kwargs)
         if name == SUBMIT:
             answer = kwargs.get("answer", next(iter(kwargs.values()), ""))
             self._submitted = str(answer)
@@ -378,6 +409,52 @@ class Agent:
         status, output = await self._call_resource(name, kwargs)
         await self._finish(call_id, status, output)
         return output
+
+    async def _bridge_replayed(self, call_id: str, name: str, arguments: str, kwargs: dict[str, Any]) -> str:
+        assert self._replay is not None
+        try:
+            recorded = self._replay.tool(call_id, name, arguments)
+        except ResumeRefusedError as exc:
+            recorded = None
+            self._replay.diverge(str(exc))
+        if recorded is None:
+            # Raising here would only reach agent code: the cell's check raises it instead.
+            self._replay.diverge(
+                f"replay diverged at tool call {call_id}: the journal does not hold it ended"
+            )
+            await self._finish(call_id, "failed", "error: replay diverged")
+            return "error: replay diverged"
+        status, output = self._replayed(recorded)
+        if name == SUBMIT:
+            self._submitted = str(kwargs.get("answer", next(iter(kwargs.values()), "")))
+        elif name in self._resource_specs:
+            self._tool_count += 1
+        await self._finish(call_id, status, output)
+        return output
+
+    # ------------------------------------------------------------------ replay
+
+    def _replayed(self, recorded: ToolCall) -> tuple[ToolStatus, str]:
+        """A tool call's recorded end, used instead of sending it again."""
+        assert self._replay is not None
+        self._replay.replayed_tools.append(recorded.call_id)
+        return recorded.status, recorded.output or ""
+
+    async def _rerun_cell(self, call_id: str, code: str, recorded: ToolCall) -> tuple[ToolStatus, str]:
+        """Run a recorded cell again to restore the executor's state; its output must match the record."""
+        assert self._replay is not None
+        status, output = await self._run_cell(call_id, code)
+        self._replay.check_cell(call_id, recorded, status, output)
+        return status, output
+
+    async def _leave_replay(self) -> None:
+        """The loop is past the journal's prefix: say so in a boundary (the worker makes it durable)."""
+        if self._replay is None or not self._replay.active:
+            return
+        self._replay.active = False
+        resumed = self._replay.resumed_from()
+        self._recorder.resumed_from = resumed
+        await self._emit("resumed", resumed_from=resumed)
 
     # ------------------------------------------------------------------ shared steps
 
@@ -401,6 +478,11 @@ class Agent:
         )
         self._recorder.start_turn(start)
         await self._emit("turn_start", turn=start)
+        replayed = self._replay.model_call(index, start.input) if self._replay is not None else None
+        if replayed is not None:
+            self._recorder.add_model_call(replayed[0])
+            return replayed
+        await self._leave_replay()
         try:
             call = await self._model.call(
                 input=list(self._history),
@@ -481,11 +563,12 @@ class Agent:
 
     async def _emit(
         self,
-        kind: Literal["turn_start", "model_call", "tool_call"],
+        kind: Literal["turn_start", "model_call", "tool_call", "resumed"],
         *,
         turn: TurnStart | None = None,
         model_call: ModelCall | None = None,
         tool_calls: list[ToolCall] | None = None,
+        resumed_from: ResumedFrom | None = None,
     ) -> None:
         model_cookies = dict(self._model.cookies)
         resource_cookies = dict(self._resources.cookies) if self._resources is not None else {}
@@ -498,6 +581,7 @@ class Agent:
             tool_calls=tool_calls or [],
             model_cookies=model_cookies if model_cookies != seen_model else None,
             resource_cookies=resource_cookies if resource_cookies != seen_resource else None,
+            resumed_from=resumed_from,
         )
         self._cookies_seen = (model_cookies, resource_cookies)
         await self._boundary(record)

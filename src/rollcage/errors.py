@@ -11,6 +11,7 @@ Every error carries a ``kind`` that says which, so the worker can publish it as
     │   └── ViewerError                          show/report given a path that is no rollout [fatal]
     ├── DurableWriteError (OSError)              publishing or appending to disk failed     [transient]
     ├── JournalCorruptError (ValueError)         a checkpoint journal is damaged mid-file   [fatal]
+    ├── ResumeRefusedError                       a journal cannot be resumed from: start fresh [fatal]
     ├── ModelError                               the model endpoint                         [see below]
     │   ├── TransientModelError                  connection, timeout, 408/409/429/5xx,      [transient]
     │   │                                        a malformed/truncated body, 401/403/404
@@ -50,6 +51,7 @@ __all__ = [
     "RayTaskLostError",
     "RayTaskOverdueError",
     "ResourceUnavailableError",
+    "ResumeRefusedError",
     "RollcageError",
     "RunFailedError",
     "SandboxError",
@@ -90,6 +92,13 @@ class DurableWriteError(RollcageError, OSError):
 
 class JournalCorruptError(RollcageError, ValueError):
     """A checkpoint journal has a damaged line that is not its torn last line."""
+
+
+class ResumeRefusedError(RollcageError):
+    """An earlier attempt's journal cannot be continued (unusable, inconsistent, or its replay diverged).
+
+    Never ends a rollout: whoever meets it starts the rollout fresh and records the message.
+    """
 
 
 class ModelError(RollcageError):
