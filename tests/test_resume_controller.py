@@ -1,0 +1,190 @@
+"""``--resume-rollouts`` end to end: real supervisor, bubblewrap, worker and the scripted policy.
+
+An infra_failure retry, and a rollout a SIGKILLed controller interrupted, continue from the
+earlier attempt's journal: the model is asked only what the journal does not hold, the records
+link the attempts, and the run's metrics count resumes and saved calls without counting a
+token twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollcage.checkpoint import load_checkpoint
+from rollcage.controller import Controller, ModelEndpointConfig, RunConfig
+from rollcage.controller._ids import rollout_id
+from rollcage.durable import read_journal
+from rollcage.policy import PolicyServer
+from rollcage.protocol import RolloutRecord, RunMetrics
+from rollcage.trajectory import project_output
+from tests.helpers.waiting import wait_for
+
+SANDBOX: Any = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
+pytestmark = [
+    pytest.mark.bwrap,
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (CI installs it)"),
+    pytest.mark.timeout(300),
+]
+
+CALLS = 5
+SCRIPT = {
+    "tasks": {
+        "*": [
+            {"tool_calls": [{"name": "python", "arguments": {"code": "x = 6\nprint(x)"}}]},
+            {"tool_calls": [{"name": "python", "arguments": {"code": "x = x * 7\nprint(x)"}}]},
+            {"tool_calls": [{"name": "python", "arguments": {"code": "open('x.txt', 'w').write(str(x))"}}]},
+            {"tool_calls": [{"name": "python", "arguments": {"code": "print(open('x.txt').read())"}}]},
+            {"text": "42"},
+        ]
+    }
+}
+
+
+def _dataset(directory: Path, tasks: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {
+            "id": f"t{i}",
+            "input": "6*7?",
+            "tools": ["python"],
+            "model": {"max_retries": 0, "timeout_s": 30},
+            "expected": "42",
+        }
+        for i in range(tasks)
+    ]
+    path = directory / "dataset.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _records(out: Path) -> list[RolloutRecord]:
+    return [RolloutRecord.model_validate_json(x) for x in (out / "rollouts.jsonl").read_bytes().splitlines()]
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Iterator[PolicyServer]:
+    faults = getattr(request, "param", [])
+    with PolicyServer(SCRIPT, faults=faults) as srv:
+        yield srv
+
+
+FAILS_AT = 4
+FIRST = rollout_id("t0", 0, 0)
+RETRY = rollout_id("t0", 0, 1)
+
+
+@pytest.mark.parametrize("server", [[f"rollout={FIRST}:call={FAILS_AT}:status=503"]], indirect=True)
+async def test_an_infra_failure_retry_resumes_and_the_records_say_so(
+    tmp_path: Path, server: PolicyServer
+) -> None:
+    config = RunConfig(
+        dataset=_dataset(tmp_path / "data", 1),
+        out=tmp_path / "out",
+        model=ModelEndpointConfig(base_url=server.base_url, model_name="scripted"),
+        sandbox=SANDBOX,
+        deadline_s=60,
+        retry_backoff_s=0,
+        resume_rollouts=True,
+    )
+    summary = await Controller(config).run()
+    first, retry = _records(config.out)
+    assert (first.rollout_id, first.outcome) == (FIRST, "infra_failure")
+    assert (retry.rollout_id, retry.outcome, retry.reward) == (RETRY, "completed", 1.0)
+    saved = FAILS_AT - 1
+    # The policy server was asked only what the journal did not hold.
+    assert server.requests[RETRY] == CALLS - saved
+    link = retry.resume
+    assert link is not None and link.resumed and link.reason is None
+    assert (link.previous_rollout_id, link.previous_dir) == (FIRST, first.rollout_dir)
+    assert link.replayed_model_calls == saved
+    assert retry.receipt.resumed_from == FIRST
+    assert link.boundary == read_journal(Path(first.rollout_dir) / "checkpoint.jsonl")[-1]["seq"]
+    # Exactly once: the retry's metrics hold only the calls it made, so the run's token sum is each
+    # call's tokens once.
+    assert (retry.metrics.model_calls, retry.metrics.replayed_model_calls) == (CALLS - saved, saved)
+    result = retry.result()
+    assert result is not None and result.trajectory.resumed_from is not None
+    replayed = set(result.trajectory.resumed_from.replayed_model_calls)
+    made = [c for c in result.trajectory.model_calls if c.id not in replayed]
+    assert retry.metrics.total_tokens == sum(c.usage.total_tokens or 0 for c in made)
+    m = summary.metrics
+    assert (m.resumed_rollouts, m.model_calls_saved, m.retries) == (1, saved, 1)
+    assert m.tokens.total_tokens == sum(r.metrics.total_tokens or 0 for r in (first, retry))
+    assert retry.health.findings == {}
+    # The retry's journal folds to its result (checkpoint and result projections agree).
+    checkpoint = load_checkpoint(Path(retry.rollout_dir) / "checkpoint.jsonl")
+    assert [c.id for c in checkpoint.trajectory.model_calls] == [c.id for c in result.trajectory.model_calls]
+    assert checkpoint.trajectory.resumed_from == result.trajectory.resumed_from
+    assert checkpoint.output == project_output(result.trajectory, partial=True)
+    assert project_output(result.trajectory, partial=False) == result.response.output  # type: ignore[union-attr]
+    # The earlier attempt's directory is intact evidence.
+    assert (Path(first.rollout_dir) / "result.json").exists()
+
+
+@pytest.mark.parametrize("server", [[f"rollout={FIRST}:call={FAILS_AT}:status=503"]], indirect=True)
+async def test_without_the_flag_a_retry_starts_over(tmp_path: Path, server: PolicyServer) -> None:
+    config = RunConfig(
+        dataset=_dataset(tmp_path / "data", 1),
+        out=tmp_path / "out",
+        model=ModelEndpointConfig(base_url=server.base_url, model_name="scripted"),
+        sandbox=SANDBOX,
+        deadline_s=60,
+        retry_backoff_s=0,
+    )
+    summary = await Controller(config).run()
+    _, retry = _records(config.out)
+    assert retry.outcome == "completed" and retry.resume is None
+    assert server.requests[RETRY] == CALLS
+    assert (summary.metrics.resumed_rollouts, summary.metrics.model_calls_saved) == (0, 0)
+
+
+def _in_flight_at(out: Path, rollout: str, calls: int) -> bool:
+    try:
+        records = read_journal(out / "rollouts" / rollout / "checkpoint.jsonl")
+    except (OSError, ValueError):
+        return False
+    return sum(r.get("kind") == "model_call" for r in records) >= calls and any(
+        r.get("kind") == "turn_start" and r["turn"]["index"] == calls for r in records
+    )
+
+
+@pytest.mark.parametrize("server", [[f"rollout={FIRST}:call={FAILS_AT}:kind=hang"]], indirect=True)
+def test_a_rollout_interrupted_by_a_controller_sigkill_continues_on_rerun(
+    tmp_path: Path, server: PolicyServer
+) -> None:
+    dataset = _dataset(tmp_path / "data", 2)
+    out = tmp_path / "out"
+    args = [
+        sys.executable, "-m", "rollcage", "run", str(dataset), "--out", str(out), "--quiet",
+        "--model", server.base_url, "--model-name", "scripted", "--sandbox", SANDBOX,
+        "--resume-rollouts", "--concurrency", "2",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: _in_flight_at(out, FIRST, FAILS_AT - 1), what="the hung model call of t0")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    rerun = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    by_task = {r.task_id: r for r in _records(out)}
+    resumed = by_task["t0"]
+    assert (resumed.rollout_id, resumed.outcome, resumed.reward) == (FIRST, "completed", 1.0)
+    link = resumed.resume
+    assert link is not None and link.resumed, link
+    assert Path(link.previous_dir).parent == out / "interrupted"
+    assert link.replayed_model_calls == FAILS_AT - 1
+    # Asked FAILS_AT times by the killed run (the last one hung), then only the rest.
+    assert server.requests[FIRST] == FAILS_AT + CALLS - (FAILS_AT - 1)
+    metrics = RunMetrics.model_validate_json((out / "metrics.json").read_bytes())
+    assert metrics.resumed_rollouts >= 1 and metrics.model_calls_saved >= FAILS_AT - 1
