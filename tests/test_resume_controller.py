@@ -171,13 +171,18 @@ def test_a_rollout_interrupted_by_a_controller_sigkill_continues_on_rerun(
     ]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: _in_flight_at(out, FIRST, FAILS_AT - 1), what="the hung model call of t0")
+        # The hung request reached the server (so the rerun's is not the one that hangs), after its
+        # turn's start was journaled.
+        wait_for(lambda: server.faults_injected, what="the hung model call of t0")
+        wait_for(lambda: _in_flight_at(out, FIRST, FAILS_AT - 1), what="its turn's start in the journal")
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=60)
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    by_task = {r.task_id: r for r in _records(out)}
+    got = _records(out)
+    assert len(got) == 2, [(r.rollout_id, r.outcome, r.receipt.outcome_reason[:300], r.resume and r.resume.reason) for r in got]
+    by_task = {r.task_id: r for r in got}
     resumed = by_task["t0"]
     assert (resumed.rollout_id, resumed.outcome, resumed.reward) == (FIRST, "completed", 1.0)
     link = resumed.resume

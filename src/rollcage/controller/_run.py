@@ -46,10 +46,11 @@ from rollcage.controller._dataset import (
     tasks_from_rows,
 )
 from rollcage.controller._formats import DatasetFormat
+from rollcage.controller._ids import rollout_id
 from rollcage.controller._ledger import RunLedger
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
-from rollcage.controller._unit import Endpoints, prepare_rollout, set_aside
+from rollcage.controller._unit import Endpoints, ResumeSource, prepare_rollout, set_aside
 from rollcage.errors import ConfigError, DurableWriteError, SandboxError
 from rollcage.protocol import ModelEndpoint, RolloutRecord, RunMetrics
 
@@ -547,6 +548,7 @@ class Controller:
 
     async def _run_sample(self, backend: Backend, task: Task, sample: int, slots: _Slots) -> None:
         assert self._endpoints is not None and self._log is not None
+        previous: ResumeSource | None = None
         try:
             while not self.stop.is_set():
                 try_index = self._ledger.next_try(task.id, sample)
@@ -560,6 +562,11 @@ class Controller:
                     logger.info(
                         "set aside the unfinished %s from an earlier run: %s", prepared.rollout_id, moved
                     )
+                if self.config.resume_rollouts:
+                    source = self._resume_source(
+                        task, sample, try_index, prepared.rollout_id, moved, previous
+                    )
+                    prepared = prepared.model_copy(update={"resume_from": source})
                 record = await backend.run(prepared, stop=self.stop)
                 try:
                     await self._log.append(record)
@@ -576,6 +583,7 @@ class Controller:
                     await self._sink(record)
                 if record.outcome != "infra_failure" or self._ledger.is_done(task.id, sample):
                     return
+                previous = ResumeSource(rollout_id=record.rollout_id, directory=record.rollout_dir)
                 delay = min(
                     self.config.retry_backoff_s * 2 ** max(0, state.infra_failures - 1),
                     self.config.retry_backoff_max_s,
@@ -584,6 +592,31 @@ class Controller:
                     return
         finally:
             slots.release()
+
+    def _resume_source(
+        self,
+        task: Task,
+        sample: int,
+        try_index: int,
+        rollout: str,
+        moved: Path | None,
+        previous: ResumeSource | None,
+    ) -> ResumeSource | None:
+        """The earlier attempt a new one continues: the one a killed run interrupted, else the last retried.
+
+        An attempt interrupted by a killed controller has no record and keeps its id (its
+        directory was set aside in ``interrupted/``); an attempt this run retried after
+        ``infra_failure`` is the previous try, in this run or an earlier one.
+        """
+        if moved is not None:
+            return ResumeSource(rollout_id=rollout, directory=str(moved))
+        if previous is not None:
+            return previous
+        if try_index == 0:
+            return None
+        # Retried in an earlier run: only infra_failure attempts are retried, so the last try is one.
+        earlier = rollout_id(task.id, sample, try_index - 1)
+        return ResumeSource(rollout_id=earlier, directory=str(self._out / "rollouts" / earlier))
 
     async def _maybe_publish(self) -> None:
         now = time.monotonic()

@@ -17,6 +17,7 @@ tool calls carry the session cookies), verify, close the session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -51,6 +52,8 @@ from rollcage.protocol import (
     ModelEndpoint,
     Outcome,
     ResourceEndpoint,
+    ResumeLink,
+    ResumeRequest,
     RolloutHealth,
     RolloutMetrics,
     RolloutRecord,
@@ -69,6 +72,7 @@ __all__ = [
     "EnvironmentPlan",
     "GradingPlan",
     "PreparedRollout",
+    "ResumeSource",
     "RolloutSettings",
     "SuperviseFn",
     "build_supervisor_config",
@@ -82,6 +86,9 @@ __all__ = [
 logger = logging.getLogger("rollcage.controller")
 
 _SESSION_TIMEOUT_S = 30.0
+_RESUME_JOURNAL = "resume.jsonl"
+_MAX_RESUME_JOURNAL_BYTES = 1 << 30
+"""The largest earlier journal resumed from (a journal is O(new content) per boundary: far below)."""
 # A built-in grade is linear in the answer (regex bounds itself): this only backstops it.
 _BUILTIN_GRADE_TIMEOUT_S = 30.0
 
@@ -113,6 +120,13 @@ class EnvironmentPlan(_Model):
     timeout_s: float = Field(default=_SESSION_TIMEOUT_S, gt=0, description="Deadline of seed and close.")
 
 
+class ResumeSource(_Model):
+    """The earlier attempt a new one is asked to continue (``--resume-rollouts``)."""
+
+    rollout_id: str = Field(description="Id of the earlier attempt (its journal's start record says it).")
+    directory: str = Field(description="Its directory, kept intact as evidence; its journal is copied.")
+
+
 class PreparedRollout(_Model):
     """Everything one attempt needs: the sandbox's input and the controller's grading state."""
 
@@ -125,6 +139,9 @@ class PreparedRollout(_Model):
     grading: GradingPlan | None = Field(default=None, description="How to grade; None: not graded.")
     environment: EnvironmentPlan | None = Field(
         default=None, description="The environment's session protocol; None: the row has no environment."
+    )
+    resume_from: ResumeSource | None = Field(
+        default=None, description="Continue this earlier attempt from its journal; None: start fresh."
     )
 
 
@@ -262,14 +279,85 @@ def may_grade(outcome: Outcome, *, grade_timeouts: bool) -> bool:
     return outcome in ("completed", "agent_error") or (outcome == "timeout" and grade_timeouts)
 
 
-def _lay_out(directory: Path, worker_input: WorkerInput, mode: int) -> None:
+def _lay_out(
+    directory: Path, worker_input: WorkerInput, mode: int, resume: ResumeSource | None = None
+) -> ResumeLink | None:
+    """Make the rollout directory; with ``resume``, stage the earlier attempt's journal (blocking).
+
+    Returns:
+        The attempt's link to the earlier one: ``resumed`` False with the reason when
+        its journal cannot be resumed from (the attempt then starts fresh), else
+        provisional (the worker says whether the replay held).
+    """
     from rollcage.durable import publish_json
     from rollcage.supervisor.fds import retry_on_emfile
 
     directory.mkdir(parents=True, exist_ok=False)
     (directory / "workspace").mkdir()
+    link: ResumeLink | None = None
+    if resume is not None:
+        link = _stage_resume(directory, resume)
+        if link.reason is None:
+            worker_input = worker_input.model_copy(
+                update={"resume": ResumeRequest(previous_rollout_id=resume.rollout_id)}
+            )
     # Another rollout may hold every descriptor for a moment: wait for one rather than fail this one.
     retry_on_emfile(publish_json, directory / "input.json", worker_input, mode=mode)
+    return link
+
+
+def _stage_resume(directory: Path, resume: ResumeSource) -> ResumeLink:
+    """Copy the earlier attempt's journal in as ``resume.jsonl`` and validate the copy (blocking).
+
+    The journal was written inside a sandbox: it is read once, bounded, from a
+    regular file, and what is validated is the copy the worker will read. The
+    earlier directory is left as it was.
+    """
+    from rollcage.durable import read_bounded
+    from rollcage.resume import load_replay
+
+    staged = directory / _RESUME_JOURNAL
+    previous = Path(resume.directory) / "checkpoint.jsonl"
+    link = ResumeLink(previous_rollout_id=resume.rollout_id, previous_dir=resume.directory, resumed=False)
+    try:
+        data = read_bounded(previous, limit=_MAX_RESUME_JOURNAL_BYTES)
+        staged.write_bytes(data)
+        plan = load_replay(staged, resume.rollout_id)
+    except OSError as exc:
+        reason = f"the earlier attempt's journal {previous} cannot be read: {exc.strerror or exc}"
+    except RollcageError as exc:
+        reason = str(exc)
+    else:
+        return link.model_copy(update={"boundary": plan.boundary})
+    with contextlib.suppress(OSError):
+        staged.unlink()
+    logger.info("not resuming %s from %s, starting fresh: %s", directory.name, resume.rollout_id, reason)
+    return link.model_copy(update={"reason": reason[:2000]})
+
+
+def _resume_link(link: ResumeLink | None, result: WorkerResult | None) -> ResumeLink | None:
+    """The final link: what the worker did with a journal it was given."""
+    if link is None or link.reason is not None:
+        return link
+    if result is None:
+        return link.model_copy(
+            update={"reason": "the attempt left no valid result: it is unknown how far it got"}
+        )
+    resumed = result.trajectory.resumed_from
+    if resumed is None:
+        return link.model_copy(
+            update={
+                "reason": result.trajectory.resume_refused or "the worker did not resume",
+                "boundary": None,
+            }
+        )
+    return link.model_copy(
+        update={
+            "resumed": True,
+            "boundary": resumed.boundary,
+            "replayed_model_calls": len(resumed.replayed_model_calls),
+        }
+    )
 
 
 def _verify_payload(
@@ -489,12 +577,27 @@ async def _run_and_grade(
     rollout_dir = Path(prepared.rollout_dir)
     started = time.time()
     seeded = False
+    link: ResumeLink | None = None
     result: WorkerResult | None = None
     try:
+        resume = prepared.resume_from
         if client is not None:
+            if resume is not None:
+                # The earlier attempt's session was closed with it; a replay against a new one would
+                # not see the state its tool calls built.
+                link = ResumeLink(
+                    previous_rollout_id=resume.rollout_id,
+                    previous_dir=resume.directory,
+                    resumed=False,
+                    reason="rows with an environment are not resumed (the earlier session was closed)",
+                )
+                resume = None
             prepared = await _seed(prepared, client)
             seeded = True
-        await asyncio.to_thread(_lay_out, rollout_dir, prepared.worker_input, settings.input_mode)
+        staged = await asyncio.to_thread(
+            _lay_out, rollout_dir, prepared.worker_input, settings.input_mode, resume
+        )
+        link = staged if staged is not None else link
         if supervise is None:
             fn = _default_supervise()
             config = supervisor_config if supervisor_config is not None else build_supervisor_config(settings)
@@ -506,6 +609,9 @@ async def _run_and_grade(
         receipt = _failed_receipt(prepared, settings, exc, started, where="the controller")
     if not receipt.result_valid:
         result = None
+    link = _resume_link(link, result)
+    if prepared.resume_from is not None:
+        receipt = receipt.model_copy(update={"resumed_from": prepared.resume_from.rollout_id})
     graded = False
     masked = False
     failure_kind: str | None = None
@@ -547,6 +653,7 @@ async def _run_and_grade(
         failure_kind=failure_kind,
         grader=grader,
         termination_reason=result.termination_reason if result is not None else None,
+        resume=link,
     ).with_result(result)
 
 
