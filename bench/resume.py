@@ -75,7 +75,14 @@ def _start_worker(directory: Path, data: dict[str, Any]) -> subprocess.Popen[byt
     (directory / "input.json").write_text(json.dumps(data))
     log = (directory / "worker.log").open("ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "rollcage", "worker", str(directory / "input.json"), str(directory / "result.json")],
+        [
+            sys.executable,
+            "-m",
+            "rollcage",
+            "worker",
+            str(directory / "input.json"),
+            str(directory / "result.json"),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -87,16 +94,19 @@ def _worker_scenario(root: Path, latency: float) -> list[dict[str, Any]]:
     from rollcage.protocol import WorkerResult
 
     rows: list[dict[str, Any]] = []
-    faults = [f"kind=latency:delay={latency}", f"rollout=w-0:call={DONE + 1}:kind=hang"]
+    # The first matching rule applies: the specific one first.
+    faults = [f"rollout=w-0:call={DONE + 1}:kind=hang", f"kind=latency:delay={latency}"]
     with PolicyServer(SCRIPT, faults=faults) as server:
         started = time.monotonic()
         base = _start_worker(root / "base", _worker_input(server.base_url, "w-base", None))
         base.wait(timeout=600)
-        rows.append(_row("worker: uninterrupted", server.requests.get("w-base", 0), time.monotonic() - started))
+        rows.append(
+            _row("worker: uninterrupted", server.requests.get("w-base", 0), time.monotonic() - started)
+        )
         first = _start_worker(root / "w-0", _worker_input(server.base_url, "w-0", None))
         journal = root / "w-0" / "checkpoint.jsonl"
         deadline = time.monotonic() + 600
-        while not any(
+        while not server.faults_injected or not any(
             r.get("kind") == "turn_start" and r["turn"]["index"] == DONE for r in _journal_kinds(journal)
         ):
             if time.monotonic() > deadline or first.poll() is not None:
@@ -127,21 +137,28 @@ def _worker_scenario(root: Path, latency: float) -> list[dict[str, Any]]:
     return rows
 
 
-async def _controller_run(root: Path, base_url: str, sandbox: str, resume: bool) -> tuple[float, list[Any], Any]:
+async def _controller_run(
+    root: Path, base_url: str, sandbox: str, resume: bool
+) -> tuple[float, list[Any], Any]:
     from rollcage.controller import Controller, ModelEndpointConfig, RunConfig
     from rollcage.protocol import RolloutRecord
 
     dataset = root / "dataset.jsonl"
-    row = {"id": "long", "input": "Add up 1..18 one cell at a time.", "tools": ["python"], "expected": "171"}
-    row["agent"] = {"max_policy_calls": CALLS + 5}
-    row["model"] = {"max_retries": 0, "timeout_s": 60}
+    row: dict[str, Any] = {
+        "id": "long",
+        "input": "Add up 1..18 one cell at a time.",
+        "tools": ["python"],
+        "expected": "171",
+        "agent": {"max_policy_calls": CALLS + 5},
+        "model": {"max_retries": 0, "timeout_s": 60},
+    }
     dataset.write_text(json.dumps(row) + "\n")
     out = root / ("out-resume" if resume else "out-fresh")
     config = RunConfig(
         dataset=dataset,
         out=out,
         model=ModelEndpointConfig(base_url=base_url, model_name="scripted"),
-        sandbox=sandbox,  # type: ignore[arg-type]
+        sandbox=sandbox,
         deadline_s=600,
         retry_backoff_s=0,
         resume_rollouts=resume,
@@ -149,7 +166,9 @@ async def _controller_run(root: Path, base_url: str, sandbox: str, resume: bool)
     started = time.monotonic()
     summary = await Controller(config).run()
     wall = time.monotonic() - started
-    records = [RolloutRecord.model_validate_json(x) for x in (out / "rollouts.jsonl").read_bytes().splitlines()]
+    records = [
+        RolloutRecord.model_validate_json(x) for x in (out / "rollouts.jsonl").read_bytes().splitlines()
+    ]
     return wall, records, summary.metrics
 
 
@@ -160,7 +179,7 @@ def _controller_scenario(root: Path, latency: float, sandbox: str) -> list[dict[
     first, retry = rollout_id("long", 0, 0), rollout_id("long", 0, 1)
     rows: list[dict[str, Any]] = []
     for resume in (False, True):
-        faults = [f"kind=latency:delay={latency}", f"rollout={first}:call={DONE + 1}:status=503"]
+        faults = [f"rollout={first}:call={DONE + 1}:status=503", f"kind=latency:delay={latency}"]
         with PolicyServer(SCRIPT, faults=faults) as server:
             directory = root / f"controller-{resume}"
             directory.mkdir()
@@ -169,14 +188,15 @@ def _controller_scenario(root: Path, latency: float, sandbox: str) -> list[dict[
             assert attempt.outcome == "infra_failure" and retried.reward == 1.0, records
             link = retried.resume
             said = (
-                f"record.resume: resumed={link.resumed}, replayed={link.replayed_model_calls}; "
-                f"metrics: resumed_rollouts={metrics.resumed_rollouts}, model_calls_saved={metrics.model_calls_saved}"
+                f"record.resume: resumed={link.resumed}, replayed={link.replayed_model_calls}; metrics: "
+                f"resumed_rollouts={metrics.resumed_rollouts}, model_calls_saved={metrics.model_calls_saved}"
                 if link is not None
                 else "record.resume: None"
             )
+            how = "resumed" if resume else "from scratch"
             rows.append(
                 _row(
-                    f"{sandbox} infra_failure at call {DONE + 1}: retry {'resumed' if resume else 'from scratch'}",
+                    f"{sandbox} infra_failure at call {DONE + 1}: retry {how}",
                     server.requests.get(retry, 0),
                     retried.receipt.duration_s,
                     said=said,
@@ -213,7 +233,10 @@ def main() -> None:
         )
     tokens = [r for r in rows if "tokens" in r]
     if tokens:
-        print("run token totals (each call counted once): " + ", ".join(f"{r['name'].split(':')[1].strip()}: {r['tokens']}" for r in tokens))
+        print(
+            "run token totals (each call counted once): "
+            + ", ".join(f"{r['name'].split(':')[1].strip()}: {r['tokens']}" for r in tokens)
+        )
 
 
 if __name__ == "__main__":

@@ -181,7 +181,9 @@ def test_a_rollout_interrupted_by_a_controller_sigkill_continues_on_rerun(
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     got = _records(out)
-    assert len(got) == 2, [(r.rollout_id, r.outcome, r.receipt.outcome_reason[:300], r.resume and r.resume.reason) for r in got]
+    assert len(got) == 2, [
+        (r.rollout_id, r.outcome, r.receipt.outcome_reason[:300], r.resume and r.resume.reason) for r in got
+    ]
     by_task = {r.task_id: r for r in got}
     resumed = by_task["t0"]
     assert (resumed.rollout_id, resumed.outcome, resumed.reward) == (FIRST, "completed", 1.0)
