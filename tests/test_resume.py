@@ -307,3 +307,50 @@ def test_an_unusable_journal_starts_fresh_with_the_reason(
     assert result.response is not None and result.response.output_text == "x=12"
     assert result.trajectory.resume_refused is not None and reason in result.trajectory.resume_refused
     assert server.requests.get("fc-1", 0) == CALLS
+
+
+def _rename_call_ids(record: dict[str, Any]) -> None:
+    if record.get("kind") == "model_call":
+        for item in record["model_call"]["output"]:
+            if item.get("type") == "function_call":
+                item["call_id"] = "call_0_0"  # every call claims the first call's id
+
+
+def _move_tool_to_no_call(record: dict[str, Any]) -> None:
+    for tool in record.get("tool_calls", []):
+        tool["turn"] = 99
+
+
+def _rename_model_call(record: dict[str, Any]) -> None:
+    if record.get("kind") == "model_call" and record["model_call"]["index"] == 1:
+        record["model_call"]["id"] = "elsewhere:m1"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (_rename_call_ids, "tool-call ids"),
+        (_move_tool_to_no_call, "belongs to no model call"),
+        (_rename_model_call, "out of order"),
+    ],
+    ids=["duplicate-tool-ids", "orphan-tool", "foreign-call-id"],
+)
+def test_an_inconsistent_journal_from_a_real_run_starts_fresh(
+    mutate: Callable[[dict[str, Any]], None],
+    reason: str,
+    policy: Callable[..., PolicyServer],
+    dirs: Callable[[str], RolloutDir],
+    weather_url: str,
+) -> None:
+    """Well-framed lines, checksums right, content the loop never writes: evidence that is refused."""
+    server = policy(("rollout=fc-0:call=4:kind=hang",))
+    first, second = dirs("try0"), dirs("try1")
+    _kill_at(first, server, _input(server, weather_url, "fc", "fc-0"), 4)
+    records = [{k: v for k, v in r.items() if k != "seq"} for r in first.records()]
+    for record in records:
+        mutate(record)
+    _journal(second.root / "resume.jsonl", records)
+    result = _run(second, _input(server, weather_url, "fc", "fc-1", resume={"previous_rollout_id": "fc-0"}))
+    assert result.response is not None and result.response.output_text == "x=12"
+    assert result.trajectory.resume_refused is not None and reason in result.trajectory.resume_refused
+    assert server.requests.get("fc-1", 0) == CALLS

@@ -115,6 +115,12 @@ def plan_replay(checkpoint: Checkpoint, previous_rollout_id: str) -> ReplayPlan:
     for call in trajectory.model_calls:
         if call.status == "failed" or call.incomplete_reason == INTERRUPTED:
             break
+        ids = [str(item.get("call_id")) for item in call.output if item.get("type") == "function_call"]
+        if ids != [f"call_{call.index}_{k}" for k in range(len(ids))]:
+            # The loop names every function call itself: other ids were not written by it.
+            raise ResumeRefusedError(
+                f"the journal's model call {call.index} has tool-call ids the loop never gives"
+            )
         answered.append(call)
     if not answered:
         raise ResumeRefusedError(

@@ -430,10 +430,16 @@ class _Session:
         if plan is None:
             return await self._play(None)
         self.replaying = []
+        replay = Replay(plan, self.spec.rollout_id)
         try:
-            return await self._play(Replay(plan, self.spec.rollout_id))
+            return await self._play(replay)
         except ResumeRefusedError as exc:
             self._refuse_resume(str(exc))
+        except Exception as exc:
+            if not replay.active:
+                raise  # the rollout's own failure, after the replay: not the journal's
+            # Evidence from a sandbox that the checks let through and the loop could not follow.
+            self._refuse_resume(f"replay failed: {type(exc).__name__}: {exc}")
         # The replayed cells' effects on the workspace go with them; the executor went with its stack.
         await asyncio.to_thread(_empty_workspace, self.paths.workspace)
         return await self._play(None)
