@@ -158,10 +158,9 @@ def _in_flight_at(out: Path, rollout: str, calls: int) -> bool:
     )
 
 
-@pytest.mark.parametrize("server", [[f"rollout={FIRST}:call={FAILS_AT}:kind=hang"]], indirect=True)
-def test_a_rollout_interrupted_by_a_controller_sigkill_continues_on_rerun(
-    tmp_path: Path, server: PolicyServer
-) -> None:
+def _kill_mid_rollout_then_rerun(tmp_path: Path, server: PolicyServer, *, change_task: bool) -> Path:
+    """Run two tasks with ``--resume-rollouts``, SIGKILL the controller while t0's 4th model call hangs,
+    then run the same command again (after changing t0's prompt, with ``change_task``)."""
     dataset = _dataset(tmp_path / "data", 2)
     out = tmp_path / "out"
     args = [
@@ -178,14 +177,23 @@ def test_a_rollout_interrupted_by_a_controller_sigkill_continues_on_rerun(
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=60)
+    if change_task:
+        rows = [json.loads(line) for line in dataset.read_text().splitlines()]
+        rows[0]["input"] = "7*6?"
+        dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    return out
+
+
+@pytest.mark.parametrize("server", [[f"rollout={FIRST}:call={FAILS_AT}:kind=hang"]], indirect=True)
+def test_a_rollout_interrupted_by_a_controller_sigkill_continues_on_rerun(
+    tmp_path: Path, server: PolicyServer
+) -> None:
+    out = _kill_mid_rollout_then_rerun(tmp_path, server, change_task=False)
     got = _records(out)
-    assert len(got) == 2, [
-        (r.rollout_id, r.outcome, r.receipt.outcome_reason[:300], r.resume and r.resume.reason) for r in got
-    ]
-    by_task = {r.task_id: r for r in got}
-    resumed = by_task["t0"]
+    assert len(got) == 2, [(r.rollout_id, r.outcome, r.receipt.outcome_reason[:300]) for r in got]
+    resumed = {r.task_id: r for r in got}["t0"]
     assert (resumed.rollout_id, resumed.outcome, resumed.reward) == (FIRST, "completed", 1.0)
     link = resumed.resume
     assert link is not None and link.resumed, link
@@ -195,3 +203,17 @@ def test_a_rollout_interrupted_by_a_controller_sigkill_continues_on_rerun(
     assert server.requests[FIRST] == FAILS_AT + CALLS - (FAILS_AT - 1)
     metrics = RunMetrics.model_validate_json((out / "metrics.json").read_bytes())
     assert metrics.resumed_rollouts >= 1 and metrics.model_calls_saved >= FAILS_AT - 1
+
+
+@pytest.mark.parametrize("server", [[f"rollout={FIRST}:call={FAILS_AT}:kind=hang"]], indirect=True)
+def test_a_task_changed_since_the_interrupted_attempt_starts_fresh(
+    tmp_path: Path, server: PolicyServer
+) -> None:
+    out = _kill_mid_rollout_then_rerun(tmp_path, server, change_task=True)
+    fresh = {r.task_id: r for r in _records(out)}["t0"]
+    assert fresh.outcome == "completed"
+    link = fresh.resume
+    assert link is not None and not link.resumed
+    assert link.reason is not None and "task changed" in link.reason and "'input'" in link.reason
+    assert server.requests[FIRST] == FAILS_AT + CALLS  # every call asked again
+    assert not (Path(fresh.rollout_dir) / "resume.jsonl").exists()

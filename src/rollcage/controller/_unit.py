@@ -47,7 +47,7 @@ from rollcage.controller._nemo_gym import (
     seed_session,
     to_nemo_response,
 )
-from rollcage.errors import RollcageError
+from rollcage.errors import ResumeRefusedError, RollcageError
 from rollcage.protocol import (
     ModelEndpoint,
     Outcome,
@@ -296,7 +296,7 @@ def _lay_out(
     (directory / "workspace").mkdir()
     link: ResumeLink | None = None
     if resume is not None:
-        link = _stage_resume(directory, resume)
+        link = _stage_resume(directory, resume, worker_input)
         if link.reason is None:
             worker_input = worker_input.model_copy(
                 update={"resume": ResumeRequest(previous_rollout_id=resume.rollout_id)}
@@ -306,11 +306,13 @@ def _lay_out(
     return link
 
 
-def _stage_resume(directory: Path, resume: ResumeSource) -> ResumeLink:
+def _stage_resume(directory: Path, resume: ResumeSource, worker_input: WorkerInput) -> ResumeLink:
     """Copy the earlier attempt's journal in as ``resume.jsonl`` and validate the copy (blocking).
 
     The journal was written inside a sandbox: it is read once, bounded, from a
     regular file, and what is validated is the copy the worker will read. The
+    earlier attempt must have been given the same task (its ``input.json``, the
+    controller's own, says so): responses to another prompt are not replayed. The
     earlier directory is left as it was.
     """
     from rollcage.durable import read_bounded
@@ -320,6 +322,9 @@ def _stage_resume(directory: Path, resume: ResumeSource) -> ResumeLink:
     previous = Path(resume.directory) / "checkpoint.jsonl"
     link = ResumeLink(previous_rollout_id=resume.rollout_id, previous_dir=resume.directory, resumed=False)
     try:
+        changed = _changed_task(Path(resume.directory) / "input.json", worker_input)
+        if changed is not None:
+            raise ResumeRefusedError(f"the task changed since the earlier attempt ({changed})")
         data = read_bounded(previous, limit=_MAX_RESUME_JOURNAL_BYTES)
         staged.write_bytes(data)
         plan = load_replay(staged, resume.rollout_id)
@@ -333,6 +338,30 @@ def _stage_resume(directory: Path, resume: ResumeSource) -> ResumeLink:
         staged.unlink()
     logger.info("not resuming %s from %s, starting fresh: %s", directory.name, resume.rollout_id, reason)
     return link.model_copy(update={"reason": reason[:2000]})
+
+
+_PER_ATTEMPT = {"rollout_id": True, "model_cookies": True, "resource_cookies": True, "resume": True}
+"""What differs between attempts of one task by design (the endpoints' addresses too, below)."""
+
+
+def _changed_task(previous_input: Path, worker_input: WorkerInput) -> str | None:
+    """The first field in which the earlier attempt's task differs from this one's; None: the same task."""
+    from rollcage.durable import read_bounded
+
+    try:
+        earlier = WorkerInput.model_validate_json(read_bounded(previous_input, limit=64 * 1024 * 1024))
+    except (OSError, ValueError) as exc:
+        return f"its input.json cannot be read: {exc}"
+
+    def task(value: WorkerInput) -> dict[str, Any]:
+        data = value.model_dump(mode="json", exclude=_PER_ATTEMPT)
+        # A rerun serves the same model on another port; the model's name and settings must match.
+        data["model"] = {k: v for k, v in data["model"].items() if k not in ("base_url", "uds")}
+        data["resources"] = {k: {**v, "base_url": None, "uds": None} for k, v in data["resources"].items()}
+        return data
+
+    before, now = task(earlier), task(worker_input)
+    return next((f"field {key!r}" for key in now if before.get(key) != now[key]), None)
 
 
 def _resume_link(link: ResumeLink | None, result: WorkerResult | None) -> ResumeLink | None:
