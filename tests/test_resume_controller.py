@@ -50,7 +50,7 @@ SCRIPT = {
 }
 
 
-def _dataset(directory: Path, tasks: int) -> Path:
+def _dataset(directory: Path, tasks: int, **extra: Any) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     rows = [
         {
@@ -59,6 +59,7 @@ def _dataset(directory: Path, tasks: int) -> Path:
             "tools": ["python"],
             "model": {"max_retries": 0, "timeout_s": 30},
             "expected": "42",
+            **extra,
         }
         for i in range(tasks)
     ]
@@ -127,25 +128,34 @@ async def test_an_infra_failure_retry_resumes_and_the_records_say_so(
     assert checkpoint.trajectory.resumed_from == result.trajectory.resumed_from
     assert checkpoint.output == project_output(result.trajectory, partial=True)
     assert project_output(result.trajectory, partial=False) == result.response.output  # type: ignore[union-attr]
-    # The earlier attempt's directory is intact evidence.
+    # The earlier attempt's directory is intact evidence; the retry's workspace was rebuilt by its cells.
     assert (Path(first.rollout_dir) / "result.json").exists()
+    assert (Path(retry.rollout_dir) / "workspace" / "x.txt").read_text() == "42"
 
 
+@pytest.mark.parametrize(
+    ("flag", "row", "resumed"), [(False, None, False), (True, False, False), (False, True, True)]
+)
 @pytest.mark.parametrize("server", [[f"rollout={FIRST}:call={FAILS_AT}:status=503"]], indirect=True)
-async def test_without_the_flag_a_retry_starts_over(tmp_path: Path, server: PolicyServer) -> None:
+async def test_the_row_setting_overrides_the_runs(
+    tmp_path: Path, server: PolicyServer, flag: bool, row: bool | None, resumed: bool
+) -> None:
+    extra = {} if row is None else {"resume": row}
     config = RunConfig(
-        dataset=_dataset(tmp_path / "data", 1),
+        dataset=_dataset(tmp_path / "data", 1, **extra),
         out=tmp_path / "out",
         model=ModelEndpointConfig(base_url=server.base_url, model_name="scripted"),
         sandbox=SANDBOX,
         deadline_s=60,
         retry_backoff_s=0,
+        resume_rollouts=flag,
     )
     summary = await Controller(config).run()
     _, retry = _records(config.out)
-    assert retry.outcome == "completed" and retry.resume is None
-    assert server.requests[RETRY] == CALLS
-    assert (summary.metrics.resumed_rollouts, summary.metrics.model_calls_saved) == (0, 0)
+    assert retry.outcome == "completed"
+    assert (retry.resume is not None and retry.resume.resumed) is resumed
+    assert server.requests[RETRY] == (CALLS - (FAILS_AT - 1) if resumed else CALLS)
+    assert summary.metrics.resumed_rollouts == int(resumed)
 
 
 def _in_flight_at(out: Path, rollout: str, calls: int) -> bool:

@@ -562,7 +562,8 @@ class Controller:
                     logger.info(
                         "set aside the unfinished %s from an earlier run: %s", prepared.rollout_id, moved
                     )
-                if self.config.resume_rollouts:
+                resume = task.row.resume
+                if resume if resume is not None else self.config.resume_rollouts:
                     source = self._resume_source(
                         task, sample, try_index, prepared.rollout_id, moved, previous
                     )
