@@ -76,6 +76,7 @@ __all__ = [
     "RolloutSettings",
     "SuperviseFn",
     "build_supervisor_config",
+    "lay_out",
     "may_grade",
     "prepare_rollout",
     "record_without_result",
@@ -279,15 +280,21 @@ def may_grade(outcome: Outcome, *, grade_timeouts: bool) -> bool:
     return outcome in ("completed", "agent_error") or (outcome == "timeout" and grade_timeouts)
 
 
-def _lay_out(
+def lay_out(
     directory: Path, worker_input: WorkerInput, mode: int, resume: ResumeSource | None = None
 ) -> ResumeLink | None:
-    """Make the rollout directory; with ``resume``, stage the earlier attempt's journal (blocking).
+    """Create one attempt's rollout directory: ``workspace/`` and ``input.json`` (blocking).
+
+    Args:
+        directory: The rollout directory; it must not exist yet (one directory per attempt).
+        worker_input: What the worker is given.
+        mode: File mode of ``input.json``.
+        resume: The earlier attempt to continue: its journal is staged as ``resume.jsonl``.
 
     Returns:
-        The attempt's link to the earlier one: ``resumed`` False with the reason when
-        its journal cannot be resumed from (the attempt then starts fresh), else
-        provisional (the worker says whether the replay held).
+        With ``resume``, the attempt's link to the earlier one: ``resumed`` False with
+        the reason when its journal cannot be resumed from (the attempt then starts
+        fresh), else provisional (the worker says whether the replay held).
     """
     from rollcage.durable import publish_json
     from rollcage.supervisor.fds import retry_on_emfile
@@ -624,7 +631,7 @@ async def _run_and_grade(
             prepared = await _seed(prepared, client)
             seeded = True
         staged = await asyncio.to_thread(
-            _lay_out, rollout_dir, prepared.worker_input, settings.input_mode, resume
+            lay_out, rollout_dir, prepared.worker_input, settings.input_mode, resume
         )
         link = staged if staged is not None else link
         if supervise is None:
