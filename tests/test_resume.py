@@ -51,7 +51,17 @@ ND_TURNS: list[dict[str, Any]] = [
     {"tool_calls": [{"name": "python", "arguments": {"code": "print(x)"}}]},
     {"text": "done"},
 ]
-SCRIPT = {"tasks": {"fc": FC_TURNS, "ca": CODEACT_TURNS, "nd": ND_TURNS}}
+# Two calls in one response: the slow cell is still running when the fast tool call's end is journaled.
+PARALLEL_TURNS: list[dict[str, Any]] = [
+    {
+        "tool_calls": [
+            {"name": "python", "arguments": {"code": "import time\ntime.sleep(1.5)\nprint('slept')"}},
+            {"name": "get_weather", "arguments": {"city": "Oslo"}},
+        ]
+    },
+    {"text": "done"},
+]
+SCRIPT = {"tasks": {"fc": FC_TURNS, "ca": CODEACT_TURNS, "nd": ND_TURNS, "par": PARALLEL_TURNS}}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +110,10 @@ def _kill_at(rd: RolloutDir, server: PolicyServer, data: dict[str, Any], call: i
     """Run ``data`` until its ``call``-th model request hangs, then SIGKILL the worker."""
     rd.write_input(data)
     rd.start()
-    wait_for(lambda: server.faults_injected, what=f"model request {call}")
+    rollout = data["rollout_id"]
+    wait_for(
+        lambda: any(f.rollout_id == rollout for f in server.faults_injected), what=f"model request {call}"
+    )
     # Every boundary up to the hung call's turn start is durable before the request is sent.
     wait_for(
         lambda: any(r.get("kind") == "turn_start" and r["turn"]["index"] == call - 1 for r in rd.records())
@@ -193,12 +206,13 @@ def test_a_resumed_rollouts_journal_folds_to_its_result(
         second, server, _input(server, weather_url, "fc", "fc-1", resume={"previous_rollout_id": "fc-0"}), 2
     )
     checkpoint = load_checkpoint(second.checkpoint)
-    assert [c.id for c in checkpoint.trajectory.model_calls] == ["fc-1:m0", "fc-1:m1"]
+    # Two calls replayed, one made (its second request hung): each in the journal once.
+    assert [c.id for c in checkpoint.trajectory.model_calls] == ["fc-1:m0", "fc-1:m1", "fc-1:m2"]
     assert checkpoint.trajectory.resumed_from is not None
     assert checkpoint.trajectory.resumed_from.replayed_model_calls == ["fc-1:m0", "fc-1:m1"]
     _resume_into(second, third)
     result = _run(third, _input(server, weather_url, "fc", "fc-2", resume={"previous_rollout_id": "fc-1"}))
-    assert server.requests.get("fc-2", 0) == CALLS - 2
+    assert server.requests.get("fc-2", 0) == CALLS - 3
     assert len(result.trajectory.model_calls) == CALLS
     final = load_checkpoint(third.checkpoint)
     assert [c.id for c in final.trajectory.model_calls] == [f"fc-2:m{i}" for i in range(CALLS)]
@@ -354,3 +368,35 @@ def test_an_inconsistent_journal_from_a_real_run_starts_fresh(
     assert result.response is not None and result.response.output_text == "x=12"
     assert result.trajectory.resume_refused is not None and reason in result.trajectory.resume_refused
     assert server.requests.get("fc-1", 0) == CALLS
+
+
+def test_a_sibling_call_the_journal_holds_ended_is_not_resent_when_another_was_in_flight(
+    policy: Callable[..., PolicyServer], dirs: Callable[[str], RolloutDir], weather_url: str
+) -> None:
+    server = policy()
+    first, second = dirs("try0"), dirs("try1")
+    first.write_input(_input(server, weather_url, "par", "par-0"))
+    first.start()
+    # The weather call ended (journaled) while the cell still sleeps: kill then.
+    wait_for(
+        lambda: any(
+            t["call_id"] == "call_0_1"
+            for r in first.records()
+            for t in r.get("tool_calls", [])
+            if t["status"] == "completed"
+        ),
+        what="the weather call's end in the journal",
+    )
+    assert first.proc is not None
+    os.killpg(first.proc.pid, signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    _resume_into(first, second)
+    result = _run(
+        second, _input(server, weather_url, "par", "par-1", resume={"previous_rollout_id": "par-0"})
+    )
+    resumed = result.trajectory.resumed_from
+    assert resumed is not None
+    # The cell that was in flight ran for real; its sibling was answered from the journal.
+    assert resumed.replayed_tool_calls == ["call_0_1"] and resumed.rerun_cells == []
+    assert [c.status for c in result.trajectory.tool_calls] == ["completed", "completed"]
+    assert server.requests.get("par-1", 0) == 1

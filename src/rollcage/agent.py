@@ -38,7 +38,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -268,8 +268,15 @@ class Agent:
         ]
 
     async def _run_tool_calls(self, pending: list[ToolCall]) -> bool:
-        """Run one response's calls concurrently; return whether any could not be run as asked."""
+        """Run one response's calls concurrently; return whether any could not be run as asked.
+
+        While replaying, the calls the journal holds ended go first (answered from it,
+        cells re-run), and only then the replay ends and the others run for real: the
+        replay stays a strict prefix of what the rollout does, whatever ended first.
+        """
         malformed = False
+        replay = self._replay
+        answers = {c.call_id: replay.tool(c.call_id, c.name, c.arguments) for c in pending} if replay else {}
 
         async def one(call: ToolCall) -> None:
             nonlocal malformed
@@ -278,9 +285,8 @@ class Agent:
                 malformed = True
                 await self._finish(call.call_id, "failed", f"error: {problem}")
                 return
-            recorded = self._replay.tool(call.call_id, call.name, call.arguments) if self._replay else None
+            recorded = answers.get(call.call_id)
             if recorded is None:
-                await self._leave_replay()
                 status, output = await self._dispatch(call, arguments)
             elif self._python is not None and call.name == self._python.name:
                 status, output = await self._rerun_cell(call.call_id, str(arguments["code"]), recorded)
@@ -288,16 +294,13 @@ class Agent:
                 status, output = self._replayed(recorded)
             await self._finish(call.call_id, status, output)
 
-        # A failing sibling must not hide the others' outputs: each call records its own
-        # outcome, and only a RollcageError that ends the rollout escapes the group.
-        try:
-            async with asyncio.TaskGroup() as group:
-                for call in pending:
-                    group.create_task(one(call))
-        except BaseExceptionGroup as group_error:
-            # Callers classify by exception type (infrastructure vs agent), so surface the
-            # first real failure rather than the group that wraps it.
-            raise _first_leaf(group_error) from group_error
+        replayed = [call for call in pending if answers.get(call.call_id) is not None]
+        fresh = [call for call in pending if answers.get(call.call_id) is None]
+        if replayed:
+            await _run_all(replayed, one)
+        if fresh:
+            await self._leave_replay()
+            await _run_all(fresh, one)
         for call in pending:
             self._history.append(
                 {
@@ -651,6 +654,20 @@ def _own_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:
     if not server_ids:
         return call, server_ids
     return call.model_copy(update={"output": items}), server_ids
+
+
+async def _run_all(calls: list[ToolCall], one: Callable[[ToolCall], Coroutine[Any, Any, None]]) -> None:
+    """Run ``one`` on every call concurrently; the first real failure escapes, not the group."""
+    # A failing sibling must not hide the others' outputs: each call records its own
+    # outcome, and only a RollcageError that ends the rollout escapes the group.
+    try:
+        async with asyncio.TaskGroup() as group:
+            for call in calls:
+                group.create_task(one(call))
+    except BaseExceptionGroup as group_error:
+        # Callers classify by exception type (infrastructure vs agent), so surface the
+        # first real failure rather than the group that wraps it.
+        raise _first_leaf(group_error) from group_error
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -410,10 +410,11 @@ class _Session:
                 if record.kind != "resumed":
                     self.replaying.append(data)
                     return
-                # The replay is over: what it rebuilt becomes this attempt's journal, then the marker.
+                # The replay is over: what it rebuilt becomes this attempt's journal, then the marker,
+                # queued in order so they share the journal's group commits.
                 held, self.replaying = self.replaying, None
-                for earlier in held:
-                    await self._append(earlier)
+                await asyncio.gather(*(self._append(earlier) for earlier in [*held, data]))
+                return
             await self._append(data)
 
     async def _append(self, data: dict[str, Any]) -> None:
