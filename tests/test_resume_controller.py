@@ -227,3 +227,33 @@ def test_a_task_changed_since_the_interrupted_attempt_starts_fresh(
     assert link.reason is not None and "task changed" in link.reason and "'input'" in link.reason
     assert server.requests[FIRST] == FAILS_AT + CALLS  # every call asked again
     assert not (Path(fresh.rollout_dir) / "resume.jsonl").exists()
+
+
+def test_a_journal_that_is_a_symbolic_link_is_not_followed(tmp_path: Path) -> None:
+    """Staging copies the earlier journal into the new directory: a link must not pull in another file."""
+    from rollcage.controller._unit import ResumeSource, lay_out
+    from rollcage.protocol import WorkerInput
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text("not for the sandbox\n")
+    (earlier / "checkpoint.jsonl").symlink_to(secret)
+    worker_input = WorkerInput.model_validate(
+        {
+            "rollout_id": "t0-s0-t1",
+            "task_id": "t0",
+            "input": "6*7?",
+            "model": {"base_url": "http://x/v1", "model": "m"},
+        }
+    )
+    (earlier / "input.json").write_text(
+        worker_input.model_copy(update={"rollout_id": "t0-s0-t0"}).model_dump_json()
+    )
+    link = lay_out(
+        tmp_path / "new", worker_input, 0o644, ResumeSource(rollout_id="t0-s0-t0", directory=str(earlier))
+    )
+    assert link is not None and not link.resumed
+    assert link.reason is not None and "symbolic link" in link.reason
+    assert not (tmp_path / "new" / "resume.jsonl").exists()
+    assert WorkerInput.model_validate_json((tmp_path / "new" / "input.json").read_bytes()).resume is None

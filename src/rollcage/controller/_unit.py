@@ -332,6 +332,10 @@ def _stage_resume(directory: Path, resume: ResumeSource, worker_input: WorkerInp
         changed = _changed_task(Path(resume.directory) / "input.json", worker_input)
         if changed is not None:
             raise ResumeRefusedError(f"the task changed since the earlier attempt ({changed})")
+        if previous.is_symlink():
+            # The journal is a file its worker appended to, never a link: following one could copy
+            # any file the controller can read into a directory the next worker reads.
+            raise ResumeRefusedError(f"the earlier attempt's journal {previous} is a symbolic link")
         data = read_bounded(previous, limit=_MAX_RESUME_JOURNAL_BYTES)
         staged.write_bytes(data)
         plan = load_replay(staged, resume.rollout_id)
