@@ -257,3 +257,57 @@ def test_a_journal_that_is_a_symbolic_link_is_not_followed(tmp_path: Path) -> No
     assert link.reason is not None and "symbolic link" in link.reason
     assert not (tmp_path / "new" / "resume.jsonl").exists()
     assert WorkerInput.model_validate_json((tmp_path / "new" / "input.json").read_bytes()).resume is None
+
+
+@pytest.mark.parametrize("server", [[f"rollout={FIRST}:call=3:kind=hang"]], indirect=True)
+def test_a_retry_killed_before_its_replay_ended_is_passed_over_for_the_attempt_before(
+    tmp_path: Path, server: PolicyServer
+) -> None:
+    """A resumed attempt journals its replay only once the replay is over: killed before, its journal
+    holds nothing to resume, and the attempt before it is the evidence to continue from."""
+    import asyncio
+
+    from rollcage.controller._unit import ResumeSource, lay_out
+    from rollcage.durable import CheckpointJournal
+    from rollcage.protocol import WorkerInput
+    from tests.helpers.worker_env import RolloutDir, worker_input
+
+    def task_input(rollout: str) -> WorkerInput:
+        data = worker_input(model_url=server.base_url, task_id="t0")
+        return WorkerInput.model_validate({**data, "rollout_id": rollout})
+
+    before = RolloutDir(tmp_path / FIRST)
+    try:
+        before.write_input(task_input(FIRST).model_dump(mode="json"))
+        before.start()
+        wait_for(lambda: server.faults_injected, what="the third model request")
+        wait_for(
+            lambda: any(r.get("kind") == "turn_start" and r["turn"]["index"] == 2 for r in before.records())
+        )
+    finally:
+        before.kill()
+    killed = tmp_path / RETRY
+    killed.mkdir()
+    (killed / "input.json").write_text(task_input(RETRY).model_dump_json())
+
+    async def start_only() -> None:
+        async with CheckpointJournal(killed / "checkpoint.jsonl") as journal:
+            await journal.append({"kind": "start", "at": 1.0, "schema_version": 2, "rollout_id": RETRY})
+
+    asyncio.run(start_only())
+    third = rollout_id("t0", 0, 2)
+    source = ResumeSource(rollout_id=FIRST, directory=str(before.root)).then(RETRY, str(killed))
+    link = lay_out(tmp_path / third, task_input(third), 0o644, source)
+    assert link is not None and link.reason is None
+    assert (link.previous_rollout_id, link.previous_dir) == (FIRST, str(before.root))
+    assert (tmp_path / third / "resume.jsonl").read_bytes() == before.checkpoint.read_bytes()
+    # The worker resumes from it: two calls replayed, three asked.
+    rd = RolloutDir(tmp_path / third)
+    try:
+        assert rd.run() == 0, rd.log_text()
+    finally:
+        rd.kill()
+    result = rd.result_model()
+    assert result.trajectory.resumed_from is not None
+    assert result.trajectory.resumed_from.previous_rollout_id == FIRST
+    assert server.requests[third] == CALLS - 2

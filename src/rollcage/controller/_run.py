@@ -584,7 +584,10 @@ class Controller:
                     await self._sink(record)
                 if record.outcome != "infra_failure" or self._ledger.is_done(task.id, sample):
                     return
-                previous = ResumeSource(rollout_id=record.rollout_id, directory=record.rollout_dir)
+                if prepared.resume_from is None:
+                    previous = ResumeSource(rollout_id=record.rollout_id, directory=record.rollout_dir)
+                else:
+                    previous = prepared.resume_from.then(record.rollout_id, record.rollout_dir)
                 delay = min(
                     self.config.retry_backoff_s * 2 ** max(0, state.infra_failures - 1),
                     self.config.retry_backoff_max_s,
@@ -609,15 +612,16 @@ class Controller:
         directory was set aside in ``interrupted/``); an attempt this run retried after
         ``infra_failure`` is the previous try, in this run or an earlier one.
         """
-        if moved is not None:
-            return ResumeSource(rollout_id=rollout, directory=str(moved))
         if previous is not None:
             return previous
-        if try_index == 0:
+        # Tries before this one ran in an earlier run: only infra_failure attempts are retried.
+        tries = [rollout_id(task.id, sample, t) for t in range(try_index - 1, max(-1, try_index - 9), -1)]
+        earlier = [ResumeSource(rollout_id=rid, directory=str(self._out / "rollouts" / rid)) for rid in tries]
+        if moved is not None:
+            return ResumeSource(rollout_id=rollout, directory=str(moved), earlier=earlier)
+        if not earlier:
             return None
-        # Retried in an earlier run: only infra_failure attempts are retried, so the last try is one.
-        earlier = rollout_id(task.id, sample, try_index - 1)
-        return ResumeSource(rollout_id=earlier, directory=str(self._out / "rollouts" / earlier))
+        return earlier[0].model_copy(update={"earlier": earlier[1:]})
 
     async def _maybe_publish(self) -> None:
         now = time.monotonic()

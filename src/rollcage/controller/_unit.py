@@ -88,6 +88,8 @@ logger = logging.getLogger("rollcage.controller")
 
 _SESSION_TIMEOUT_S = 30.0
 _RESUME_JOURNAL = "resume.jsonl"
+_RESUME_CHAIN = 8
+"""Earlier attempts remembered behind the latest one (a retry budget rarely reaches it)."""
 _MAX_RESUME_JOURNAL_BYTES = 1 << 30
 """The largest earlier journal resumed from (a journal is O(new content) per boundary: far below)."""
 # A built-in grade is linear in the answer (regex bounds itself): this only backstops it.
@@ -126,6 +128,19 @@ class ResumeSource(_Model):
 
     rollout_id: str = Field(description="Id of the earlier attempt (its journal's start record says it).")
     directory: str = Field(description="Its directory, kept intact as evidence; its journal is copied.")
+    earlier: list[ResumeSource] = Field(
+        default_factory=list,
+        description="Attempts before it, latest first: tried in turn when its journal cannot be resumed "
+        "from (it was itself resumed, and killed before its replay was over).",
+    )
+
+    def chain(self) -> list[ResumeSource]:
+        """This attempt and the ones before it, latest first, each without its own ``earlier``."""
+        return [item.model_copy(update={"earlier": []}) for item in (self, *self.earlier)]
+
+    def then(self, rollout_id: str, directory: str) -> ResumeSource:
+        """The source for the attempt after ``rollout_id``, which was asked to continue this one."""
+        return ResumeSource(rollout_id=rollout_id, directory=directory, earlier=self.chain()[:_RESUME_CHAIN])
 
 
 class PreparedRollout(_Model):
@@ -303,14 +318,26 @@ def lay_out(
     (directory / "workspace").mkdir()
     link: ResumeLink | None = None
     if resume is not None:
-        link = _stage_resume(directory, resume, worker_input)
+        link = _stage_first_usable(directory, resume, worker_input)
         if link.reason is None:
             worker_input = worker_input.model_copy(
-                update={"resume": ResumeRequest(previous_rollout_id=resume.rollout_id)}
+                update={"resume": ResumeRequest(previous_rollout_id=link.previous_rollout_id)}
             )
     # Another rollout may hold every descriptor for a moment: wait for one rather than fail this one.
     retry_on_emfile(publish_json, directory / "input.json", worker_input, mode=mode)
     return link
+
+
+def _stage_first_usable(directory: Path, resume: ResumeSource, worker_input: WorkerInput) -> ResumeLink:
+    """Stage the latest earlier journal that can be resumed from; else the latest one's reason."""
+    first: ResumeLink | None = None
+    for source in resume.chain():
+        link = _stage_resume(directory, source, worker_input)
+        if link.reason is None:
+            return link
+        first = first or link
+    assert first is not None
+    return first
 
 
 def _stage_resume(directory: Path, resume: ResumeSource, worker_input: WorkerInput) -> ResumeLink:
