@@ -127,6 +127,17 @@ def _resume_into(previous: RolloutDir, rd: RolloutDir) -> None:
     shutil.copyfile(previous.checkpoint, rd.root / "resume.jsonl")
 
 
+def _kill_then_resume(
+    server: PolicyServer, dirs: Callable[[str], RolloutDir], weather: str, task: str, call: int
+) -> tuple[WorkerResult, RolloutDir]:
+    """Run ``task`` as ``<task>-0`` until its ``call``-th request hangs, SIGKILL it, resume as ``-1``."""
+    first, second = dirs("try0"), dirs("try1")
+    _kill_at(first, server, _input(server, weather, task, f"{task}-0"), call)
+    _resume_into(first, second)
+    resume = {"previous_rollout_id": f"{task}-0"}
+    return _run(second, _input(server, weather, task, f"{task}-1", resume=resume)), second
+
+
 def _comparable(result: WorkerResult) -> dict[str, Any]:
     """The result without ids and timings (which differ between attempts by design)."""
     t = result.trajectory
@@ -229,10 +240,7 @@ def test_codeact_resume_reruns_cells_and_answers_agent_tool_calls_from_the_journ
     baselines: dict[str, WorkerResult],
 ) -> None:
     server = policy(("rollout=ca-0:call=3:kind=hang",))
-    first, second = dirs("try0"), dirs("try1")
-    _kill_at(first, server, _input(server, weather_url, "ca", "ca-0"), 3)
-    _resume_into(first, second)
-    result = _run(second, _input(server, weather_url, "ca", "ca-1", resume={"previous_rollout_id": "ca-0"}))
+    result, _ = _kill_then_resume(server, dirs, weather_url, "ca", 3)
     assert _comparable(result) == _comparable(baselines["ca"])
     assert server.requests.get("ca-1", 0) == 1
     resumed = result.trajectory.resumed_from
@@ -245,10 +253,7 @@ def test_a_divergent_replay_falls_back_to_a_fresh_start_and_says_why(
     policy: Callable[..., PolicyServer], dirs: Callable[[str], RolloutDir], weather_url: str
 ) -> None:
     server = policy(("rollout=nd-0:call=3:kind=hang",))
-    first, second = dirs("try0"), dirs("try1")
-    _kill_at(first, server, _input(server, weather_url, "nd", "nd-0"), 3)
-    _resume_into(first, second)
-    result = _run(second, _input(server, weather_url, "nd", "nd-1", resume={"previous_rollout_id": "nd-0"}))
+    result, second = _kill_then_resume(server, dirs, weather_url, "nd", 3)
     assert result.trajectory.resumed_from is None
     refused = result.trajectory.resume_refused
     assert refused is not None and "call_1_0" in refused and "diverged" in refused

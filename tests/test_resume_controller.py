@@ -68,6 +68,21 @@ def _dataset(directory: Path, tasks: int, **extra: Any) -> Path:
     return path
 
 
+def _config(
+    tmp_path: Path, server: PolicyServer, *, row: dict[str, Any] | None = None, **run: Any
+) -> RunConfig:
+    """One task on ``server``, retried at once after an infra_failure."""
+    return RunConfig(
+        dataset=_dataset(tmp_path / "data", 1, **(row or {})),
+        out=tmp_path / "out",
+        model=ModelEndpointConfig(base_url=server.base_url, model_name="scripted"),
+        sandbox=SANDBOX,
+        deadline_s=60,
+        retry_backoff_s=0,
+        **run,
+    )
+
+
 def _records(out: Path) -> list[RolloutRecord]:
     return [RolloutRecord.model_validate_json(x) for x in (out / "rollouts.jsonl").read_bytes().splitlines()]
 
@@ -88,15 +103,7 @@ RETRY = rollout_id("t0", 0, 1)
 async def test_an_infra_failure_retry_resumes_and_the_records_say_so(
     tmp_path: Path, server: PolicyServer
 ) -> None:
-    config = RunConfig(
-        dataset=_dataset(tmp_path / "data", 1),
-        out=tmp_path / "out",
-        model=ModelEndpointConfig(base_url=server.base_url, model_name="scripted"),
-        sandbox=SANDBOX,
-        deadline_s=60,
-        retry_backoff_s=0,
-        resume_rollouts=True,
-    )
+    config = _config(tmp_path, server, resume_rollouts=True)
     summary = await Controller(config).run()
     first, retry = _records(config.out)
     assert (first.rollout_id, first.outcome) == (FIRST, "infra_failure")
@@ -140,16 +147,7 @@ async def test_an_infra_failure_retry_resumes_and_the_records_say_so(
 async def test_the_row_setting_overrides_the_runs(
     tmp_path: Path, server: PolicyServer, flag: bool, row: bool | None, resumed: bool
 ) -> None:
-    extra = {} if row is None else {"resume": row}
-    config = RunConfig(
-        dataset=_dataset(tmp_path / "data", 1, **extra),
-        out=tmp_path / "out",
-        model=ModelEndpointConfig(base_url=server.base_url, model_name="scripted"),
-        sandbox=SANDBOX,
-        deadline_s=60,
-        retry_backoff_s=0,
-        resume_rollouts=flag,
-    )
+    config = _config(tmp_path, server, row={} if row is None else {"resume": row}, resume_rollouts=flag)
     summary = await Controller(config).run()
     _, retry = _records(config.out)
     assert retry.outcome == "completed"
