@@ -40,6 +40,7 @@ LAYERS: tuple[str, ...] = (
     "tools",  # executor, resource tools
     "trajectory",  # recording and projecting calls
     "checkpoint",  # reading a journal back
+    "resume",  # continuing an attempt from its journal
     "agent",  # the loop
     "harness",  # black-box agents (nooa, command) in the loop's place
     "worker",  # the sandbox entrypoint

@@ -38,17 +38,18 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from rollcage.errors import ModelError
+from rollcage.errors import ModelError, ResumeRefusedError
 from rollcage.protocol import (
     BoundaryRecord,
     ModelCall,
     PythonToolSpec,
     ResourceToolSpec,
     ResponseItem,
+    ResumedFrom,
     TerminationReason,
     ToolCall,
     ToolSpec,
@@ -56,6 +57,7 @@ from rollcage.protocol import (
     TurnStart,
     WorkerInput,
 )
+from rollcage.resume import Replay
 from rollcage.trajectory import TrajectoryRecorder, arguments_json, message_text
 
 __all__ = [
@@ -158,6 +160,9 @@ class Agent:
         cells: The Python executor (may be None when the input offers no Python tool).
         recorder: Where every call is recorded (shared with the caller).
         boundary: Receives each boundary record; awaited before the next action.
+        replay: An earlier attempt's journal to replay first (see ``rollcage.resume``); the
+            loop emits a ``resumed`` boundary when it leaves the journal's prefix, and
+            raises ``ResumeRefusedError`` while replaying if the replay diverges.
     """
 
     def __init__(
@@ -169,8 +174,10 @@ class Agent:
         cells: CellRunner | None,
         recorder: TrajectoryRecorder,
         boundary: BoundarySink,
+        replay: Replay | None = None,
     ) -> None:
         """Bind the loop to its collaborators."""
+        self._replay = replay
         self._spec = spec
         self._model = model
         self._resources = resources
@@ -198,6 +205,8 @@ class Agent:
 
         Raises:
             ModelError: the model call failed (after the client's retries).
+            ResumeRefusedError: replaying the journal diverged (only before the loop
+                left the journal's prefix; the caller starts the rollout fresh).
             RollcageError: a tool failed in a way that ends the rollout.
 
         Cancellation:
@@ -205,8 +214,12 @@ class Agent:
             recorder; the caller marks them cancelled and builds the result.
         """
         if self._spec.agent.mode == "codeact":
-            return await self._run_codeact()
-        return await self._run_function_calling()
+            result = await self._run_codeact()
+        else:
+            result = await self._run_function_calling()
+        # The journal held the whole episode (the attempt died after its last boundary).
+        await self._leave_replay()
+        return result
 
     # ------------------------------------------------------------------ function calling
 
@@ -256,8 +269,15 @@ class Agent:
         ]
 
     async def _run_tool_calls(self, pending: list[ToolCall]) -> bool:
-        """Run one response's calls concurrently; return whether any could not be run as asked."""
+        """Run one response's calls concurrently; return whether any could not be run as asked.
+
+        While replaying, the calls the journal holds ended go first (answered from it,
+        cells re-run), and only then the replay ends and the others run for real: the
+        replay stays a strict prefix of what the rollout does, whatever ended first.
+        """
         malformed = False
+        replay = self._replay
+        answers = {c.call_id: replay.tool(c.call_id, c.name, c.arguments) for c in pending} if replay else {}
 
         async def one(call: ToolCall) -> None:
             nonlocal malformed
@@ -266,19 +286,22 @@ class Agent:
                 malformed = True
                 await self._finish(call.call_id, "failed", f"error: {problem}")
                 return
-            status, output = await self._dispatch(call, arguments)
+            recorded = answers.get(call.call_id)
+            if recorded is None:
+                status, output = await self._dispatch(call, arguments)
+            elif self._python is not None and call.name == self._python.name:
+                status, output = await self._rerun_cell(call.call_id, str(arguments["code"]), recorded)
+            else:
+                status, output = self._replayed(recorded)
             await self._finish(call.call_id, status, output)
 
-        # A failing sibling must not hide the others' outputs: each call records its own
-        # outcome, and only a RollcageError that ends the rollout escapes the group.
-        try:
-            async with asyncio.TaskGroup() as group:
-                for call in pending:
-                    group.create_task(one(call))
-        except BaseExceptionGroup as group_error:
-            # Callers classify by exception type (infrastructure vs agent), so surface the
-            # first real failure rather than the group that wraps it.
-            raise _first_leaf(group_error) from group_error
+        replayed = [call for call in pending if answers.get(call.call_id) is not None]
+        fresh = [call for call in pending if answers.get(call.call_id) is None]
+        if replayed:
+            await _run_all(replayed, one)
+        if fresh:
+            await self._leave_replay()
+            await _run_all(fresh, one)
         for call in pending:
             self._history.append(
                 {
@@ -359,7 +382,14 @@ class Agent:
                 if self._submitted is not None:
                     await self._finish(cell.call_id, "failed", "not run: the answer was already submitted")
                     continue
-                status, output = await self._run_cell(cell.call_id, cell.arguments)
+                recorded = (
+                    self._replay.tool(cell.call_id, cell.name, cell.arguments) if self._replay else None
+                )
+                if recorded is None:
+                    await self._leave_replay()
+                    status, output = await self._run_cell(cell.call_id, cell.arguments)
+                else:
+                    status, output = await self._rerun_cell(cell.call_id, cell.arguments, recorded)
                 await self._finish(cell.call_id, status, output)
                 observations.append(output)
             if self._submitted is not None:
@@ -377,7 +407,11 @@ class Agent:
         turn = max(0, len(self._recorder.model_calls) - 1)
         self._bridged += 1
         call_id = f"bridge-{turn}-{self._bridged}"
-        self._recorder.start_tool_call(call_id, name, arguments_json(kwargs), turn)
+        arguments = arguments_json(kwargs)
+        self._recorder.start_tool_call(call_id, name, arguments, turn)
+        if self._replay is not None and self._replay.active:
+            # Agent code re-run from the journal: its tool calls are answered from it, never sent again.
+            return await self._bridge_replayed(call_id, name, arguments, kwargs)
         if name == SUBMIT:
             answer = kwargs.get("answer", next(iter(kwargs.values()), ""))
             self._submitted = str(answer)
@@ -390,6 +424,52 @@ class Agent:
         status, output = await self._call_resource(name, kwargs)
         await self._finish(call_id, status, output)
         return output
+
+    async def _bridge_replayed(self, call_id: str, name: str, arguments: str, kwargs: dict[str, Any]) -> str:
+        assert self._replay is not None
+        try:
+            recorded = self._replay.tool(call_id, name, arguments)
+        except ResumeRefusedError as exc:
+            recorded = None
+            self._replay.diverge(str(exc))
+        if recorded is None:
+            # Raising here would only reach agent code: the cell's check raises it instead.
+            self._replay.diverge(
+                f"replay diverged at tool call {call_id}: the journal does not hold it ended"
+            )
+            await self._finish(call_id, "failed", "error: replay diverged")
+            return "error: replay diverged"
+        status, output = self._replayed(recorded)
+        if name == SUBMIT:
+            self._submitted = str(kwargs.get("answer", next(iter(kwargs.values()), "")))
+        elif name in self._resource_specs:
+            self._tool_count += 1
+        await self._finish(call_id, status, output)
+        return output
+
+    # ------------------------------------------------------------------ replay
+
+    def _replayed(self, recorded: ToolCall) -> tuple[ToolStatus, str]:
+        """A tool call's recorded end, used instead of sending it again."""
+        assert self._replay is not None
+        self._replay.replayed_tools.append(recorded.call_id)
+        return recorded.status, recorded.output or ""
+
+    async def _rerun_cell(self, call_id: str, code: str, recorded: ToolCall) -> tuple[ToolStatus, str]:
+        """Run a recorded cell again to restore the executor's state; its output must match the record."""
+        assert self._replay is not None
+        status, output = await self._run_cell(call_id, code)
+        self._replay.check_cell(call_id, recorded, status, output)
+        return status, output
+
+    async def _leave_replay(self) -> None:
+        """The loop is past the journal's prefix: say so in a boundary (the worker makes it durable)."""
+        if self._replay is None or not self._replay.active:
+            return
+        self._replay.active = False
+        resumed = self._replay.resumed_from()
+        self._recorder.resumed_from = resumed
+        await self._emit("resumed", resumed_from=resumed)
 
     # ------------------------------------------------------------------ shared steps
 
@@ -413,6 +493,11 @@ class Agent:
         )
         self._recorder.start_turn(start)
         await self._emit("turn_start", turn=start)
+        replayed = self._replay.model_call(index, start.input) if self._replay is not None else None
+        if replayed is not None:
+            self._recorder.add_model_call(replayed[0])
+            return replayed
+        await self._leave_replay()
         try:
             call = await self._model.call(
                 input=list(self._history),
@@ -493,11 +578,12 @@ class Agent:
 
     async def _emit(
         self,
-        kind: Literal["turn_start", "model_call", "tool_call"],
+        kind: Literal["turn_start", "model_call", "tool_call", "resumed"],
         *,
         turn: TurnStart | None = None,
         model_call: ModelCall | None = None,
         tool_calls: list[ToolCall] | None = None,
+        resumed_from: ResumedFrom | None = None,
     ) -> None:
         model_cookies = dict(self._model.cookies)
         resource_cookies = dict(self._resources.cookies) if self._resources is not None else {}
@@ -510,6 +596,7 @@ class Agent:
             tool_calls=tool_calls or [],
             model_cookies=model_cookies if model_cookies != seen_model else None,
             resource_cookies=resource_cookies if resource_cookies != seen_resource else None,
+            resumed_from=resumed_from,
         )
         self._cookies_seen = (model_cookies, resource_cookies)
         await self._boundary(record)
@@ -568,6 +655,20 @@ def own_call_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:
     if not server_ids:
         return call, server_ids
     return call.model_copy(update={"output": items}), server_ids
+
+
+async def _run_all(calls: list[ToolCall], one: Callable[[ToolCall], Coroutine[Any, Any, None]]) -> None:
+    """Run ``one`` on every call concurrently; the first real failure escapes, not the group."""
+    # A failing sibling must not hide the others' outputs: each call records its own
+    # outcome, and only a RollcageError that ends the rollout escapes the group.
+    try:
+        async with asyncio.TaskGroup() as group:
+            for call in calls:
+                group.create_task(one(call))
+    except BaseExceptionGroup as group_error:
+        # Callers classify by exception type (infrastructure vs agent), so surface the
+        # first real failure rather than the group that wraps it.
+        raise _first_leaf(group_error) from group_error
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:

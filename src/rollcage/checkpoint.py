@@ -173,6 +173,8 @@ def fold_records(records: list[dict[str, object]], *, source: str = "journal") -
             recorder.add_model_call(_expand(record, lists, source))
         for tool in record.tool_calls:
             recorder.apply(tool)
+        if record.kind == "resumed" and record.resumed_from is not None:
+            recorder.resumed_from = record.resumed_from
         if record.model_cookies is not None:
             checkpoint.model_cookies = dict(record.model_cookies)
         if record.resource_cookies is not None:

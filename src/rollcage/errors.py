@@ -30,6 +30,7 @@ publishes as ``RunnerError.kind`` (``transient`` for the infrastructure's,
     │   ├── ControllerOnlyFieldError                 controller state aimed at the sandbox
     │   └── ViewerError                              show/report given a path that is no rollout
     ├── JournalCorruptError (ValueError)             a checkpoint journal is damaged mid-file [fatal]
+    ├── ResumeRefusedError                           an earlier journal cannot be resumed: start fresh [fatal]
     ├── ModelError                                   the model endpoint (both kinds above)
     └── ToolError                                    a tool or the Python executor          [fatal]
         └── ExecutorError                            the executor died or cannot start
@@ -64,6 +65,7 @@ __all__ = [
     "RayTaskLostError",
     "RayTaskOverdueError",
     "ResourceUnavailableError",
+    "ResumeRefusedError",
     "RollcageError",
     "RunFailedError",
     "SandboxError",
@@ -119,6 +121,13 @@ class DurableWriteError(InfrastructureError, OSError):
 
 class JournalCorruptError(RollcageError, ValueError):
     """A checkpoint journal has a damaged line that is not its torn last line."""
+
+
+class ResumeRefusedError(RollcageError):
+    """An earlier attempt's journal cannot be continued (unusable, inconsistent, or its replay diverged).
+
+    Never ends a rollout: whoever meets it starts the rollout fresh and records the message.
+    """
 
 
 class ModelError(RollcageError):

@@ -60,6 +60,9 @@ __all__ = [
     "ResourceToolSpec",
     "ResponseItem",
     "ResponseOutput",
+    "ResumeLink",
+    "ResumeRequest",
+    "ResumedFrom",
     "RolloutHealth",
     "RolloutMetrics",
     "RolloutRecord",
@@ -525,6 +528,19 @@ class CheckpointSettings(_Model):
     enabled: bool = Field(default=True, description="Write a boundary record after every model/tool step.")
 
 
+class ResumeRequest(_Model):
+    """Continue an earlier attempt of this rollout from its journal instead of starting over.
+
+    The journal itself is not in ``input.json``: the controller copies the earlier
+    attempt's ``checkpoint.jsonl`` beside the result as ``resume.jsonl`` (worker-only,
+    hidden from agent code), and the worker validates it as evidence before using it.
+    """
+
+    previous_rollout_id: str = Field(
+        min_length=1, max_length=512, description="Id of the attempt whose journal is replayed."
+    )
+
+
 class WorkerInput(_Model, _VersionGate):
     """``input.json``: the complete allow-list of what enters the sandbox.
 
@@ -556,6 +572,10 @@ class WorkerInput(_Model, _VersionGate):
         default=None,
         description="The Python environment of a nooa or command harness, mounted read-only; None: none (the "
         "builtin loop, or a command that needs only the system's programs).",
+    )
+    resume: ResumeRequest | None = Field(
+        default=None,
+        description="Replay an earlier attempt's journal first; None: start from the first turn.",
     )
 
     @model_validator(mode="before")
@@ -925,12 +945,36 @@ class Turn(_Model):
     resolution: TurnResolution = Field(description="How the turn ended (see TurnResolution).")
 
 
+class ResumedFrom(_Model):
+    """Where a resumed rollout took over from an earlier attempt, and what it did not redo."""
+
+    previous_rollout_id: str = Field(description="Id of the attempt whose journal was replayed.")
+    boundary: int = Field(ge=0, description="seq of the last journal record of that attempt that was used.")
+    replayed_model_calls: list[str] = Field(
+        description="Ids (in this trajectory) of the model calls answered from the journal, not sent."
+    )
+    replayed_tool_calls: list[str] = Field(
+        description="Tool calls answered from the journal without being sent again (resource tools, submit)."
+    )
+    rerun_cells: list[str] = Field(
+        description="Python cells run again in a fresh executor to restore its state; each output matched."
+    )
+
+
 class Trajectory(_Model):
     """Everything the agent did, in order."""
 
     model_calls: list[ModelCall] = Field(default_factory=list, description="Model calls in order.")
     tool_calls: list[ToolCall] = Field(default_factory=list, description="Tool calls in order of request.")
     turns: list[Turn] = Field(default_factory=list, description="Turns in order; each owns its model calls.")
+    resumed_from: ResumedFrom | None = Field(
+        default=None, description="Set when the rollout continued an earlier attempt from its journal."
+    )
+    resume_refused: str | None = Field(
+        default=None,
+        description="Why a resume that was asked for fell back to a fresh start (journal unusable, replay "
+        "diverged); None: none was asked for, or it resumed.",
+    )
 
 
 class ResponseOutput(_Model):
@@ -993,7 +1037,9 @@ class BoundaryRecord(_Model):
     the tool calls it requested (pending); ``tool_call`` one finished tool call.
     """
 
-    kind: Literal["start", "turn_start", "model_call", "tool_call"] = Field(description="Which boundary.")
+    kind: Literal["start", "turn_start", "model_call", "tool_call", "resumed"] = Field(
+        description="Which boundary ('resumed': the records before it replayed an earlier attempt)."
+    )
     at: float = Field(description="Unix time of the boundary.")
     schema_version: int | None = Field(default=None, description="Set on 'start': SCHEMA_VERSION.")
     reported_by: Literal["worker", "supervisor", "harness"] = Field(
@@ -1013,6 +1059,7 @@ class BoundaryRecord(_Model):
     )
     model_cookies: dict[str, str] | None = Field(default=None, description="Model cookies, if changed.")
     resource_cookies: dict[str, str] | None = Field(default=None, description="Resource cookies, if changed.")
+    resumed_from: ResumedFrom | None = Field(default=None, description="Set on 'resumed'.")
 
 
 class Checkpoint(_Model):
@@ -1099,6 +1146,9 @@ class SupervisorReceipt(_Frozen, _VersionGate):
     descendants_killed: int = Field(default=0, ge=0, description="Stray descendants killed after the worker.")
     temp_files_swept: int = Field(default=0, ge=0, description="Leftover temporary files removed.")
     last_checkpoint_seq: int | None = Field(default=None, description="Last intact journal seq, if any.")
+    resumed_from: str | None = Field(
+        default=None, description="Id of the earlier attempt this one was asked to continue, if any."
+    )
     result_present: bool = Field(description="result.json existed after the worker exited.")
     result_valid: bool = Field(description="result.json parsed as a WorkerResult.")
     result_error: RunnerError | None = Field(default=None, description="The result's error, if any.")
@@ -1210,6 +1260,13 @@ class RolloutMetrics(_Model):
         "probabilities (CallTokens.status observed); partial: some do; unobserved: none.",
     )
     duration_s: float = Field(default=0.0, description="Supervised wall time.")
+    replayed_model_calls: int = Field(
+        default=0,
+        ge=0,
+        description="Model calls of a resumed rollout answered from the earlier attempt's journal (calls "
+        "saved); they are not in model_calls and their tokens are not in the sums (the earlier attempt's "
+        "record counts them).",
+    )
 
 
 HealthVerdict = Literal["healthy", "unhealthy", "unobserved"]
@@ -1237,6 +1294,17 @@ class RolloutHealth(_Frozen):
     )
 
 
+class ResumeLink(_Frozen):
+    """How an attempt relates to the earlier attempt it was asked to continue."""
+
+    previous_rollout_id: str = Field(description="Id of the earlier attempt.")
+    previous_dir: str = Field(description="Its directory (kept intact as evidence).")
+    resumed: bool = Field(description="The attempt continued from the journal (else it started fresh).")
+    boundary: int | None = Field(default=None, description="seq of the last journal record used, if resumed.")
+    replayed_model_calls: int = Field(default=0, ge=0, description="Model calls answered from the journal.")
+    reason: str | None = Field(default=None, description="Why it started fresh, if it did.")
+
+
 class RolloutRecord(_Frozen, _VersionGate):
     """One line of ``rollouts.jsonl``: one finished attempt, as the controller saw it."""
 
@@ -1262,6 +1330,9 @@ class RolloutRecord(_Frozen, _VersionGate):
     metrics: RolloutMetrics = Field(default_factory=RolloutMetrics, description="Token and timing metrics.")
     health: RolloutHealth = Field(description="Health checks, computed once when the attempt ended.")
     rollout_dir: str = Field(description="Path of the rollout directory.")
+    resume: ResumeLink | None = Field(
+        default=None, description="Set when the attempt was asked to continue an earlier one."
+    )
 
     _result: WorkerResult | None = PrivateAttr(default=None)
 
@@ -1343,6 +1414,12 @@ class RunMetrics(_Model, _VersionGate):
     pass_at_k: float | None = Field(description="Unbiased pass@k over tasks, k = samples per task.")
     k: int = Field(ge=1, description="Samples per task (--attempts).")
     retries: int = Field(ge=0, description="Infrastructure retries made.")
+    resumed_rollouts: int = Field(
+        default=0, ge=0, description="Attempts that continued an earlier attempt from its journal."
+    )
+    model_calls_saved: int = Field(
+        default=0, ge=0, description="Model calls resumed attempts answered from journals instead of sending."
+    )
     invalid_rows: int = Field(default=0, ge=0, description="Dataset rows rejected as malformed.")
     tokens: TokenUsage = Field(default_factory=TokenUsage, description="Summed reported tokens.")
     tokens_partial: int = Field(

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from rollcage.protocol import (
     ModelCall,
     ResponseItem,
+    ResumedFrom,
     TokenUsage,
     ToolCall,
     ToolStatus,
@@ -62,6 +63,10 @@ class TrajectoryRecorder:
         self._turns: list[TurnStart] = []
         self._model_calls: list[ModelCall] = []
         self._tool_calls: dict[str, ToolCall] = {}
+        self.resumed_from: ResumedFrom | None = None
+        """Set once a resumed rollout has left its earlier attempt's journal."""
+        self.resume_refused: str | None = None
+        """Why a resume that was asked for started fresh instead."""
 
     @property
     def model_calls(self) -> list[ModelCall]:
@@ -146,6 +151,8 @@ class TrajectoryRecorder:
             model_calls=list(self._model_calls),
             tool_calls=tools,
             turns=build_turns(self._turns, self._model_calls, tools, final=final),
+            resumed_from=self.resumed_from,
+            resume_refused=self.resume_refused,
         )
 
 

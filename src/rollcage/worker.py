@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from rollcage.agent import SUBMIT, Agent, AgentResult
 from rollcage.checkpoint import CallCompactor
 from rollcage.durable import CheckpointJournal, publish_json, read_bounded
-from rollcage.errors import ConfigError, RollcageError
+from rollcage.errors import ConfigError, ResumeRefusedError, RollcageError
 from rollcage.procs import shielded, wait_shared
 from rollcage.protocol import (
     SCHEMA_VERSION,
@@ -59,6 +60,7 @@ from rollcage.protocol import (
     describe_validation_error,
     json_problem,
 )
+from rollcage.resume import Replay, ReplayPlan, load_replay
 from rollcage.trajectory import INTERRUPTED, TrajectoryRecorder, final_text, project_output, sum_usage
 
 if TYPE_CHECKING:
@@ -110,6 +112,12 @@ def worker_main(argv: list[str]) -> int:
     parser.add_argument(
         "--workspace", type=Path, help="agent working directory (default: workspace/ beside RESULT)"
     )
+    parser.add_argument(
+        "--resume-journal",
+        type=Path,
+        help="an earlier attempt's journal, replayed when input.json asks to resume "
+        "(default: resume.jsonl beside RESULT)",
+    )
     args = parser.parse_args(argv)
     level = os.environ.get("ROLLCAGE_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(
@@ -124,12 +132,16 @@ def worker_main(argv: list[str]) -> int:
         checkpoint=args.checkpoint or base / "checkpoint.jsonl",
         stop=args.stop_file or base / "stop",
         workspace=args.workspace or base / "workspace",
+        resume=args.resume_journal or base / "resume.jsonl",
     )
     return asyncio.run(_amain(paths))
 
 
 class _Paths:
-    def __init__(self, *, input: Path, result: Path, checkpoint: Path, stop: Path, workspace: Path) -> None:
+    def __init__(
+        self, *, input: Path, result: Path, checkpoint: Path, stop: Path, workspace: Path, resume: Path
+    ) -> None:
+        self.resume = resume
         self.input = input
         self.result = result
         self.checkpoint = checkpoint
@@ -279,6 +291,35 @@ class _Session:
         harness = spec.agent.harness
         self.harness = harness is not None and harness.type != "builtin"
         self.relay: RelayWriter | None = None
+        self.replay_plan: ReplayPlan | None = None
+        self.replaying: list[dict[str, Any]] | None = None
+        """Boundaries of a replay, held back until the replay is over (a divergence discards them)."""
+        self.boundary_lock = asyncio.Lock()
+
+    async def _plan_resume(self) -> None:
+        """Validate the earlier attempt's journal; an unusable one means a fresh start, with the reason."""
+        request = self.spec.resume
+        if request is None:
+            return
+        if self.harness:
+            self._refuse_resume("a harness rollout is not resumed: a harness cannot replay recorded answers")
+            return
+        try:
+            self.replay_plan = await asyncio.to_thread(
+                load_replay, self.paths.resume, request.previous_rollout_id
+            )
+        except ResumeRefusedError as exc:
+            self._refuse_resume(str(exc))
+        except Exception as exc:  # evidence from a sandbox: whatever is wrong with it, start fresh
+            self._refuse_resume(f"the earlier attempt's journal is unusable: {type(exc).__name__}: {exc}")
+
+    def _refuse_resume(self, reason: str) -> None:
+        log.warning("not resuming, starting fresh: %s", reason)
+        self.replay_plan = None
+        self.replaying = None
+        self.recorder = TrajectoryRecorder()
+        self.recorder.resume_refused = reason
+        self.compactor = CallCompactor()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -287,6 +328,7 @@ class _Session:
         stop_watch = asyncio.create_task(self._watch_stop_file())
         try:
             await self._open_evidence()
+            await self._plan_resume()
             self.task = asyncio.create_task(self._harness_episode() if self.harness else self._episode())
             if self.cancel_signal is not None:
                 self.task.cancel()  # the signal arrived while the journal was opening
@@ -390,31 +432,69 @@ class _Session:
         if record.model_call is not None:
             call, deltas = self.compactor.compact(record.model_call)
             record = record.model_copy(update={"model_call": call, "deltas": deltas})
+        data = record.model_dump(mode="json", exclude_none=True)
+        async with self.boundary_lock:
+            if self.replaying is not None:
+                if record.kind != "resumed":
+                    self.replaying.append(data)
+                    return
+                # The replay is over: what it rebuilt becomes this attempt's journal, then the marker,
+                # queued in order so they share the journal's group commits.
+                held, self.replaying = self.replaying, None
+                await asyncio.gather(*(self._append(earlier) for earlier in [*held, data]))
+                return
+            await self._append(data)
+
+    async def _append(self, data: dict[str, Any]) -> None:
         if self.journal is None:
             return
         try:
-            await self.journal.append(record.model_dump(mode="json", exclude_none=True))
+            await self.journal.append(data)
         except RollcageError as exc:
             # Best effort by contract: evidence is lost for this boundary, the rollout is not.
             self.checkpoint_failures += 1
             log.error("checkpoint append failed (%d so far), continuing: %s", self.checkpoint_failures, exc)
 
     async def _episode(self) -> AgentResult:
+        plan = self.replay_plan
+        if plan is None:
+            return await self._play(None)
+        self.replaying = []
+        replay = Replay(plan, self.spec.rollout_id)
+        try:
+            return await self._play(replay)
+        except ResumeRefusedError as exc:
+            self._refuse_resume(str(exc))
+        except Exception as exc:
+            if not replay.active:
+                raise  # the rollout's own failure, after the replay: not the journal's
+            # Evidence from a sandbox that the checks let through and the loop could not follow.
+            self._refuse_resume(f"replay failed: {type(exc).__name__}: {exc}")
+        # The replayed cells' effects on the workspace go with them; the executor went with its stack.
+        await asyncio.to_thread(_empty_workspace, self.paths.workspace)
+        return await self._play(None)
+
+    async def _play(self, replay: Replay | None) -> AgentResult:
         from rollcage.model import ModelClient
         from rollcage.tools import ResourceTools, tool_parameters
 
         spec = self.spec
         self.paths.workspace.mkdir(parents=True, exist_ok=True)
         resource_specs = [t for t in spec.tools if isinstance(t, ResourceToolSpec)]
+        model_cookies, resource_cookies = spec.model_cookies, spec.resource_cookies
+        if replay is not None:
+            # The sessions go on where the journal left them.
+            model_cookies = replay.plan.model_cookies or model_cookies
+            resource_cookies = replay.plan.resource_cookies or resource_cookies
         async with contextlib.AsyncExitStack() as stack:
             client = ModelClient(
-                spec.model, rollout_id=spec.rollout_id, task_id=spec.task_id, cookies=spec.model_cookies
+                spec.model, rollout_id=spec.rollout_id, task_id=spec.task_id, cookies=model_cookies
             )
             await stack.enter_async_context(client)
             resources = None
             if resource_specs:
                 resources = ResourceTools(
-                    spec.resources, resource_specs, rollout_id=spec.rollout_id, cookies=spec.resource_cookies
+                    spec.resources, resource_specs, rollout_id=spec.rollout_id, cookies=resource_cookies
                 )
                 await stack.enter_async_context(resources)
             cells: _Cells | None = None
@@ -425,6 +505,7 @@ class _Session:
                 cells=None,
                 recorder=self.recorder,
                 boundary=self._boundary,
+                replay=replay,
             )
             if any(isinstance(t, PythonToolSpec) for t in spec.tools) or spec.agent.mode == "codeact":
                 bridged: dict[str, list[str]] = {}
@@ -477,7 +558,7 @@ class _Session:
         from rollcage.cage import NestedCage
 
         paths = self.paths
-        private = [paths.input, paths.result, paths.checkpoint, paths.stop]
+        private = [paths.input, paths.result, paths.checkpoint, paths.stop, paths.resume]
         private += [
             Path(p) for p in (self.spec.model.uds, *(r.uds for r in self.spec.resources.values())) if p
         ]
@@ -534,6 +615,18 @@ class _Session:
             started_at=self.started,
             ended_at=time.time(),
         )
+
+
+def _empty_workspace(workspace: Path) -> None:
+    """Remove what a diverged replay's cells left in the workspace (the controller lays it out empty).""" ""
+    if not workspace.is_dir():
+        return
+    for entry in workspace.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
 
 
 class _Cells:

@@ -205,6 +205,13 @@ def command(
         ),
     ] = None,
     grade_timeouts: Annotated[bool, typer.Option(help="Grade results of rollouts that timed out.")] = False,
+    resume_rollouts: Annotated[
+        bool,
+        typer.Option(
+            help="A retry after infra_failure, or a rollout a killed run interrupted, continues from the "
+            "earlier attempt's journal: recorded model calls are not sent again."
+        ),
+    ] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a dataset of tasks in sandboxes, grade outside them, and report."""
@@ -283,6 +290,7 @@ def command(
             sandbox=sandbox.value,
             bwrap=bwrap,
             grade_timeouts=grade_timeouts,
+            resume_rollouts=resume_rollouts,
             strict=strict,
             backend=where,
             max_capture_bytes=max_capture_mib * 1024 * 1024,

@@ -158,6 +158,11 @@ class RunConfig(_Config):
         description="With sandbox bwrap: its per-process limits and per-rollout budgets (memory, disk, ...).",
     )
     grade_timeouts: bool = Field(default=False, description="Grade rollouts that hit the deadline.")
+    resume_rollouts: bool = Field(
+        default=False,
+        description="A retry after infra_failure, or a rollout a killed run interrupted, continues from the "
+        "earlier attempt's journal (rollcage.resume) instead of the first turn.",
+    )
     strict: bool = Field(default=False, description="Stop before running anything if a row is malformed.")
     pass_threshold: float = Field(default=1.0, description="A reward at least this passes (pass@k).")
     metrics_interval_s: float = Field(default=2.0, gt=0, description="How often metrics.json is refreshed.")

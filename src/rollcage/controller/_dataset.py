@@ -123,6 +123,11 @@ class DatasetRow(_Row):
     agent: AgentSettings = Field(default_factory=AgentSettings, description="Agent loop settings.")
     executor: ExecutorSettings = Field(default_factory=ExecutorSettings, description="Python executor.")
     model: RowModelSettings = Field(default_factory=RowModelSettings, description="Model settings.")
+    resume: bool | None = Field(
+        default=None,
+        description="Continue a retried or interrupted attempt from its journal (rollcage.resume); "
+        "None: as the run says (--resume-rollouts).",
+    )
     expected: Any = Field(default=None, description="Controller-only: the reference answer for the grader.")
     grader: GraderSpec | None = Field(default=None, description="Controller-only: how to grade.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Controller-only, free-form.")

@@ -55,6 +55,7 @@ from rollcage.protocol import (
     RolloutMetrics,
     SupervisorReceipt,
     TokenCoverage,
+    Trajectory,
     WorkerResult,
 )
 
@@ -279,7 +280,11 @@ def _capture_mismatch(evidence: _Evidence) -> int | str:
     captured = evidence.receipt.model_calls_captured
     if captured is None:
         return "no egress capture (the rollout ran without the proxy)"
-    attempts = [attempt for call in trajectory.model_calls for attempt in call.attempts]
+    # Calls a resumed rollout replayed from the earlier attempt's journal crossed that attempt's proxy.
+    replayed = _replayed(trajectory)
+    attempts = [
+        attempt for call in trajectory.model_calls if call.id not in replayed for attempt in call.attempts
+    ]
     # An attempt that got an HTTP status certainly crossed the proxy; one that failed without an
     # answer (or was cut off by the stop) may have ended before it reached the proxy.
     answered = sum(1 for attempt in attempts if attempt.http_status is not None)
@@ -385,10 +390,14 @@ def rollout_metrics(result: WorkerResult | None, receipt: SupervisorReceipt) -> 
     """Token and timing metrics of one finished attempt; sums say whether they cover every call."""
     if result is None or not receipt.result_valid:
         return RolloutMetrics(duration_s=receipt.duration_s)
-    calls = result.trajectory.model_calls
+    # A resumed rollout's replayed calls were made (and counted) by the earlier attempt: counting
+    # them again would double the run's tokens.
+    replayed = _replayed(result.trajectory)
+    calls = [c for c in result.trajectory.model_calls if c.id not in replayed]
     answered = [c for c in calls if _answered(c)]
     interrupted = any(c.incomplete_reason == _INTERRUPTED for c in calls)
     return RolloutMetrics(
+        replayed_model_calls=len(replayed),
         model_calls=len(calls),
         failed_model_calls=sum(1 for c in calls if c.status == "failed"),
         tool_calls=len(result.trajectory.tool_calls),
@@ -402,6 +411,12 @@ def rollout_metrics(result: WorkerResult | None, receipt: SupervisorReceipt) -> 
         token_ids=_coverage([_complete(c.tokens) for c in answered], incomplete=False),
         duration_s=receipt.duration_s,
     )
+
+
+def _replayed(trajectory: Trajectory) -> frozenset[str]:
+    """Ids of the model calls a resumed rollout answered from an earlier attempt's journal."""
+    resumed = trajectory.resumed_from
+    return frozenset(resumed.replayed_model_calls) if resumed is not None else frozenset()
 
 
 def _complete(tokens: CallTokens) -> bool:

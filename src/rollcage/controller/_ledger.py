@@ -133,6 +133,8 @@ class RunLedger:
         self._grader_errors = 0
         self._reward_sum = 0.0
         self._retries = 0
+        self._resumed = 0
+        self._calls_saved = 0
         self._tokens: list[int | None] = [None, None, None]
         self._tokens_partial = 0
         self._durations = array("d")
@@ -187,6 +189,9 @@ class RunLedger:
         state.answered_calls = record.health.successful_model_calls
 
         self.rollouts += 1
+        if record.resume is not None and record.resume.resumed:
+            self._resumed += 1
+        self._calls_saved += record.metrics.replayed_model_calls
         self._outcomes[record.outcome] += 1
         if state.masked:
             self._masked += 1
@@ -273,6 +278,8 @@ class RunLedger:
             pass_at_k=passk,
             k=self.k,
             retries=self._retries,
+            resumed_rollouts=self._resumed,
+            model_calls_saved=self._calls_saved,
             invalid_rows=self.invalid_rows,
             tokens=TokenUsage(input_tokens=i, output_tokens=o, total_tokens=t),
             tokens_partial=self._tokens_partial,

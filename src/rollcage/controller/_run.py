@@ -46,10 +46,11 @@ from rollcage.controller._dataset import (
     tasks_from_rows,
 )
 from rollcage.controller._formats import DatasetFormat
+from rollcage.controller._ids import rollout_id
 from rollcage.controller._ledger import RunLedger
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
-from rollcage.controller._unit import Endpoints, prepare_rollout, set_aside
+from rollcage.controller._unit import Endpoints, ResumeSource, prepare_rollout, set_aside
 from rollcage.errors import ConfigError, DurableWriteError, SandboxError
 from rollcage.procs import shielded
 from rollcage.protocol import HarnessEnvironment, ModelEndpoint, RolloutRecord, RunMetrics
@@ -569,6 +570,7 @@ class Controller:
 
     async def _run_sample(self, backend: Backend, task: Task, sample: int, slots: _Slots) -> None:
         assert self._endpoints is not None and self._log is not None
+        previous: ResumeSource | None = None
         try:
             while not self.stop.is_set():
                 try_index = self._ledger.next_try(task.id, sample)
@@ -582,6 +584,12 @@ class Controller:
                     logger.info(
                         "set aside the unfinished %s from an earlier run: %s", prepared.rollout_id, moved
                     )
+                resume = task.row.resume
+                if resume if resume is not None else self.config.resume_rollouts:
+                    source = self._resume_source(
+                        task, sample, try_index, prepared.rollout_id, moved, previous
+                    )
+                    prepared = prepared.model_copy(update={"resume_from": source})
                 record = await backend.run(prepared, stop=self.stop)
                 try:
                     await self._log.append(record)
@@ -598,6 +606,10 @@ class Controller:
                     await self._sink(record)
                 if record.outcome != "infra_failure" or self._ledger.is_done(task.id, sample):
                     return
+                if prepared.resume_from is None:
+                    previous = ResumeSource(rollout_id=record.rollout_id, directory=record.rollout_dir)
+                else:
+                    previous = prepared.resume_from.then(record.rollout_id, record.rollout_dir)
                 delay = min(
                     self.config.retry_backoff_s * 2 ** max(0, state.infra_failures - 1),
                     self.config.retry_backoff_max_s,
@@ -606,6 +618,32 @@ class Controller:
                     return
         finally:
             slots.release()
+
+    def _resume_source(
+        self,
+        task: Task,
+        sample: int,
+        try_index: int,
+        rollout: str,
+        moved: Path | None,
+        previous: ResumeSource | None,
+    ) -> ResumeSource | None:
+        """The earlier attempt a new one continues: the one a killed run interrupted, else the last retried.
+
+        An attempt interrupted by a killed controller has no record and keeps its id (its
+        directory was set aside in ``interrupted/``); an attempt this run retried after
+        ``infra_failure`` is the previous try, in this run or an earlier one.
+        """
+        if previous is not None:
+            return previous
+        # Tries before this one ran in an earlier run: only infra_failure attempts are retried.
+        tries = [rollout_id(task.id, sample, t) for t in range(try_index - 1, max(-1, try_index - 9), -1)]
+        earlier = [ResumeSource(rollout_id=rid, directory=str(self._out / "rollouts" / rid)) for rid in tries]
+        if moved is not None:
+            return ResumeSource(rollout_id=rollout, directory=str(moved), earlier=earlier)
+        if not earlier:
+            return None
+        return earlier[0].model_copy(update={"earlier": earlier[1:]})
 
     async def _maybe_publish(self) -> None:
         now = time.monotonic()

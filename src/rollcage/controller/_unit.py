@@ -17,6 +17,7 @@ tool calls carry the session cookies), verify, close the session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -46,13 +47,15 @@ from rollcage.controller._nemo_gym import (
     seed_session,
     to_nemo_response,
 )
-from rollcage.errors import RollcageError
+from rollcage.errors import ResumeRefusedError, RollcageError
 from rollcage.protocol import (
     HarnessEnvironment,
     HarnessSpec,
     ModelEndpoint,
     Outcome,
     ResourceEndpoint,
+    ResumeLink,
+    ResumeRequest,
     RolloutHealth,
     RolloutMetrics,
     RolloutRecord,
@@ -71,6 +74,7 @@ __all__ = [
     "EnvironmentPlan",
     "GradingPlan",
     "PreparedRollout",
+    "ResumeSource",
     "RolloutSettings",
     "SuperviseFn",
     "build_supervisor_config",
@@ -85,6 +89,11 @@ __all__ = [
 logger = logging.getLogger("rollcage.controller")
 
 _SESSION_TIMEOUT_S = 30.0
+_RESUME_JOURNAL = "resume.jsonl"
+_RESUME_CHAIN = 8
+"""Earlier attempts remembered behind the latest one (a retry budget rarely reaches it)."""
+_MAX_RESUME_JOURNAL_BYTES = 1 << 30
+"""The largest earlier journal resumed from (a journal is O(new content) per boundary: far below)."""
 # A built-in grade is linear in the answer (regex bounds itself): this only backstops it.
 _BUILTIN_GRADE_TIMEOUT_S = 30.0
 
@@ -116,6 +125,26 @@ class EnvironmentPlan(_Model):
     timeout_s: float = Field(default=_SESSION_TIMEOUT_S, gt=0, description="Deadline of seed and close.")
 
 
+class ResumeSource(_Model):
+    """The earlier attempt a new one is asked to continue (``--resume-rollouts``)."""
+
+    rollout_id: str = Field(description="Id of the earlier attempt (its journal's start record says it).")
+    directory: str = Field(description="Its directory, kept intact as evidence; its journal is copied.")
+    earlier: list[ResumeSource] = Field(
+        default_factory=list,
+        description="Attempts before it, latest first: tried in turn when its journal cannot be resumed "
+        "from (it was itself resumed, and killed before its replay was over).",
+    )
+
+    def chain(self) -> list[ResumeSource]:
+        """This attempt and the ones before it, latest first, each without its own ``earlier``."""
+        return [item.model_copy(update={"earlier": []}) for item in (self, *self.earlier)]
+
+    def then(self, rollout_id: str, directory: str) -> ResumeSource:
+        """The source for the attempt after ``rollout_id``, which was asked to continue this one."""
+        return ResumeSource(rollout_id=rollout_id, directory=directory, earlier=self.chain()[:_RESUME_CHAIN])
+
+
 class PreparedRollout(_Model):
     """Everything one attempt needs: the sandbox's input and the controller's grading state."""
 
@@ -128,6 +157,9 @@ class PreparedRollout(_Model):
     grading: GradingPlan | None = Field(default=None, description="How to grade; None: not graded.")
     environment: EnvironmentPlan | None = Field(
         default=None, description="The environment's session protocol; None: the row has no environment."
+    )
+    resume_from: ResumeSource | None = Field(
+        default=None, description="Continue this earlier attempt from its journal; None: start fresh."
     )
 
 
@@ -274,21 +306,148 @@ def may_grade(outcome: Outcome, *, grade_timeouts: bool) -> bool:
     return outcome in ("completed", "agent_error") or (outcome == "timeout" and grade_timeouts)
 
 
-def lay_out(directory: Path, worker_input: WorkerInput, mode: int) -> None:
+def lay_out(
+    directory: Path, worker_input: WorkerInput, mode: int, resume: ResumeSource | None = None
+) -> ResumeLink | None:
     """Create one attempt's rollout directory: ``workspace/`` and ``input.json`` (blocking).
 
     Args:
         directory: The rollout directory; it must not exist yet (one directory per attempt).
         worker_input: What the worker is given.
         mode: File mode of ``input.json``.
+        resume: The earlier attempt to continue: its journal is staged as ``resume.jsonl``.
+
+    Returns:
+        With ``resume``, the attempt's link to the earlier one: ``resumed`` False with
+        the reason when its journal cannot be resumed from (the attempt then starts
+        fresh), else provisional (the worker says whether the replay held).
     """
     from rollcage.durable import publish_json
     from rollcage.supervisor.fds import retry_on_emfile
 
     directory.mkdir(parents=True, exist_ok=False)
     (directory / "workspace").mkdir()
+    link: ResumeLink | None = None
+    harness = worker_input.agent.harness
+    if resume is not None and harness is not None and harness.type != "builtin":
+        # A harness is a program of its own: nothing can make it replay recorded answers.
+        link = _not_resumed(
+            resume, f"{harness.type} harness rollouts are not resumed (a harness cannot replay)"
+        )
+    elif resume is not None:
+        link = _stage_first_usable(directory, resume, worker_input)
+        if link.reason is None:
+            worker_input = worker_input.model_copy(
+                update={"resume": ResumeRequest(previous_rollout_id=link.previous_rollout_id)}
+            )
     # Another rollout may hold every descriptor for a moment: wait for one rather than fail this one.
     retry_on_emfile(publish_json, directory / "input.json", worker_input, mode=mode)
+    return link
+
+
+def _stage_first_usable(directory: Path, resume: ResumeSource, worker_input: WorkerInput) -> ResumeLink:
+    """Stage the latest earlier journal that can be resumed from; else the latest one's reason."""
+    first: ResumeLink | None = None
+    for source in resume.chain():
+        link = _stage_resume(directory, source, worker_input)
+        if link.reason is None:
+            return link
+        first = first or link
+    assert first is not None
+    return first
+
+
+def _stage_resume(directory: Path, resume: ResumeSource, worker_input: WorkerInput) -> ResumeLink:
+    """Copy the earlier attempt's journal in as ``resume.jsonl`` and validate the copy (blocking).
+
+    The journal was written inside a sandbox: it is read once, bounded, from a
+    regular file, and what is validated is the copy the worker will read. The
+    earlier attempt must have been given the same task (its ``input.json``, the
+    controller's own, says so): responses to another prompt are not replayed. The
+    earlier directory is left as it was.
+    """
+    from rollcage.durable import read_bounded
+    from rollcage.resume import load_replay
+
+    staged = directory / _RESUME_JOURNAL
+    previous = Path(resume.directory) / "checkpoint.jsonl"
+    link = ResumeLink(previous_rollout_id=resume.rollout_id, previous_dir=resume.directory, resumed=False)
+    try:
+        changed = _changed_task(Path(resume.directory) / "input.json", worker_input)
+        if changed is not None:
+            raise ResumeRefusedError(f"the task changed since the earlier attempt ({changed})")
+        if previous.is_symlink():
+            # The journal is a file its worker appended to, never a link: following one could copy
+            # any file the controller can read into a directory the next worker reads.
+            raise ResumeRefusedError(f"the earlier attempt's journal {previous} is a symbolic link")
+        data = read_bounded(previous, limit=_MAX_RESUME_JOURNAL_BYTES)
+        staged.write_bytes(data)
+        plan = load_replay(staged, resume.rollout_id)
+    except OSError as exc:
+        reason = f"the earlier attempt's journal {previous} cannot be read: {exc.strerror or exc}"
+    except RollcageError as exc:
+        reason = str(exc)
+    else:
+        return link.model_copy(update={"boundary": plan.boundary})
+    with contextlib.suppress(OSError):
+        staged.unlink()
+    logger.info("not resuming %s from %s, starting fresh: %s", directory.name, resume.rollout_id, reason)
+    return link.model_copy(update={"reason": reason[:2000]})
+
+
+_PER_ATTEMPT = {"rollout_id": True, "model_cookies": True, "resource_cookies": True, "resume": True}
+"""What differs between attempts of one task by design (the endpoints' addresses too, below)."""
+
+
+def _changed_task(previous_input: Path, worker_input: WorkerInput) -> str | None:
+    """The first field in which the earlier attempt's task differs from this one's; None: the same task."""
+    from rollcage.durable import read_bounded
+
+    try:
+        earlier = WorkerInput.model_validate_json(read_bounded(previous_input, limit=64 * 1024 * 1024))
+    except (OSError, ValueError) as exc:
+        return f"its input.json cannot be read: {exc}"
+
+    def task(value: WorkerInput) -> dict[str, Any]:
+        data = value.model_dump(mode="json", exclude=_PER_ATTEMPT)
+        # A rerun serves the same model on another port; the model's name and settings must match.
+        data["model"] = {k: v for k, v in data["model"].items() if k not in ("base_url", "uds")}
+        data["resources"] = {k: {**v, "base_url": None, "uds": None} for k, v in data["resources"].items()}
+        return data
+
+    before, now = task(earlier), task(worker_input)
+    return next((f"field {key!r}" for key in now if before.get(key) != now[key]), None)
+
+
+def _not_resumed(resume: ResumeSource, reason: str) -> ResumeLink:
+    return ResumeLink(
+        previous_rollout_id=resume.rollout_id, previous_dir=resume.directory, resumed=False, reason=reason
+    )
+
+
+def _resume_link(link: ResumeLink | None, result: WorkerResult | None) -> ResumeLink | None:
+    """The final link: what the worker did with a journal it was given."""
+    if link is None or link.reason is not None:
+        return link
+    if result is None:
+        return link.model_copy(
+            update={"reason": "the attempt left no valid result: it is unknown how far it got"}
+        )
+    resumed = result.trajectory.resumed_from
+    if resumed is None:
+        return link.model_copy(
+            update={
+                "reason": result.trajectory.resume_refused or "the worker did not resume",
+                "boundary": None,
+            }
+        )
+    return link.model_copy(
+        update={
+            "resumed": True,
+            "boundary": resumed.boundary,
+            "replayed_model_calls": len(resumed.replayed_model_calls),
+        }
+    )
 
 
 def _verify_payload(
@@ -508,12 +667,24 @@ async def _run_and_grade(
     rollout_dir = Path(prepared.rollout_dir)
     started = time.time()
     seeded = False
+    link: ResumeLink | None = None
     result: WorkerResult | None = None
     try:
+        resume = prepared.resume_from
         if client is not None:
+            if resume is not None:
+                # The earlier attempt's session was closed with it; a replay against a new one would
+                # not see the state its tool calls built.
+                link = _not_resumed(
+                    resume, "rows with an environment are not resumed (the earlier session was closed)"
+                )
+                resume = None
             prepared = await _seed(prepared, client)
             seeded = True
-        await asyncio.to_thread(lay_out, rollout_dir, prepared.worker_input, settings.input_mode)
+        staged = await asyncio.to_thread(
+            lay_out, rollout_dir, prepared.worker_input, settings.input_mode, resume
+        )
+        link = staged if staged is not None else link
         if supervise is None:
             fn = _default_supervise()
             config = supervisor_config if supervisor_config is not None else build_supervisor_config(settings)
@@ -525,6 +696,9 @@ async def _run_and_grade(
         receipt = _failed_receipt(prepared, settings, exc, started, where="the controller")
     if not receipt.result_valid:
         result = None
+    link = _resume_link(link, result)
+    if prepared.resume_from is not None:
+        receipt = receipt.model_copy(update={"resumed_from": prepared.resume_from.rollout_id})
     graded = False
     masked = False
     failure_kind: str | None = None
@@ -566,6 +740,7 @@ async def _run_and_grade(
         failure_kind=failure_kind,
         grader=grader,
         termination_reason=result.termination_reason if result is not None else None,
+        resume=link,
     ).with_result(result)
 
 

@@ -15,6 +15,7 @@ and is removed when the rollout ends::
     R/.sandbox/input.json              /rollout/input.json         read       rewritten: endpoints -> proxy
     R/.sandbox/root/                   /rollout/                   write      where result.json is published
     R/checkpoint.jsonl                 /rollout/checkpoint.jsonl   append     live evidence, in place
+    R/resume.jsonl (when resuming)     /rollout/resume.jsonl       read       an earlier attempt's journal
     R/workspace/ (a bounded tmpfs      /rollout/workspace/         write      the agent's working directory
       as root, see budgets.py)
     <private>/fs/tmp, fs/shm (root)    /tmp, /dev/shm              write      bounded tmpfs
@@ -155,6 +156,11 @@ class RolloutLayout:
         return self.root / "checkpoint.jsonl"
 
     @property
+    def resume_journal(self) -> Path:
+        """An earlier attempt's journal the controller copied in to be resumed from (may not exist)."""
+        return self.root / "resume.jsonl"
+
+    @property
     def result(self) -> Path:
         """Where ``result.json`` ends up."""
         return self.root / "result.json"
@@ -281,6 +287,9 @@ def bwrap_argv(
         ),
         Bind(str(scratch.workspace), f"{SANDBOX_ROLLOUT_DIR}/workspace", writable=True),
     ]
+    if layout.resume_journal.is_file():
+        # The controller's validated copy of an earlier attempt's journal (rollcage.resume): read-only.
+        mounts.append(Bind(str(layout.resume_journal), f"{SANDBOX_ROLLOUT_DIR}/resume.jsonl"))
     run_as = (
         (config.run_as_uid, config.run_as_gid)
         if config.run_as_uid is not None and config.run_as_gid is not None
