@@ -47,6 +47,7 @@ from rollcage.durable import publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
 from rollcage.protocol import SignalEvent, SupervisorReceipt, WorkerInput, WorkerResult
 from rollcage.supervisor.budgets import RolloutBudgets, owner_tag, release_leftovers, sweep_orphans
+from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
@@ -119,9 +120,15 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
     return killed
 
 
-def default_worker_command() -> list[str]:
-    """The real worker, run by this interpreter in isolated mode (``-I``: cwd and PYTHON* ignored)."""
-    return [sys.executable, "-I", "-B", "-m", "rollcage", "worker"]
+def default_worker_command(bytecode: str | None = None) -> list[str]:
+    """The real worker, run by this interpreter in isolated mode (``-I``: cwd and PYTHON* ignored).
+
+    Args:
+        bytecode: A compiled bytecode cache (:func:`~rollcage.supervisor.bytecode.worker_bytecode`)
+            the worker reads its ``.pyc`` files from; ``None``: none.
+    """
+    prefix = ["-X", f"pycache_prefix={bytecode}"] if bytecode is not None else []
+    return [sys.executable, "-I", "-B", *prefix, "-m", "rollcage", "worker"]
 
 
 class Supervised(NamedTuple):
@@ -403,7 +410,10 @@ class _Supervision:
         env = worker_environment(
             allow=self.config.env_allow, extra=self.config.env, sandbox=self.launcher.kind
         )
-        command = self.config.worker_command or default_worker_command()
+        bytecode: str | None = None
+        if self.config.worker_command is None:
+            bytecode = await asyncio.to_thread(worker_bytecode)
+        command = self.config.worker_command or default_worker_command(bytecode)
         status_read, status_write = os.pipe() if self.launcher.kind == "bwrap" else (None, None)
         try:
             if isinstance(self.launcher, BwrapLauncher):
@@ -427,6 +437,7 @@ class _Supervision:
                     status_fd=status_write,
                     scratch=scratch,
                     enter=self.budgets.enter_prefix(),
+                    read_only=[bytecode] if bytecode is not None else [],
                 )
             else:
                 self.plan = plan = self.launcher.plan(

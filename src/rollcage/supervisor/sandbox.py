@@ -357,6 +357,7 @@ class BwrapLauncher:
         status_fd: int | None = None,
         scratch: Scratch | None = None,
         enter: Sequence[str] = (),
+        read_only: Sequence[str] = (),
     ) -> LaunchPlan:
         """The launch plan for one rollout (call :meth:`check` first).
 
@@ -369,6 +370,8 @@ class BwrapLauncher:
                 inherited by the launched process.
             scratch: The writable places the budgets chose (see :class:`Scratch`).
             enter: A prefix run first on the host (moving the sandbox into its cgroups).
+            read_only: More host paths the worker reads, mounted read-only at the same place
+                (the compiled bytecode cache).
         """
         tools = self.check()
         root = SANDBOX_ROLLOUT_DIR
@@ -379,7 +382,7 @@ class BwrapLauncher:
             "--checkpoint",
             f"{root}/checkpoint.jsonl",
         ]
-        ro = [*python_paths(), *self.config.extra_ro_paths]
+        ro = [*python_paths(), *self.config.extra_ro_paths, *read_only]
         if os.path.isabs(worker_command[0]):
             ro.append(os.path.dirname(worker_command[0]))
         env = dict(worker_env)
