@@ -56,12 +56,12 @@ from rollcage.supervisor.procs import (
     ExitStatus,
     PidHandle,
     ProcInfo,
-    descendants,
     ensure_subreaper,
     has_token,
     in_proc_thread,
     ns_pids,
     read_proc,
+    rollout_tree,
     scan_processes,
     subtree,
     wait_readable,
@@ -622,18 +622,18 @@ class _Supervision:
         """The worker's process tree (its direct child included), the reparented stragglers, and
         everything in the rollout's cgroups."""
         assert self.child is not None
-        budgets = self.budgets
-        table, members = await in_proc_thread(
-            lambda: (scan_processes(), budgets.members() if budgets is not None else [])
-        )
-        roots = [self.child.pid, *members]
-        init = self.sandbox_init
-        if init is not None:
-            now = table.get(init.info.pid)
-            # Once reaped, the init's PID may name another process: only the one we hold is a root.
-            if now is not None and now.starttime == init.info.starttime:
-                roots.append(now.pid)
-        return descendants(table, roots, token=self.token)
+        child, budgets, init = self.child, self.budgets, self.sandbox_init
+
+        def walk() -> list[ProcInfo]:
+            roots = [child.pid, *(budgets.members() if budgets is not None else [])]
+            if init is not None:
+                now = read_proc(init.info.pid)
+                # Once reaped, the init's PID may name another process: only the one we hold is a root.
+                if now is not None and now.starttime == init.info.starttime:
+                    roots.append(now.pid)
+            return rollout_tree(roots, token=self.token)
+
+        return await in_proc_thread(walk)
 
     def _handle(self, info: ProcInfo) -> PidHandle | None:
         key = (info.pid, info.starttime)
