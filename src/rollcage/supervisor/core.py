@@ -891,6 +891,7 @@ class _Supervision:
             proxy_connections_refused=None if proxy is None else proxy.refused,
             budget_exceeded=None if self.budget_exceeded is None else self.budget_exceeded[0],
             budgets=self.budgets.report() if self.budgets is not None else [],
+            usage=self.budgets.usage() if self.budgets is not None else None,
         )
         try:
             retry_on_emfile(publish_json, layout.receipt, receipt, mode=0o644)
