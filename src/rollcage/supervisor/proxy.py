@@ -690,6 +690,8 @@ class EgressProxy:
         """Exchanges so far, by route kind (whether or not their capture line could be written)."""
         self.refused = 0
         """Connections refused at accept (over the rollout's connection cap)."""
+        self.first_request = asyncio.Event()
+        """Set when the sandbox's first request arrives: the worker has started up."""
 
     @property
     def captured(self) -> dict[str, int]:
@@ -893,6 +895,7 @@ class EgressProxy:
             exchange = await self._next_request(conn, sock)
             if exchange is None:
                 return
+            self.first_request.set()
             reusable = False
             try:
                 reusable = await self._exchange(conn, sock, exchange)
