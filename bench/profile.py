@@ -248,8 +248,9 @@ def _exit_cost(argv: list[str]) -> float:
 
 def _controller_patches(meters: Meters) -> list[str]:
     """Meter the controller's and supervisor's phases; return the patch points that were not found."""
+    from rollcage import procs
     from rollcage.controller import _graders, _ledger, _records, _run, _unit
-    from rollcage.supervisor import core, procs, proxy
+    from rollcage.supervisor import core, proxy, tree
 
     supervision = core._Supervision
     points: list[tuple[Any, str, str]] = [
@@ -259,7 +260,7 @@ def _controller_patches(meters: Meters) -> list[str]:
         (proxy.EgressProxy, "__aenter__", "egress proxy"),
         (proxy.EgressProxy, "aclose", "egress proxy"),
         (proxy.EgressProxy, "_on_connection", "egress proxy"),
-        (_unit, "_lay_out", "controller: prepare the rollout directory"),
+        (_unit, "lay_out", "controller: prepare the rollout directory"),
         (_unit, "_read_result", "grading (read result.json, grade)"),
         (_unit, "_grade", "grading (read result.json, grade)"),
         (_graders, "grade_builtin", "grading (read result.json, grade)"),
@@ -273,8 +274,8 @@ def _controller_patches(meters: Meters) -> list[str]:
     ]
     for name in ("check", "_read_input", "_prepare_files", "_open_log", "_conclude"):
         points.append((supervision, name, "supervisor: staging, receipt (threads)"))
-    for name in ("scan_processes", "descendants", "read_proc", "has_token", "ns_pids"):
-        points.append((procs, name, "supervisor: /proc scans"))
+    for name in ("scan_processes", "descendants", "read_proc", "environ_has", "ns_pids"):
+        points.append((tree, name, "supervisor: /proc scans"))
     return [f"{getattr(o, '__name__', o)}.{n}" for o, n, label in points if not meters.patch(o, n, label)]
 
 

@@ -398,3 +398,48 @@ async def test_a_machine_that_cannot_sandbox_is_refused_before_anything_is_writt
     with pytest.raises(ConfigError, match=r"bubblewrap \(bwrap\) is not installed"):
         await Controller(cfg).run()
     assert not cfg.out.exists(), "nothing may be written when the sandbox cannot run"
+
+
+async def test_a_second_cancellation_while_the_servers_close_still_stops_the_policy_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import httpx
+
+    from rollcage.controller import EmbeddedPolicyConfig
+    from rollcage.controller._servers import EnvironmentPool
+
+    policy = Path(__file__).parents[1] / "examples" / "calc-weather" / "policy.yaml"
+    dataset = write_rows(tmp_path / "d.jsonl", [row("t0")])
+    cfg = config(tmp_path, dataset, model=EmbeddedPolicyConfig(script=policy))
+    fake = FakeSupervisor(plan=lambda wi, t: FakePlan(hang=True))
+    closing, release = threading.Event(), threading.Event()
+    close = EnvironmentPool.close
+
+    def slow_close(pool: EnvironmentPool) -> None:
+        closing.set()
+        release.wait(30)  # the environments take their time to stop
+        close(pool)
+
+    monkeypatch.setattr(EnvironmentPool, "close", slow_close)
+    urls: list[str] = []
+    reporter = NullReporter()
+    reporter.notice = lambda line: urls.extend(line.split()[-1:] if "serving on" in line else [])  # type: ignore[method-assign]
+    controller = Controller(
+        cfg, backend=LocalBackend(cfg.rollout_settings(), supervise=fake), reporter=reporter
+    )
+    task = asyncio.get_running_loop().create_task(controller.run())
+    try:
+        await fake.wait_in_flight(1)
+        (base_url,) = urls
+        task.cancel()  # the first Ctrl-C: the run winds down and starts closing its servers
+        assert await asyncio.to_thread(closing.wait, 30)
+        task.cancel()  # the second, while the environments close
+    finally:
+        release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    with pytest.raises(httpx.TransportError):
+        async with httpx.AsyncClient(trust_env=False) as client:
+            await client.get(f"{base_url}/models", timeout=5)

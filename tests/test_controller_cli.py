@@ -108,7 +108,7 @@ def test_malformed_rows_are_named_and_strict_refuses_to_start(tmp_path: Path) ->
     dataset.write_text('{"id": "a", "input": "x", "expected": "42"}\n{"id": "b"}\n')
     code, out = finish(rollcage(str(dataset), "--out", "o1", "--quiet", cwd=tmp_path))
     assert code == 0, out
-    assert "Malformed row at line 2 (id 'b'): input: Field required" in out
+    assert "Malformed row at line 2 (id 'b'): field 'input': Field required" in out
     assert len(records(tmp_path / "o1")) == 1
     code, out = finish(rollcage(str(dataset), "--out", "o2", "--strict", "--quiet", cwd=tmp_path))
     assert code == 2 and "line 2" in out and "--strict" in out

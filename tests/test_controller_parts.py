@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -202,3 +204,34 @@ async def test_failed_append_takes_back_its_partial_line(
     seen: list[str] = []
     assert load_records(path, lambda r: seen.append(r.rollout_id)).repaired_bytes == 0
     assert seen == ["r0", "r2"]
+
+
+async def test_record_log_cancelled_while_opening_closes_what_its_thread_opened(tmp_path: Path) -> None:
+    path = tmp_path / "rollouts.jsonl"
+    log = RecordLog(path)
+    entered, release = threading.Event(), threading.Event()
+    opened: list[int] = []
+    real_open = log._open
+
+    def slow_open() -> int:
+        entered.set()
+        release.wait(60)
+        opened.append(real_open())
+        return opened[0]
+
+    log._open = slow_open  # type: ignore[method-assign]
+    opening = asyncio.ensure_future(log.__aenter__())
+    assert await asyncio.to_thread(entered.wait, 60)
+    opening.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    assert not _fd_names(opened[0], path)
+
+
+def _fd_names(fd: int, path: Path) -> bool:
+    """Whether descriptor ``fd`` of this process is open on ``path``."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == str(path)
+    except FileNotFoundError:
+        return False

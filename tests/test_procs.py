@@ -1,58 +1,208 @@
-"""Finding one rollout's processes without reading every process on the machine."""
+"""The process-lifecycle room: stopping real process trees, the stop's state, and the cancellation dialect."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
 
-from rollcage.supervisor.config import TOKEN_ENV
-from rollcage.supervisor.procs import (
-    ChildProcess,
-    descendants,
-    ensure_subreaper,
-    read_proc,
-    rollout_tree,
-    scan_processes,
+import pytest
+
+from rollcage.procs import (
+    GroupTree,
+    StopPhase,
+    StopStrategy,
+    TreeStop,
+    first_of,
+    is_running,
+    live_members,
+    shielded,
+    stop_tree,
+    wait_shared,
 )
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_for_async
+
+pytestmark = pytest.mark.timeout(60)
+
+# Notes SIGTERM in a file and carries on: only SIGKILL ends it. Its background child does the same.
+_STUBBORN = (
+    "trap ': > term' TERM; (trap '' TERM; while :; do sleep 0.1; done) & "
+    ": > started; while :; do sleep 0.1; done"
+)
+# A member that leaves the group (setpgid) but stays in the session, then says so.
+_ESCAPER = (
+    "import os, time\n"
+    "if os.fork() == 0:\n"
+    "    os.setpgid(0, 0)\n"
+    "    open('escaped', 'w').write(str(os.getpid()))\n"
+    "    while True: time.sleep(0.1)\n"
+    "while True: time.sleep(0.1)\n"
+)
 
 
-def test_the_rollout_tree_is_the_full_scans_tree_with_its_reparented_orphans() -> None:
-    ensure_subreaper()
-    token = "tok-" + os.urandom(6).hex()
-    # A child with a child of its own, and a daemon that leaves (setsid, parent gone) and is
-    # reparented to this process, the subreaper: only its token says whose it is.
-    script = "(setsid sleep 60 > /dev/null 2>&1 &); sleep 60 & echo started; wait"
-    child = ChildProcess.spawn(
-        ["/bin/sh", "-c", script],
-        env={"PATH": "/usr/bin:/bin", TOKEN_ENV: token},
-        cwd="/",
-        stdout=os.open(os.devnull, os.O_WRONLY),
-    )
-    found: list[int] = []
+async def _spawn(tmp_path: Path, *argv: str) -> tuple[asyncio.subprocess.Process, asyncio.Future[int]]:
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=tmp_path, start_new_session=True)
+    return proc, asyncio.ensure_future(proc.wait())
+
+
+@pytest.fixture
+async def stubborn(tmp_path: Path) -> AsyncIterator[tuple[asyncio.subprocess.Process, asyncio.Future[int]]]:
+    """A process group that ignores SIGTERM; killed at teardown whatever the test did."""
+    proc, exited = await _spawn(tmp_path, "/bin/sh", "-c", _STUBBORN)
     try:
-
-        def settled() -> list[int] | None:
-            tree = descendants(scan_processes(), [child.pid], token=token)
-            orphans = [info.pid for info in tree if info.ppid == os.getpid() and info.pid != child.pid]
-            return [info.pid for info in tree] if len(tree) == 3 and orphans else None
-
-        expected = wait_for(settled, timeout=60, what="the child, its child and the reparented daemon")
-        found = [info.pid for info in rollout_tree([child.pid], token=token)]
-        assert sorted(found) == sorted(expected)
-        # Someone else's process with another token is not taken.
-        assert [info.pid for info in rollout_tree([], token="another")] == []
+        await wait_for_async(lambda: (tmp_path / "started").exists(), what="the shell to start")
+        yield proc, exited
     finally:
-        for pid in {*found, child.pid}:
-            info = read_proc(pid)
-            if info is not None and info.alive:
-                os.kill(pid, signal.SIGKILL)
-        for pid in found:
-            if pid != child.pid:
-                try:
-                    os.waitpid(pid, 0)
-                except ChildProcessError:
-                    pass
-        child.signal_group(signal.SIGKILL)
-        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
-        child.release()
+        for member in live_members(proc.pid) or []:
+            os.kill(member.pid, signal.SIGKILL)
+        await asyncio.wait({exited}, timeout=10)
+
+
+async def test_stop_tree_sends_sigterm_then_kills_the_whole_group_after_the_grace(
+    stubborn: tuple[asyncio.subprocess.Process, asyncio.Future[int]], tmp_path: Path
+) -> None:
+    proc, exited = stubborn
+    gone = await stop_tree(GroupTree(proc.pid, exited), StopStrategy(grace_s=0.5, kill_wait_s=10))
+    assert gone
+    assert (tmp_path / "term").exists()  # the polite signal went first
+    assert exited.result() == -signal.SIGKILL
+    assert live_members(proc.pid) == []  # the background child too
+
+
+async def test_a_tree_that_honours_sigterm_is_never_sent_sigkill(tmp_path: Path) -> None:
+    proc, exited = await _spawn(tmp_path, "/bin/sh", "-c", ": > started; exec sleep 30")
+    await wait_for_async(lambda: (tmp_path / "started").exists(), what="the shell to start")
+    assert await stop_tree(GroupTree(proc.pid, exited), StopStrategy(grace_s=30, kill_wait_s=10))
+    assert exited.result() == -signal.SIGTERM
+
+
+async def test_the_sweep_kills_a_member_that_left_the_group_but_not_the_session(tmp_path: Path) -> None:
+    proc, exited = await _spawn(tmp_path, sys.executable, "-c", _ESCAPER)
+    escaped = await wait_for_async(
+        lambda: (tmp_path / "escaped").exists() and (tmp_path / "escaped").read_text(), what="the escape"
+    )
+    pid = int(escaped)
+    assert is_running(pid) and os.getpgid(pid) != proc.pid
+    assert await stop_tree(GroupTree(proc.pid, exited), StopStrategy(grace_s=0, kill_wait_s=10))
+    assert not is_running(pid)
+
+
+async def test_stop_tree_finishes_the_stop_before_a_cancellation_propagates(
+    stubborn: tuple[asyncio.subprocess.Process, asyncio.Future[int]], tmp_path: Path
+) -> None:
+    proc, exited = stubborn
+    stopping = asyncio.ensure_future(
+        stop_tree(GroupTree(proc.pid, exited), StopStrategy(grace_s=1.0, kill_wait_s=10))
+    )
+    await wait_for_async(lambda: (tmp_path / "term").exists(), what="SIGTERM")
+    stopping.cancel()  # during the grace period
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    assert exited.done() and exited.result() == -signal.SIGKILL
+
+
+async def test_a_stop_resumes_where_a_cancellation_left_it(
+    stubborn: tuple[asyncio.subprocess.Process, asyncio.Future[int]], tmp_path: Path
+) -> None:
+    proc, exited = stubborn
+    stop = TreeStop(GroupTree(proc.pid, exited), StopStrategy(grace_s=60, kill_wait_s=10))
+    first = asyncio.ensure_future(stop.run())
+    await wait_for_async(lambda: (tmp_path / "term").exists(), what="SIGTERM")
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert stop.phase is StopPhase.TERMINATING and not exited.done()
+    stop.hurry()  # the rest of the grace period is skipped; SIGTERM is not sent again
+    assert await stop.run()
+    assert stop.phase is StopPhase.STOPPED and exited.result() == -signal.SIGKILL
+
+
+async def test_a_stop_taken_out_of_order_fails_loudly(
+    stubborn: tuple[asyncio.subprocess.Process, asyncio.Future[int]],
+) -> None:
+    proc, exited = stubborn
+    stop = TreeStop(GroupTree(proc.pid, exited), StopStrategy(grace_s=0, kill_wait_s=10))
+    with pytest.raises(RuntimeError, match="no grace period"):
+        await stop.wait_grace()
+    await stop.kill("stop")
+    with pytest.raises(RuntimeError, match="from killing to terminating"):
+        await stop.terminate()
+    assert await stop.sweep()
+    with pytest.raises(RuntimeError, match="already swept"):
+        await stop.sweep()
+    with pytest.raises(RuntimeError, match="from stopped to killing"):
+        await stop.kill("stop")
+
+
+def test_a_strategy_refuses_negative_or_endless_waits() -> None:
+    with pytest.raises(ValueError, match="grace_s"):
+        StopStrategy(grace_s=-1, kill_wait_s=1)
+    with pytest.raises(ValueError, match="kill_wait_s"):
+        StopStrategy(grace_s=1, kill_wait_s=float("inf"))
+
+
+# --------------------------------------------------------------------------- the cancellation dialect
+
+
+async def test_shielded_work_finishes_however_often_the_caller_is_cancelled() -> None:
+    release = asyncio.Event()
+    finished: list[str] = []
+    hurried: list[int] = []
+
+    async def close() -> str:
+        await release.wait()
+        finished.append("closed")
+        return "closed"
+
+    caller = asyncio.ensure_future(shielded(close(), on_cancel=lambda: hurried.append(1)))
+    await asyncio.sleep(0)
+    for _ in range(3):
+        caller.cancel()
+        await asyncio.sleep(0)
+    assert not caller.done()  # still waiting for the work, not gone
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert finished == ["closed"] and len(hurried) == 3
+
+
+async def test_a_failure_under_cancellation_still_raises_the_cancellation() -> None:
+    release = asyncio.Event()
+
+    async def failing() -> None:
+        await release.wait()
+        raise OSError("disk gone")
+
+    caller = asyncio.ensure_future(shielded(failing()))
+    await asyncio.sleep(0)
+    caller.cancel()
+    await asyncio.sleep(0)
+    release.set()
+    with pytest.raises(asyncio.CancelledError) as caught:
+        await caller
+    assert isinstance(caught.value.__cause__, OSError)
+
+
+async def test_wait_shared_leaves_at_once_and_the_shared_future_runs_on() -> None:
+    shared: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    waiter = asyncio.ensure_future(wait_shared(shared))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert not shared.cancelled()
+    shared.set_result("still here")
+    assert await wait_shared(shared) == "still here"
+
+
+async def test_first_of_ends_the_other_waits_and_says_which_finished() -> None:
+    quick = asyncio.Event()
+    never = asyncio.Event()
+    quick.set()
+    finished, cut = await first_of(quick.wait(), never.wait())
+    assert not finished.cancelled() and cut.cancelled()
+    (timed_out,) = await first_of(never.wait(), seconds=0.01)
+    assert timed_out.cancelled()

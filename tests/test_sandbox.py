@@ -42,6 +42,7 @@ from rollcage.cage import (
 from rollcage.commands._sandbox_options import CgroupsChoice, ExecutorCageChoice, bwrap_fields, parse_size
 from rollcage.environments import create_app
 from rollcage.errors import SandboxError
+from rollcage.procs import ensure_subreaper
 from rollcage.protocol import BudgetName, ExecutorSettings, SupervisorReceipt
 from rollcage.supervisor import (
     BwrapSandbox,
@@ -51,7 +52,6 @@ from rollcage.supervisor import (
     classify_outcome,
     supervise,
 )
-from rollcage.supervisor.procs import ensure_subreaper
 from rollcage.supervisor.sandbox import BwrapTools, bwrap_argv
 from rollcage.tools import make_executor
 from tests.helpers.supervisor_env import (

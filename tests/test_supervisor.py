@@ -22,6 +22,7 @@ import pytest
 
 from rollcage.durable import is_temp_artifact
 from rollcage.errors import ConfigError, SandboxError
+from rollcage.procs import PidHandle, ensure_subreaper, is_subreaper, read_proc
 from rollcage.protocol import RunnerError, SupervisorReceipt, WorkerResult
 from rollcage.supervisor import (
     BwrapSandbox,
@@ -32,7 +33,6 @@ from rollcage.supervisor import (
     kill_leftovers,
     supervise,
 )
-from rollcage.supervisor.procs import PidHandle, ensure_subreaper, is_subreaper, read_proc
 from tests.helpers.supervisor_env import (
     HELPERS,
     config,
@@ -358,7 +358,7 @@ def test_a_process_group_is_signalled_whole_through_its_leaders_pidfd() -> None:
 
 
 def processes_in_group(pgid: int) -> list[int]:
-    from rollcage.supervisor.procs import scan_processes
+    from rollcage.procs import scan_processes
 
     return [info.pid for info in scan_processes().values() if info.pgid == pgid and info.alive]
 

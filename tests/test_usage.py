@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from rollcage.cage import detect_cgroups
 from rollcage.supervisor import supervise
-from tests.helpers.supervisor_env import config, fake, make_rollout, requires_bwrap
+from tests.helpers.supervisor_env import HELPERS, config, make_rollout, requires_bwrap
 
 BURN_S = 0.4
 
@@ -19,7 +20,8 @@ async def test_the_receipt_counts_cpu_time_that_the_sandbox_reaped_itself(tmp_pa
     if detect_cgroups().cpu is None:
         pytest.skip("no cgroup here can count CPU time (v2 cpu.stat or a writable v1 cpuacct)")
     root = make_rollout(tmp_path)
-    receipt = await supervise(root, config("bwrap", *fake("burn", str(BURN_S)), deadline_s=120))
+    burn = [sys.executable, str(HELPERS / "burn_worker.py"), str(BURN_S)]
+    receipt = await supervise(root, config("bwrap", *burn, deadline_s=120))
     assert receipt.outcome == "completed", receipt.outcome_reason
     usage = receipt.usage
     assert usage is not None and usage.cpu_mechanism in ("cgroup2", "cgroup1")

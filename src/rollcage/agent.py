@@ -89,7 +89,11 @@ class ModelCaller(Protocol):
         id: str,
         turn: int,
     ) -> ModelCall:
-        """Make one model call; raise a ``ModelError`` carrying ``.record`` on failure."""
+        """Make one model call; raise a ``ModelError`` carrying ``.record`` on failure.
+
+        **Cancellation:** the request in flight is abandoned and ``CancelledError``
+        propagates; the interrupted call's record is then ``interrupted``.
+        """
         ...
 
     @property
@@ -107,7 +111,10 @@ class ResourceCaller(Protocol):
     """What the loop needs of the HTTP resource tools."""
 
     async def call(self, name: str, arguments: dict[str, Any]) -> tuple[ToolStatus, str]:
-        """Call one resource tool; return its status (failed: an error answer) and the text for the model."""
+        """Call one resource tool; return its status (failed: an error answer) and the text for the model.
+
+        **Cancellation:** the request is abandoned and ``CancelledError`` propagates.
+        """
         ...
 
     @property
@@ -120,7 +127,11 @@ class CellRunner(Protocol):
     """What the loop needs of the Python executor: run one cell, text out."""
 
     async def run_cell(self, code: str, timeout_s: float) -> tuple[ToolStatus, str]:
-        """Run ``code``; return the call status and the bounded text shown to the model."""
+        """Run ``code``; return the call status and the bounded text shown to the model.
+
+        **Cancellation:** the cell is interrupted (the executor is stopped if it does not
+        stop in time) and ``CancelledError`` propagates.
+        """
         ...
 
     def prestart(self) -> None:

@@ -41,11 +41,13 @@ import orjson
 from pydantic import BaseModel
 
 from rollcage.errors import DurableWriteError, JournalCorruptError
+from rollcage.procs import wait_shared
 
 __all__ = [
     "AppendCursor",
     "CheckpointJournal",
     "JournalState",
+    "fsync_directory",
     "is_temp_artifact",
     "open_regular",
     "publish_bytes",
@@ -181,7 +183,7 @@ def publish_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o60
             ) from exc
         raise
     try:
-        _fsync_directory(directory)
+        fsync_directory(directory)
     except OSError as exc:
         raise _write_error(
             f"published {target}, but syncing its directory failed, so the new file may not survive a crash",
@@ -225,7 +227,15 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         offset += written
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str | os.PathLike[str]) -> None:
+    """``fsync`` a directory, so a rename or a new file in it survives a crash (blocking).
+
+    A file system that cannot sync a directory at all (``EINVAL``, ``ENOTSUP``) is
+    not an error: its renames are as durable as they will ever be.
+
+    Raises:
+        OSError: The directory cannot be opened, or the sync failed.
+    """
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -615,7 +625,7 @@ class CheckpointJournal:
         assert self._stopped is not None  # set whenever the state is OPEN
         try:
             async with asyncio.timeout(self._timeout_s):
-                await asyncio.shield(self._stopped)
+                await wait_shared(self._stopped)
         except TimeoutError as exc:
             raise DurableWriteError(
                 errno.ETIMEDOUT, f"journal {self._path}: closing took longer than {self._timeout_s} s"
@@ -665,7 +675,7 @@ class CheckpointJournal:
                 os.fchmod(fd, self._mode)
             if created:
                 # The file's name must be as durable as the lines it will hold.
-                _fsync_directory(os.path.dirname(os.path.abspath(self._path)))
+                fsync_directory(os.path.dirname(os.path.abspath(self._path)))
                 return fd, 0
             data = _read_all(fd)
             scan = _scan(data, self._path)

@@ -1,37 +1,45 @@
 """One exception hierarchy for everything rollcage raises.
 
-The split that matters most is *whose fault* a failure is: the infrastructure's
-(worth retrying the rollout, never trained on) or the request's/agent's (final).
-Every error carries a ``kind`` that says which, so the worker can publish it as
-``RunnerError.kind`` without guessing::
+The split that matters most is *whose fault* a failure is, and it is the type
+that says so: an :class:`InfrastructureError` is the machinery's (the endpoint,
+the disk, the sandbox, the cluster: worth retrying the rollout, never trained
+on); a :class:`PolicyError` is the policy's own doing (final, and part of what is
+trained on); a :class:`ConfigError` is the user's input. ``isinstance`` answers
+the question everywhere, and :attr:`RollcageError.kind` is the word the worker
+publishes as ``RunnerError.kind`` (``transient`` for the infrastructure's,
+``fatal`` for anything final)::
 
-    RollcageError
-    ├── ConfigError (ValueError)                 bad input, dataset row, config, CLI use   [fatal]
-    │   ├── ControllerOnlyFieldError             controller state aimed at the sandbox      [fatal]
-    │   └── ViewerError                          show/report given a path that is no rollout [fatal]
-    ├── DurableWriteError (OSError)              publishing or appending to disk failed     [transient]
-    ├── JournalCorruptError (ValueError)         a checkpoint journal is damaged mid-file   [fatal]
-    ├── ModelError                               the model endpoint                         [see below]
-    │   ├── TransientModelError                  connection, timeout, 408/409/429/5xx,      [transient]
-    │   │                                        a malformed/truncated body, 401/403/404
-    │   │   └── ModelTimeoutError (TimeoutError) no answer within the deadline              [transient]
-    │   └── FatalModelError                      a request the server rejects: 400/422,     [fatal]
-    │                                            context length
-    ├── ToolError                                a tool or the Python executor              [fatal]
-    │   ├── ToolTimeoutError (TimeoutError)      a call ran past its timeout                [fatal]
-    │   ├── ExecutorError                        the executor died or cannot start          [fatal]
-    │   └── ResourceUnavailableError             a resource endpoint cannot be reached      [transient]
-    ├── SandboxError                             bubblewrap missing or failing              [transient]
-    ├── SupervisorError                          the supervisor could not do its job        [transient]
-    ├── RunFailedError                           the controller itself failed mid-run       [transient]
-    ├── RayTaskLostError                         a Ray task ended without a record          [transient]
-    │   └── RayTaskOverdueError (TimeoutError)   it did not start or return in time         [transient]
-    └── ArtifactsTooLargeError                   a rollout dir too large to ship to the driver [transient]
+    RollcageError                                    anything raised on purpose             [fatal]
+    ├── InfrastructureError                          the machinery failed: retry, never train [transient]
+    │   ├── DurableWriteError (OSError)              publishing or appending to disk failed
+    │   ├── TransientModelError (ModelError)         connection, timeout, 408/409/429/5xx,
+    │   │   │                                        a malformed/truncated body, 401/403/404
+    │   │   └── ModelTimeoutError (TimeoutError)     no answer within the deadline
+    │   ├── ResourceUnavailableError (ToolError)     a resource endpoint cannot be reached
+    │   ├── SandboxError                             bubblewrap missing or failing
+    │   ├── SupervisorError                          the supervisor could not do its job
+    │   ├── RunFailedError                           the controller itself failed mid-run
+    │   ├── RayTaskLostError                         a Ray task ended without a record
+    │   │   └── RayTaskOverdueError (TimeoutError)   it did not start or return in time
+    │   └── ArtifactsTooLargeError                   a rollout dir too large to ship to the driver
+    ├── PolicyError                                  the policy's own doing: final           [fatal]
+    │   └── FatalModelError (ModelError)             a request the server rejects: 400/422, context length
+    ├── ConfigError (ValueError)                     bad input, dataset row, config, CLI use [fatal]
+    │   ├── ControllerOnlyFieldError                 controller state aimed at the sandbox
+    │   └── ViewerError                              show/report given a path that is no rollout
+    ├── JournalCorruptError (ValueError)             a checkpoint journal is damaged mid-file [fatal]
+    ├── ModelError                                   the model endpoint (both kinds above)
+    └── ToolError                                    a tool or the Python executor          [fatal]
+        └── ExecutorError                            the executor died or cannot start
+
+Whether a ``fatal`` error makes a rollout the policy's ``agent_error`` or an
+``infra_failure`` is the supervisor's call (``rollcage.supervisor.classify_outcome``):
+before any model response, nothing the policy did can be at fault.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     from rollcage.protocol import ModelCall
@@ -44,9 +52,11 @@ __all__ = [
     "ErrorKind",
     "ExecutorError",
     "FatalModelError",
+    "InfrastructureError",
     "JournalCorruptError",
     "ModelError",
     "ModelTimeoutError",
+    "PolicyError",
     "RayTaskLostError",
     "RayTaskOverdueError",
     "ResourceUnavailableError",
@@ -55,19 +65,36 @@ __all__ = [
     "SandboxError",
     "SupervisorError",
     "ToolError",
-    "ToolTimeoutError",
     "TransientModelError",
     "ViewerError",
 ]
 
-ErrorKind = Literal["transient", "fatal"]
-"""Whose fault a failure is: ``transient`` is the infrastructure's, ``fatal`` is final."""
+ErrorKind = Literal["transient", "fatal", "cancelled"]
+"""How a rollout's run ended in error, as ``RunnerError.kind`` publishes it: ``transient``, the
+infrastructure's fault (retry it); ``fatal``, final; ``cancelled``, stopped from outside."""
 
 
 class RollcageError(Exception):
     """Root of every error rollcage raises on purpose."""
 
-    kind: ClassVar[ErrorKind] = "fatal"
+    kind: ClassVar[Literal["transient", "fatal"]] = "fatal"
+    """What ``RunnerError.kind`` publishes. Set here and on :class:`InfrastructureError` only: it
+    follows from the type (``transient`` exactly for the infrastructure's errors)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in vars(cls) and cls.__name__ != "InfrastructureError":
+            raise TypeError(f"{cls.__name__}: kind follows the type; derive from InfrastructureError instead")
+
+
+class InfrastructureError(RollcageError):
+    """The machinery failed, not the policy: retry the rollout, never train on it."""
+
+    kind: ClassVar[Literal["transient", "fatal"]] = "transient"
+
+
+class PolicyError(RollcageError):
+    """The policy's own doing (what it asked for, what its code did): final, and trained on."""
 
 
 class ConfigError(RollcageError, ValueError):
@@ -82,10 +109,8 @@ class ViewerError(ConfigError):
     """A path given to ``show`` or ``report`` is missing or is not a rollout or run artifact."""
 
 
-class DurableWriteError(RollcageError, OSError):
+class DurableWriteError(InfrastructureError, OSError):
     """Writing an artifact to disk failed (disk full, EIO, permissions); nothing was half-published."""
-
-    kind: ClassVar[ErrorKind] = "transient"
 
 
 class JournalCorruptError(RollcageError, ValueError):
@@ -93,23 +118,21 @@ class JournalCorruptError(RollcageError, ValueError):
 
 
 class ModelError(RollcageError):
-    """The model endpoint failed to give a usable answer."""
+    """The model endpoint failed to give a usable answer: a ``TransientModelError`` or ``FatalModelError``."""
 
     record: ModelCall | None = None
     """The failed call (status ``failed``, attempts counted), so it can be recorded; set by the client."""
 
 
-class TransientModelError(ModelError):
+class TransientModelError(ModelError, InfrastructureError):
     """The endpoint is unreachable, overloaded or broken: retry the rollout, never train on it."""
-
-    kind: ClassVar[ErrorKind] = "transient"
 
 
 class ModelTimeoutError(TransientModelError, TimeoutError):
     """The endpoint gave no (complete) answer within the configured deadline."""
 
 
-class FatalModelError(ModelError):
+class FatalModelError(ModelError, PolicyError):
     """The request itself is wrong (400, 422, context length): retrying cannot help, and it is the policy's.
 
     Credentials (401, 403) and a missing endpoint or model (404) are not: those are ``TransientModelError``.
@@ -120,52 +143,36 @@ class ToolError(RollcageError):
     """A tool call failed in a way the agent loop must know about."""
 
 
-class ToolTimeoutError(ToolError, TimeoutError):
-    """A tool call ran past its timeout and was interrupted."""
-
-
 class ExecutorError(ToolError):
     """The Python executor could not start, or died and could not be restarted."""
 
 
-class ResourceUnavailableError(ToolError):
+class ResourceUnavailableError(ToolError, InfrastructureError):
     """A resource endpoint could not be reached at all: infrastructure, not the agent."""
 
-    kind: ClassVar[ErrorKind] = "transient"
 
-
-class SandboxError(RollcageError):
+class SandboxError(InfrastructureError):
     """The sandbox could not be set up (bubblewrap missing, namespaces refused)."""
 
-    kind: ClassVar[ErrorKind] = "transient"
 
-
-class SupervisorError(RollcageError):
+class SupervisorError(InfrastructureError):
     """The supervisor could not start or watch the worker."""
 
-    kind: ClassVar[ErrorKind] = "transient"
 
-
-class RayTaskLostError(RollcageError):
+class RayTaskLostError(InfrastructureError):
     """The Ray task running a rollout ended without a record (it is recorded as ``infra_failure``)."""
-
-    kind: ClassVar[ErrorKind] = "transient"
 
 
 class RayTaskOverdueError(RayTaskLostError, TimeoutError):
     """A Ray task did not start, or did not return, within its bound; it was killed."""
 
 
-class ArtifactsTooLargeError(RollcageError):
+class ArtifactsTooLargeError(InfrastructureError):
     """A rollout directory holds more than the limit for shipping it to the driver."""
 
-    kind: ClassVar[ErrorKind] = "transient"
 
-
-class RunFailedError(RollcageError):
+class RunFailedError(InfrastructureError):
     """A run stopped because the controller itself failed (``rollouts.jsonl`` could not be written).
 
     The records written before are intact; fix the cause and run again to resume.
     """
-
-    kind: ClassVar[ErrorKind] = "transient"

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-from rollcage.errors import ControllerOnlyFieldError
+from rollcage.errors import ControllerOnlyFieldError, ErrorKind
 
 __all__ = [
     "MAX_JSON_DEPTH",
@@ -128,9 +128,6 @@ RESERVED_REQUEST_FIELDS = frozenset(
 )
 """Request fields rollcage builds itself, never taken from ``SamplingParams.extra_body``: the conversation,
 the tools, streaming, the typed sampling settings, and ``n`` (rollcage reads one choice)."""
-
-ErrorKind = Literal["transient", "fatal", "cancelled"]
-"""``transient``: infrastructure, retry the rollout; ``fatal``: final; ``cancelled``: stopped on request."""
 
 Outcome = Literal["completed", "agent_error", "timeout", "cancelled", "infra_failure"]
 """How one attempt ended, as classified by the supervisor (see DESIGN.md's outcome table)."""

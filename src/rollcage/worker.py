@@ -44,6 +44,7 @@ from rollcage.agent import SUBMIT, Agent, AgentResult
 from rollcage.checkpoint import CallCompactor
 from rollcage.durable import CheckpointJournal, publish_json, read_bounded
 from rollcage.errors import ConfigError, RollcageError
+from rollcage.procs import shielded, wait_shared
 from rollcage.protocol import (
     SCHEMA_VERSION,
     BoundaryRecord,
@@ -512,7 +513,8 @@ class _Cells:
     async def run_cell(self, code: str, timeout_s: float) -> tuple[ToolStatus, str]:
         self.prestart()
         assert self._start is not None
-        await asyncio.shield(self._start)
+        # Shared with aclose: a cell cancelled while the executor starts leaves the start running.
+        await wait_shared(self._start)
         result = await self._executor.run(code, timeout_s)
         status: ToolStatus = "completed" if result.status == "ok" else "failed"
         return status, result.text
@@ -523,9 +525,9 @@ class _Cells:
                 self._start.cancel()
             with contextlib.suppress(asyncio.CancelledError, RollcageError):
                 await self._start
-        # Shielded: a cancelled rollout must still stop its executor and reap it.
+        # Shielded: a cancelled rollout must still stop its executor and reap it. Bounded: a close
+        # that hangs is left behind (it is itself shielded) rather than holding up the result.
         close = asyncio.ensure_future(self._executor.aclose())
-        try:
-            await asyncio.wait_for(asyncio.shield(close), EXECUTOR_CLOSE_TIMEOUT_S)
-        except TimeoutError:
+        done, _ = await shielded(asyncio.wait({close}, timeout=EXECUTOR_CLOSE_TIMEOUT_S))
+        if not done:
             log.error("executor did not close within %.0fs", EXECUTOR_CLOSE_TIMEOUT_S)

@@ -288,25 +288,6 @@ def main(argv: list[str]) -> int:
     if mode == "ok":
         publish(result_path, ok)
         return 0
-    if mode == "burn":
-        # CPU time in a daemon that the sandbox's PID-namespace init reaps, never this process.
-        seconds = float(extra[0])
-        if os.fork() == 0:
-            os.setsid()
-            if os.fork() == 0:
-                end = time.process_time() + seconds
-                while time.process_time() < end:
-                    pass
-            os._exit(0)
-        os.wait()
-        # Until the daemon is gone (bwrap only: the sandbox's /proc shows its init, this, the daemon).
-        until = time.monotonic() + 60
-        while time.monotonic() < until and any(
-            pid not in (1, os.getpid()) for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-        ):
-            time.sleep(0.05)
-        publish(result_path, ok)
-        return 0
     if mode == "first-action":
         with open(extra[0], "w") as file:
             file.write(repr(STARTED))

@@ -92,12 +92,12 @@ def processes_with_token(token_prefix: str = "ROLLCAGE_SUPERVISION_TOKEN=") -> l
     Only this process's descendants count: strays from a supervise() call here are reparented to
     it (a child subreaper), while other people's rollouts on the same machine are not.
     """
-    from rollcage.supervisor.procs import descendants, scan_processes
+    from rollcage.procs import descendants, scan_processes
 
     table = scan_processes()
     me = os.getpid()
     found = []
-    for info in descendants(table, [child.pid for child in table.values() if child.ppid == me], token=None):
+    for info in descendants(table, [child.pid for child in table.values() if child.ppid == me], marked=None):
         try:
             with open(f"/proc/{info.pid}/environ", "rb") as file:
                 env = file.read()

@@ -11,7 +11,7 @@ output. Three callers share it:
   per-rollout budgets on total memory, processes, workspace, ``/tmp`` and
   ``/dev/shm`` (:mod:`rollcage.cage._budget`);
 * the worker cages its **Python executor** inside its own cage
-  (:func:`nested_prefix`): agent code cannot see, signal, trace or write the
+  (:meth:`NestedCage.prefix`): agent code cannot see, signal, trace or write the
   worker, its journal or its result;
 * a **grader** that runs or imports the agent's files calls
   :func:`run_contained`: the interpreter, the files given, nothing else.
@@ -32,11 +32,9 @@ Writing a grader step that runs agent code::
 """
 
 from rollcage.cage._budget import (
-    BudgetName,
     CgroupSet,
     CgroupSupport,
     CopyReport,
-    Mechanism,
     PolledTree,
     ProcRootTmpfs,
     TmpfsVolume,
@@ -45,11 +43,9 @@ from rollcage.cage._budget import (
     detect_cgroups,
     kill_cgroup,
     remove_cgroup,
-    unique_name,
     unmount,
 )
 from rollcage.cage._bwrap import (
-    SYSTEM_PATHS,
     Bind,
     BwrapTools,
     CageSpec,
@@ -60,22 +56,18 @@ from rollcage.cage._bwrap import (
     Tmpfs,
     cage_argv,
     find_tools,
-    interpreter_paths,
     outermost,
     python_paths,
     system_mounts,
     which,
 )
-from rollcage.cage._nested import CAGE_ENV, NestedCage, nested_prefix
-from rollcage.cage._run import GRADER_SYSTEM_PATHS, PYTHON, ContainedRun, RunLimits, run_contained
+from rollcage.cage._nested import CAGE_ENV, NestedCage
+from rollcage.cage._run import PYTHON, ContainedRun, RunLimits, run_contained
 
 __all__ = [
     "CAGE_ENV",
-    "GRADER_SYSTEM_PATHS",
     "PYTHON",
-    "SYSTEM_PATHS",
     "Bind",
-    "BudgetName",
     "BwrapTools",
     "CageSpec",
     "CgroupSet",
@@ -84,7 +76,6 @@ __all__ = [
     "CopyReport",
     "FileFromFd",
     "Limits",
-    "Mechanism",
     "Mount",
     "NestedCage",
     "PolledTree",
@@ -98,15 +89,12 @@ __all__ = [
     "copy_tree",
     "detect_cgroups",
     "find_tools",
-    "interpreter_paths",
     "kill_cgroup",
-    "nested_prefix",
     "outermost",
     "python_paths",
     "remove_cgroup",
     "run_contained",
     "system_mounts",
-    "unique_name",
     "unmount",
     "which",
 ]

@@ -54,14 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rollcage.protocol import BudgetMechanism, BudgetName
+from rollcage.procs import PidHandle, read_proc
+from rollcage.protocol import BudgetMechanism
 
 __all__ = [
-    "BudgetName",
     "CgroupSet",
     "CgroupSupport",
     "CopyReport",
-    "Mechanism",
     "PolledTree",
     "ProcRootTmpfs",
     "TmpfsVolume",
@@ -77,8 +76,6 @@ __all__ = [
 
 logger = logging.getLogger("rollcage.cage")
 
-Mechanism = BudgetMechanism
-"""How a budget is enforced (the receipt's word for it)."""
 
 _MS_NOSUID = 2
 _MS_NODEV = 4
@@ -432,19 +429,24 @@ def kill_cgroup(directory: Path) -> None:
     except (OSError, ValueError):
         return
     for pid in pids:
+        info = read_proc(pid)
         # Through a pidfd checked against the cgroup after opening: a reused PID is never hit.
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue
-        try:
-            with open(f"/proc/{pid}/cgroup", encoding="utf-8") as file:
-                if f"{directory.name}\n" in file.read():
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        handle = None if info is None else PidHandle.open_checked(info, lambda p: _in_cgroup(p, directory))
+        if handle is not None:
+            try:
+                handle.send(signal.SIGKILL)
+            except OSError:
+                pass  # not ours to signal after all: nothing more to do here
+            finally:
+                handle.close()
+
+
+def _in_cgroup(pid: int, directory: Path) -> bool:
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8") as file:
+            return f"{directory.name}\n" in file.read()
+    except OSError:
+        return False
 
 
 def _write(path: Path, value: str, *, quiet: bool = False) -> bool:
@@ -471,8 +473,8 @@ class Volume:
         self.peak_bytes: int | None = None
         self.peak_inodes: int | None = None
 
-    bytes_mechanism: Mechanism = "none"
-    inodes_mechanism: Mechanism = "none"
+    bytes_mechanism: BudgetMechanism = "none"
+    inodes_mechanism: BudgetMechanism = "none"
 
     def usage(self) -> tuple[int, int] | None:
         """(bytes, inodes) in use now; ``None`` when it cannot be measured now."""
@@ -516,8 +518,8 @@ def _statvfs_usage(path: str | int) -> tuple[int, int, int, int] | None:
 class TmpfsVolume(Volume):
     """A tmpfs the supervisor mounted (root): a hard bound on bytes and inodes, read by ``statvfs``."""
 
-    bytes_mechanism: Mechanism = "tmpfs"
-    inodes_mechanism: Mechanism = "tmpfs"
+    bytes_mechanism: BudgetMechanism = "tmpfs"
+    inodes_mechanism: BudgetMechanism = "tmpfs"
 
     def __init__(
         self,
@@ -568,8 +570,8 @@ class ProcRootTmpfs(Volume):
     gone, still sees it.
     """
 
-    bytes_mechanism: Mechanism = "tmpfs"
-    inodes_mechanism: Mechanism = "poll"
+    bytes_mechanism: BudgetMechanism = "tmpfs"
+    inodes_mechanism: BudgetMechanism = "poll"
 
     def __init__(
         self, name: str, inside: str, root_of: Callable[[], str | None], *, max_bytes: int, max_inodes: int
@@ -619,8 +621,8 @@ class ProcRootTmpfs(Volume):
 class PolledTree(Volume):
     """A host directory measured by a bounded walk (the workspace without root): late by one poll."""
 
-    bytes_mechanism: Mechanism = "poll"
-    inodes_mechanism: Mechanism = "poll"
+    bytes_mechanism: BudgetMechanism = "poll"
+    inodes_mechanism: BudgetMechanism = "poll"
 
     def __init__(self, name: str, path: Path, *, max_bytes: int, max_inodes: int) -> None:
         super().__init__(name, max_bytes=max_bytes, max_inodes=max_inodes)

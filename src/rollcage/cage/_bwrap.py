@@ -23,7 +23,6 @@ when its init dies. A caller that is not root needs one stage.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -37,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollcage.errors import SandboxError
+from rollcage.procs import signal_group
 
 logger = logging.getLogger("rollcage.cage")
 
@@ -203,10 +203,9 @@ def python_paths() -> list[str]:
     ``rollcage`` package is imported from (its ``src`` directory, never the
     checkout around it). Paths inside another entry are dropped.
     """
-    import rollcage
-
+    package = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # .../src/rollcage
     candidates = [sys.prefix, sys.exec_prefix, *interpreter_paths()]
-    candidates.append(str(os.path.dirname(os.path.dirname(os.path.realpath(rollcage.__file__)))))
+    candidates.append(os.path.dirname(package))
     candidates.append(os.path.dirname(sys.executable))
     return outermost(os.path.abspath(path) for path in candidates)
 
@@ -449,8 +448,7 @@ def _self_check(bwrap: str, setpriv: str | None, run_as: tuple[int, int] | None,
         try:
             _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)  # not reaped yet: the group id is still its own
             proc.communicate()
             logger.warning("the bubblewrap self-check took over %gs", timeout)
             continue

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import shutil
@@ -53,6 +54,7 @@ from rollcage.cage._bwrap import (
     which,
 )
 from rollcage.errors import SandboxError
+from rollcage.procs import GroupTree, StopStrategy, shielded, stop_tree, wait_shared
 
 __all__ = ["GRADER_SYSTEM_PATHS", "PYTHON", "ContainedRun", "RunLimits", "run_contained"]
 
@@ -65,6 +67,7 @@ PYTHON = os.path.realpath(
 """The bare interpreter, at the path where it is visible inside the cage (run it with ``-I -S``)."""
 
 WORKDIR = "/work"
+_KILL_AT_ONCE = StopStrategy(grace_s=0.0, kill_wait_s=5.0)
 # The cage's first step, before anything untrusted: print a marker, then become the command.
 # Output that starts with the marker proves the cage was built; nothing the command does can
 # take it back, nor print it before the cage exists.
@@ -223,7 +226,7 @@ async def run_contained(
         for fd in fds:
             os.close(fd)
         if cgroups is not None:
-            await asyncio.shield(asyncio.to_thread(cgroups.remove))
+            await shielded(asyncio.to_thread(cgroups.remove))
 
 
 def _existing(paths: list[str]) -> list[str]:
@@ -296,16 +299,21 @@ async def _communicate(
     )
     assert proc.stdout is not None and proc.stderr is not None
     timed_out = False
+    exited = asyncio.ensure_future(proc.wait())
     try:
         async with asyncio.timeout(timeout_s):
             await asyncio.gather(
-                _feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()
+                _feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), wait_shared(exited)
             )
     except TimeoutError:
         timed_out = True
     finally:
+        # The group holds bwrap's monitor and the (outer) PID namespace's init: killing the init takes
+        # the whole namespace along; the cgroup catches anything that got out of the group.
+        also_kill = None if cgroups is None else functools.partial(asyncio.to_thread, cgroups.kill)
         # Shielded: whatever happened, the whole cage dies and is reaped.
-        await asyncio.shield(_kill(proc, cgroups))
+        await stop_tree(GroupTree(proc.pid, exited, also_kill=also_kill), _KILL_AT_ONCE)
+        exited.cancel()
     return _Finished(proc.returncode, out, err, timed_out)
 
 
@@ -365,18 +373,6 @@ def _decode(returncode: int | None) -> tuple[int | None, str | None]:
         with contextlib.suppress(ValueError):
             return None, signal.Signals(returncode - 128).name
     return returncode, None
-
-
-async def _kill(proc: asyncio.subprocess.Process, cgroups: CgroupSet | None) -> None:
-    # The group holds bwrap's monitor and the (outer) PID namespace's init: killing the init takes
-    # the whole namespace along; the cgroup catches anything that got out of the group.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    if cgroups is not None:
-        await asyncio.to_thread(cgroups.kill)
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(5.0):
-            await proc.wait()
 
 
 async def _run_uncontained(

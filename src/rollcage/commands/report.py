@@ -21,7 +21,8 @@ def command(
 ) -> None:
     """Write a static HTML report of a run: summary, charts, a filterable table, every trajectory."""
     from rollcage.commands import fail
-    from rollcage.viewer import ViewerError, write_report
+    from rollcage.errors import ViewerError
+    from rollcage.viewer import write_report
 
     try:
         written = write_report(run_dir, output)

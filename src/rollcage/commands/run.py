@@ -32,8 +32,8 @@ from rollcage.commands._sandbox_options import (
 )
 
 if TYPE_CHECKING:
+    from rollcage.commands._progress import RichReporter
     from rollcage.controller import RunConfig, RunSummary
-    from rollcage.controller._progress import RichReporter
     from rollcage.errors import ConfigError
 
 __all__ = ["command"]
@@ -168,6 +168,7 @@ def command(
 
     from pydantic import ValidationError
 
+    from rollcage.commands._progress import RichReporter, render_summary
     from rollcage.controller import (
         EXIT_USAGE,
         EmbeddedPolicyConfig,
@@ -176,7 +177,6 @@ def command(
         RayBackendConfig,
         RunConfig,
     )
-    from rollcage.controller._progress import RichReporter, render_summary
     from rollcage.errors import ConfigError
     from rollcage.protocol import describe_validation_error
 

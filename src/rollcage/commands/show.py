@@ -34,7 +34,8 @@ def command(
     from rich.console import Console
 
     from rollcage.commands import fail
-    from rollcage.viewer import ViewerError, load_rollout, render_rollout, render_run, resolve_target
+    from rollcage.errors import ViewerError
+    from rollcage.viewer import load_rollout, render_rollout, render_run, resolve_target
 
     try:
         target = resolve_target(path)

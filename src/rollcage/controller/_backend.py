@@ -26,13 +26,19 @@ class Backend(Protocol):
     """
 
     async def __aenter__(self) -> Self:
-        """Acquire what the backend needs (check the supervisor, connect to a cluster)."""
+        """Acquire what the backend needs (check the supervisor, connect to a cluster).
+
+        **Cancellation:** whatever was acquired is released before the cancellation propagates.
+        """
         ...
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Release it."""
+        """Release it.
+
+        **Cancellation:** the release runs to its end (shielded), then the cancellation propagates.
+        """
         ...
 
     async def run(self, prepared: PreparedRollout, *, stop: asyncio.Event) -> RolloutRecord:
@@ -70,6 +76,8 @@ class LocalBackend:
 
         Raises:
             ConfigError: The supervisor is not available or refuses the settings.
+
+        **Cancellation:** not a suspension point: nothing is acquired.
         """
         if self._state != "unopened":
             raise RuntimeError(f"LocalBackend cannot be entered when {self._state}")
@@ -90,7 +98,10 @@ class LocalBackend:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Nothing to release locally."""
+        """Nothing to release locally.
+
+        **Cancellation:** not a suspension point.
+        """
         self._state = "closed"
 
     async def run(self, prepared: PreparedRollout, *, stop: asyncio.Event) -> RolloutRecord:

@@ -40,6 +40,7 @@ from rollcage.controller._backend import Backend
 from rollcage.controller._config import EmbeddedPolicyConfig, ModelEndpointConfig, ModelSource, RunConfig
 from rollcage.controller._run import Controller, Reporter, RunSummary
 from rollcage.errors import ConfigError, RunFailedError
+from rollcage.procs import first_of, wait_shared
 from rollcage.protocol import RolloutRecord, describe_validation_error
 
 __all__ = ["Collection", "collect"]
@@ -285,25 +286,14 @@ class Collection:
                 return self._queue.get_nowait()
             if run.done():
                 return None
-            getter = asyncio.ensure_future(self._queue.get())
-            try:
-                await asyncio.wait([getter, run], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not getter.done():
-                    getter.cancel()  # Queue.get takes the item only when it resumes: nothing is lost
-                await asyncio.gather(getter, return_exceptions=True)
-            if getter.done() and not getter.cancelled() and getter.exception() is None:
-                return getter.result()
+            # Queue.get takes its item only when it resumes: a get cut short loses nothing.
+            getter, _ = await first_of(self._queue.get(), wait_shared(run))
+            if not getter.cancelled() and getter.exception() is None:
+                record: RolloutRecord = getter.result()
+                return record
 
     async def _put(self, record: RolloutRecord) -> None:
         """The controller's sink: hand a record over, waiting for room unless the collection is closing."""
         if self._closing.is_set():
             return
-        put = asyncio.ensure_future(self._queue.put(record))
-        closing = asyncio.ensure_future(self._closing.wait())
-        try:
-            await asyncio.wait([put, closing], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in (put, closing):
-                waiter.cancel()
-            await asyncio.gather(put, closing, return_exceptions=True)
+        await first_of(self._queue.put(record), self._closing.wait())

@@ -51,6 +51,7 @@ from rollcage.protocol import (
     SamplingParams,
     ToolSpec,
     WorkerInput,
+    describe_validation_error,
 )
 
 __all__ = [
@@ -200,15 +201,6 @@ class Task:
     def id(self) -> str:
         """The task id."""
         return self.row.id
-
-
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for error in exc.errors()[:3]:
-        loc = ".".join(str(p) for p in error["loc"]) or "row"
-        parts.append(f"{loc}: {error['msg']}")
-    more = len(exc.errors()) - 3
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
 def normalise_url(url: str) -> str:
@@ -379,7 +371,7 @@ def validate_value(
     try:
         row = DatasetRow.model_validate(value)
     except ValidationError as exc:
-        return InvalidRow(line, _describe(exc), task_id)
+        return InvalidRow(line, describe_validation_error(exc), task_id)
     try:
         env = _environment(row.environment)
         tools = _tools(row, env)
@@ -388,7 +380,7 @@ def validate_value(
     except ControllerOnlyFieldError as exc:
         return InvalidRow(line, f"model-visible fields carry controller-only state: {exc}", row.id)
     except ValidationError as exc:
-        return InvalidRow(line, _describe(exc), row.id)
+        return InvalidRow(line, describe_validation_error(exc), row.id)
     except ConfigError as exc:
         return InvalidRow(line, str(exc), row.id)
     if verifier is None:

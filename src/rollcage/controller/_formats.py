@@ -83,13 +83,7 @@ def from_nemo_gym(
         raise ConfigError(f"responses_create_params.{unknown[0]}: not a field NeMo Gym accepts")
     if params.get("stream"):
         raise ConfigError("responses_create_params.stream: NeMo Gym rows are non-streaming (false or null)")
-    raw_input = params.get("input")
-    if isinstance(raw_input, str):
-        model_input: str | list[dict[str, Any]] = raw_input
-    elif isinstance(raw_input, list) and raw_input:
-        model_input = _input_items(raw_input, "responses_create_params.input")
-    else:
-        raise ConfigError("responses_create_params.input must be a string or a non-empty list of items")
+    model_input = _nemo_input(params.get("input"))
     instructions = params.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ConfigError("responses_create_params.instructions must be a string or null")
@@ -97,10 +91,37 @@ def from_nemo_gym(
         raise ConfigError(
             "a NeMo Gym row names no environment: pass --environment URL (the resource server's base URL)"
         )
-    tools: list[dict[str, Any]] = []
-    raw_tools = params.get("tools") or []
+    tools = _nemo_tools(params.get("tools") or [])
+    sampling = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
+    row: dict[str, Any] = {
+        "id": _task_id(value, line),
+        "input": model_input,
+        "instructions": instructions,
+        "environment": environment,
+        "tools": tools,
+        "grader": {"type": "verify"},
+    }
+    if sampling:
+        row["model"] = {"sampling": sampling}
+    if isinstance(params.get("max_tool_calls"), int) and not isinstance(params["max_tool_calls"], bool):
+        row["agent"] = {"max_tool_calls": params["max_tool_calls"]}
+    verifier = {k: v for k, v in value.items() if k != "responses_create_params"}
+    return row, verifier, params
+
+
+def _nemo_input(raw_input: Any) -> str | list[dict[str, Any]]:
+    if isinstance(raw_input, str):
+        return raw_input
+    if isinstance(raw_input, list) and raw_input:
+        return _input_items(raw_input, "responses_create_params.input")
+    raise ConfigError("responses_create_params.input must be a string or a non-empty list of items")
+
+
+def _nemo_tools(raw_tools: Any) -> list[dict[str, Any]]:
+    """NeMo Gym's function tools as rollcage resource tool specs."""
     if not isinstance(raw_tools, list):
         raise ConfigError("responses_create_params.tools must be a list")
+    tools: list[dict[str, Any]] = []
     for index, tool in enumerate(raw_tools):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
@@ -118,21 +139,7 @@ def from_nemo_gym(
         if isinstance(tool.get("parameters"), dict):
             spec["parameters"] = tool["parameters"]
         tools.append(spec)
-    sampling = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
-    row: dict[str, Any] = {
-        "id": _task_id(value, line),
-        "input": model_input,
-        "instructions": instructions,
-        "environment": environment,
-        "tools": tools,
-        "grader": {"type": "verify"},
-    }
-    if sampling:
-        row["model"] = {"sampling": sampling}
-    if isinstance(params.get("max_tool_calls"), int) and not isinstance(params["max_tool_calls"], bool):
-        row["agent"] = {"max_tool_calls": params["max_tool_calls"]}
-    verifier = {k: v for k, v in value.items() if k != "responses_create_params"}
-    return row, verifier, params
+    return tools
 
 
 def _inspect_content(content: Any, where: str) -> str:
@@ -165,34 +172,10 @@ def from_inspect(value: dict[str, Any], line: int, environment: str | None) -> d
                 f"{key}: Inspect's sample {key} are not supported; rollcage starts every rollout in an "
                 "empty workspace (put what the agent needs in the input, or serve it from an environment)"
             )
-    raw = value.get("input")
-    model_input: str | list[dict[str, Any]]
-    if isinstance(raw, str):
-        model_input = raw
-    elif isinstance(raw, list) and raw:
-        model_input = []
-        for index, message in enumerate(raw):
-            if not isinstance(message, dict):
-                raise ConfigError(f"input[{index}] must be a chat message object")
-            role = message.get("role")
-            if role not in ("system", "user", "assistant"):
-                raise ConfigError(f"input[{index}].role: {role!r} is not supported (system, user, assistant)")
-            text = _inspect_content(message.get("content"), f"input[{index}].content")
-            model_input.append({"type": "message", "role": role, "content": text})
-    else:
-        raise ConfigError("input must be a string or a non-empty list of chat messages")
+    model_input = _inspect_input(value.get("input"))
     choices = value.get("choices")
     if choices is not None:
-        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices) or len(choices) > 26:
-            raise ConfigError("choices must be a list of at most 26 strings")
-        options = "\n\n" + "\n".join(f"{chr(65 + i)}) {c}" for i, c in enumerate(choices))
-        if isinstance(model_input, str):
-            model_input += options
-        else:
-            last = max((i for i, m in enumerate(model_input) if m["role"] == "user"), default=None)
-            if last is None:
-                raise ConfigError("choices need a user message in input to go with")
-            model_input[last] = {**model_input[last], "content": model_input[last]["content"] + options}
+        model_input = _with_choices(model_input, choices)
     target = value.get("target")
     if target is not None and not (
         isinstance(target, str) or (isinstance(target, list) and all(isinstance(t, str) for t in target))
@@ -210,3 +193,36 @@ def from_inspect(value: dict[str, Any], line: int, environment: str | None) -> d
         if environment is None:
             row["grader"] = {"type": "normalized"}
     return row
+
+
+def _inspect_input(raw: Any) -> str | list[dict[str, Any]]:
+    """An Inspect sample's input: a string, or chat messages as Responses message items."""
+    if isinstance(raw, str):
+        return raw
+    if not (isinstance(raw, list) and raw):
+        raise ConfigError("input must be a string or a non-empty list of chat messages")
+    items: list[dict[str, Any]] = []
+    for index, message in enumerate(raw):
+        if not isinstance(message, dict):
+            raise ConfigError(f"input[{index}] must be a chat message object")
+        role = message.get("role")
+        if role not in ("system", "user", "assistant"):
+            raise ConfigError(f"input[{index}].role: {role!r} is not supported (system, user, assistant)")
+        text = _inspect_content(message.get("content"), f"input[{index}].content")
+        items.append({"type": "message", "role": role, "content": text})
+    return items
+
+
+def _with_choices(model_input: str | list[dict[str, Any]], choices: Any) -> str | list[dict[str, Any]]:
+    """The input with a multiple-choice sample's options (``A) ...``) after its (last) user message."""
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices) or len(choices) > 26:
+        raise ConfigError("choices must be a list of at most 26 strings")
+    options = "\n\n" + "\n".join(f"{chr(65 + i)}) {c}" for i, c in enumerate(choices))
+    if isinstance(model_input, str):
+        return model_input + options
+    last = max((i for i, m in enumerate(model_input) if m["role"] == "user"), default=None)
+    if last is None:
+        raise ConfigError("choices need a user message in input to go with")
+    items = list(model_input)
+    items[last] = {**items[last], "content": items[last]["content"] + options}
+    return items

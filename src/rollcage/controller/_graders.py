@@ -178,51 +178,64 @@ def grade_builtin(spec: GraderSpec, *, expected: Any, answer: str) -> GradeResul
         expected: The row's controller-only ``expected``.
         answer: The final answer text (``WorkerResult.response.output_text``).
     """
-    name = spec.type
     if isinstance(spec, ExactGrader | NormalizedGrader):
-        accepted = _accepted(expected)
-        if accepted is None:
-            return GradeResult(None, {"name": name}, "expected must be a string or a list of strings")
-        if isinstance(spec, ExactGrader):
-            ok = answer.strip() in [a.strip() for a in accepted]
-        else:
-            ok = _normalise(answer) in [_normalise(a) for a in accepted]
-        return GradeResult(1.0 if ok else 0.0, {"name": name, "match": ok})
+        return _grade_match(spec, expected, answer)
     if isinstance(spec, NumericGrader):
-        try:
-            if isinstance(expected, bool):
-                raise TypeError
-            target = float(expected.replace(",", "") if isinstance(expected, str) else expected)
-        except (TypeError, ValueError):
-            return GradeResult(None, {"name": name}, f"expected {expected!r} is not a number")
-        found = _NUMBER.findall(answer)
-        if not found:
-            return GradeResult(0.0, {"name": name, "match": False, "found": None})
-        try:
-            got = float(found[-1].replace(",", ""))
-        except ValueError:
-            return GradeResult(0.0, {"name": name, "match": False, "found": found[-1]})
-        bound = spec.tolerance * abs(target) if spec.relative else spec.tolerance
-        ok = math.isfinite(got) and abs(got - target) <= bound
-        return GradeResult(1.0 if ok else 0.0, {"name": name, "match": ok, "found": got})
+        return _grade_numeric(spec, expected, answer)
     if isinstance(spec, RegexGrader):
-        import regex
+        return _grade_regex(spec, expected, answer)
+    return GradeResult(None, {"name": spec.type}, f"{spec.type} is not a built-in grader")
 
-        pattern = spec.pattern if spec.pattern is not None else expected
-        if not isinstance(pattern, str):
-            return GradeResult(None, {"name": name}, "regex grader needs 'pattern' or a string 'expected'")
-        problem = check_pattern(pattern, ignore_case=spec.ignore_case)
-        if problem is not None:
-            return GradeResult(None, {"name": name}, problem)
-        compiled = regex.compile(pattern, regex.IGNORECASE if spec.ignore_case else 0)
-        try:
-            # The matcher itself enforces the timeout, and releases the GIL while it runs.
-            hit = compiled.search(answer[:_REGEX_TEXT_LIMIT], timeout=spec.timeout_s, concurrent=True)
-        except TimeoutError:
-            return GradeResult(None, {"name": name}, f"regex grader timed out after {spec.timeout_s:g} s")
-        ok = hit is not None
-        return GradeResult(1.0 if ok else 0.0, {"name": name, "match": ok})
-    return GradeResult(None, {"name": name}, f"{name} is not a built-in grader")
+
+def _grade_match(spec: ExactGrader | NormalizedGrader, expected: Any, answer: str) -> GradeResult:
+    accepted = _accepted(expected)
+    if accepted is None:
+        return GradeResult(None, {"name": spec.type}, "expected must be a string or a list of strings")
+    if isinstance(spec, ExactGrader):
+        ok = answer.strip() in [a.strip() for a in accepted]
+    else:
+        ok = _normalise(answer) in [_normalise(a) for a in accepted]
+    return GradeResult(1.0 if ok else 0.0, {"name": spec.type, "match": ok})
+
+
+def _grade_numeric(spec: NumericGrader, expected: Any, answer: str) -> GradeResult:
+    name = spec.type
+    try:
+        if isinstance(expected, bool):
+            raise TypeError
+        target = float(expected.replace(",", "") if isinstance(expected, str) else expected)
+    except (TypeError, ValueError):
+        return GradeResult(None, {"name": name}, f"expected {expected!r} is not a number")
+    found = _NUMBER.findall(answer)
+    if not found:
+        return GradeResult(0.0, {"name": name, "match": False, "found": None})
+    try:
+        got = float(found[-1].replace(",", ""))
+    except ValueError:
+        return GradeResult(0.0, {"name": name, "match": False, "found": found[-1]})
+    bound = spec.tolerance * abs(target) if spec.relative else spec.tolerance
+    ok = math.isfinite(got) and abs(got - target) <= bound
+    return GradeResult(1.0 if ok else 0.0, {"name": name, "match": ok, "found": got})
+
+
+def _grade_regex(spec: RegexGrader, expected: Any, answer: str) -> GradeResult:
+    import regex
+
+    name = spec.type
+    pattern = spec.pattern if spec.pattern is not None else expected
+    if not isinstance(pattern, str):
+        return GradeResult(None, {"name": name}, "regex grader needs 'pattern' or a string 'expected'")
+    problem = check_pattern(pattern, ignore_case=spec.ignore_case)
+    if problem is not None:
+        return GradeResult(None, {"name": name}, problem)
+    compiled = regex.compile(pattern, regex.IGNORECASE if spec.ignore_case else 0)
+    try:
+        # The matcher itself enforces the timeout, and releases the GIL while it runs.
+        hit = compiled.search(answer[:_REGEX_TEXT_LIMIT], timeout=spec.timeout_s, concurrent=True)
+    except TimeoutError:
+        return GradeResult(None, {"name": name}, f"regex grader timed out after {spec.timeout_s:g} s")
+    ok = hit is not None
+    return GradeResult(1.0 if ok else 0.0, {"name": name, "match": ok})
 
 
 def check_pattern(pattern: str, *, ignore_case: bool = False) -> str | None:

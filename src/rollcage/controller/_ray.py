@@ -101,8 +101,8 @@ from rollcage.controller._unit import (
     PreparedRollout,
     RolloutSettings,
     SuperviseFn,
-    _lay_out,
     build_supervisor_config,
+    lay_out,
     record_without_result,
     run_rollout,
 )
@@ -113,6 +113,7 @@ from rollcage.errors import (
     RayTaskOverdueError,
     RollcageError,
 )
+from rollcage.procs import pid_exists, read_proc, shielded
 from rollcage.protocol import RolloutRecord
 
 if TYPE_CHECKING:
@@ -689,16 +690,6 @@ class _LogBuffer(logging.Handler):
                 pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _process_start(pid: int) -> str:
     """When process ``pid`` started (clock ticks since boot, from /proc), "" if it is gone or a
     zombie, "?" where /proc cannot tell.
@@ -706,22 +697,15 @@ def _process_start(pid: int) -> str:
     With the pid, it names a process for good: a pid reused by a later process has
     another start time.
     """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            fields = file.read().rsplit(b")", 1)[1].split()
-    except FileNotFoundError:
+    info = read_proc(pid)
+    if info is None:
         return "" if os.path.exists("/proc/self/stat") else "?"  # gone, or no /proc here
-    except OSError:
-        return "?"
-    try:
-        return "" if fields[0] in (b"Z", b"X", b"x") else fields[19].decode()
-    except (IndexError, UnicodeDecodeError):
-        return "?"
+    return str(info.starttime) if info.alive else ""
 
 
 def _owner_alive(pid: int, start: str) -> bool:
     now = _process_start(pid)
-    return _alive(pid) if now == "?" else bool(now) and now == start
+    return pid_exists(pid) if now == "?" else bool(now) and now == start
 
 
 def _scratch_root() -> Path:
@@ -1007,20 +991,18 @@ class RayBackend:
             build_supervisor_config(self._settings)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"the supervisor refused the settings: {exc}") from exc
-        connecting = asyncio.ensure_future(asyncio.to_thread(self._connect))
         try:
-            await asyncio.shield(connecting)
+            # A connection being made completes (on its thread) before a cancellation propagates.
+            await shielded(asyncio.to_thread(self._connect))
             await self._secrets.start(self._driver_ip)
         except OSError as exc:
-            await asyncio.shield(self._release())
+            await shielded(self._release())
             raise ConfigError(
                 f"cannot serve this run's credentials to the nodes on {self._driver_ip}, the driver's "
                 f"address in the Ray cluster: {exc}"
             ) from exc
         except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await connecting
-            await asyncio.shield(self._release())
+            await shielded(self._release())
             raise
         # What a killed predecessor (a resumed run) left on the nodes, swept while this run goes.
         self._sweeping = asyncio.ensure_future(self._sweep(None))
@@ -1050,15 +1032,7 @@ class RayBackend:
                 if self._dirty_nodes:
                     await self._sweep(self._dirty_nodes)
         finally:
-            releasing = asyncio.ensure_future(self._release())
-            cancelled = False
-            while not releasing.done():
-                try:
-                    await asyncio.shield(releasing)
-                except asyncio.CancelledError:
-                    cancelled = True
-            if cancelled:
-                raise asyncio.CancelledError
+            await shielded(self._release())
 
     async def _release(self) -> None:
         await self._secrets.close()
@@ -1323,7 +1297,7 @@ class RayBackend:
                 self._placements.pop(rid, None)
                 self._last_progress = time.monotonic()
         except asyncio.CancelledError:
-            await asyncio.shield(self._kill(generator))
+            await shielded(self._kill(generator))
             raise
 
     async def _wait_started(self, first: asyncio.Task[object]) -> bool:
@@ -1376,7 +1350,7 @@ class RayBackend:
         if directory.exists():
             return
         try:
-            _lay_out(directory, prepared.worker_input, self._settings.input_mode)
+            lay_out(directory, prepared.worker_input, self._settings.input_mode)
         except (OSError, RollcageError) as exc:
             logger.warning("cannot lay out %s for a lost rollout: %s", directory, exc)
 

@@ -22,8 +22,10 @@ from typing import Self
 
 from pydantic import ValidationError
 
+from rollcage.durable import fsync_directory
 from rollcage.errors import ConfigError, DurableWriteError
-from rollcage.protocol import RolloutRecord
+from rollcage.procs import shielded
+from rollcage.protocol import RolloutRecord, describe_validation_error
 
 __all__ = ["LoadReport", "RecordLog", "load_records"]
 
@@ -41,14 +43,6 @@ class LoadReport:
 
     records: int
     repaired_bytes: int
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_records(
@@ -91,7 +85,7 @@ def load_records(
             try:
                 record = RolloutRecord.model_validate_json(raw)
             except ValidationError as exc:
-                bad = (number, f"not a RolloutRecord: {exc.errors()[0]['msg']}")
+                bad = (number, f"not a RolloutRecord: {describe_validation_error(exc, limit=1)}")
                 continue
             on_record(record)
             count += 1
@@ -133,14 +127,27 @@ class RecordLog:
 
         Raises:
             DurableWriteError: The file cannot be opened.
+
+        **Cancellation:** an open already handed to its thread completes and the
+        descriptor it made is closed; then ``CancelledError`` propagates.
         """
-        self._fd = await asyncio.to_thread(self._open)
+        opening = asyncio.ensure_future(asyncio.to_thread(self._open))
+        try:
+            self._fd = await shielded(opening)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped: close what it opened, or the descriptor leaks.
+            if not opening.cancelled() and opening.exception() is None:
+                os.close(opening.result())
+            raise
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Close the file (every append is already on disk)."""
+        """Close the file (every append is already on disk).
+
+        **Cancellation:** nothing to wait for: the file is closed at once.
+        """
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
@@ -150,7 +157,7 @@ class RecordLog:
         try:
             fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
             if not existed:
-                _fsync_dir(self._path.parent)
+                fsync_directory(self._path.parent)
         except OSError as exc:
             raise DurableWriteError(f"cannot open {self._path}: {exc.strerror or exc}") from exc
         return fd

@@ -51,6 +51,7 @@ from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
 from rollcage.controller._unit import Endpoints, prepare_rollout, set_aside
 from rollcage.errors import ConfigError, DurableWriteError, SandboxError
+from rollcage.procs import shielded
 from rollcage.protocol import ModelEndpoint, RolloutRecord, RunMetrics
 
 __all__ = [
@@ -310,7 +311,8 @@ class Controller:
 
         **Cancellation:** in-flight rollouts are cancelled (their supervisors reap the
         workers); records already appended stay; metrics.json is published and every
-        server stopped before the cancellation propagates.
+        server stopped before the cancellation propagates, however often the caller is
+        cancelled meanwhile.
         """
         self._started = time.monotonic()
         self._reporter.notice(self._model_line())
@@ -344,7 +346,7 @@ class Controller:
         finally:
             if self._loaded:
                 final = self._ledger.snapshot(time.monotonic() - self._started)
-                await asyncio.shield(asyncio.to_thread(self._publish_metrics_quietly, final))
+                await shielded(asyncio.to_thread(self._publish_metrics_quietly, final))
             self._reporter.stop()
             if lock_fd is not None:
                 os.close(lock_fd)
@@ -514,11 +516,9 @@ class Controller:
                 await self._schedule(backend)
         finally:
             self._log = None
-            # Shielded and in a thread: stopping the servers must finish even when
-            # the run is being cancelled, and must not block the loop.
-            await asyncio.shield(asyncio.to_thread(pool.close))
-            if policy is not None:
-                await asyncio.shield(asyncio.to_thread(policy.stop))
+            # Shielded and in a thread: stopping the servers must finish even when the run is
+            # cancelled (once or again), and must not block the loop.
+            await shielded(_stop_servers(pool, policy))
 
     async def _tasks(self) -> AsyncIterator[Task]:
         rows: Iterator[Task | InvalidRow] = self._rows()
@@ -601,3 +601,12 @@ class Controller:
             publish_json(self._out / "metrics.json", metrics, mode=0o644)
         except DurableWriteError as exc:
             logger.warning("cannot publish metrics.json: %s", exc)
+
+
+async def _stop_servers(pool: EnvironmentPool, policy: EmbeddedPolicy | None) -> None:
+    """Stop the environments, then the policy server, each on a thread; the second even if the first fails."""
+    try:
+        await asyncio.to_thread(pool.close)
+    finally:
+        if policy is not None:
+            await asyncio.to_thread(policy.stop)

@@ -72,6 +72,7 @@ __all__ = [
     "RolloutSettings",
     "SuperviseFn",
     "build_supervisor_config",
+    "lay_out",
     "may_grade",
     "prepare_rollout",
     "record_without_result",
@@ -262,7 +263,14 @@ def may_grade(outcome: Outcome, *, grade_timeouts: bool) -> bool:
     return outcome in ("completed", "agent_error") or (outcome == "timeout" and grade_timeouts)
 
 
-def _lay_out(directory: Path, worker_input: WorkerInput, mode: int) -> None:
+def lay_out(directory: Path, worker_input: WorkerInput, mode: int) -> None:
+    """Create one attempt's rollout directory: ``workspace/`` and ``input.json`` (blocking).
+
+    Args:
+        directory: The rollout directory; it must not exist yet (one directory per attempt).
+        worker_input: What the worker is given.
+        mode: File mode of ``input.json``.
+    """
     from rollcage.durable import publish_json
     from rollcage.supervisor.fds import retry_on_emfile
 
@@ -494,7 +502,7 @@ async def _run_and_grade(
         if client is not None:
             prepared = await _seed(prepared, client)
             seeded = True
-        await asyncio.to_thread(_lay_out, rollout_dir, prepared.worker_input, settings.input_mode)
+        await asyncio.to_thread(lay_out, rollout_dir, prepared.worker_input, settings.input_mode)
         if supervise is None:
             fn = _default_supervise()
             config = supervisor_config if supervisor_config is not None else build_supervisor_config(settings)

@@ -12,8 +12,6 @@ and grading endpoints answer only the controller (its bearer token).
 
 from __future__ import annotations
 
-import secrets
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -21,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rollcage.environments._common import BadRequest, json_error, read_json_object, verify_allowed
+from rollcage.environments._common import BadRequest, Sessions, json_error, read_json_object, verify_allowed
 
 __all__ = ["COOKIE", "WEATHER", "condition_of", "create_app", "normalise_answer"]
 
@@ -65,27 +63,30 @@ class _Session:
 
 def create_app(*, verify_token: str | None = None) -> Starlette:
     """The calc-weather app; ``verify_token`` guards ``/verify`` (see ``rollcage.environments``)."""
-    # Bounded so a long run (or a hostile agent creating sessions) cannot grow it without limit.
-    sessions: OrderedDict[str, _Session] = OrderedDict()
+    app = _CalcWeather(verify_token)
+    return Starlette(
+        routes=[
+            Route("/", app.index, methods=["GET"]),
+            Route("/get_weather", app.get_weather, methods=["POST"]),
+            Route("/set_units", app.set_units, methods=["POST"]),
+            Route("/seed_session", app.seed_session, methods=["POST"]),
+            Route("/verify", app.verify, methods=["POST"]),
+            Route("/close_session", app.close_session, methods=["POST"]),
+        ]
+    )
 
-    def session_of(request: Request) -> tuple[str, _Session, bool]:
-        key = request.cookies.get(COOKIE)
-        if key is not None and key in sessions:
-            sessions.move_to_end(key)
-            return key, sessions[key], False
-        key = secrets.token_hex(16)
-        sessions[key] = _Session()
-        while len(sessions) > _MAX_SESSIONS:
-            sessions.popitem(last=False)
-        return key, sessions[key], True
 
-    def answer(body: dict[str, object], key: str, new: bool) -> Response:
-        response = JSONResponse(body)
-        if new:
-            response.set_cookie(COOKIE, key, httponly=True, samesite="strict")
-        return response
+class _CalcWeather:
+    """The endpoints, over one app's sessions."""
 
-    async def get_weather(request: Request) -> Response:
+    def __init__(self, verify_token: str | None) -> None:
+        self.verify_token = verify_token
+        self.sessions: Sessions[_Session] = Sessions(_Session, limit=_MAX_SESSIONS)
+
+    async def index(self, request: Request) -> Response:
+        return JSONResponse({"environment": "calc-weather", "tools": ["get_weather", "set_units"]})
+
+    async def get_weather(self, request: Request) -> Response:
         try:
             args = await read_json_object(request)
         except BadRequest as exc:
@@ -93,7 +94,7 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
         city = args.get("city")
         if not isinstance(city, str) or not city.strip():
             return json_error(400, "get_weather needs {'city': <name>}")
-        key, session, new = session_of(request)
+        key, session, new = self.sessions.find_or_open(request.cookies.get(COOKIE))
         celsius = WEATHER.get(city.strip().lower())
         if celsius is None:
             return json_error(404, f"no weather for {city!r}; known: {', '.join(sorted(WEATHER))}")
@@ -105,9 +106,9 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
             "units": session.units,
             "condition": condition_of(celsius),
         }
-        return answer(body, key, new)
+        return _answer(body, key, new)
 
-    async def set_units(request: Request) -> Response:
+    async def set_units(self, request: Request) -> Response:
         try:
             args = await read_json_object(request)
         except BadRequest as exc:
@@ -115,29 +116,24 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
         units = args.get("units")
         if units not in ("C", "F"):
             return json_error(400, "set_units needs {'units': 'C' | 'F'}")
-        key, session, new = session_of(request)
+        key, session, new = self.sessions.find_or_open(request.cookies.get(COOKIE))
         session.units = str(units)
-        return answer({"units": session.units}, key, new)
+        return _answer({"units": session.units}, key, new)
 
-    async def seed_session(request: Request) -> Response:
-        if not verify_allowed(request, verify_token):
+    async def seed_session(self, request: Request) -> Response:
+        if not verify_allowed(request, self.verify_token):
             return json_error(403, "seed_session is for the controller only")
-        key = secrets.token_hex(16)
-        sessions[key] = _Session()
-        while len(sessions) > _MAX_SESSIONS:
-            sessions.popitem(last=False)
-        return answer({}, key, True)
+        key, _ = self.sessions.open()
+        return _answer({}, key, True)
 
-    async def close_session(request: Request) -> Response:
-        if not verify_allowed(request, verify_token):
+    async def close_session(self, request: Request) -> Response:
+        if not verify_allowed(request, self.verify_token):
             return json_error(403, "close_session is for the controller only")
-        key = request.cookies.get(COOKIE)
-        if key is not None:
-            sessions.pop(key, None)
+        self.sessions.close(request.cookies.get(COOKIE))
         return JSONResponse({})
 
-    async def verify(request: Request) -> Response:
-        if not verify_allowed(request, verify_token):
+    async def verify(self, request: Request) -> Response:
+        if not verify_allowed(request, self.verify_token):
             return json_error(403, "verify is for the controller only")
         try:
             body = await read_json_object(request)
@@ -149,8 +145,7 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
         output_text = body.get("output_text")
         given = output_text if isinstance(output_text, str) else ""
         match = normalise_answer(given) == normalise_answer(expected)
-        key = request.cookies.get(COOKIE)
-        session = sessions.get(key) if key is not None else None
+        session = self.sessions.get(request.cookies.get(COOKIE))
         detail = {
             "match": match,
             "answer": given[:200],
@@ -158,16 +153,9 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
         }
         return JSONResponse({"reward": 1.0 if match else 0.0, "detail": detail})
 
-    async def index(request: Request) -> Response:
-        return JSONResponse({"environment": "calc-weather", "tools": ["get_weather", "set_units"]})
 
-    return Starlette(
-        routes=[
-            Route("/", index, methods=["GET"]),
-            Route("/get_weather", get_weather, methods=["POST"]),
-            Route("/set_units", set_units, methods=["POST"]),
-            Route("/seed_session", seed_session, methods=["POST"]),
-            Route("/verify", verify, methods=["POST"]),
-            Route("/close_session", close_session, methods=["POST"]),
-        ]
-    )
+def _answer(body: dict[str, object], key: str, new: bool) -> Response:
+    response = JSONResponse(body)
+    if new:
+        response.set_cookie(COOKIE, key, httponly=True, samesite="strict")
+    return response

@@ -21,8 +21,6 @@ A body missing a required field is answered 422 with FastAPI's error shape.
 
 from __future__ import annotations
 
-import secrets
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rollcage.environments._common import BadRequest, json_error, read_json_object, verify_allowed
+from rollcage.environments._common import BadRequest, Sessions, json_error, read_json_object, verify_allowed
 
 __all__ = ["COOKIE", "create_app"]
 
@@ -62,7 +60,7 @@ def _int_field(body: dict[str, Any], field: str) -> int | None:
 
 def create_app(*, verify_token: str | None = None) -> Starlette:
     """The counter app; ``verify_token`` guards seed, verify and close (``None``: open, as NeMo Gym's are)."""
-    sessions: OrderedDict[str, _Session] = OrderedDict()
+    sessions: Sessions[_Session] = Sessions(_Session, limit=_MAX_SESSIONS)
     Handler = Callable[[Request, dict[str, Any], _Session], Awaitable[Response]]
 
     def endpoint(
@@ -75,14 +73,8 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
                 body = await read_json_object(request)
             except BadRequest as exc:
                 return json_error(400, str(exc))
-            key = request.cookies.get(COOKIE)
-            if key is None or key not in sessions:
-                key = secrets.token_hex(16)
-                sessions[key] = _Session()
-                while len(sessions) > _MAX_SESSIONS:
-                    sessions.popitem(last=False)
-            sessions.move_to_end(key)
-            response = await handler(request, body, sessions[key])
+            key, session, _ = sessions.find_or_open(request.cookies.get(COOKIE))
+            response = await handler(request, body, session)
             response.set_cookie(COOKIE, key, httponly=True, samesite="lax")
             return response
 
@@ -126,9 +118,7 @@ def create_app(*, verify_token: str | None = None) -> Starlette:
         return JSONResponse(answer)
 
     async def close_session(request: Request, body: dict[str, Any], session: _Session) -> Response:
-        key = request.cookies.get(COOKIE)
-        if key is not None:
-            sessions.pop(key, None)
+        sessions.close(request.cookies.get(COOKIE))
         return JSONResponse({})
 
     return Starlette(

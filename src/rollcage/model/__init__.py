@@ -23,11 +23,8 @@ from rollcage.model._wire import (
     WireError,
     build_request,
     chat_messages,
-    chat_tools,
     parse_chat_completion,
     parse_payload,
-    parse_response,
-    responses_tools,
 )
 
 __all__ = [
@@ -37,12 +34,9 @@ __all__ = [
     "WireError",
     "build_request",
     "chat_messages",
-    "chat_tools",
     "failed_call",
     "max_call_seconds",
     "parse_chat_completion",
     "parse_payload",
-    "parse_response",
-    "responses_tools",
     "retry_wait_bounds",
 ]

@@ -40,9 +40,10 @@ from typing import Any, Literal, NoReturn, Self
 import orjson
 
 from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
-from rollcage.model._httpx import httpx, transport_for
 from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
 from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload, without_lifted
+from rollcage.model.http import httpx, transport_for
+from rollcage.procs import shielded
 from rollcage.protocol import (
     MAX_JSON_DEPTH,
     CallAttempt,
@@ -241,6 +242,8 @@ class ModelClient:
 
         Raises:
             RuntimeError: the client was opened before (a client is opened once).
+
+        **Cancellation:** the client stays unopened (no connection is made before a call).
         """
         if self._state is not ClientState.UNOPENED:
             raise RuntimeError(f"ModelClient is {self._state.value}; a client can be opened only once")
@@ -265,18 +268,22 @@ class ModelClient:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Close the connection pool (see ``aclose``)."""
+        """Close the connection pool (see ``aclose``).
+
+        **Cancellation:** as for ``aclose``.
+        """
         await self.aclose()
 
     async def aclose(self) -> None:
         """Close the connection pool; later calls raise ``RuntimeError``. Closing twice is a no-op.
 
-        **Cancellation:** the pool is closed even if cancelled while closing (shielded).
+        **Cancellation:** the pool is closed even if cancelled while closing (shielded), then
+        ``CancelledError`` propagates.
         """
         http, self._http = self._http, None
         self._state = ClientState.CLOSED
         if http is not None:
-            await asyncio.shield(http.aclose())
+            await shielded(http.aclose())
 
     async def call(
         self,

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from rollcage.model._wire import WireError, _Lenient
+from rollcage.model._wire import Lenient, WireError
 
 __all__ = ["ServerEventError", "SseEvent", "StreamResult", "assemble_stream", "sse_events", "sse_lines"]
 
@@ -167,30 +167,30 @@ def _as_code(code: Any) -> str | None:
 # --------------------------------------------------------------------------- chat
 
 
-class _FunctionDelta(_Lenient):
+class _FunctionDelta(Lenient):
     name: str | None = None
     arguments: str | None = None
 
 
-class _ToolCallDelta(_Lenient):
+class _ToolCallDelta(Lenient):
     index: int | None = None
     id: str | None = None
     function: _FunctionDelta | None = None
 
 
-class _Delta(_Lenient):
+class _Delta(Lenient):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
     tool_calls: list[_ToolCallDelta] | None = None
 
 
-class _ChunkLogprobs(_Lenient):
+class _ChunkLogprobs(Lenient):
     # Kept as they came (the parser reads them from the assembled payload); only the shape is checked.
     content: list[dict[str, Any]] | None = None
 
 
-class _ChunkChoice(_Lenient):
+class _ChunkChoice(Lenient):
     index: int = 0
     delta: _Delta | None = None
     finish_reason: str | None = None
@@ -198,7 +198,7 @@ class _ChunkChoice(_Lenient):
     token_ids: list[int] | None = None
 
 
-class _Chunk(_Lenient):
+class _Chunk(Lenient):
     choices: list[_ChunkChoice] | None = None
     usage: dict[str, Any] | None = None
     # vLLM's return_token_ids / prompt_logprobs: sent once, in the first chunk.
@@ -326,7 +326,7 @@ class _ChatAssembler:
 # --------------------------------------------------------------------------- responses
 
 
-class _ResponsesEvent(_Lenient):
+class _ResponsesEvent(Lenient):
     type: str | None = None
     output_index: int | None = None
     item: dict[str, Any] | None = None

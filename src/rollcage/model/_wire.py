@@ -20,6 +20,7 @@ from rollcage.protocol import CallTokens, ModelEndpoint, ResponseItem, TokenUsag
 __all__ = [
     "LIFTED_FIELDS",
     "CallOutcome",
+    "Lenient",
     "WireError",
     "build_request",
     "chat_messages",
@@ -43,7 +44,7 @@ class WireError(ValueError):
     """A response body that is not JSON, or not shaped like the API's response (the server's fault)."""
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     """Base of the wire models: unknown fields are ignored, never an error; known ones must have their type.
 
     Validators are built on first use, not at import: a worker that fails before
@@ -61,24 +62,24 @@ _Count = Annotated[int, Field(ge=0)] | None
 # --------------------------------------------------------------------------- chat completions
 
 
-class _ChatFunction(_Lenient):
+class _ChatFunction(Lenient):
     name: str | None = None
     arguments: str | dict[str, Any] | None = None
 
 
-class _ChatToolCall(_Lenient):
+class _ChatToolCall(Lenient):
     id: str | None = None
     type: str | None = None
     function: _ChatFunction
 
 
-class _ContentPart(_Lenient):
+class _ContentPart(Lenient):
     type: str | None = None
     text: str | None = None
     refusal: str | None = None
 
 
-class _TokenBundle(_Lenient):
+class _TokenBundle(Lenient):
     """Token arrays as NeMo Gym's model servers put them on a message or output item."""
 
     prompt_token_ids: list[int] | None = None
@@ -95,16 +96,16 @@ class _ChatMessage(_TokenBundle):
     tool_calls: list[_ChatToolCall] | None = None
 
 
-class _TokenLogprob(_Lenient):
+class _TokenLogprob(Lenient):
     token: str | None = None
     logprob: float | None = None
 
 
-class _ChoiceLogprobs(_Lenient):
+class _ChoiceLogprobs(Lenient):
     content: list[_TokenLogprob] | None = None
 
 
-class _ChatChoice(_Lenient):
+class _ChatChoice(Lenient):
     index: int = 0
     message: _ChatMessage
     finish_reason: str | None = None
@@ -113,15 +114,15 @@ class _ChatChoice(_Lenient):
     token_ids: list[int] | None = None
 
 
-class _CompletionDetails(_Lenient):
+class _CompletionDetails(Lenient):
     reasoning_tokens: _Count = None
 
 
-class _PromptDetails(_Lenient):
+class _PromptDetails(Lenient):
     cached_tokens: _Count = None
 
 
-class _ChatUsage(_Lenient):
+class _ChatUsage(Lenient):
     prompt_tokens: _Count = None
     completion_tokens: _Count = None
     total_tokens: _Count = None
@@ -129,7 +130,7 @@ class _ChatUsage(_Lenient):
     prompt_tokens_details: _PromptDetails | None = None
 
 
-class _ChatCompletion(_Lenient):
+class _ChatCompletion(Lenient):
     choices: list[_ChatChoice]
     usage: _ChatUsage | None = None
     prompt_token_ids: list[int] | None = None
@@ -140,7 +141,7 @@ class _ChatCompletion(_Lenient):
 # --------------------------------------------------------------------------- responses
 
 
-class _ResponsesUsage(_Lenient):
+class _ResponsesUsage(Lenient):
     input_tokens: _Count = None
     output_tokens: _Count = None
     total_tokens: _Count = None
@@ -148,16 +149,16 @@ class _ResponsesUsage(_Lenient):
     output_tokens_details: _CompletionDetails | None = None
 
 
-class _IncompleteDetails(_Lenient):
+class _IncompleteDetails(Lenient):
     reason: str | None = None
 
 
-class _ResponsesError(_Lenient):
+class _ResponsesError(Lenient):
     code: str | None = None
     message: str | None = None
 
 
-class _Item(_Lenient):
+class _Item(Lenient):
     """Any output item: only its type is read here; the type's own model reads the rest."""
 
     type: str | None = None
@@ -186,7 +187,7 @@ class _ReasoningItem(_TokenBundle):
     encrypted_content: str | None = None
 
 
-class _Response(_Lenient):
+class _Response(Lenient):
     status: str | None = None
     output: list[dict[str, Any]]
     usage: _ResponsesUsage | None = None

@@ -58,23 +58,12 @@ In-process use::
 """
 
 from rollcage.policy._app import PolicyApp, PolicyState, RequestRecord, count_model_turns, find_task_marker
-from rollcage.policy._faults import (
-    DEFAULT_RANDOM_KINDS,
-    FaultKind,
-    FaultPlan,
-    FaultRecord,
-    FaultRule,
-    parse_fault_kinds,
-    parse_fault_spec,
-)
+from rollcage.policy._faults import FaultPlan, FaultRecord, FaultRule, parse_fault_kinds, parse_fault_spec
 from rollcage.policy._render import count_tokens
-from rollcage.policy._script import DEFAULT_TASK, PolicyScript, ScriptedToolCall, Turn, load_script
-from rollcage.policy._server import PolicyServer, bind_socket, serve
+from rollcage.policy._script import PolicyScript, load_script
+from rollcage.policy._server import PolicyServer, ServeOptions, bind_socket, serve
 
 __all__ = [
-    "DEFAULT_RANDOM_KINDS",
-    "DEFAULT_TASK",
-    "FaultKind",
     "FaultPlan",
     "FaultRecord",
     "FaultRule",
@@ -83,8 +72,7 @@ __all__ = [
     "PolicyServer",
     "PolicyState",
     "RequestRecord",
-    "ScriptedToolCall",
-    "Turn",
+    "ServeOptions",
     "bind_socket",
     "count_model_turns",
     "count_tokens",

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from rollcage.policy._faults import CONTENT_FAULTS, WIRE_FAULTS, FaultPlan, FaultRecord, FaultRule
+from rollcage.policy._faults import CONTENT_FAULTS, WIRE_FAULTS, FaultPlan, FaultRecord, FaultRule, RequestKey
 from rollcage.policy._hostile import hostile_body, hostile_events, trickled
 from rollcage.policy._render import (
     TokenAsk,
@@ -36,6 +36,7 @@ from rollcage.policy._render import (
     with_fault,
 )
 from rollcage.policy._script import PolicyScript
+from rollcage.procs import first_of
 
 __all__ = ["PolicyApp", "PolicyState", "RequestRecord", "count_model_turns", "find_task_marker"]
 
@@ -43,18 +44,9 @@ _TASK_MARKER = re.compile(r"\[task:([^\]\s]+)\]")
 _TRANSPORT_KEY = "rollcage.transport"
 
 
-class RequestRecord(BaseModel):
+class RequestRecord(RequestKey):
     """One model request the server answered (or failed on purpose)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    call: int = Field(description="1-based number among the server's model requests.")
-    rollout_call: int = Field(description="1-based number among its rollout's requests.")
-    rollout_id: str = Field(description="X-Rollout-Id ('' if none).")
-    task_id: str = Field(description="The task id the request was played for.")
-    api: Literal["chat", "responses"] = Field(description="Which endpoint.")
-    stream: bool = Field(description="Whether a stream was asked for.")
-    turn: int = Field(description="0-based model turn asked for.")
     fault: str | None = Field(default=None, description="The injected fault's kind, if any.")
     at: float = Field(description="Unix time the request arrived.")
     body: dict[str, Any] | None = Field(
@@ -248,7 +240,11 @@ class PolicyApp:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """ASGI entry point."""
+        """ASGI entry point.
+
+        **Cancellation:** the request being handled is abandoned and ``CancelledError``
+        propagates.
+        """
         if scope["type"] == "http":
             # uvicorn's send is a bound method of its request cycle, which holds the transport.
             scope[_TRANSPORT_KEY] = getattr(getattr(send, "__self__", None), "transport", None)
@@ -283,18 +279,22 @@ class PolicyApp:
         decision = self.faults.decide(
             call=call, rollout_call=rollout_call, rollout_id=rollout_id, task_id=task_id
         )
+        # What the request log and the fault log both name this request by (RequestKey's fields).
+        key: dict[str, Any] = {
+            "call": call,
+            "rollout_call": rollout_call,
+            "rollout_id": rollout_id,
+            "task_id": task_id,
+            "api": api,
+            "stream": stream,
+            "turn": turn_index,
+        }
         rule = decision[0] if decision else None
         if decision is not None:
             rule, source = decision
             self.state.log_fault(
                 FaultRecord(
-                    call=call,
-                    rollout_call=rollout_call,
-                    rollout_id=rollout_id,
-                    task_id=task_id,
-                    api=api,
-                    stream=stream,
-                    turn=turn_index,
+                    **key,
                     kind=rule.kind,
                     variant=self.faults.variant(rule, call) if rule.kind in WIRE_FAULTS else None,
                     status=_status_sent(rule),
@@ -305,13 +305,7 @@ class PolicyApp:
         # The request record comes last: waiting for it (wait_for_requests) then sees its fault too.
         self.state.log_request(
             RequestRecord(
-                call=call,
-                rollout_call=rollout_call,
-                rollout_id=rollout_id,
-                task_id=task_id,
-                api=api,
-                stream=stream,
-                turn=turn_index,
+                **key,
                 fault=rule.kind if rule else None,
                 at=arrived,
                 body=body if self.state.keep_bodies else None,
@@ -427,16 +421,7 @@ class PolicyApp:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        waiters = [
-            asyncio.ensure_future(disconnected()),
-            asyncio.ensure_future(self.state.shutting_down.wait()),
-        ]
-        try:
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-            await asyncio.gather(*waiters, return_exceptions=True)
+        await first_of(disconnected(), self.state.shutting_down.wait())
 
     async def _abort(self, request: Request) -> Response:
         """Drop the connection without an answer: RST on TCP, a bare close on a Unix socket."""

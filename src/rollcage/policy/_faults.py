@@ -85,6 +85,7 @@ __all__ = [
     "FaultPlan",
     "FaultRecord",
     "FaultRule",
+    "RequestKey",
     "parse_fault_kinds",
     "parse_fault_spec",
 ]
@@ -159,8 +160,8 @@ class FaultRule(BaseModel):
         return last is None or number <= last
 
 
-class FaultRecord(BaseModel):
-    """One injected fault, as logged (in memory and as a JSONL line)."""
+class RequestKey(BaseModel):
+    """Which model request this is: what the request log and the fault log both name it by."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -171,6 +172,11 @@ class FaultRecord(BaseModel):
     api: Literal["chat", "responses"] = Field(description="Which endpoint was hit.")
     stream: bool = Field(description="Whether the request asked for a stream.")
     turn: int = Field(description="0-based model turn the request asked for.")
+
+
+class FaultRecord(RequestKey):
+    """One injected fault, as logged (in memory and as a JSONL line)."""
+
     kind: FaultKind = Field(description="What was injected.")
     variant: int | None = Field(default=None, description="Which form of a wire-level hostile kind.")
     status: int | None = Field(default=None, description="HTTP status sent, for status/rate_limit.")

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypedDict, Unpack
 
 import uvicorn
 
@@ -21,7 +21,7 @@ from rollcage.policy._faults import FaultPlan, FaultRecord, FaultRule
 from rollcage.policy._script import PolicyScript, load_script
 from rollcage.protocol import ModelEndpoint
 
-__all__ = ["PolicyServer", "bind_socket", "serve"]
+__all__ = ["PolicyServer", "ServeOptions", "bind_socket", "serve"]
 
 _GRACEFUL_S = 5
 """Backstop for uvicorn's graceful shutdown; hanging requests are released before it matters."""
@@ -105,15 +105,35 @@ def _config(app: PolicyApp, *, quiet: bool) -> uvicorn.Config:
     )
 
 
-def _plan(
-    faults: FaultPlan | Sequence[FaultRule | str],
-    fault_rate: float,
-    fault_kinds: Sequence[FaultRule] | str | None,
-    seed: int,
-) -> FaultPlan:
+class ServeOptions(TypedDict, total=False):
+    """Where the scripted policy listens and which faults it injects (for ``PolicyServer`` and ``serve``)."""
+
+    host: str
+    """TCP host (ignored with ``uds``); default ``127.0.0.1``."""
+    uds: str | os.PathLike[str] | None
+    """Serve on this Unix socket path instead of TCP."""
+    faults: FaultPlan | Sequence[FaultRule | str]
+    """Schedule rules (``FaultRule`` or ``--fault`` strings), or a whole ``FaultPlan``."""
+    fault_rate: float
+    """Probability of a random fault per request; default 0."""
+    fault_kinds: Sequence[FaultRule] | str | None
+    """What random faults are drawn from (see ``parse_fault_kinds``); None: the default set."""
+    seed: int
+    """Seed of the random fault draws; default 0."""
+    fault_log: str | os.PathLike[str] | None
+    """Append every injected fault as a JSON line to this file."""
+
+
+def _plan(options: ServeOptions) -> FaultPlan:
+    faults = options.get("faults", ())
     if isinstance(faults, FaultPlan):
         return faults
-    return FaultPlan(faults, rate=fault_rate, kinds=fault_kinds, seed=seed)
+    return FaultPlan(
+        faults,
+        rate=options.get("fault_rate", 0.0),
+        kinds=options.get("fault_kinds"),
+        seed=options.get("seed", 0),
+    )
 
 
 class PolicyServer:
@@ -126,44 +146,34 @@ class PolicyServer:
 
     Args:
         script: A ``PolicyScript``, a mapping, or a YAML/JSON file path.
-        host: TCP host (ignored with ``uds``).
         port: TCP port; 0 picks a free one.
-        uds: Serve on this Unix socket path instead of TCP.
-        faults: Schedule rules (``FaultRule`` or ``--fault`` strings), or a whole ``FaultPlan``.
-        fault_rate: Probability of a random fault per request.
-        fault_kinds: What random faults are drawn from (see ``parse_fault_kinds``); None: the default set.
-        seed: Seed of the random fault draws.
-        fault_log: Append every injected fault as a JSON line to this file.
         keep_bodies: Keep each request's JSON body in ``request_log`` (tests; memory grows with traffic).
         request_log_limit: Keep only the latest this many records in ``request_log``; None: all.
         start_timeout_s: How long ``start`` waits for the server to listen.
         stop_timeout_s: How long ``stop`` waits for the thread to end.
+        **options: Where it listens and which faults it injects (:class:`ServeOptions`).
     """
 
     def __init__(
         self,
         script: PolicyScript | Mapping[str, Any] | str | os.PathLike[str],
         *,
-        host: str = "127.0.0.1",
         port: int = 0,
-        uds: str | os.PathLike[str] | None = None,
-        faults: FaultPlan | Sequence[FaultRule | str] = (),
-        fault_rate: float = 0.0,
-        fault_kinds: Sequence[FaultRule] | str | None = None,
-        seed: int = 0,
-        fault_log: str | os.PathLike[str] | None = None,
         keep_bodies: bool = False,
         request_log_limit: int | None = None,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 10.0,
+        **options: Unpack[ServeOptions],
     ) -> None:
         self.script = load_script(script)
-        self.state = PolicyState(fault_log, keep_bodies=keep_bodies, log_limit=request_log_limit)
-        """Counters and logs (also exposed as ``requests``, ``request_log``, ``faults_injected``)."""
-        self.app = PolicyApp(
-            self.script, faults=_plan(faults, fault_rate, fault_kinds, seed), state=self.state
+        self.state = PolicyState(
+            options.get("fault_log"), keep_bodies=keep_bodies, log_limit=request_log_limit
         )
-        self._host, self._port, self._uds = host, port, None if uds is None else str(uds)
+        """Counters and logs (also exposed as ``requests``, ``request_log``, ``faults_injected``)."""
+        self.app = PolicyApp(self.script, faults=_plan(options), state=self.state)
+        uds = options.get("uds")
+        self._host, self._port = options.get("host", "127.0.0.1"), port
+        self._uds = None if uds is None else str(uds)
         self._start_timeout_s = start_timeout_s
         self._stop_timeout_s = stop_timeout_s
         self._phase: Literal["new", "running", "stopped"] = "new"
@@ -311,29 +321,17 @@ class PolicyServer:
 def serve(
     script: PolicyScript | Mapping[str, Any] | str | os.PathLike[str],
     *,
-    host: str = "127.0.0.1",
     port: int = 8000,
-    uds: str | os.PathLike[str] | None = None,
-    faults: FaultPlan | Sequence[FaultRule | str] = (),
-    fault_rate: float = 0.0,
-    fault_kinds: Sequence[FaultRule] | str | None = None,
-    seed: int = 0,
-    fault_log: str | os.PathLike[str] | None = None,
     announce: Any = print,
+    **options: Unpack[ServeOptions],
 ) -> PolicyState:
     """Serve in the foreground until SIGINT/SIGTERM; return the final counters and logs.
 
     Args:
         script: As for ``PolicyServer``.
-        host: TCP host.
         port: TCP port (0: a free one, announced).
-        uds: Serve on this Unix socket instead.
-        faults: As for ``PolicyServer``.
-        fault_rate: As for ``PolicyServer``.
-        fault_kinds: As for ``PolicyServer``.
-        seed: As for ``PolicyServer``.
-        fault_log: As for ``PolicyServer``.
         announce: Called with one line saying where the server listens.
+        **options: Where it listens and which faults it injects (:class:`ServeOptions`).
 
     Raises:
         ConfigError: bad script, fault rules or address.
@@ -341,8 +339,9 @@ def serve(
     **Cancellation:** SIGINT or SIGTERM stops the server gracefully; hanging requests are released.
     """
     loaded = load_script(script)
-    state = PolicyState(fault_log)
-    app = PolicyApp(loaded, faults=_plan(faults, fault_rate, fault_kinds, seed), state=state)
+    state = PolicyState(options.get("fault_log"))
+    app = PolicyApp(loaded, faults=_plan(options), state=state)
+    host, uds = options.get("host", "127.0.0.1"), options.get("uds")
     sock = bind_socket(host=host, port=port, uds=uds)
     try:
         where = f"unix:{uds}" if uds is not None else f"http://{host}:{sock.getsockname()[1]}/v1"

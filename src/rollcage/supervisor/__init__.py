@@ -28,11 +28,9 @@ from rollcage.supervisor.core import (
     supervise_rollout,
 )
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
-from rollcage.supervisor.sandbox import SANDBOX_PROXY_SOCKET, SANDBOX_ROLLOUT_DIR, RolloutLayout
+from rollcage.supervisor.sandbox import RolloutLayout
 
 __all__ = [
-    "SANDBOX_PROXY_SOCKET",
-    "SANDBOX_ROLLOUT_DIR",
     "BwrapSandbox",
     "NoSandbox",
     "OutcomeEvidence",

@@ -48,10 +48,9 @@ from rollcage.cage import (
     remove_cgroup,
     unmount,
 )
-from rollcage.cage import BudgetName as BudgetName
-from rollcage.protocol import BudgetUse, RolloutUsage
+from rollcage.procs import read_proc
+from rollcage.protocol import BudgetName, BudgetUse, RolloutUsage
 from rollcage.supervisor.config import BwrapSandbox
-from rollcage.supervisor.procs import read_proc
 from rollcage.supervisor.sandbox import RolloutLayout, Scratch
 
 __all__ = ["RolloutBudgets", "owner_tag", "release_leftovers", "sweep_orphans"]
@@ -182,36 +181,26 @@ class RolloutBudgets:
             max_bytes=config.workspace_bytes,
             max_inodes=config.workspace_inodes,
         )
+        # The workspace is mounted at R/workspace itself, so the host sees the agent's files where they
+        # always are; /tmp and /dev/shm under the supervisor's own directory.
+        bounded = (
+            ("workspace", self.layout.workspace, config.workspace_bytes, config.workspace_inodes),
+            ("tmp", base / "tmp", config.tmp_size_bytes, config.tmp_inodes),
+            ("shm", base / "shm", config.shm_bytes, config.shm_inodes),
+        )
+        mounted: list[TmpfsVolume] = []
         try:
-            # Mounted at R/workspace itself, so the host sees the agent's files where they always are.
-            workspace = TmpfsVolume(
-                "workspace",
-                self.layout.workspace,
-                max_bytes=config.workspace_bytes,
-                max_inodes=config.workspace_inodes,
-                owner=owner,
-                source=self.source,
-            )
-            self.volumes.append(workspace)
-            self.workspace_mount = workspace
-            tmp = TmpfsVolume(
-                "tmp",
-                base / "tmp",
-                max_bytes=config.tmp_size_bytes,
-                max_inodes=config.tmp_inodes,
-                owner=owner,
-                source=self.source,
-            )
-            self.volumes.append(tmp)
-            shm = TmpfsVolume(
-                "shm",
-                base / "shm",
-                max_bytes=config.shm_bytes,
-                max_inodes=config.shm_inodes,
-                owner=owner,
-                source=self.source,
-            )
-            self.volumes.append(shm)
+            for name, where, max_bytes, max_inodes in bounded:
+                volume = TmpfsVolume(
+                    name,
+                    where,
+                    max_bytes=max_bytes,
+                    max_inodes=max_inodes,
+                    owner=owner,
+                    source=self.source,
+                )
+                mounted.append(volume)
+                self.volumes.append(volume)
         except OSError as exc:
             logger.warning("cannot mount bounded file systems for the sandbox (%s); polling instead", exc)
             self._unmount()
@@ -219,6 +208,8 @@ class RolloutBudgets:
             self.workspace_mount = None
             shutil.rmtree(initial, ignore_errors=True)
             return None
+        workspace, tmp, shm = mounted
+        self.workspace_mount = workspace
         for volume in (tmp, shm):
             os.chmod(volume.path, 0o1777)
         report = copy_tree(

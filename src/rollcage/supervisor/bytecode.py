@@ -207,6 +207,5 @@ def _digest_file(digest: Any, path: str) -> None:
 
 
 def _package_root() -> str:
-    import rollcage
-
-    return os.path.dirname(os.path.realpath(rollcage.__file__))
+    """The ``rollcage`` package directory (this module is in its ``supervisor`` room)."""
+    return os.path.dirname(os.path.dirname(os.path.realpath(__file__)))

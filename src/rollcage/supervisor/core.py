@@ -35,38 +35,44 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple, TypeVar
+from typing import Literal, NamedTuple
 
 import orjson
 from pydantic import ValidationError
 
-from rollcage.durable import publish_json, read_journal, sweep_temp_artifacts
+from rollcage.durable import fsync_directory, publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
-from rollcage.protocol import SignalEvent, SupervisorReceipt, WorkerInput, WorkerResult
+from rollcage.procs import (
+    ChildProcess,
+    ExitStatus,
+    PidHandle,
+    StopPhase,
+    StopStrategy,
+    TreeStop,
+    ensure_subreaper,
+    environ_has,
+    first_of,
+    scan_processes,
+    shielded,
+    wait_readable,
+    within,
+)
+from rollcage.protocol import (
+    SignalEvent,
+    SupervisorReceipt,
+    WorkerInput,
+    WorkerResult,
+    describe_validation_error,
+)
 from rollcage.supervisor.budgets import RolloutBudgets, owner_tag, release_leftovers, sweep_orphans
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.pacing import START_HOLD_S, start_gate
-from rollcage.supervisor.procs import (
-    ChildProcess,
-    ExitStatus,
-    PidHandle,
-    ProcInfo,
-    ensure_subreaper,
-    has_token,
-    in_proc_thread,
-    ns_pids,
-    read_proc,
-    rollout_tree,
-    scan_processes,
-    subtree,
-    wait_readable,
-)
 from rollcage.supervisor.proxy import EgressProxy, identity_headers, routes_for, sandbox_input
 from rollcage.supervisor.sandbox import (
     BwrapLauncher,
@@ -75,13 +81,12 @@ from rollcage.supervisor.sandbox import (
     RolloutLayout,
     worker_environment,
 )
+from rollcage.supervisor.tree import WorkerTree
 
 __all__ = ["Supervised", "default_worker_command", "kill_leftovers", "supervise", "supervise_rollout"]
 
 logger = logging.getLogger("rollcage.supervisor")
 
-_T = TypeVar("_T")
-_Reason = Literal["deadline", "stop", "budget", "grace_expired", "cleanup"]
 _Cause = Literal["deadline", "stop", "budget"]
 _MAX_RESULT_BYTES = 1 << 30
 _LOG_TAIL_BYTES = 4096
@@ -104,8 +109,9 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
         release_leftovers(layout)
         return 0
     killed = 0
+    marked = f"{TOKEN_ENV}={token}"
     for info in scan_processes().values():
-        if info.pid == os.getpid() or not info.alive or not has_token(info.pid, token):
+        if info.pid == os.getpid() or not info.alive or not environ_has(info.pid, marked):
             continue
         handle = PidHandle.open(info)
         if handle is None:
@@ -219,28 +225,11 @@ async def supervise_rollout(
         # stop whatever runs and write a receipt that says so, rather than leave a silent directory.
         logger.exception("rollout %s: the supervisor failed", run.rollout_id)
         run.setup_failure = f"the supervisor failed: {type(exc).__name__}: {exc}"
-    finishing = asyncio.ensure_future(run.finish(cancelled=cancelled))
-    while True:
-        try:
-            receipt = await asyncio.shield(finishing)
-            break
-        except asyncio.CancelledError:
-            if finishing.done():
-                raise
-            cancelled = True
-            run.hurry()
+    # A cancellation while finishing is remembered (and raised after) and hurries the stop along.
+    receipt = await shielded(run.finish(cancelled=cancelled), on_cancel=run.hurry)
     if cancelled:
         raise asyncio.CancelledError
     return Supervised(receipt, run.result)
-
-
-async def _within(awaitable: Awaitable[_T], seconds: float) -> _T | None:
-    """``await awaitable`` for at most ``seconds``; ``None`` if the time ran out."""
-    try:
-        async with asyncio.timeout(max(seconds, 0.0)):
-            return await awaitable
-    except TimeoutError:
-        return None
 
 
 class _Supervision:
@@ -275,20 +264,16 @@ class _Supervision:
         self.stop_cause: _Cause | None = None
         self.stop_requested = False
         self.deadline_fired = False
-        self.sigterm_sent = False
-        self.grace_until: float | None = None
-        self.sigkill_sent = False
-        self._hurry = asyncio.Event()
-        self.handles: dict[tuple[int, int], PidHandle] = {}
-        self.sandbox_init: PidHandle | None = None
-        self.sigkilled: set[tuple[int, int]] = set()
+        self.tree: WorkerTree | None = None
+        """The worker's process tree, once it is started."""
+        self.stopping: TreeStop | None = None
+        """Where stopping the tree stands (one state machine), once it is started."""
+        self._hurried = False
         self.status_task: asyncio.Task[None] | None = None
-        self.locate_task: asyncio.Task[None] | None = None
         self.budget_task: asyncio.Task[None] | None = None
         self.start_task: asyncio.Task[None] | None = None
         self.turn: asyncio.Semaphore | None = None
         """The start-up slot this rollout holds (see pacing.py), until its worker has started up."""
-        self.group_leader: PidHandle | None = None
         self.budget_exceeded: tuple[str, str] | None = None
         """The budget the policy exceeded first: its name and the reason in words."""
         self._over_budget = asyncio.Event()
@@ -342,7 +327,8 @@ class _Supervision:
         try:
             self.original = WorkerInput.model_validate_json(raw)
         except (ValidationError, RollcageError) as exc:
-            self.setup_failure = f"the worker was not started: input.json is invalid: {_summarise(exc)}"
+            problem = describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+            self.setup_failure = f"the worker was not started: input.json is invalid: {problem}"
             return
         self.rollout_id = self.original.rollout_id
 
@@ -386,7 +372,10 @@ class _Supervision:
 
     async def run(self) -> None:
         """Prepare, launch and watch the worker until it exits or has been stopped."""
-        ensure_subreaper()
+        try:
+            ensure_subreaper()
+        except OSError as exc:
+            raise SupervisorError(f"cannot become a child subreaper: {exc}") from exc
         if self.launcher.kind == "bwrap":
             # Once per process: what supervisors that are gone left on this machine (mounts, cgroups).
             await asyncio.to_thread(sweep_orphans)
@@ -512,7 +501,7 @@ class _Supervision:
         """
         try:
             if self.proxy is not None:
-                await _within(self.proxy.first_request.wait(), START_HOLD_S)
+                await within(self.proxy.first_request.wait(), START_HOLD_S)
             else:
                 await asyncio.sleep(START_HOLD_S)
         finally:
@@ -543,22 +532,32 @@ class _Supervision:
             worker_input = sandbox_input(self.original, plan.proxy_socket)
         await asyncio.to_thread(retry_on_emfile, self._prepare_files, plan, worker_input)
         self.log_fd = await asyncio.to_thread(self._open_log)
-        self.child = ChildProcess.spawn(
-            plan.argv,
-            env=plan.env,
-            cwd=plan.cwd,
-            stdout=self.log_fd,
-            pass_fds=() if status_fd is None else (status_fd,),
+        try:
+            self.child = ChildProcess.spawn(
+                plan.argv,
+                env=plan.env,
+                cwd=plan.cwd,
+                stdout=self.log_fd,
+                pass_fds=() if status_fd is None else (status_fd,),
+            )
+        except OSError as exc:
+            raise SupervisorError(f"cannot start the worker ({plan.argv[0]}): {exc}") from exc
+        self.tree = WorkerTree(
+            self.child,
+            sandbox=plan.sandbox,
+            marked=f"{TOKEN_ENV}={self.token}",
+            budgets=self.budgets,
+            signals=self.signals,
         )
+        self.stopping = TreeStop(
+            self.tree, StopStrategy(grace_s=self.config.grace_s, kill_wait_s=self.config.kill_wait_s)
+        )
+        if self._hurried:
+            self.stopping.hurry()
         logger.debug("rollout %s: worker started (pid %d, %s)", self.rollout_id, self.child.pid, plan.sandbox)
 
     async def _read_bwrap_status(self, fd: int) -> None:
-        """Read bwrap's JSON status: its first document names the sandbox's (outermost) init process.
-
-        Holding a pidfd on that init from the start lets the supervisor find the
-        sandbox's processes, kill the whole PID namespace at once, and reap the init
-        if bwrap's monitor exits before it (it is then reparented here).
-        """
+        """Read bwrap's JSON status: its first document names the sandbox's (outermost) init process."""
         os.set_blocking(fd, False)
         buffer = b""
         try:
@@ -578,68 +577,24 @@ class _Supervision:
                     except orjson.JSONDecodeError:
                         continue
                     if isinstance(document, dict) and isinstance(document.get("child-pid"), int):
-                        self._adopt_sandbox_init(document["child-pid"])
+                        assert self.tree is not None  # read only once the worker is started
+                        self.tree.adopt_sandbox_init(document["child-pid"])
         finally:
             os.close(fd)
 
-    def _adopt_sandbox_init(self, pid: int) -> None:
-        info = read_proc(pid)
-        # The token proves it is this rollout's process and not a PID reused since bwrap wrote it.
-        if info is None or not info.alive or not has_token(pid, self.token):
-            return
-        handle = self._handle(info)
-        if handle is not None:
-            self.sandbox_init = handle
-            if self.budgets is not None:
-                self.budgets.set_sandbox_root(pid)
-            self.locate_task = asyncio.ensure_future(self._locate_group_leader())
-
-    async def _locate_group_leader(self) -> None:
-        """Hold a pidfd on the leader of the worker's process group as soon as the sandbox has one.
-
-        With it, the deadline's SIGTERM goes out at once, from the event loop, to the
-        whole group (``pidfd_send_signal``), rather than after a walk of ``/proc``
-        that a loaded machine can delay by seconds. Polls briefly while the sandbox
-        starts (its inner stages appear one after another).
-        """
-        pause = 0.01
-        while self.group_leader is None and self.child is not None and self.child.status is None:
-            self.group_leader = await in_proc_thread(self._find_group_leader)
-            if self.group_leader is None:
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, 0.5)
-
-    def _find_group_leader(self) -> PidHandle | None:
-        """The innermost sandbox init, once the worker is in its group (blocking; a thread)."""
-        init = self.sandbox_init
-        if init is None:
-            return None
-        tree = [info for info in subtree([init.info.pid]) if info.alive]
-        leader = _innermost_init(tree)
-        if leader is None or not any(info.pgid == leader.pid and info.pid != leader.pid for info in tree):
-            return None
-        return PidHandle.open(leader)
-
     async def _watch(self, child: ChildProcess) -> None:
-        exited = asyncio.ensure_future(child.wait())
-        stopped = asyncio.ensure_future(self._stop_arrives())
-        over = asyncio.ensure_future(self._over_budget.wait())
-        try:
-            await asyncio.wait(
-                {exited, stopped, over},
-                timeout=max(self.deadline_at - time.monotonic(), 0.0),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            for task in (exited, stopped, over):
-                task.cancel()
-            await asyncio.gather(exited, stopped, over, return_exceptions=True)
-        if child.status is not None or (exited.done() and not exited.cancelled()):
+        exited, stopped, _ = await first_of(
+            child.wait(),
+            self._stop_arrives(),
+            self._over_budget.wait(),
+            seconds=self.deadline_at - time.monotonic(),
+        )
+        if child.status is not None or not exited.cancelled():
             return
         if self._over_budget.is_set():
             await self._terminate("budget")
         else:
-            await self._terminate("stop" if stopped.done() and not stopped.cancelled() else "deadline")
+            await self._terminate("deadline" if stopped.cancelled() else "stop")
 
     async def _watch_budgets(self) -> None:
         """Read the sandbox's budgets until one is exceeded (then the rollout ends); never without budgets."""
@@ -670,82 +625,21 @@ class _Supervision:
                 return
             if self.stop_event is None:
                 await asyncio.sleep(self.config.stop_poll_s)
-            elif await _within(self.stop_event.wait(), self.config.stop_poll_s) is not None:
+            elif await within(self.stop_event.wait(), self.config.stop_poll_s) is not None:
                 return
 
     def hurry(self) -> None:
         """A second cancellation: skip what is left of the grace period."""
-        self._hurry.set()
+        self._hurried = True
+        if self.stopping is not None:
+            self.stopping.hurry()
 
     # ----------------------------------------------------------------- stopping
 
-    def _record(self, sig: signal.Signals, target: Literal["group", "descendants"], reason: _Reason) -> None:
-        self.signals.append(SignalEvent(signal=sig.name, target=target, at=time.time(), reason=reason))
-
-    async def _tree(self) -> list[ProcInfo]:
-        """The worker's process tree (its direct child included), the reparented stragglers, and
-        everything in the rollout's cgroups."""
-        assert self.child is not None
-        child, budgets, init = self.child, self.budgets, self.sandbox_init
-
-        def walk() -> list[ProcInfo]:
-            roots = [child.pid, *(budgets.members() if budgets is not None else [])]
-            if init is not None:
-                now = read_proc(init.info.pid)
-                # Once reaped, the init's PID may name another process: only the one we hold is a root.
-                if now is not None and now.starttime == init.info.starttime:
-                    roots.append(now.pid)
-            return rollout_tree(roots, token=self.token)
-
-        return await in_proc_thread(walk)
-
-    def _handle(self, info: ProcInfo) -> PidHandle | None:
-        key = (info.pid, info.starttime)
-        handle = self.handles.get(key)
-        if handle is None:
-            handle = PidHandle.open(info)
-            if handle is not None:
-                self.handles[key] = handle
-        return handle
-
-    async def _sandbox_group(self) -> list[ProcInfo]:
-        """Under bwrap: the worker's process group inside the sandbox (empty before the sandbox exists).
-
-        The worker runs under the innermost PID namespace's init, which bwrap's
-        ``--new-session`` makes a session and group leader; the worker stays in its
-        group. That init is the tree's process with the deepest ``NSpid`` ending in 1;
-        it is left out (it only reaps).
-        """
-        init = self.sandbox_init
-        if init is None:
-            return []
-        tree = [info for info in await in_proc_thread(subtree, [init.info.pid]) if info.alive]
-        leader = await in_proc_thread(_innermost_init, tree)
-        if leader is None:
-            return []
-        return [info for info in tree if info.pgid == leader.pid and info.pid != leader.pid]
-
-    async def _signal_worker_group(self, sig: signal.Signals) -> bool:
-        """Send ``sig`` to the worker's process group; whether it reached anyone."""
-        child = self.child
-        assert child is not None and self.plan is not None
-        if self.plan.sandbox == "none":
-            return child.signal_group(sig)
-        if self.group_leader is not None:
-            # At once, from the loop: no thread, no walk of /proc (see _locate_group_leader).
-            sent = self.group_leader.send_group(sig)
-            if sent is not None:
-                return sent
-        reached = False
-        for info in await self._sandbox_group():
-            handle = self._handle(info)
-            reached = (handle is not None and handle.send(sig)) or reached
-        return reached
-
     async def _terminate(self, cause: _Cause) -> None:
         """SIGTERM the worker's process group, wait the grace period, SIGKILL the whole tree."""
-        child = self.child
-        assert child is not None and self.plan is not None
+        tree, stopping = self.tree, self.stopping
+        assert tree is not None and stopping is not None
         if cause == "deadline":
             self.deadline_fired = True
         elif cause == "stop":
@@ -753,113 +647,42 @@ class _Supervision:
         if self.stop_cause is None and cause != "budget":
             self.stop_cause = cause
         logger.info("rollout %s: %s; stopping the worker", self.rollout_id, cause)
-        if not self.sigterm_sent:
-            self.sigterm_sent = True
-            sent = await self._signal_worker_group(signal.SIGTERM)
-            if sent:
-                self._record(signal.SIGTERM, "group", cause)
-                self.grace_until = time.monotonic() + self.config.grace_s
-                await _within(self._grace(child), self.config.grace_s)
-        if child.status is None:
-            await self._sigkill_tree("grace_expired" if self.signals else cause)
+        if stopping.phase is StopPhase.RUNNING and await stopping.terminate():
+            tree.record(signal.SIGTERM, "group", cause)
+            await stopping.wait_grace()
+        if not tree.exited():
+            await stopping.kill("grace_expired" if self.signals else cause)
 
-    async def _grace(self, child: ChildProcess) -> None:
-        exited = asyncio.ensure_future(child.wait())
-        hurry = asyncio.ensure_future(self._hurry.wait())
-        try:
-            await asyncio.wait({exited, hurry}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (exited, hurry):
-                task.cancel()
-            await asyncio.gather(exited, hurry, return_exceptions=True)
-
-    async def _sigkill_tree(self, reason: _Reason) -> None:
-        child = self.child
-        assert child is not None
-        self.sigkill_sent = True
-        tree = [info for info in await self._tree() if info.alive and info.pid != child.pid]
-        # Atomic against fork: SIGKILL to a PID namespace's init kills the whole namespace, and killpg
-        # reaches the whole group (whose id is pinned: the child is not reaped yet).
-        if self.sandbox_init is not None:
-            self.sandbox_init.send(signal.SIGKILL)
-        child.signal_group(signal.SIGKILL)
-        for info in tree:
-            handle = self._handle(info)
-            if handle is not None and handle.send(signal.SIGKILL):
-                self.sigkilled.add((info.pid, info.starttime))
-        self._record(signal.SIGKILL, "group", reason)
-        await _within(child.wait(), self.config.kill_wait_s)
-
-    async def _clean_up(self) -> tuple[bool, int]:
-        """Kill and reap every remaining descendant; return (confirmed none left, how many were killed)."""
-        child = self.child
-        if child is None:
-            return True, 0
-        killed: set[tuple[int, int]] = set()
-        end = time.monotonic() + self.config.kill_wait_s
-        confirmed = False
-        init = self.sandbox_init
-        if init is not None and child.status is not None:
-            # bwrap's monitor returns as soon as the worker exits; the sandbox's init follows a moment
-            # later, taking the whole PID namespace with it. Let it, rather than count it as a straggler.
-            await _within(wait_readable(init.fd), min(1.0, self.config.kill_wait_s))
-        while True:
-            tree = await self._tree()
-            alive = [info for info in tree if info.alive and info.pid != child.pid]
-            for info in tree:
-                # Zombies reparented to us must be reaped; holding a handle lets us reap them safely.
-                if info.pid != child.pid and info.ppid == os.getpid():
-                    self._handle(info)
-            if not alive and child.status is not None:
-                confirmed = True
-                break
-            fresh = False
-            for info in alive:
-                handle = self._handle(info)
-                key = (info.pid, info.starttime)
-                if handle is not None and handle.send(signal.SIGKILL) and key not in self.sigkilled:
-                    # Not one already killed with the tree (and still dying): a straggler.
-                    if key not in killed:
-                        killed.add(key)
-                        fresh = True
-            if fresh:
-                self._record(signal.SIGKILL, "descendants", "cleanup")
-            if time.monotonic() >= end:
-                break
-            pending = [h for h in self.handles.values() if not h.exited()]
-            if child.status is None:
-                await _within(child.wait(), min(0.05, end - time.monotonic()))
-            elif pending:
-                await _within(_any_exit(pending), min(0.05, end - time.monotonic()))
-            else:
-                await asyncio.sleep(0.005)
-        for handle in self.handles.values():
-            if handle.exited():
-                handle.reap()
-        return confirmed, len(killed)
+    async def _stop_what_runs(self, tree: WorkerTree, stopping: TreeStop, *, cancelled: bool) -> None:
+        """The worker still runs as the supervision ends: take the stop on from where it stands."""
+        if cancelled and stopping.phase is StopPhase.RUNNING:
+            await self._terminate("stop")
+        elif stopping.phase is StopPhase.TERMINATING and stopping.grace_until is not None:
+            # Cancelled during the grace period: the rest of it, unless cancelled again (hurry).
+            await stopping.wait_grace()
+            if not tree.exited():
+                await stopping.kill("grace_expired")
+        else:
+            # The supervisor's own failure: no grace.
+            await stopping.kill("stop")
 
     # ----------------------------------------------------------------- finish
 
     async def finish(self, *, cancelled: bool) -> SupervisorReceipt:
         """Stop what still runs, clean up, collect and write the receipt (shielded by the caller)."""
+        tree, stopping = self.tree, self.stopping
+        status: ExitStatus | None = None
+        confirmed, killed = True, 0
         try:
-            child = self.child
-            if child is not None and child.status is None:
-                if cancelled and not self.sigterm_sent:
-                    await self._terminate("stop")
-                elif self.grace_until is not None:
-                    # Cancelled during the grace period: the rest of it, unless cancelled again (hurry).
-                    await _within(self._grace(child), self.grace_until - time.monotonic())
-                    if child.status is None:
-                        await self._sigkill_tree("grace_expired")
-                else:
-                    # The supervisor's own failure: no grace.
-                    await self._sigkill_tree("stop")
-            elif cancelled and self.stop_cause is None and self.child is None:
+            if tree is not None and stopping is not None:
+                if not tree.exited():
+                    await self._stop_what_runs(tree, stopping, cancelled=cancelled)
+                confirmed = await stopping.sweep()
+                killed = tree.stragglers_killed
+                status = tree.child.release()
+            elif cancelled and self.stop_cause is None:
                 self.stop_requested = True
                 self.stop_cause = "stop"
-            confirmed, killed = await self._clean_up()
-            status = self.child.release() if self.child is not None else None
             if self.budget_task is not None:
                 self.budget_task.cancel()
                 await asyncio.gather(self.budget_task, return_exceptions=True)
@@ -873,17 +696,13 @@ class _Supervision:
                     # Seen only at the end (the worker was quicker than a poll, or the kernel killed it).
                     self.budget_exceeded = (breach[0], f"{breach[0]}: {breach[1]}")
         finally:
-            for task in (self.status_task, self.locate_task, self.budget_task, self.start_task):
+            for task in (self.status_task, self.budget_task, self.start_task):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
             self._end_turn()
-            for handle in self.handles.values():
-                handle.close()
-            self.handles.clear()
-            if self.group_leader is not None:
-                self.group_leader.close()
-                self.group_leader = None
+            if tree is not None:
+                await tree.aclose()
             if self.log_fd is not None:
                 os.close(self.log_fd)
                 self.log_fd = None
@@ -990,7 +809,7 @@ class _Supervision:
             return True, None, "result.json is not a regular file (a link or special file is never followed)"
         if source != self.layout.result:
             os.replace(source, self.layout.result)
-            _fsync_dir(self.layout.root)
+            fsync_directory(self.layout.root)
         try:
             fd = retry_on_emfile(os.open, self.layout.result, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with os.fdopen(fd, "rb") as file:
@@ -1005,49 +824,10 @@ class _Supervision:
         try:
             result = WorkerResult.model_validate_json(data)
         except ValidationError as exc:
-            return True, None, _summarise(exc)
+            return True, None, describe_validation_error(exc)
         if result.rollout_id not in ("", self.rollout_id):
             return True, None, f"result.json is for rollout {result.rollout_id!r}, not {self.rollout_id!r}"
         return True, result, None
-
-
-def _innermost_init(tree: list[ProcInfo]) -> ProcInfo | None:
-    """The deepest PID namespace's init among ``tree`` (blocking: reads ``/proc``); ``None`` if none."""
-    depth: dict[int, int] = {}
-    for info in tree:
-        nspid = ns_pids(info.pid)
-        if nspid[-1:] == (1,):
-            depth[info.pid] = len(nspid)
-    inits = [info for info in tree if info.pid in depth]
-    return max(inits, key=lambda info: depth[info.pid]) if inits else None
-
-
-async def _any_exit(handles: list[PidHandle]) -> None:
-    waits = [asyncio.ensure_future(wait_readable(handle.fd)) for handle in handles]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in waits:
-            task.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
-
-
-def _summarise(exc: BaseException) -> str:
-    if isinstance(exc, ValidationError):
-        errors = exc.errors()
-        first = errors[0]
-        where = ".".join(str(part) for part in first.get("loc", ())) or "(top level)"
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        return f"{where}: {first.get('msg', 'invalid')}{more}"
-    return str(exc)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _log_tail(path: Path) -> str | None:

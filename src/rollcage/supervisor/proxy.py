@@ -100,11 +100,11 @@ import ssl
 import time
 import urllib.parse
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, Self
 
 import h11
 import httpx
@@ -112,6 +112,7 @@ import orjson
 
 from rollcage.durable import AppendCursor
 from rollcage.errors import SupervisorError
+from rollcage.procs import shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
 from rollcage.supervisor.config import ProxyConfig
 from rollcage.supervisor.fds import connection_budget, is_out_of_descriptors, retry_on_emfile
@@ -129,7 +130,6 @@ __all__ = [
 
 logger = logging.getLogger("rollcage.supervisor.proxy")
 
-_T = TypeVar("_T")
 
 PROXY_HOST = "rollcage-proxy"
 """Host name in the worker's rewritten URLs (any name works: the socket decides where requests go)."""
@@ -320,7 +320,7 @@ class _UpstreamPools:
         pool.users -= 1
         if pool.users == 0:
             del self._pools[key]
-            await asyncio.shield(pool.transport.aclose())
+            await shielded(pool.transport.aclose())
 
 
 class _Borrowed(httpx.AsyncBaseTransport):
@@ -460,20 +460,6 @@ async def _client_left(sock: socket.socket, work: asyncio.Future[Any]) -> bool:
             return True
         await asyncio.wait({work})  # the next request waits in the socket for its turn
     return False
-
-
-async def _complete(awaitable: Awaitable[_T]) -> _T:
-    """Await ``awaitable`` to its end even if cancelled meanwhile; then re-raise the cancellation."""
-    task = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return task.result()
 
 
 @dataclass
@@ -772,27 +758,34 @@ class EgressProxy:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Stop serving (see :meth:`aclose`)."""
+        """Stop serving (see :meth:`aclose`).
+
+        **Cancellation:** as for :meth:`aclose`.
+        """
         await self.aclose()
 
     async def aclose(self) -> None:
         """Stop accepting, abort exchanges still running (each still gets its capture line), close all.
 
-        **Cancellation:** shutdown finishes first (it only waits for tasks it has cancelled itself).
+        **Cancellation:** shutdown finishes first (it only waits for tasks it has cancelled itself),
+        then ``CancelledError`` propagates.
         """
         if self._state == "closed":
             return
         self._state = "closed"
+        await shielded(self._shut_down())
+
+    async def _shut_down(self) -> None:
         if self._acceptor is not None:
             self._acceptor.cancel()
-            await asyncio.shield(asyncio.gather(self._acceptor, return_exceptions=True))
+            await asyncio.gather(self._acceptor, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
         handlers = list(self._handlers)
         for task in handlers:
             task.cancel()
         if handlers:
-            await asyncio.shield(asyncio.gather(*handlers, return_exceptions=True))
+            await asyncio.gather(*handlers, return_exceptions=True)
         # A handler cancelled before its first step never ran its own clean-up.
         for connection in self._handlers.values():
             connection.close()
@@ -800,13 +793,13 @@ class EgressProxy:
         if self._joined:
             connection_budget().leave()
         for client in self._clients.values():
-            await asyncio.shield(client.aclose())
+            await client.aclose()
         if self._borrowed:
             pools = _upstream_pools()
             for route in self._borrowed:
                 await pools.release(route)
             self._borrowed.clear()
-        await asyncio.shield(self._capture.close())
+        await self._capture.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 
@@ -912,7 +905,7 @@ class EgressProxy:
             finally:
                 # Exactly one capture line per exchange, whatever ended it.
                 try:
-                    await _complete(self._record(exchange))
+                    await shielded(self._record(exchange))
                 finally:
                     self._buffered -= exchange.held
             if (

@@ -22,14 +22,14 @@ import dataclasses
 import enum
 import keyword
 import os
-import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, Unpack
 
 from rollcage.errors import ConfigError, ExecutorError, SandboxError
+from rollcage.procs import shielded
 
 if TYPE_CHECKING:
     from rollcage.protocol import ExecutorSettings
@@ -39,12 +39,11 @@ __all__ = [
     "CellResult",
     "CellStatus",
     "Executor",
+    "ExecutorOptions",
     "ExecutorState",
     "ToolBridge",
     "make_executor",
 ]
-
-_T = TypeVar("_T")
 
 BRIDGE_CANCEL_TIMEOUT_S = 5.0
 """How long a finished cell waits for its cancelled bridge calls."""
@@ -71,6 +70,25 @@ CellStatus = Literal["ok", "error", "timeout", "restarted"]
 """How a cell ended: ``ok``; ``error`` (an exception, traceback in ``error``);
 ``timeout`` (interrupted at its timeout, state kept); ``restarted`` (the process
 was killed or died, the session's state is lost)."""
+
+
+class ExecutorOptions(TypedDict):
+    """How an executor's child is started and bounded (the keyword arguments of every backend)."""
+
+    cwd: Path
+    """Working directory of the child (the rollout's workspace)."""
+    bridge: ToolBridge | None
+    """Called for bridged tool calls made by agent code."""
+    bridged_tools: BridgedTools
+    """Tool functions to define in the namespace."""
+    output_limit: int
+    """Bound, in characters, of each stream, the value, the traceback and the cell's text."""
+    env: Mapping[str, str] | None
+    """Environment of the child; None: the worker's own."""
+    start_timeout_s: float
+    """How long the child may take to become ready."""
+    prefix: NotRequired[Sequence[str]]
+    """A command-line prefix the child is started under (its cage); absent or empty: none."""
 
 
 class ExecutorState(enum.Enum):
@@ -260,142 +278,11 @@ class PendingCell(abc.ABC):
             self._executor._current = None
 
 
-async def shielded(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run ``coro`` to completion even if the caller is cancelled meanwhile.
-
-    Cleanup (interrupting a cell, killing a process group, reaping) must finish
-    once started; every such coroutine is bounded by its own timeouts.
-
-    **Cancellation:** a cancellation that arrives while ``coro`` runs is held
-    and re-raised (as ``CancelledError``) once ``coro`` has finished.
-    """
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                raise
-            cancelled = True
-            continue
-        except BaseException as exc:
-            if cancelled:
-                # The cleanup failed, but the caller was cancelled: that must not be lost.
-                raise asyncio.CancelledError from exc
-            raise
-        break
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
-
-
 def fail_future(future: asyncio.Future[Any], exc: BaseException) -> None:
     """Fail a future and mark its exception seen (nobody may be waiting for it any more)."""
     if not future.done():
         future.set_exception(exc)
         future.add_done_callback(lambda f: f.exception())
-
-
-def signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to a process group; False when the group no longer exists."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        # A group member we may not signal (setuid program): nothing more we can do.
-        return True
-    return True
-
-
-def leader_exited(pid: int) -> bool:
-    """Whether the process's main thread has exited (zombie or gone), even if it is not reapable yet.
-
-    A process whose main thread called ``os._exit`` from another thread shows as a
-    zombie while its other threads are still being torn down; ``waitpid`` and a
-    pidfd only report it a moment later. A cell sent in that moment would be lost.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            state = file.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in (b"Z", b"X", b"x")
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process is left in the group (zombies count until reaped)."""
-    return signal_group(pgid, 0) if pgid > 0 else False
-
-
-def _live_members(sid: int) -> list[int] | None:
-    """Pids, zombies excepted, in the process group or session ``sid``; None without /proc.
-
-    The executor's child leads its own session, so its pid is both its group
-    and its session id. Zombies are left out: they are dead, and an orphan's
-    zombie waits for whatever reaps orphans (a container's init may be slow).
-    """
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    me = os.getpid()
-    pids: list[int] = []
-    for entry in entries:
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the parenthesised command: state ppid pgrp session ...
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 3 and fields[0] not in (b"Z", b"X") and sid in (int(fields[2]), int(fields[3])):
-            pids.append(int(entry))
-    return pids
-
-
-async def kill_group(pgid: int, timeout_s: float) -> bool:
-    """SIGKILL the process group, and any process that left the group but not the
-    session, until none is left alive; False if some survive ``timeout_s``.
-
-    **Cancellation:** safe; stops where it is (call it shielded to finish the job).
-    """
-    signal_group(pgid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout_s
-    delay = 0.002
-    while True:
-        # Reading /proc is quick but it is file I/O: keep it off the event loop.
-        members = await asyncio.to_thread(_live_members, pgid)
-        if members is None:
-            # No /proc: fall back to the group alone, zombies included.
-            return await wait_group_gone(pgid, max(deadline - time.monotonic(), 0.0))
-        if not members:
-            return True
-        for pid in members:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.05)
-
-
-async def wait_group_gone(pgid: int, timeout_s: float) -> bool:
-    """Poll until the process group is empty; False if it is not within ``timeout_s``.
-
-    **Cancellation:** safe; stops polling.
-    """
-    deadline = time.monotonic() + timeout_s
-    delay = 0.002
-    while group_alive(pgid):
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    return True
 
 
 class Executor(abc.ABC):
@@ -412,30 +299,20 @@ class Executor(abc.ABC):
 
     _current: PendingCell | None = None
 
-    def __init__(
-        self,
-        settings: ExecutorSettings,
-        *,
-        cwd: Path,
-        bridge: ToolBridge | None,
-        bridged_tools: BridgedTools,
-        output_limit: int,
-        env: Mapping[str, str] | None,
-        start_timeout_s: float,
-        prefix: Sequence[str] = (),
-    ) -> None:
-        if output_limit < 64:
-            raise ValueError(f"output_limit must be at least 64 characters, got {output_limit}")
+    def __init__(self, settings: ExecutorSettings, **options: Unpack[ExecutorOptions]) -> None:
+        if options["output_limit"] < 64:
+            raise ValueError(f"output_limit must be at least 64 characters, got {options['output_limit']}")
         self._settings = settings
-        self._cwd = Path(cwd)
-        self._bridge = bridge
-        self._tools = normalise_bridged_tools(bridged_tools)
-        if self._tools and bridge is None:
+        self._cwd = Path(options["cwd"])
+        self._bridge = options["bridge"]
+        self._tools = normalise_bridged_tools(options["bridged_tools"])
+        if self._tools and self._bridge is None:
             raise ValueError("bridged_tools were given without a bridge to call")
-        self._output_limit = output_limit
+        self._output_limit = options["output_limit"]
+        env = options["env"]
         self._env = dict(os.environ if env is None else env)
-        self._start_timeout_s = start_timeout_s
-        self._prefix = list(prefix)
+        self._start_timeout_s = options["start_timeout_s"]
+        self._prefix = list(options.get("prefix", ()))
         self._state = ExecutorState.UNOPENED
         self._closed = False
         self._restarts = 0
@@ -476,7 +353,10 @@ class Executor(abc.ABC):
         """Pid (and process group id) of the current child process; None when there is none."""
 
     async def __aenter__(self) -> Executor:
-        """Start the executor (see :meth:`start`)."""
+        """Start the executor (see :meth:`start`).
+
+        **Cancellation:** as for :meth:`start`.
+        """
         await self.start()
         return self
 
@@ -486,7 +366,10 @@ class Executor(abc.ABC):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Close the executor (see :meth:`aclose`)."""
+        """Close the executor (see :meth:`aclose`).
+
+        **Cancellation:** as for :meth:`aclose`.
+        """
         await self.aclose()
 
     async def start(self) -> None:
@@ -715,28 +598,21 @@ def make_executor(
         ConfigError: a bridged tool name is not a valid function name.
         ValueError: bridged tools without a bridge, or ``output_limit`` below 64.
     """
-    if settings.backend == "repl":
-        from rollcage.tools._repl import ReplExecutor
-
-        return ReplExecutor(
-            settings,
-            cwd=cwd,
-            bridge=bridge,
-            bridged_tools=bridged_tools,
-            output_limit=output_limit,
-            env=env,
-            start_timeout_s=20.0 if start_timeout_s is None else start_timeout_s,
-            prefix=prefix,
-        )
-    from rollcage.tools._jupyter import JupyterExecutor
-
-    return JupyterExecutor(
-        settings,
+    options = ExecutorOptions(
         cwd=cwd,
         bridge=bridge,
         bridged_tools=bridged_tools,
         output_limit=output_limit,
         env=env,
-        start_timeout_s=60.0 if start_timeout_s is None else start_timeout_s,
+        start_timeout_s=(20.0 if settings.backend == "repl" else 60.0)
+        if start_timeout_s is None
+        else start_timeout_s,
         prefix=prefix,
     )
+    if settings.backend == "repl":
+        from rollcage.tools._repl import ReplExecutor
+
+        return ReplExecutor(settings, **options)
+    from rollcage.tools._jupyter import JupyterExecutor
+
+    return JupyterExecutor(settings, **options)

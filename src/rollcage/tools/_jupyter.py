@@ -32,26 +32,31 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from jupyter_client.manager import AsyncKernelManager
 
 from rollcage.errors import ExecutorError
+from rollcage.procs import (
+    GroupTree,
+    PidHandle,
+    StopStrategy,
+    describe_exit,
+    is_running,
+    signal_group,
+    stop_tree,
+    wait_shared,
+)
 from rollcage.tools._executor import (
-    BridgedTools,
     CellOutput,
     Executor,
+    ExecutorOptions,
     PendingCell,
     ProcessDied,
-    ToolBridge,
     bound_tail,
     fail_future,
-    kill_group,
-    leader_exited,
     mark_dropped,
-    signal_group,
 )
 
 if TYPE_CHECKING:
@@ -282,7 +287,7 @@ class _JupyterCell(PendingCell):
             self.done.set_result(None)
 
     async def wait(self) -> CellOutput:
-        await asyncio.shield(self.done)
+        await wait_shared(self.done)
         return self._output()
 
     def partial(self) -> CellOutput:
@@ -334,34 +339,14 @@ class JupyterExecutor(Executor):
 
     backend: Literal["repl", "jupyter"] = "jupyter"
 
-    def __init__(
-        self,
-        settings: ExecutorSettings,
-        *,
-        cwd: Path,
-        bridge: ToolBridge | None,
-        bridged_tools: BridgedTools,
-        output_limit: int,
-        env: Mapping[str, str] | None,
-        start_timeout_s: float,
-        prefix: Sequence[str] = (),
-    ) -> None:
-        super().__init__(
-            settings,
-            cwd=cwd,
-            bridge=bridge,
-            bridged_tools=bridged_tools,
-            output_limit=output_limit,
-            env=env,
-            start_timeout_s=start_timeout_s,
-            prefix=prefix,
-        )
+    def __init__(self, settings: ExecutorSettings, **options: Unpack[ExecutorOptions]) -> None:
+        super().__init__(settings, **options)
         self._km: AsyncKernelManager | None = None
         self._kc: AsyncKernelClient | None = None
         self._tmpdir: str | None = None
         self._pid: int | None = None
         self._exited: asyncio.Future[None] | None = None
-        self._pidfd: int | None = None
+        self._pid_handle: PidHandle | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._orphans: set[asyncio.Task[None]] = set()
         self._current: _JupyterCell | None = None
@@ -453,8 +438,8 @@ class JupyterExecutor(Executor):
         loop = asyncio.get_running_loop()
 
         def exited() -> None:
-            if self._pidfd is not None:
-                loop.remove_reader(self._pidfd)
+            if self._pid_handle is not None:
+                loop.remove_reader(self._pid_handle.fd)
             process = self._process()
             if process is not None:
                 process.poll()  # reap it now: a zombie leader keeps its group "alive"
@@ -463,13 +448,12 @@ class JupyterExecutor(Executor):
             if self._current is not None:
                 fail_future(self._current.done, ProcessDied(self._describe_exit()))
 
-        try:
-            self._pidfd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
+        self._pid_handle = PidHandle.of_child(pid)
+        if self._pid_handle is None:
             # No pidfd (not Linux): a thread waits for the exit instead.
             self._tasks.append(asyncio.create_task(self._wait_exit_in_thread(exited)))
             return
-        loop.add_reader(self._pidfd, exited)
+        loop.add_reader(self._pid_handle.fd, exited)
 
     async def _wait_exit_in_thread(self, exited: Callable[[], None]) -> None:
         process = self._process()
@@ -486,12 +470,7 @@ class JupyterExecutor(Executor):
     def _describe_exit(self) -> str:
         process = self._process()
         code = process.poll() if process is not None else None
-        if code is None:
-            return "the kernel exited"
-        if code < 0:
-            with contextlib.suppress(ValueError):
-                return f"killed by {signal.Signals(-code).name}"
-        return f"exit code {code}"
+        return "the kernel exited" if code is None else describe_exit(code)
 
     def _start_pumps(self, kc: AsyncKernelClient) -> None:
         self._tasks.append(asyncio.create_task(self._pump(kc.get_iopub_msg, self._on_iopub)))
@@ -622,19 +601,18 @@ class JupyterExecutor(Executor):
         if self._exited is not None and self._exited.done():
             return False
         process = self._process()
-        return process is not None and process.poll() is None and not leader_exited(process.pid)
+        return process is not None and process.poll() is None and is_running(process.pid)
 
     async def _teardown(self, *, graceful: bool) -> None:
         pid = self._pid
         exited = self._exited
-        if pid is not None:
-            if graceful and self._alive() and exited is not None:
-                signal_group(pid, signal.SIGTERM)
-                await asyncio.wait({exited}, timeout=self._settings.interrupt_grace_s)
-            survivors = not await kill_group(pid, _REAP_TIMEOUT_S)
-            if exited is not None:
-                await asyncio.wait({exited}, timeout=_REAP_TIMEOUT_S)
-            if survivors:
+        if pid is not None and exited is not None:
+            strategy = StopStrategy(
+                grace_s=self._settings.interrupt_grace_s if graceful and self._alive() else 0.0,
+                kill_wait_s=_REAP_TIMEOUT_S,
+            )
+            # The leader may be gone while members of its group live on: the stop always sweeps the group.
+            if not await stop_tree(GroupTree(pid, exited), strategy):
                 log.error("processes of the Jupyter kernel's group %d survived SIGKILL", pid)
         if self._current is not None:
             fail_future(self._current.done, ProcessDied("killed"))
@@ -643,11 +621,11 @@ class JupyterExecutor(Executor):
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=_IO_TIMEOUT_S)
         self._tasks.clear()
-        if self._pidfd is not None:
+        if self._pid_handle is not None:
             with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+                asyncio.get_running_loop().remove_reader(self._pid_handle.fd)
+            self._pid_handle.close()
+            self._pid_handle = None
         if self._kc is not None:
             with contextlib.suppress(Exception):
                 self._kc.stop_channels()

@@ -21,27 +21,32 @@ import json
 import logging
 import marshal
 import os
-import select
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from rollcage.errors import ExecutorError
+from rollcage.procs import (
+    GroupTree,
+    PidHandle,
+    StopStrategy,
+    describe_exit,
+    is_running,
+    signal_group,
+    stop_tree,
+    wait_shared,
+)
 from rollcage.tools._executor import (
-    BridgedTools,
     CellOutput,
     Executor,
+    ExecutorOptions,
     PendingCell,
     ProcessDied,
-    ToolBridge,
     fail_future,
-    kill_group,
-    leader_exited,
     mark_dropped,
-    signal_group,
 )
 
 if TYPE_CHECKING:
@@ -60,19 +65,6 @@ _MARKER_WAIT_S = 1.0
 """How long a finished cell's output may lag behind its result on the pipes."""
 _REAP_TIMEOUT_S = 5.0
 """Bound on waiting for a SIGKILLed child to be reaped."""
-"""Bound on waiting for cancelled bridge calls to unwind."""
-
-
-def describe_exit(returncode: int | None) -> str:
-    """``exit code 3`` or ``killed by SIGKILL``."""
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
 
 
 class _StreamSink(asyncio.Protocol):
@@ -185,7 +177,7 @@ class _ReplCell(PendingCell):
     async def wait(self) -> CellOutput:
         if self._output is not None:
             return self._output
-        msg = await asyncio.shield(self.done)
+        msg = await wait_shared(self.done)
         out_sink, err_sink = self._executor._sinks()
         await asyncio.gather(
             out_sink.wait_marker(self.id, _MARKER_WAIT_S), err_sink.wait_marker(self.id, _MARKER_WAIT_S)
@@ -233,30 +225,9 @@ class ReplExecutor(Executor):
 
     backend: Literal["repl", "jupyter"] = "repl"
 
-    def __init__(
-        self,
-        settings: ExecutorSettings,
-        *,
-        cwd: Path,
-        bridge: ToolBridge | None,
-        bridged_tools: BridgedTools,
-        output_limit: int,
-        env: Mapping[str, str] | None,
-        start_timeout_s: float,
-        python: str | None = None,
-        prefix: Sequence[str] = (),
-    ) -> None:
-        super().__init__(
-            settings,
-            cwd=cwd,
-            bridge=bridge,
-            bridged_tools=bridged_tools,
-            output_limit=output_limit,
-            env=env,
-            start_timeout_s=start_timeout_s,
-            prefix=prefix,
-        )
-        self._python = python or sys.executable
+    def __init__(self, settings: ExecutorSettings, **options: Unpack[ExecutorOptions]) -> None:
+        super().__init__(settings, **options)
+        self._python = sys.executable
         self._proc: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -267,7 +238,7 @@ class ReplExecutor(Executor):
         self._transports: list[asyncio.BaseTransport] = []
         self._current: _ReplCell | None = None
         self._orphans: set[asyncio.Task[None]] = set()
-        self._pidfd: int | None = None
+        self._pid_handle: PidHandle | None = None
         self._next_id = 0
 
     @property
@@ -299,8 +270,7 @@ class ReplExecutor(Executor):
             raise
         finally:
             child_sock.close()
-        with contextlib.suppress(AttributeError, OSError):  # no pidfd before Linux 5.3
-            self._pidfd = os.pidfd_open(self._proc.pid)
+        self._pid_handle = PidHandle.of_child(self._proc.pid)
         self._exit_task = asyncio.create_task(self._watch_exit(self._proc))
         self._reader_task = asyncio.create_task(self._read_frames(reader))
         tools = {name: list(params) for name, params in self._tools.items()}
@@ -467,28 +437,26 @@ class ReplExecutor(Executor):
 
     def _alive(self) -> bool:
         proc = self._proc
-        if proc is None or proc.returncode is not None or leader_exited(proc.pid):
+        if proc is None or proc.returncode is not None or not is_running(proc.pid):
             return False
-        if self._pidfd is not None:
+        if self._pid_handle is not None:
             # The child watcher learns of an exit a little late; the pidfd knows at once.
-            return not select.select([self._pidfd], [], [], 0)[0]
+            return not self._pid_handle.exited()
         return True
 
     async def _teardown(self, *, graceful: bool) -> None:
         proc = self._proc
         if proc is not None:
-            pgid = proc.pid
-            exit_task = self._exit_task
-            if graceful and proc.returncode is None:
-                signal_group(pgid, signal.SIGTERM)
-                if exit_task is not None:
-                    await asyncio.wait({exit_task}, timeout=self._settings.interrupt_grace_s)
-            # The leader may be gone while members of its group live on: always sweep the group.
-            survivors = not await kill_group(pgid, _REAP_TIMEOUT_S)
-            if exit_task is not None:
-                await asyncio.wait({exit_task}, timeout=_REAP_TIMEOUT_S)
-            if survivors:
-                log.error("processes of the Python executor's group %d survived SIGKILL", pgid)
+            # A launch that failed half-way has a process but no exit watcher yet.
+            exit_task = self._exit_task or asyncio.ensure_future(proc.wait())
+            strategy = StopStrategy(
+                grace_s=self._settings.interrupt_grace_s if graceful else 0.0, kill_wait_s=_REAP_TIMEOUT_S
+            )
+            # The leader may be gone while members of its group live on: the stop always sweeps the group.
+            if not await stop_tree(GroupTree(proc.pid, exit_task), strategy):
+                log.error("processes of the Python executor's group %d survived SIGKILL", proc.pid)
+            if exit_task is not self._exit_task and not exit_task.done():
+                exit_task.cancel()
         for task in (self._reader_task, self._exit_task):
             if task is not None and not task.done():
                 task.cancel()
@@ -500,9 +468,9 @@ class ReplExecutor(Executor):
         for transport in self._transports:
             transport.close()
         self._transports.clear()
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+        if self._pid_handle is not None:
+            self._pid_handle.close()
+            self._pid_handle = None
         self._proc = None
         self._writer = None
         self._reader_task = None

@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from rollcage.errors import ConfigError, ResourceUnavailableError
-from rollcage.model._httpx import httpx, transport_for
+from rollcage.model.http import httpx, transport_for
 from rollcage.protocol import ResourceEndpoint, ResourceToolSpec, ToolStatus
 
 __all__ = ["ResourceTools", "tool_parameters"]
@@ -127,6 +127,8 @@ class ResourceTools:
 
         Raises:
             RuntimeError: the tools were opened before.
+
+        **Cancellation:** nothing awaits here: the clients are built at once.
         """
         if self._state is not _State.UNOPENED:
             raise RuntimeError(f"ResourceTools cannot be opened: it is {self._state.value}")
@@ -154,7 +156,10 @@ class ResourceTools:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Close every client (see :meth:`aclose`)."""
+        """Close every client (see :meth:`aclose`).
+
+        **Cancellation:** as for :meth:`aclose`.
+        """
         await self.aclose()
 
     async def aclose(self) -> None:

@@ -6,15 +6,10 @@ model text is treated as hostile: cleaned of terminal controls for the terminal,
 embedded as escaped JSON and shown with ``textContent`` in the report.
 """
 
-from rollcage.viewer._capture import CaptureComparison, CaptureDifference, compare_capture
-from rollcage.viewer._digest import RolloutDigest, digest_rollout
+from rollcage.viewer._capture import CaptureComparison, CaptureDifference
 from rollcage.viewer._load import (
-    RecordReader,
     RolloutView,
-    ViewerError,
     ViewTarget,
-    find_record,
-    load_metrics,
     load_rollout,
     resolve_target,
 )
@@ -25,15 +20,8 @@ __all__ = [
     "PARTIAL_LABEL",
     "CaptureComparison",
     "CaptureDifference",
-    "RecordReader",
-    "RolloutDigest",
     "RolloutView",
     "ViewTarget",
-    "ViewerError",
-    "compare_capture",
-    "digest_rollout",
-    "find_record",
-    "load_metrics",
     "load_rollout",
     "render_rollout",
     "render_run",

@@ -26,6 +26,7 @@ from rollcage.protocol import (
     RunMetrics,
     SupervisorReceipt,
     WorkerResult,
+    describe_validation_error,
 )
 from rollcage.viewer._capture import CaptureComparison, compare_capture
 
@@ -203,50 +204,13 @@ def load_rollout(
     Never raises for damaged artifacts: they are listed in ``problems``.
     """
     view = RolloutView(directory=path, rollout_id=path.name)
-    if record is None:
-        run = run_dir if run_dir is not None else enclosing_run(path)
-        if run is not None:
-            try:
-                record = find_record(run, path.name)
-            except OSError as exc:
-                view.problems.append(f"{RECORDS_NAME}: cannot read: {exc}")
-    view.record = record
-
-    raw_input = _read_json_object(path / INPUT_NAME, view.problems, required=False)
-    if raw_input is not None:
-        task_input = raw_input.get("input")
-        if isinstance(task_input, str | list):
-            view.task_input = task_input
-        instructions = raw_input.get("instructions")
-        view.instructions = instructions if isinstance(instructions, str) else None
-        task_id = raw_input.get("task_id")
-        view.task_id = task_id if isinstance(task_id, str) else None
-
-    if prefer != "checkpoint":
-        result_path = file if file is not None and prefer == "result" else path / RESULT_NAME
-        view.result = _read_model(result_path, WorkerResult, view.problems)
-    journal = file if file is not None and prefer == "checkpoint" else path / CHECKPOINT_NAME
-    if view.result is None and journal.exists():
-        try:
-            view.checkpoint = read_checkpoint(journal)
-        except ViewerError as exc:
-            view.problems.append(str(exc))
-
+    view.record = record if record is not None else _look_up_record(path, run_dir, view.problems)
+    _read_input(view, path / INPUT_NAME)
+    _read_trajectory(view, path, prefer, file)
     view.receipt = _read_model(path / RECEIPT_NAME, SupervisorReceipt, view.problems)
-    if view.receipt is None and record is not None:
-        view.receipt = record.receipt
-
-    view.rollout_id = _first_str(
-        view.result.rollout_id if view.result else None,
-        view.checkpoint.rollout_id if view.checkpoint else None,
-        view.receipt.rollout_id if view.receipt else None,
-        record.rollout_id if record else None,
-        path.name,
-    )
-    view.task_id = _first_str(
-        view.result.task_id if view.result else None, view.task_id, record.task_id if record else None
-    )
-
+    if view.receipt is None and view.record is not None:
+        view.receipt = view.record.receipt
+    _name(view, path)
     trajectory = (
         view.result.trajectory if view.result else view.checkpoint.trajectory if view.checkpoint else None
     )
@@ -257,7 +221,6 @@ def load_rollout(
         except OSError as exc:
             view.problems.append(f"{CAPTURE_NAME}: cannot read: {exc}")
     view.log_tail = _read_tail(path / LOG_NAME, view.problems)
-
     if metrics is not None:
         view.run_findings = {
             name: finding for name, finding in metrics.health.items() if view.rollout_id in finding.rollouts
@@ -265,6 +228,62 @@ def load_rollout(
     if view.result is None and view.checkpoint is None and not (path / CHECKPOINT_NAME).exists():
         view.problems.append(f"no {RESULT_NAME} and no {CHECKPOINT_NAME}: nothing of the trajectory survived")
     return view
+
+
+def _look_up_record(path: Path, run_dir: Path | None, problems: list[str]) -> RolloutRecord | None:
+    """The rollout's record in ``run_dir``, or in the run that encloses ``path``; ``None`` if none."""
+    run = run_dir if run_dir is not None else enclosing_run(path)
+    if run is None:
+        return None
+    try:
+        return find_record(run, path.name)
+    except OSError as exc:
+        problems.append(f"{RECORDS_NAME}: cannot read: {exc}")
+        return None
+
+
+def _read_input(view: RolloutView, path: Path) -> None:
+    """What the model was asked (``input.json``), read leniently: a damaged field is left out."""
+    raw_input = _read_json_object(path, view.problems, required=False)
+    if raw_input is None:
+        return
+    task_input = raw_input.get("input")
+    if isinstance(task_input, str | list):
+        view.task_input = task_input
+    instructions = raw_input.get("instructions")
+    view.instructions = instructions if isinstance(instructions, str) else None
+    task_id = raw_input.get("task_id")
+    view.task_id = task_id if isinstance(task_id, str) else None
+
+
+def _read_trajectory(
+    view: RolloutView, path: Path, prefer: Literal["result", "checkpoint"] | None, file: Path | None
+) -> None:
+    """The result, else (or, with ``prefer="checkpoint"``, instead) the journal folded."""
+    if prefer != "checkpoint":
+        result_path = file if file is not None and prefer == "result" else path / RESULT_NAME
+        view.result = _read_model(result_path, WorkerResult, view.problems)
+    journal = file if file is not None and prefer == "checkpoint" else path / CHECKPOINT_NAME
+    if view.result is None and journal.exists():
+        try:
+            view.checkpoint = read_checkpoint(journal)
+        except ViewerError as exc:
+            view.problems.append(str(exc))
+
+
+def _name(view: RolloutView, path: Path) -> None:
+    """The rollout and task ids: the first the artifacts agree on, most trusted first."""
+    record = view.record
+    view.rollout_id = _first_str(
+        view.result.rollout_id if view.result else None,
+        view.checkpoint.rollout_id if view.checkpoint else None,
+        view.receipt.rollout_id if view.receipt else None,
+        record.rollout_id if record else None,
+        path.name,
+    )
+    view.task_id = _first_str(
+        view.result.task_id if view.result else None, view.task_id, record.task_id if record else None
+    )
 
 
 def _first_str(*values: str | None) -> str:
@@ -279,12 +298,8 @@ def _read_model(path: Path, model: type[_M], problems: list[str]) -> _M | None:
     except OSError as exc:
         problems.append(f"{path.name}: cannot read: {exc}")
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-        problems.append(
-            f"{path.name}: not a valid {model.__name__} ({exc.error_count()} error(s); "
-            f"first at {where}: {first['msg']})"
-        )
+        problem = describe_validation_error(exc, limit=1)
+        problems.append(f"{path.name}: not a valid {model.__name__}: {problem}")
     return None
 
 

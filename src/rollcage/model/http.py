@@ -1,4 +1,5 @@
-"""httpx, imported without its command-line tool.
+"""httpx, imported without its command-line tool, and the transport to an endpoint: for every HTTP client
+that runs in the worker (the model client here, the resource tools in ``rollcage.tools``).
 
 ``httpx/__init__`` imports its CLI (click, rich, pygments) whenever those are
 installed, as they are for rollcage's own CLI: about 30 ms and 6 MB in every

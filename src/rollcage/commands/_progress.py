@@ -1,4 +1,4 @@
-"""What the user sees: a rich progress bar while running, a summary table at the end.
+"""What ``rollcage run`` shows: a rich progress bar while running, a summary table at the end.
 
 The bar shows finished/total samples, counts per outcome and rollouts per
 second; it is off when the output is not a terminal or with ``--quiet``, and the
@@ -15,11 +15,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rollcage.controller._dataset import InvalidRow
 from rollcage.protocol import Outcome, RolloutRecord
 
 if TYPE_CHECKING:
-    from rollcage.controller._run import RunSummary
+    from rollcage.controller import InvalidRow, RunSummary
 
 __all__ = ["RichReporter", "render_summary"]
 

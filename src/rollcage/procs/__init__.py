@@ -1,0 +1,88 @@
+"""Process lifecycle, once: find, signal, stop and reap process trees; finish clean-up under cancellation.
+
+The supervisor (the worker and its sandbox), the executors (a Python child and
+what it forks) and the cage (a contained command) all start processes that must
+not outlive them. What they share lives here, at the bottom of the import graph
+(it needs nothing of rollcage), so each room uses it without reaching up:
+
+* ``/proc``: :func:`read_proc`, :func:`scan_processes`, :func:`subtree`,
+  :func:`descendants` (with the orphans a subreaper adopted, found by a marker in
+  their environment), :func:`live_members` of a group or session;
+* signals that never miss: :func:`signal_group`, :class:`PidHandle` (a pidfd
+  checked after opening, so a reused PID is never hit), :class:`ChildProcess` (a
+  child kept unreaped, so its group id stays its own), :func:`ensure_subreaper`;
+* stopping: :func:`stop_tree` with a :class:`StopStrategy` (trio's
+  ``deliver_cancel``: polite signal, grace, SIGKILL to the whole tree, always wait),
+  on any :class:`ProcessTree`, its progress an explicit :class:`TreeStop` state;
+* the one cancellation dialect: :func:`shielded` (shield and finish: the work
+  runs to its end, a cancellation is remembered and re-raised after),
+  :func:`wait_shared`, :func:`within` and :func:`first_of`.
+
+Stopping a child the way the executors do::
+
+    from rollcage.procs import GroupTree, StopStrategy, stop_tree
+
+    gone = await stop_tree(GroupTree(proc.pid, exit_future), StopStrategy(grace_s=2, kill_wait_s=5))
+"""
+
+from rollcage.procs._cancel import first_of, shielded, wait_shared, within
+from rollcage.procs._handles import (
+    ChildProcess,
+    ExitStatus,
+    PidHandle,
+    any_exit,
+    describe_exit,
+    ensure_subreaper,
+    is_subreaper,
+    pid_exists,
+    signal_group,
+    wait_readable,
+)
+from rollcage.procs._stop import GroupTree, ProcessTree, StopPhase, StopStrategy, TreeStop, stop_tree
+from rollcage.procs._table import (
+    ProcInfo,
+    descendants,
+    environ_has,
+    in_proc_thread,
+    is_running,
+    live_members,
+    ns_pids,
+    read_proc,
+    scan_processes,
+    subtree,
+    tree_of,
+)
+
+__all__ = [
+    "ChildProcess",
+    "ExitStatus",
+    "GroupTree",
+    "PidHandle",
+    "ProcInfo",
+    "ProcessTree",
+    "StopPhase",
+    "StopStrategy",
+    "TreeStop",
+    "any_exit",
+    "descendants",
+    "describe_exit",
+    "ensure_subreaper",
+    "environ_has",
+    "first_of",
+    "in_proc_thread",
+    "is_running",
+    "is_subreaper",
+    "live_members",
+    "ns_pids",
+    "pid_exists",
+    "read_proc",
+    "scan_processes",
+    "shielded",
+    "signal_group",
+    "stop_tree",
+    "subtree",
+    "tree_of",
+    "wait_readable",
+    "wait_shared",
+    "within",
+]

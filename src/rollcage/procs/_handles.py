@@ -1,0 +1,421 @@
+"""Signals that never miss: process groups, pidfds, a child kept unreaped, the subreaper flag.
+
+Everything here acts on *verified* processes only:
+
+* a child started by :class:`ChildProcess` is never reaped until its owner is
+  done with it (its exit is observed with ``waitid(..., WNOWAIT)``), so its PID,
+  and with it its process-group id, cannot be reused while the group is signalled;
+* any other process is signalled through a :class:`PidHandle`: a pidfd opened and
+  then checked against what was known of the process (its start time, its
+  cgroup): a pidfd names one process for its whole life, so a reused PID is never hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import select
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from rollcage.procs._cancel import first_of
+from rollcage.procs._table import ProcInfo, read_proc, started_children
+
+__all__ = [
+    "ChildProcess",
+    "ExitStatus",
+    "PidHandle",
+    "any_exit",
+    "describe_exit",
+    "ensure_subreaper",
+    "group_exists",
+    "is_subreaper",
+    "pid_exists",
+    "signal_group",
+    "signal_name",
+    "wait_readable",
+]
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+_PIDFD_SIGNAL_PROCESS_GROUP = 4  # linux/pidfd.h, Linux 6.9
+_subreaper_lock = threading.Lock()
+_subreaper_set = False
+
+
+def signal_name(number: int) -> str:
+    """``'SIGKILL'`` for 9; ``'SIG99'`` for a number with no name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"SIG{number}"
+
+
+def describe_exit(returncode: int | None) -> str:
+    """A ``subprocess`` return code in words: ``exit code 3``, ``killed by SIGKILL``, ``still running``."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        return f"killed by {signal_name(-returncode)}"
+    return f"exit code {returncode}"
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to the process group ``pgid``; whether it reached anyone.
+
+    ``False`` when the group is empty, or when every member is one this process
+    may not signal (a setuid program): either way nothing more can be done.
+    Only for a group whose id cannot have been reused: its leader is an unreaped
+    child of this process (see :class:`ChildProcess`), or is known to be alive.
+    """
+    if pgid <= 0:
+        raise ValueError(f"not a process group id: {pgid}")
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    return True
+
+
+def group_exists(pgid: int) -> bool:
+    """Whether any process is left in the group ``pgid`` (zombies count until they are reaped)."""
+    if pgid <= 0:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a member we may not signal is still a member
+    return True
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (it may be a zombie, or a later process that got the PID)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def ensure_subreaper() -> None:
+    """Make this process a child subreaper (idempotent, process-wide).
+
+    Orphaned descendants of its children are then reparented to this process
+    rather than to init, so it can still find, kill and reap them.
+
+    Raises:
+        OSError: ``prctl`` refused (not Linux, or a kernel without it).
+    """
+    global _subreaper_set
+    with _subreaper_lock:
+        if _subreaper_set:
+            return
+        import ctypes
+
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError) as exc:
+            raise OSError(f"cannot call prctl to become a child subreaper: {exc}") from exc
+        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        prctl.restype = ctypes.c_int
+        if prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(err)}")
+        _subreaper_set = True
+
+
+def is_subreaper() -> bool:
+    """Tell whether this process is a child subreaper (for tests)."""
+    import ctypes
+
+    value = ctypes.c_int(0)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0)
+    return value.value != 0
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a process ended: at most one of ``code`` and ``signal`` is set (neither: the status was lost)."""
+
+    code: int | None
+    signal: int | None
+
+    @property
+    def signal_name(self) -> str | None:
+        """``'SIGKILL'`` etc., or ``None``."""
+        return None if self.signal is None else signal_name(self.signal)
+
+
+def _status_from_siginfo(info: os.waitid_result) -> ExitStatus:
+    if info.si_code == os.CLD_EXITED:
+        return ExitStatus(code=info.si_status, signal=None)
+    return ExitStatus(code=None, signal=info.si_status)
+
+
+async def wait_readable(fd: int) -> None:
+    """Wait until ``fd`` is readable (for a pidfd: the process has exited).
+
+    Bound the wait with ``asyncio.timeout``.
+
+    **Cancellation:** the reader is removed; nothing else happens.
+    """
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def _on_ready() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, _on_ready)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+def _poll_fd(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+class PidHandle:
+    """A verified handle on one process (not necessarily a child): signal it, wait for it, reap it."""
+
+    def __init__(self, info: ProcInfo, pidfd: int) -> None:
+        self.info = info
+        self._fd: int | None = pidfd
+
+    @classmethod
+    def open(cls, info: ProcInfo) -> PidHandle | None:
+        """Open a pidfd for ``info`` and check it is still that process; ``None`` if it is gone.
+
+        The check after opening is what makes PID reuse harmless: if the PID now
+        names another process, its start time differs and the handle is refused.
+        """
+        return cls.open_checked(info, lambda pid: _same_start(pid, info))
+
+    @classmethod
+    def open_checked(cls, info: ProcInfo, still_it: Callable[[int], bool]) -> PidHandle | None:
+        """Open a pidfd for ``info.pid``; keep it only if ``still_it(pid)``, asked *after* opening, holds.
+
+        Whatever ``still_it`` checks (the start time, membership of a cgroup) then
+        holds of the process the pidfd names, for good.
+        """
+        try:
+            fd = os.pidfd_open(info.pid)
+        except OSError:
+            return None
+        try:
+            verified = still_it(info.pid)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not verified:
+            os.close(fd)
+            return None
+        return cls(info, fd)
+
+    @classmethod
+    def of_child(cls, pid: int) -> PidHandle | None:
+        """A handle on a child of this process that nobody has reaped yet (so ``pid`` is still it).
+
+        ``None`` where the child is already gone or pidfds are unavailable (not Linux, or before 5.3).
+        """
+        info = read_proc(pid)
+        if info is None:
+            return None
+        try:
+            return cls(info, os.pidfd_open(pid))
+        except (AttributeError, OSError):
+            return None
+
+    @property
+    def fd(self) -> int:
+        """The pidfd (readable once the process has exited)."""
+        if self._fd is None:
+            raise RuntimeError(f"pid handle {self.info.pid} is closed")
+        return self._fd
+
+    def send(self, sig: int) -> bool:
+        """Send ``sig``; ``False`` if the process is already gone."""
+        try:
+            signal.pidfd_send_signal(self.fd, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def send_group(self, sig: int) -> bool | None:
+        """Send ``sig`` to the process group this process leads, atomically and without a PID.
+
+        Returns:
+            ``True`` if sent, ``False`` if the group is empty, ``None`` if the kernel
+            cannot do it (before Linux 6.9): find the members and signal each instead.
+        """
+        try:
+            signal.pidfd_send_signal(self.fd, sig, None, _PIDFD_SIGNAL_PROCESS_GROUP)
+        except ProcessLookupError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.ENOSYS):
+                return None
+            raise
+        return True
+
+    def exited(self) -> bool:
+        """Whether the process has exited (a zombie counts as exited)."""
+        return _poll_fd(self.fd)
+
+    async def wait(self) -> None:
+        """Wait until the process has exited (bound the wait with ``asyncio.timeout``).
+
+        **Cancellation:** nothing happens to the process; it is only no longer awaited.
+        """
+        await wait_readable(self.fd)
+
+    def reap(self) -> None:
+        """Collect the exit status if the process is a zombie child of ours; anything else is left alone."""
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitid(os.P_PIDFD, self.fd, os.WEXITED | os.WNOHANG)
+
+    def close(self) -> None:
+        """Close the pidfd (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _same_start(pid: int, info: ProcInfo) -> bool:
+    now = read_proc(pid)
+    return now is not None and now.starttime == info.starttime
+
+
+async def any_exit(handles: Sequence[PidHandle]) -> None:
+    """Return once any of ``handles`` has exited.
+
+    **Cancellation:** the waits are cancelled; nothing happens to the processes.
+    """
+    await first_of(*(handle.wait() for handle in handles))
+
+
+class ChildProcess:
+    """A child started in a new session, and not reaped before :meth:`release`.
+
+    Keeping the child unreaped (a zombie once it exits) pins its PID, which is
+    also the id of its process group and session: until :meth:`release`, no
+    other process can get that number, so :meth:`signal_group` can only ever
+    reach this child's group.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], pidfd: int) -> None:
+        self._popen = popen
+        self._pidfd: int | None = pidfd
+        self._status: ExitStatus | None = None
+
+    @classmethod
+    def spawn(
+        cls,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str,
+        stdout: int,
+        pass_fds: Sequence[int] = (),
+    ) -> ChildProcess:
+        """Start ``argv`` in a new session with stdin from /dev/null and stdout+stderr to ``stdout``.
+
+        This forks and executes at once (milliseconds), as asyncio's own
+        subprocess functions do.
+
+        Raises:
+            OSError: The program cannot be started, or pidfds are unavailable (Linux < 5.4;
+                the child is then killed and reaped).
+        """
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=tuple(pass_fds),
+        )
+        try:
+            # Safe: nobody has reaped the child yet (we never let Popen wait), so the PID is still it.
+            pidfd = os.pidfd_open(popen.pid)
+        except OSError as exc:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+            raise OSError(exc.errno, f"pidfd_open failed ({exc}); Linux 5.4 or newer is needed") from exc
+        started_children.add(popen.pid)
+        return cls(popen, pidfd)
+
+    @property
+    def pid(self) -> int:
+        """The child's PID (also its process group and session id)."""
+        return self._popen.pid
+
+    @property
+    def status(self) -> ExitStatus | None:
+        """How it ended, once :meth:`wait` or :meth:`poll` has seen it end; ``None`` before."""
+        return self._status
+
+    def poll(self) -> ExitStatus | None:
+        """How it ended, if it has (read without reaping it); ``None`` while it runs."""
+        if self._status is None and self._pidfd is not None:
+            try:
+                # WNOWAIT: read the status but leave the zombie, so the PID stays pinned.
+                info = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                # Someone else reaped it (a waitpid(-1) child watcher): the status is lost.
+                self._status = ExitStatus(code=None, signal=None)
+                return self._status
+            if info is not None:
+                self._status = _status_from_siginfo(info)
+        return self._status
+
+    async def wait(self) -> ExitStatus:
+        """Wait for the child to exit, without reaping it (bound the wait with ``asyncio.timeout``).
+
+        **Cancellation:** nothing happens to the child; it is only no longer awaited.
+        """
+        while True:
+            status = self.poll()
+            if status is not None:
+                return status
+            if self._pidfd is None:
+                raise RuntimeError("the child was released before it exited")
+            await wait_readable(self._pidfd)
+
+    def signal_group(self, sig: int) -> bool:
+        """Send ``sig`` to the child's whole process group; ``False`` if the group is empty or released."""
+        if self._pidfd is None:
+            return False
+        return signal_group(self.pid, sig)
+
+    def release(self) -> ExitStatus | None:
+        """Reap the child (if it exited) and close the pidfd; after this the PID is no longer ours."""
+        status = self.poll()
+        if self._pidfd is not None:
+            if status is not None:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG)
+                # Tell Popen the child is gone, so it never waits on a PID that may be someone else's.
+                self._popen.returncode = status.code if status.code is not None else -(status.signal or 0)
+            os.close(self._pidfd)
+            self._pidfd = None
+            started_children.discard(self.pid)
+        return status
