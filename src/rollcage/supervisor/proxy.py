@@ -163,6 +163,9 @@ _BACKLOG = 64
 # Idle upstream connections kept per shared pool (one pool per upstream, shared by every rollout):
 # enough for every rollout in flight at C=256 to find one warm.
 _POOL_KEEPALIVE = 256
+# An idle pooled connection is dropped well before a server would close it (uvicorn: 5 s), so a
+# request is rarely sent on a connection the server is closing at that moment (it would fail: 502).
+_POOL_IDLE_S = 2.0
 _ACCEPT_RETRY_S = 0.05
 # While a rollout is over its connection cap, each refusal is followed by this pause: a sandbox
 # that floods the socket costs the event loop at most ~100 accepts a second, and waits in the
@@ -306,7 +309,11 @@ class _UpstreamPools:
             pool = self._pools.get(key)
             if pool is None:
                 context = await asyncio.to_thread(_ssl_context)
-                limits = httpx.Limits(max_connections=None, max_keepalive_connections=_POOL_KEEPALIVE)
+                limits = httpx.Limits(
+                    max_connections=None,
+                    max_keepalive_connections=_POOL_KEEPALIVE,
+                    keepalive_expiry=_POOL_IDLE_S,
+                )
                 transport = httpx.AsyncHTTPTransport(uds=route.uds, retries=0, verify=context, limits=limits)
                 pool = self._pools[key] = _Pool(transport)
             pool.users += 1
