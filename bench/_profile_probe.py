@@ -22,6 +22,7 @@ has loaded at start-up anyway, so the probe itself costs the worker next to noth
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -35,7 +36,7 @@ import _thread  # noqa: E402
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
+    from typing import Any, NoReturn
 
 _CO_COROUTINE = 0x80
 
@@ -257,10 +258,19 @@ def worker_probe() -> None:
     _install_import_meters(meters, _worker_hooks(meters))
     code: Any = 0
     sys.argv = ["rollcage", "worker", *sys.argv[1:]]
+    real_exit = os._exit
+
+    def exit_after_report(status: int) -> NoReturn:
+        # The worker ends with os._exit (no interpreter teardown): report first, then exit as it would.
+        raise SystemExit(status)
+
+    os._exit = exit_after_report
     try:
         runpy.run_module("rollcage", run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = exc.code
+    finally:
+        os._exit = real_exit
     import json
     import resource
 
@@ -273,7 +283,7 @@ def worker_probe() -> None:
     }
     sys.stderr.write(MARKER + json.dumps(report) + "\n")
     sys.stderr.flush()
-    raise SystemExit(code)
+    real_exit(code if isinstance(code, int) else 1)
 
 
 if __name__ == "__main__":

@@ -291,8 +291,13 @@ def controller_child(workdir: Path, base_url: str, rollouts: int, cprofile: bool
     startup = cpu_s(resource.getrusage(resource.RUSAGE_SELF))
     meters = Meters()
     missing = _controller_patches(meters)
-    worker = [sys.executable, "-I", "-B", "-c", PROBE_SOURCE]
-    core.default_worker_command = lambda: list(worker)  # type: ignore[attr-defined]
+
+    def probe_command(bytecode: str | None = None) -> list[str]:
+        # The real worker's flags (its compiled bytecode cache included), through the probe.
+        prefix = ["-X", f"pycache_prefix={bytecode}"] if bytecode is not None else []
+        return [sys.executable, "-I", "-B", *prefix, "-c", PROBE_SOURCE]
+
+    core.default_worker_command = probe_command  # type: ignore[attr-defined]
     dataset = workdir / "dataset.jsonl"
     write_dataset(dataset, rollouts)
     config = RunConfig(

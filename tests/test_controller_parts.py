@@ -20,9 +20,9 @@ from rollcage.controller import (
     pass_at_k,
 )
 from rollcage.controller._graders import grade_builtin, read_workspace_files, verify_remote
-from rollcage.controller._ledger import percentiles
+from rollcage.controller._ledger import RunLedger, percentiles
 from rollcage.errors import ConfigError, DurableWriteError
-from rollcage.protocol import RolloutHealth, RolloutRecord, SupervisorReceipt
+from rollcage.protocol import RolloutHealth, RolloutRecord, RolloutUsage, SupervisorReceipt
 
 
 @pytest.mark.parametrize(
@@ -125,6 +125,32 @@ def record(rollout_id: str) -> RolloutRecord:
         health=RolloutHealth(verdict="healthy"),
         rollout_dir="/x",
     )
+
+
+def test_metrics_carry_each_rollouts_cpu_and_peak_memory_and_how_they_were_measured() -> None:
+    ledger = RunLedger(dataset="d", k=1, max_infra_retries=0)
+    usages = [
+        RolloutUsage(
+            cpu_s=0.2, cpu_mechanism="cgroup1", peak_memory_bytes=30 << 20, memory_mechanism="cgroup1"
+        ),
+        RolloutUsage(
+            cpu_s=0.4, cpu_mechanism="cgroup1", peak_memory_bytes=50 << 20, memory_mechanism="cgroup1"
+        ),
+        RolloutUsage(cpu_s=None, cpu_mechanism="none", peak_memory_bytes=None, memory_mechanism="none"),
+        None,  # a record from before the field, or without a sandbox
+    ]
+    for index, usage in enumerate(usages):
+        base = record(f"r{index}")
+        ledger.add(base.model_copy(update={"receipt": base.receipt.model_copy(update={"usage": usage})}))
+    metrics = ledger.snapshot(1.0)
+    assert (metrics.cpu_s.mean, metrics.cpu_s.max) == (pytest.approx(0.3), 0.4)
+    assert (metrics.peak_memory_bytes.p50, metrics.peak_memory_bytes.max) == (30 << 20, 50 << 20)
+    assert metrics.usage_mechanisms == {
+        "cpu:cgroup1": 2,
+        "memory:cgroup1": 2,
+        "cpu:none": 1,
+        "memory:none": 1,
+    }
 
 
 async def test_record_log_appends_whole_lines_in_order(tmp_path: Path) -> None:

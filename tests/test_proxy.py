@@ -348,6 +348,85 @@ async def test_unreachable_upstream_is_a_502_with_the_reason(harness: Harness) -
     assert record["status"] == 502 and "ConnectError" in record["error"]
 
 
+# --------------------------------------------------------------------------- shared upstream pool
+
+
+@contextlib.asynccontextmanager
+async def rollout_proxy(
+    upstream: Upstream, where: Path, rollout_id: str, **limits: Any
+) -> AsyncIterator[Harness]:
+    """One rollout's proxy (its own socket and capture) and a client of it."""
+    await asyncio.to_thread(where.mkdir)
+    proxy = EgressProxy(
+        where / "proxy.sock",
+        routes(upstream),
+        capture_path=where / "model_capture.jsonl",
+        rollout_id=rollout_id,
+        config=ProxyConfig(**limits),
+        identity={"X-Rollout-Id": rollout_id, "X-Task-Id": "t"},
+    )
+    async with proxy:
+        transport = httpx.AsyncHTTPTransport(uds=str(proxy.socket_path))
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://rollcage-proxy", timeout=10
+        ) as client:
+            yield Harness(proxy, client, where / "model_capture.jsonl")
+
+
+async def test_rollouts_share_kept_alive_upstream_connections_and_each_captures_only_its_own(
+    upstream: Upstream, short_dir: Path
+) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with (
+        rollout_proxy(upstream, short_dir / "a", "ra") as a,
+        rollout_proxy(upstream, short_dir / "b", "rb") as b,
+    ):
+        for harness in (a, b, a):
+            response = await harness.client.post("/model/v1/chat/completions", json=body)
+            assert response.status_code == 200
+        # One connection, kept alive and used by both rollouts in turn.
+        assert upstream.connections == 1
+        assert [seen.headers["x-rollout-id"] for seen in upstream.requests] == ["ra", "rb", "ra"]
+        records_a, records_b = await a.settled(2), await b.settled(1)
+    assert [r["rollout_id"] for r in records_a] == ["ra", "ra"]
+    assert [r["rollout_id"] for r in records_b] == ["rb"]
+    assert [r["response"]["body"]["json"]["id"] for r in records_a + records_b] == [
+        "chatcmpl-1",
+        "chatcmpl-3",
+        "chatcmpl-2",
+    ]
+
+
+async def test_a_response_cut_off_for_one_rollout_never_reaches_another(
+    upstream: Upstream, short_dir: Path
+) -> None:
+    async with (
+        rollout_proxy(upstream, short_dir / "a", "ra", max_response_bytes=64 * 1024) as a,
+        rollout_proxy(upstream, short_dir / "b", "rb") as b,
+    ):
+        warm = await b.client.post("/resource/weather/echo", json={"n": 0})
+        assert warm.status_code == 200 and upstream.connections == 1
+        cut = await a.client.post("/resource/weather/big", json={})
+        assert cut.status_code == 502 and "bound" in cut.text
+        after = await b.client.post("/resource/weather/echo", json={"n": 1})
+        # The connection that carried the unread megabyte was closed, never handed to rollout b.
+        assert after.status_code == 200 and after.json() == {"echo": {"n": 1}, "path": "/weather/echo"}
+        assert upstream.connections == 2
+
+
+async def test_the_shared_pool_closes_when_its_last_rollout_leaves(
+    upstream: Upstream, short_dir: Path
+) -> None:
+    async with rollout_proxy(upstream, short_dir / "a", "ra") as a:
+        async with rollout_proxy(upstream, short_dir / "b", "rb") as b:
+            assert (await b.client.post("/resource/weather/echo", json={})).status_code == 200
+        assert (await a.client.post("/resource/weather/echo", json={})).status_code == 200
+        assert upstream.connections == 1  # b's leaving did not close what a still uses
+    await wait_for_async(
+        lambda: not upstream._tasks, within_s=10, what="the upstream to see its connection closed"
+    )
+
+
 # --------------------------------------------------------------------------- streaming and bounds
 
 

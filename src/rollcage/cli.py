@@ -13,6 +13,8 @@ as usual.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +33,14 @@ def main() -> None:
     if argv[:1] == ["worker"]:
         from rollcage.worker import worker_main
 
-        raise SystemExit(worker_main(argv[1:]))
+        code = worker_main(argv[1:])
+        # worker_main returns only once result.json is published (fsync'd) and the journal is
+        # closed; everything it writes goes through os.write. Skipping the interpreter's teardown
+        # (module and object finalization) saves every rollout tens of ms of CPU.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     raise SystemExit(_dispatch(argv))
 
 

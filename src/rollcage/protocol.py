@@ -66,6 +66,7 @@ __all__ = [
     "RolloutHealth",
     "RolloutMetrics",
     "RolloutRecord",
+    "RolloutUsage",
     "RunMetrics",
     "RunnerError",
     "SamplingParams",
@@ -1124,6 +1125,26 @@ class BudgetUse(_Model):
     exceeded: bool = Field(description="This budget ended the rollout.")
 
 
+class RolloutUsage(_Model):
+    """What one rollout's sandbox cost the machine, as the receipt reports it."""
+
+    cpu_s: float | None = Field(
+        description="CPU time (user + system) of every process of the sandbox; None where not measured."
+    )
+    cpu_mechanism: Literal["cgroup2", "cgroup1", "none"] = Field(
+        description=(
+            "How cpu_s was counted: the sandbox's cgroup (v2 cpu.stat or v1 cpuacct: exact, whoever reaped "
+            "whom; RUSAGE_CHILDREN would miss the processes a dying PID namespace reaps itself), or none."
+        )
+    )
+    peak_memory_bytes: int | None = Field(
+        description="Peak memory of the sandbox as a whole; None where not measured."
+    )
+    memory_mechanism: Literal["cgroup2", "cgroup1", "none"] = Field(
+        description="How peak_memory_bytes was measured: the sandbox's memory cgroup, or none."
+    )
+
+
 class SupervisorReceipt(_Frozen, _VersionGate):
     """``receipt.json``: written last by the supervisor, out of the sandbox's reach."""
 
@@ -1181,6 +1202,10 @@ class SupervisorReceipt(_Frozen, _VersionGate):
     budgets: list[BudgetUse] = Field(
         default_factory=list,
         description="Each per-rollout budget of the sandbox: its bound, mechanism and peak (bwrap only).",
+    )
+    usage: RolloutUsage | None = Field(
+        default=None,
+        description="CPU time and peak memory of the sandbox (bwrap only; None before this field).",
     )
 
 
@@ -1429,6 +1454,21 @@ class RunMetrics(_Model, _VersionGate):
         "tokens undercounts by them.",
     )
     duration_s: Percentiles = Field(default_factory=Percentiles, description="Per-rollout wall time.")
+    cpu_s: Percentiles = Field(
+        default_factory=Percentiles,
+        description="Per-rollout CPU time of the sandbox, over the rollouts where it was measured.",
+    )
+    peak_memory_bytes: Percentiles = Field(
+        default_factory=Percentiles,
+        description="Per-rollout peak memory of the sandbox, over the rollouts where it was measured.",
+    )
+    usage_mechanisms: dict[str, int] = Field(
+        default_factory=dict,
+        description=(
+            "Rollouts per 'cpu:MECHANISM' and 'memory:MECHANISM' (cgroup2, cgroup1 or none): how cpu_s and "
+            "peak_memory_bytes were measured (see RolloutUsage)."
+        ),
+    )
     wall_s: float = Field(default=0.0, description="Wall time of the run so far.")
     health: dict[str, HealthFinding] = Field(
         default_factory=dict, description="Health checks by stable name (NeMo Gym's where it has one)."

@@ -55,6 +55,8 @@ class Upstream:
     requests: list[UpstreamRequest] = field(default_factory=list)
     hanging: int = 0
     disconnected: threading.Event = field(default_factory=threading.Event)
+    connections: int = 0
+    """Connections accepted so far (each is kept alive for the next request)."""
 
     def __post_init__(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -98,6 +100,7 @@ class Upstream:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        self.connections += 1
         conn = h11.Connection(h11.SERVER)
         try:
             while True:

@@ -126,6 +126,8 @@ class CgroupSupport:
 
     memory: tuple[Literal["cgroup2", "cgroup1"], Path] | None
     pids: tuple[Literal["cgroup2", "cgroup1"], Path] | None
+    cpu: tuple[Literal["cgroup2", "cgroup1"], Path] | None = None
+    """Where a cage's CPU time can be counted (v2 ``cpu.stat``, v1 ``cpuacct``): measured, never limited."""
 
 
 def _mountinfo() -> Iterator[tuple[str, str, str, list[str]]]:
@@ -183,7 +185,7 @@ def detect_cgroups() -> CgroupSupport:
         if fstype == "cgroup2" and "" in own and v2 is None:
             v2 = _join(point, root, own[""])
         elif fstype == "cgroup":
-            for controller in ("memory", "pids"):
+            for controller in ("memory", "pids", "cpuacct"):
                 if controller in options and controller in own and controller not in v1:
                     v1[controller] = _join(point, root, own[controller])
     found: dict[str, tuple[Literal["cgroup2", "cgroup1"], Path]] = {}
@@ -196,10 +198,12 @@ def detect_cgroups() -> CgroupSupport:
         for controller in ("memory", "pids"):
             if controller in delegated or (controller in available and _enable(v2, controller)):
                 found[controller] = ("cgroup2", v2)
+        # Every v2 cgroup counts its CPU time (cpu.stat), with or without the cpu controller.
+        found["cpuacct"] = ("cgroup2", v2)
     for controller, path in v1.items():
         if controller not in found and _writable_dir(path):
             found[controller] = ("cgroup1", path)
-    support = CgroupSupport(memory=found.get("memory"), pids=found.get("pids"))
+    support = CgroupSupport(memory=found.get("memory"), pids=found.get("pids"), cpu=found.get("cpuacct"))
     logger.debug("cgroups for the sandbox: memory %s, pids %s", support.memory, support.pids)
     return support
 
@@ -244,6 +248,7 @@ class CgroupSet:
 
     memory: tuple[Literal["cgroup2", "cgroup1"], Path] | None = None
     pids: tuple[Literal["cgroup2", "cgroup1"], Path] | None = None
+    cpu: tuple[Literal["cgroup2", "cgroup1"], Path] | None = None
     _dirs: list[Path] = field(default_factory=list)
 
     @classmethod
@@ -254,6 +259,7 @@ class CgroupSet:
         memory_bytes: int | None,
         max_processes: int | None,
         support: CgroupSupport | None = None,
+        count_cpu: bool = False,
     ) -> CgroupSet:
         """Make the cgroups for one cage (blocking); a resource that cannot have one falls back to rlimits.
 
@@ -262,6 +268,7 @@ class CgroupSet:
             memory_bytes: Total memory of the cage; ``None``: no memory cgroup.
             max_processes: Total processes and threads; ``None``: no pids cgroup.
             support: What the machine allows (default :func:`detect_cgroups`).
+            count_cpu: Also count the cage's CPU time (:meth:`cpu_ns`) where the machine allows.
         """
         support = support if support is not None else detect_cgroups()
         made = cls()
@@ -276,6 +283,13 @@ class CgroupSet:
             directory = parent / name if same else made._make(parent / name)
             if directory is not None and _write(directory / "pids.max", str(max_processes)):
                 made.pids = (kind, directory)
+        if count_cpu and support.cpu is not None:
+            # Counted only (the rollout's CPU time for metrics.json), in whichever of the cage's
+            # cgroups is in the same hierarchy, else one of its own.
+            kind, parent = support.cpu
+            target = parent / name
+            if target in made._dirs or made._make(target) is not None:
+                made.cpu = (kind, target)
         return made
 
     def _make(self, path: Path) -> Path | None:
@@ -305,14 +319,22 @@ class CgroupSet:
     @property
     def active(self) -> bool:
         """Whether any cgroup is in use."""
-        return self.memory is not None or self.pids is not None
+        return self.memory is not None or self.pids is not None or self.cpu is not None
 
     def procs_files(self) -> list[Path]:
         """The ``cgroup.procs`` files the cage's first process must write itself into."""
-        dirs = {
-            d for d in (self.memory[1] if self.memory else None, self.pids[1] if self.pids else None) if d
-        }
+        dirs = {group[1] for group in (self.memory, self.pids, self.cpu) if group is not None}
         return [directory / "cgroup.procs" for directory in sorted(dirs)]
+
+    def cpu_ns(self) -> int | None:
+        """CPU time (user + system) of everything that ran in the cage, in ns; ``None`` where unknown."""
+        if self.cpu is None:
+            return None
+        kind, directory = self.cpu
+        if kind == "cgroup2":
+            usec = _read_key(directory / "cpu.stat", "usage_usec")
+            return None if usec is None else usec * 1000
+        return _read_int(directory / "cpuacct.usage")
 
     def enter_prefix(self) -> list[str]:
         """An argv prefix that moves the process into the cgroups, then executes the rest (``[]`` if none)."""

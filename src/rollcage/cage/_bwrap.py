@@ -239,6 +239,7 @@ class _Tree:
         self._made: set[str] = {"/"}
         self._mounted: list[str] = []
         self.scratch: str | None = None
+        self._host_view: list[str] = []  # binds at their host path: what is under them is the host's
 
     def _parents(self, dest: str) -> None:
         parts = dest.strip("/").split("/")[:-1]
@@ -255,19 +256,18 @@ class _Tree:
         return any(path.startswith(m.rstrip("/") + "/") for m in self._mounted if m != self.scratch)
 
     def covered(self, path: str) -> bool:
-        """Whether ``path`` is already visible through a mount or link made before.
+        """Whether the host's ``path`` is already visible, at its place, through a bind made before.
 
-        The scratch ``/tmp`` is fresh, not the host's: a host path under it (an environment in
-        ``/tmp``) is not visible through it and is mounted over it.
+        A path under a tmpfs (the scratch ``/tmp``) is not: the host's file is hidden there until bound.
         """
-        return any(
-            path == m or path.startswith(m.rstrip("/") + "/") for m in self._mounted if m != self.scratch
-        )
+        return any(path == m or path.startswith(m.rstrip("/") + "/") for m in self._host_view)
 
     def add(self, mount: Mount) -> None:
         self._parents(mount.dest)
         if isinstance(mount, Bind):
             self.args += ["--bind" if mount.writable else "--ro-bind", mount.source, mount.dest]
+            if mount.source == mount.dest:
+                self._host_view.append(mount.dest)
         elif isinstance(mount, Tmpfs):
             size = ["--size", str(mount.size)] if mount.size is not None else []
             self.args += ["--perms", mount.perms, *size, "--tmpfs", mount.dest]

@@ -138,6 +138,9 @@ class RunLedger:
         self._tokens: list[int | None] = [None, None, None]
         self._tokens_partial = 0
         self._durations = array("d")
+        self._cpu_s = array("d")
+        self._peak_memory = array("d")
+        self._mechanisms: dict[str, int] = {}
         self._health: dict[str, _Tally] = {name: _Tally() for name in _ROLLOUT_CHECKS}
         self._verdicts: dict[HealthVerdict, int] = {"healthy": 0, "unhealthy": 0, "unobserved": 0}
         self.invalid_rows = 0
@@ -211,6 +214,14 @@ class RunLedger:
         if m.token_counts != "complete":
             self._tokens_partial += 1
         self._durations.append(record.receipt.duration_s)
+        usage = record.receipt.usage
+        if usage is not None:
+            if usage.cpu_s is not None:
+                self._cpu_s.append(usage.cpu_s)
+            if usage.peak_memory_bytes is not None:
+                self._peak_memory.append(usage.peak_memory_bytes)
+            for name in (f"cpu:{usage.cpu_mechanism}", f"memory:{usage.memory_mechanism}"):
+                self._mechanisms[name] = self._mechanisms.get(name, 0) + 1
         if record.health.successful_model_calls:
             self._model_success.add(record.task_id)
         self._fold_health(record.rollout_id, record.health)
@@ -284,6 +295,9 @@ class RunLedger:
             tokens=TokenUsage(input_tokens=i, output_tokens=o, total_tokens=t),
             tokens_partial=self._tokens_partial,
             duration_s=percentiles(self._durations),
+            cpu_s=percentiles(self._cpu_s),
+            peak_memory_bytes=percentiles(self._peak_memory),
+            usage_mechanisms=dict(self._mechanisms),
             wall_s=wall_s,
             health=health,
             health_verdicts=dict(self._verdicts),

@@ -51,6 +51,7 @@ from rollcage.procs._table import (
     read_proc,
     scan_processes,
     subtree,
+    tree_of,
 )
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "signal_group",
     "stop_tree",
     "subtree",
+    "tree_of",
     "wait_readable",
     "wait_shared",
     "within",

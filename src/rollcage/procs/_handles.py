@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rollcage.procs._cancel import first_of
-from rollcage.procs._table import ProcInfo, read_proc
+from rollcage.procs._table import ProcInfo, read_proc, started_children
 
 __all__ = [
     "ChildProcess",
@@ -360,6 +360,7 @@ class ChildProcess:
             os.killpg(popen.pid, signal.SIGKILL)
             popen.wait()
             raise OSError(exc.errno, f"pidfd_open failed ({exc}); Linux 5.4 or newer is needed") from exc
+        started_children.add(popen.pid)
         return cls(popen, pidfd)
 
     @property
@@ -416,4 +417,5 @@ class ChildProcess:
                 self._popen.returncode = status.code if status.code is not None else -(status.signal or 0)
             os.close(self._pidfd)
             self._pidfd = None
+            started_children.discard(self.pid)
         return status

@@ -49,7 +49,7 @@ from rollcage.cage import (
     unmount,
 )
 from rollcage.procs import read_proc
-from rollcage.protocol import BudgetName, BudgetUse
+from rollcage.protocol import BudgetName, BudgetUse, RolloutUsage
 from rollcage.supervisor.config import BwrapSandbox
 from rollcage.supervisor.sandbox import RolloutLayout, Scratch
 
@@ -122,6 +122,7 @@ class RolloutBudgets:
         self._sandbox_root: str | None = None
         self._memory_peak: int | None = None
         self._processes_peak: int | None = None
+        self._cpu_ns: int | None = None
         self._last_walk = 0.0
         self._walk_cost = 0.0
         # A poll still running in its thread when the rollout ends must not race the last reading.
@@ -136,7 +137,10 @@ class RolloutBudgets:
         self.layout.workspace.mkdir(exist_ok=True)
         if config.cgroups == "auto" and (config.memory_bytes is not None or config.max_processes is not None):
             self.cgroups = CgroupSet.create(
-                self.name, memory_bytes=config.memory_bytes, max_processes=config.max_processes
+                self.name,
+                memory_bytes=config.memory_bytes,
+                max_processes=config.max_processes,
+                count_cpu=True,
             )
         scratch = self._mounts() if self._can_mount() else None
         if scratch is None:
@@ -269,6 +273,7 @@ class RolloutBudgets:
         config = self.config
         current, peak = self.cgroups.memory_usage()
         self._memory_peak = _max(self._memory_peak, peak, current)
+        self._cpu_ns = _max(self._cpu_ns, self.cgroups.cpu_ns())
         current, peak = self.cgroups.processes()
         self._processes_peak = _max(self._processes_peak, peak, current)
         if self.breach is not None:
@@ -362,6 +367,17 @@ class RolloutBudgets:
         for volume in self.volumes:
             if isinstance(volume, TmpfsVolume):
                 volume.unmount()
+
+    def usage(self) -> RolloutUsage:
+        """The sandbox's CPU time and peak memory, for the receipt (after :meth:`finish`)."""
+        cpu = self.cgroups.cpu
+        memory = self.cgroups.memory
+        return RolloutUsage(
+            cpu_s=None if self._cpu_ns is None else self._cpu_ns / 1e9,
+            cpu_mechanism=cpu[0] if cpu is not None and self._cpu_ns is not None else "none",
+            peak_memory_bytes=self._memory_peak,
+            memory_mechanism=memory[0] if memory is not None and self._memory_peak is not None else "none",
+        )
 
     def report(self) -> list[BudgetUse]:
         """One entry per budget, for the receipt."""
@@ -518,7 +534,7 @@ def sweep_orphans() -> None:
                 with contextlib.suppress(OSError):
                     leftover.unlink() if leftover.name == _PRIVATE_RECORD else leftover.rmdir()
     support = detect_cgroups()
-    for found in (support.memory, support.pids):
+    for found in (support.memory, support.pids, support.cpu):
         if found is None:
             continue
         with contextlib.suppress(OSError):

@@ -331,6 +331,15 @@ class SupervisorConfig(_Config):
         description="Variables copied from the supervisor's environment into the worker's (when set).",
     )
     env: dict[str, str] = Field(default_factory=dict, description="Variables set for the worker.")
+    start_pacing: Literal["cpus", "off"] = Field(
+        default="cpus",
+        description=(
+            "cpus: rollouts of this event loop start up (sandbox and worker interpreter, the costly part "
+            "of a rollout's CPU) at most two per CPU this process may use at once; the rest wait their "
+            "turn (counted in their deadline), so the first results come as soon as one rollout alone "
+            "would give them rather than after all have started. off: all start at once."
+        ),
+    )
     stop_poll_s: float = Field(default=0.2, gt=0, description="How often the 'stop' file is polled.")
     kill_wait_s: float = Field(
         default=5.0,

@@ -69,9 +69,11 @@ from rollcage.protocol import (
     describe_validation_error,
 )
 from rollcage.supervisor.budgets import RolloutBudgets, owner_tag, release_leftovers, sweep_orphans
+from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
+from rollcage.supervisor.pacing import START_HOLD_S, start_gate
 from rollcage.supervisor.proxy import MODEL_PREFIX, EgressProxy, identity_headers, routes_for, sandbox_input
 from rollcage.supervisor.sandbox import (
     BwrapLauncher,
@@ -126,9 +128,15 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
     return killed
 
 
-def default_worker_command() -> list[str]:
-    """The real worker, run by this interpreter in isolated mode (``-I``: cwd and PYTHON* ignored)."""
-    return [sys.executable, "-I", "-B", "-m", "rollcage", "worker"]
+def default_worker_command(bytecode: str | None = None) -> list[str]:
+    """The real worker, run by this interpreter in isolated mode (``-I``: cwd and PYTHON* ignored).
+
+    Args:
+        bytecode: A compiled bytecode cache (:func:`~rollcage.supervisor.bytecode.worker_bytecode`)
+            the worker reads its ``.pyc`` files from; ``None``: none.
+    """
+    prefix = ["-X", f"pycache_prefix={bytecode}"] if bytecode is not None else []
+    return [sys.executable, "-I", "-B", *prefix, "-m", "rollcage", "worker"]
 
 
 class Supervised(NamedTuple):
@@ -264,6 +272,9 @@ class _Supervision:
         self._hurried = False
         self.status_task: asyncio.Task[None] | None = None
         self.budget_task: asyncio.Task[None] | None = None
+        self.start_task: asyncio.Task[None] | None = None
+        self.turn: asyncio.Semaphore | None = None
+        """The start-up slot this rollout holds (see pacing.py), until its worker has started up."""
         self.budget_exceeded: tuple[str, str] | None = None
         """The budget the policy exceeded first: its name and the reason in words."""
         self._over_budget = asyncio.Event()
@@ -393,6 +404,8 @@ class _Supervision:
                 "rollout %s: stop asked for before the start; the worker is not started", self.rollout_id
             )
             return
+        if self.config.start_pacing == "cpus" and not await self._wait_turn():
+            return
         if self.config.proxy is not None or self.launcher.kind == "bwrap":
             # The supervisor's own directory: the proxy socket, the bounded file systems' mount points.
             # Named for the rollout (its mounts say whose they are, in a table of every rollout's).
@@ -409,7 +422,10 @@ class _Supervision:
         if harness is not None and harness.type != "builtin":
             # A harness gets part of the grace to report its partial episode; the worker needs the rest.
             env[GRACE_ENV] = repr(self.config.grace_s)
-        command = self.config.worker_command or default_worker_command()
+        bytecode: str | None = None
+        if self.config.worker_command is None:
+            bytecode = await asyncio.to_thread(worker_bytecode)
+        command = self.config.worker_command or default_worker_command(bytecode)
         relay_write = await self._open_journal()
         if relay_write is not None:
             env[RELAY_FD_ENV] = str(relay_write)
@@ -438,7 +454,7 @@ class _Supervision:
                     status_fd=status_write,
                     scratch=scratch,
                     enter=self.budgets.enter_prefix(),
-                    extra_ro=harness_mounts,
+                    extra_ro=[*harness_mounts, *([bytecode] if bytecode is not None else [])],
                     worker_journal=self.journal is None,
                     pass_fds=() if relay_write is None else (relay_write,),
                 )
@@ -465,6 +481,8 @@ class _Supervision:
         if self.budgets is not None:
             self.budget_task = asyncio.ensure_future(self._watch_budgets())
         assert self.child is not None
+        if self.turn is not None:
+            self.start_task = asyncio.ensure_future(self._hold_turn())
         await self._watch(self.child)
 
     async def _open_journal(self) -> int | None:
@@ -495,6 +513,62 @@ class _Supervision:
         os.set_inheritable(write, True)
         self.relay_task = asyncio.ensure_future(journal.pump(read))
         return write
+
+    async def _wait_turn(self) -> bool:
+        """Wait for a start-up slot (see :mod:`~rollcage.supervisor.pacing`); False if stopped meanwhile.
+
+        A stop (event or file) or the deadline while waiting ends the rollout before
+        its worker is started, as a stop before the start does.
+        """
+        gate = start_gate()
+        turn = asyncio.ensure_future(gate.acquire())
+        stopped = asyncio.ensure_future(self._stop_arrives())
+        try:
+            await asyncio.wait(
+                {turn, stopped},
+                timeout=max(self.deadline_at - time.monotonic(), 0.0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            for task in (turn, stopped):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(turn, stopped, return_exceptions=True)
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
+                self.turn = gate
+        was_stopped = stopped.done() and not stopped.cancelled()
+        if self.turn is not None and not was_stopped:
+            return True
+        self._end_turn()
+        if was_stopped:
+            self.stop_requested = True
+            self.stop_cause = "stop"
+            logger.info("rollout %s: stopped while waiting to start; not started", self.rollout_id)
+        else:
+            self.deadline_fired = True
+            self.stop_cause = "deadline"
+            logger.info("rollout %s: the deadline passed while waiting to start", self.rollout_id)
+        return False
+
+    async def _hold_turn(self) -> None:
+        """Keep the start-up slot until the worker's first request or START_HOLD_S.
+
+        A worker that exits sooner gives it back as its rollout finishes (``finish``
+        cancels this). Not ``child.wait()`` here: a second reader on the child's pidfd
+        would take the place of ``_watch``'s.
+        """
+        try:
+            if self.proxy is not None:
+                await within(self.proxy.first_request.wait(), START_HOLD_S)
+            else:
+                await asyncio.sleep(START_HOLD_S)
+        finally:
+            self._end_turn()
+
+    def _end_turn(self) -> None:
+        if self.turn is not None:
+            self.turn.release()
+            self.turn = None
 
     async def _launch(self, plan: LaunchPlan, status_fd: int | None) -> None:
         assert self.original is not None
@@ -682,10 +756,11 @@ class _Supervision:
                     # Seen only at the end (the worker was quicker than a poll, or the kernel killed it).
                     self.budget_exceeded = (breach[0], f"{breach[0]}: {breach[1]}")
         finally:
-            for task in (self.status_task, self.budget_task):
+            for task in (self.status_task, self.budget_task, self.start_task):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
+            self._end_turn()
             if tree is not None:
                 await tree.aclose()
             if self.log_fd is not None:
@@ -763,6 +838,7 @@ class _Supervision:
             proxy_connections_refused=None if proxy is None else proxy.refused,
             budget_exceeded=None if self.budget_exceeded is None else self.budget_exceeded[0],
             budgets=self.budgets.report() if self.budgets is not None else [],
+            usage=self.budgets.usage() if self.budgets is not None else None,
         )
         try:
             retry_on_emfile(publish_json, layout.receipt, receipt, mode=0o644)

@@ -51,6 +51,11 @@ connections (twice ``max_request_bytes``; 503 past it) and the capture's bytes.
 Request bodies are read whole; responses are streamed back chunk by chunk, so
 server-sent events arrive as they are produced.
 
+Upstream connections are pooled per upstream and shared by every proxy of the
+event loop (kept alive, reused by whichever rollout asks next; see
+``_UpstreamPools``); only a completely read response gives its connection back.
+The capture, the credential and the identity headers stay per rollout.
+
 The proxy runs its own accept loop rather than ``asyncio.start_unix_server``:
 out of descriptors (``EMFILE``), asyncio's server logs an error and retries a
 second later, and if the server is closed meanwhile the retry raises
@@ -94,6 +99,7 @@ import socket
 import ssl
 import time
 import urllib.parse
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,6 +161,12 @@ _CHUNK = 65536
 _MAX_HEAD = 64 * 1024
 _PREFIX_BYTES = 64 * 1024
 _BACKLOG = 64
+# Idle upstream connections kept per shared pool (one pool per upstream, shared by every rollout):
+# enough for every rollout in flight at C=256 to find one warm.
+_POOL_KEEPALIVE = 256
+# An idle pooled connection is dropped well before a server would close it (uvicorn: 5 s), so a
+# request is rarely sent on a connection the server is closing at that moment (it would fail: 502).
+_POOL_IDLE_S = 2.0
 _ACCEPT_RETRY_S = 0.05
 # While a rollout is over its connection cap, each refusal is followed by this pause: a sandbox
 # that floods the socket costs the event loop at most ~100 accepts a second, and waits in the
@@ -267,6 +279,84 @@ class _Refusal(Exception):
 
 
 @functools.cache
+class _Pool:
+    """One upstream's connection pool, shared by every proxy of this event loop that routes to it."""
+
+    def __init__(self, transport: httpx.AsyncHTTPTransport) -> None:
+        self.transport = transport
+        self.users = 0
+
+
+class _UpstreamPools:
+    """The upstream connection pools of one event loop, one per (base URL, Unix socket).
+
+    Every rollout's proxy used to open its own connections, so 256 rollouts made 256
+    TLS/TCP handshakes to the same model server at once (``ConnectTimeout`` on a busy
+    machine); now a rollout's request reuses a kept-alive connection that any rollout
+    left idle. Only whole, completed responses return a connection to the pool
+    (httpcore closes one whose response was cut off), so no bytes of one rollout's
+    exchange reach another's. The pool has no cap of its own: each rollout's
+    connections are already capped at accept, so no rollout can starve the others of
+    upstream connections. A pool is closed when its last proxy leaves.
+    """
+
+    def __init__(self) -> None:
+        self._pools: dict[tuple[str, str | None], _Pool] = {}
+        self._lock = asyncio.Lock()
+
+    async def acquire(self, route: Route) -> httpx.AsyncBaseTransport:
+        key = (route.upstream, route.uds)
+        async with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                context = await asyncio.to_thread(_ssl_context)
+                limits = httpx.Limits(
+                    max_connections=None,
+                    max_keepalive_connections=_POOL_KEEPALIVE,
+                    keepalive_expiry=_POOL_IDLE_S,
+                )
+                transport = httpx.AsyncHTTPTransport(uds=route.uds, retries=0, verify=context, limits=limits)
+                pool = self._pools[key] = _Pool(transport)
+            pool.users += 1
+        return _Borrowed(pool.transport)
+
+    async def release(self, route: Route) -> None:
+        key = (route.upstream, route.uds)
+        pool = self._pools.get(key)
+        if pool is None:
+            return
+        pool.users -= 1
+        if pool.users == 0:
+            del self._pools[key]
+            await shielded(pool.transport.aclose())
+
+
+class _Borrowed(httpx.AsyncBaseTransport):
+    """A shared pool's transport as one proxy's client sees it: closing the client leaves it open."""
+
+    def __init__(self, transport: httpx.AsyncHTTPTransport) -> None:
+        self._transport = transport
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        return None
+
+
+_pools_by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _UpstreamPools] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _upstream_pools() -> _UpstreamPools:
+    loop = asyncio.get_running_loop()
+    pools = _pools_by_loop.get(loop)
+    if pools is None:
+        pools = _pools_by_loop[loop] = _UpstreamPools()
+    return pools
+
+
 def _ssl_context() -> ssl.SSLContext:
     # Loading the CA bundle takes tens of milliseconds: do it once per process, not per rollout
     # (a context is safe to share between connections and clients).
@@ -598,6 +688,7 @@ class EgressProxy:
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
         self._clients: dict[str, httpx.AsyncClient] = {}
+        self._borrowed: list[Route] = []
         self._handlers: dict[asyncio.Task[None], _Connection] = {}
         self._buffered = 0
         self._joined = False
@@ -607,6 +698,8 @@ class EgressProxy:
         """Exchanges so far, by route kind (whether or not their capture line could be written)."""
         self.refused = 0
         """Connections refused at accept (over the rollout's connection cap)."""
+        self.first_request = asyncio.Event()
+        """Set when the sandbox's first request arrives: the worker has started up."""
 
     @property
     def captured(self) -> dict[str, int]:
@@ -641,11 +734,7 @@ class EgressProxy:
         self._state = "open"
         try:
             await self._capture.open()
-            context = await asyncio.to_thread(_ssl_context)
-            limits = httpx.Limits(
-                max_connections=self._config.max_connections,
-                max_keepalive_connections=min(4, self._config.max_connections),
-            )
+            pools = _upstream_pools()
             for route in self.routes:
                 timeout = httpx.Timeout(
                     connect=self._config.connect_timeout_s,
@@ -653,10 +742,10 @@ class EgressProxy:
                     write=self._config.upstream_timeout_s,
                     pool=self._config.connect_timeout_s,
                 )
+                transport = await pools.acquire(route)
+                self._borrowed.append(route)
                 self._clients[route.prefix] = httpx.AsyncClient(
-                    transport=httpx.AsyncHTTPTransport(
-                        uds=route.uds, retries=0, verify=context, limits=limits
-                    ),
+                    transport=transport,
                     timeout=timeout,
                     follow_redirects=False,
                     # Nothing from the supervisor's environment (.netrc credentials, SSL
@@ -727,6 +816,11 @@ class EgressProxy:
             connection_budget().leave()
         for client in self._clients.values():
             await client.aclose()
+        if self._borrowed:
+            pools = _upstream_pools()
+            for route in self._borrowed:
+                await pools.release(route)
+            self._borrowed.clear()
         await self._capture.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
@@ -816,6 +910,7 @@ class EgressProxy:
             exchange = await self._next_request(conn, sock)
             if exchange is None:
                 return
+            self.first_request.set()
             reusable = False
             try:
                 reusable = await self._exchange(conn, sock, exchange)

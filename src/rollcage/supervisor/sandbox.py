@@ -394,7 +394,8 @@ class BwrapLauncher:
                 inherited by the launched process.
             scratch: The writable places the budgets chose (see :class:`Scratch`).
             enter: A prefix run first on the host (moving the sandbox into its cgroups).
-            extra_ro: More host paths mounted read-only at the same place (a harness's environment).
+            extra_ro: More host paths mounted read-only at the same place (a harness's environment,
+                the compiled bytecode cache).
             worker_journal: See :attr:`LaunchPlan.worker_journal`.
             pass_fds: See :attr:`LaunchPlan.pass_fds`.
         """

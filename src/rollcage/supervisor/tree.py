@@ -29,13 +29,12 @@ from rollcage.procs import (
     PidHandle,
     ProcInfo,
     any_exit,
-    descendants,
     environ_has,
     in_proc_thread,
     ns_pids,
     read_proc,
-    scan_processes,
     subtree,
+    tree_of,
     within,
 )
 from rollcage.protocol import SignalEvent
@@ -276,18 +275,19 @@ class WorkerTree:
     async def _members(self) -> list[ProcInfo]:
         """The worker's process tree (its direct child included), the reparented stragglers, and
         everything in the rollout's cgroups."""
-        budgets = self.budgets
-        table, members = await in_proc_thread(
-            lambda: (scan_processes(), budgets.members() if budgets is not None else [])
-        )
-        roots = [self.child.pid, *members]
-        init = self._sandbox_init
-        if init is not None:
-            now = table.get(init.info.pid)
-            # Once reaped, the init's PID may name another process: only the one we hold is a root.
-            if now is not None and now.starttime == init.info.starttime:
-                roots.append(now.pid)
-        return descendants(table, roots, marked=self.marked)
+        child, budgets, init = self.child, self.budgets, self._sandbox_init
+
+        def walk() -> list[ProcInfo]:
+            roots = [child.pid, *(budgets.members() if budgets is not None else [])]
+            if init is not None:
+                now = read_proc(init.info.pid)
+                # Once reaped, the init's PID may name another process: only the one we hold is a root.
+                if now is not None and now.starttime == init.info.starttime:
+                    roots.append(now.pid)
+            # Walked from the rollout's own roots, not by reading every process on the machine.
+            return tree_of(roots, marked=self.marked)
+
+        return await in_proc_thread(walk)
 
     def _handle(self, info: ProcInfo) -> PidHandle | None:
         key = (info.pid, info.starttime)

@@ -1,0 +1,51 @@
+"""Finding one rollout's processes without reading every process on the machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from rollcage.procs import ChildProcess, descendants, ensure_subreaper, read_proc, scan_processes, tree_of
+from rollcage.supervisor.config import TOKEN_ENV
+from tests.helpers.waiting import wait_for
+
+
+def test_tree_of_is_the_full_scans_tree_with_its_reparented_orphans() -> None:
+    ensure_subreaper()
+    token = "tok-" + os.urandom(6).hex()
+    # A child with a child of its own, and a daemon that leaves (setsid, parent gone) and is
+    # reparented to this process, the subreaper: only its token says whose it is.
+    script = "(setsid sleep 60 > /dev/null 2>&1 &); sleep 60 & echo started; wait"
+    child = ChildProcess.spawn(
+        ["/bin/sh", "-c", script],
+        env={"PATH": "/usr/bin:/bin", TOKEN_ENV: token},
+        cwd="/",
+        stdout=os.open(os.devnull, os.O_WRONLY),
+    )
+    found: list[int] = []
+    try:
+
+        def settled() -> list[int] | None:
+            tree = descendants(scan_processes(), [child.pid], marked=f"{TOKEN_ENV}={token}")
+            orphans = [info.pid for info in tree if info.ppid == os.getpid() and info.pid != child.pid]
+            return [info.pid for info in tree] if len(tree) == 3 and orphans else None
+
+        expected = wait_for(settled, timeout=60, what="the child, its child and the reparented daemon")
+        found = [info.pid for info in tree_of([child.pid], marked=f"{TOKEN_ENV}={token}")]
+        assert sorted(found) == sorted(expected)
+        # Someone else's process with another token is not taken.
+        assert [info.pid for info in tree_of([], marked=f"{TOKEN_ENV}=another")] == []
+    finally:
+        for pid in {*found, child.pid}:
+            info = read_proc(pid)
+            if info is not None and info.alive:
+                os.kill(pid, signal.SIGKILL)
+        for pid in found:
+            if pid != child.pid:
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+        child.signal_group(signal.SIGKILL)
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        child.release()
