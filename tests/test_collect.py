@@ -122,6 +122,8 @@ async def test_breaking_out_of_a_bare_loop_still_stops_the_run(tmp_path: Path) -
     fake = FakeSupervisor(plan=lambda spec, t: FakePlan(hang=spec.task_id != "quick"), hang_s=30.0)
     collection = _collection(tmp_path, _rows("quick", "slow"), fake)
     async for _ in collection:
+        # "slow" must be running when the loop is left (a rollout not started yet leaves no record).
+        await fake.wait_in_flight(1)
         break
     gc.collect()  # the abandoned iterator is closed when collected, as CPython does at once
     await wait_for_async(

@@ -84,7 +84,7 @@ class FakeSupervisor:
         self.started = asyncio.Event()
         self._changed = asyncio.Event()
 
-    async def wait_in_flight(self, count: int, *, timeout_s: float = 10.0) -> None:
+    async def wait_in_flight(self, count: int, *, timeout_s: float = 60.0) -> None:
         """Return once ``count`` attempts are in flight at the same time.
 
         Raises:
