@@ -34,14 +34,13 @@ import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import IO, Any, Final, Self
 
 import orjson
 from pydantic import BaseModel
 
 from rollcage.errors import DurableWriteError, JournalCorruptError
-from rollcage.procs import wait_shared
+from rollcage.procs import AsyncClosing, wait_shared
 
 __all__ = [
     "AppendCursor",
@@ -437,7 +436,7 @@ class _Stop:
 _STOP: Final = _Stop()
 
 
-class CheckpointJournal:
+class CheckpointJournal(AsyncClosing):
     """Append-only checkpoint journal: one durable, self-checking JSON line per record.
 
     Use it as an async context manager::
@@ -538,18 +537,6 @@ class CheckpointJournal:
                 ) from exc
             raise
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the journal (see :meth:`aclose`).
-
-        **Cancellation:** as for :meth:`aclose`.
-        """
-        await self.aclose()
 
     async def append(self, record: dict[str, Any]) -> int:
         """Append one record and wait until its line is on disk.

@@ -31,7 +31,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal, Self
 
 from pydantic import ValidationError
@@ -40,7 +39,7 @@ from rollcage.controller._backend import Backend
 from rollcage.controller._config import EmbeddedPolicyConfig, ModelEndpointConfig, ModelSource, RunConfig
 from rollcage.controller._run import Controller, Reporter, RunSummary
 from rollcage.errors import ConfigError, RunFailedError
-from rollcage.procs import first_of, wait_shared
+from rollcage.procs import AsyncClosing, first_of, wait_shared
 from rollcage.protocol import RolloutRecord, describe_validation_error
 
 __all__ = ["Collection", "collect"]
@@ -138,7 +137,7 @@ def _fresh_out() -> Path:
     return Path("runs") / f"collect-{stamp}-{secrets.token_hex(3)}"
 
 
-class Collection:
+class Collection(AsyncClosing):
     """A run whose records are yielded as they land (see ``collect``).
 
     Lifecycle: it starts on ``async with`` or on the first ``async for``, ends when
@@ -190,15 +189,6 @@ class Collection:
         """
         self._start()
         return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        """Stop the run and wait for it to end (see ``aclose``).
-
-        **Cancellation:** as for ``aclose``.
-        """
-        await self.aclose()
 
     def __aiter__(self) -> AsyncIterator[RolloutRecord]:
         """The records, in the order they land on disk: every attempt, infrastructure failures included.

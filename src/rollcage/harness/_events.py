@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from rollcage.procs import AsyncClosing
 from rollcage.protocol import BoundaryRecord
 
 __all__ = [
@@ -185,7 +186,7 @@ def parse_relay_line(line: bytes) -> tuple[BoundaryRecord, int] | None:
     return record, after
 
 
-class RelayWriter:
+class RelayWriter(AsyncClosing):
     """The worker's end of the relay to the supervisor: one line per boundary, in order.
 
     The descriptor is a pipe the supervisor reads (see ``rollcage.harness.CaptureJournal``).
@@ -221,13 +222,6 @@ class RelayWriter:
             raise
         self._writer = asyncio.StreamWriter(transport, protocol, None, loop)
         return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        """Close the descriptor (see :meth:`aclose`).
-
-        **Cancellation:** as for :meth:`aclose`.
-        """
-        await self.aclose()
 
     async def send(self, record: BoundaryRecord, *, after: int) -> bool:
         """Relay one boundary; whether it went out.

@@ -30,14 +30,13 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Literal, Self
 
 import h11
 
 from rollcage.harness._calls import WireExchange, model_call_api
-from rollcage.model.http import httpx, transport_for
-from rollcage.procs import shielded
+from rollcage.model.http import HOP_BY_HOP, hop_by_hop, httpx, transport_for
+from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
 from rollcage.tools import cookie_header, parse_set_cookie
 
@@ -55,21 +54,7 @@ _MAX_HELD_BYTES = 128 * 1024 * 1024
 _IDLE_TIMEOUT_S = 120.0
 _HEAD_TIMEOUT_S = 30.0
 _CHUNK = 65536
-_HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"trailers",
-        b"transfer-encoding",
-        b"upgrade",
-    }
-)
-_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect", b"cookie"}
+_DROP = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect", b"cookie"}
 _CREDENTIALS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 
 OnModelExchange = Callable[[WireExchange], Awaitable[None]]
@@ -106,7 +91,7 @@ class _Jars:
     resource: dict[str, str] = field(default_factory=dict)
 
 
-class Forwarder:
+class Forwarder(AsyncClosing):
     """The loopback endpoint of one rollout's harness, as an async context manager.
 
     Example::
@@ -188,15 +173,6 @@ class Forwarder:
             await self.aclose()
             raise
         return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        """Stop (see :meth:`aclose`).
-
-        **Cancellation:** as for :meth:`aclose`.
-        """
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Stop listening, abort exchanges in progress, close the upstream clients.
@@ -400,7 +376,7 @@ class Forwarder:
     def _upstream_headers(
         self, route: _Route, headers: list[tuple[bytes, bytes]]
     ) -> list[tuple[bytes, bytes]]:
-        drop = _DROP | _CREDENTIALS | _nominated(headers)
+        drop = _DROP | _CREDENTIALS | hop_by_hop(headers)
         kept = [
             (name, value)
             for name, value in headers
@@ -454,7 +430,7 @@ class Forwarder:
                 response_from_proxy = response.headers.get("x-rollcage-proxy") == "1"
                 content_type = response.headers.get("content-type")
                 self._keep_cookies(route, response.headers.get_list("set-cookie"))
-                drop = _HOP_BY_HOP | _nominated(list(response.headers.raw))
+                drop = hop_by_hop(list(response.headers.raw))
                 head = h11.Response(
                     status_code=status,
                     headers=[(k, v) for k, v in response.headers.raw if k.lower() not in drop],
@@ -555,14 +531,6 @@ def _simple(status: int, text: bytes) -> bytes:
         b"HTTP/1.1 %d Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
         b"content-length: %d\r\n\r\n%s" % (status, len(text), text)
     )
-
-
-def _nominated(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
-    names: set[bytes] = set()
-    for key, value in headers:
-        if key.lower() == b"connection":
-            names.update(token.strip().lower() for token in value.split(b","))
-    return names
 
 
 def _cookies_of(headers: list[tuple[bytes, bytes]]) -> Mapping[str, str]:

@@ -29,7 +29,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import orjson
@@ -39,7 +38,7 @@ from rollcage.durable import CheckpointJournal
 from rollcage.errors import RollcageError
 from rollcage.harness._calls import WireCalls, WireExchange, model_call_api
 from rollcage.harness._events import parse_relay_line, read_lines
-from rollcage.procs import shielded, wait_shared, within
+from rollcage.procs import AsyncClosing, shielded, wait_shared, within
 from rollcage.protocol import BoundaryRecord
 
 __all__ = ["CaptureJournal"]
@@ -51,7 +50,7 @@ _RELAYED_BYTES = 64 * 1024 * 1024
 _ORDER_WAIT_S = 1.0
 
 
-class CaptureJournal:
+class CaptureJournal(AsyncClosing):
     """``checkpoint.jsonl`` of a harness rollout, written by the supervisor (see the module docstring).
 
     Example::
@@ -108,15 +107,6 @@ class CaptureJournal:
         )
         await self._append(start)
         return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        """Close the journal (see :meth:`aclose`).
-
-        **Cancellation:** as for :meth:`aclose`.
-        """
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Stop waiting for model calls that will not come, write what is queued and close.

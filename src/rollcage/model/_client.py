@@ -34,7 +34,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from email.utils import parsedate_to_datetime
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from http.cookies import CookieError, SimpleCookie
-from types import TracebackType
 from typing import Any, Literal, NoReturn, Self
 
 import orjson
@@ -43,7 +42,7 @@ from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, Tran
 from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
 from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload, without_lifted
 from rollcage.model.http import httpx, transport_for
-from rollcage.procs import shielded
+from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import (
     MAX_JSON_DEPTH,
     CallAttempt,
@@ -184,7 +183,7 @@ class _RejectAll(DefaultCookiePolicy):
         return False
 
 
-class ModelClient:
+class ModelClient(AsyncClosing):
     """Async client for one rollout's model endpoint (Chat Completions or Responses API).
 
     Use as ``async with ModelClient(endpoint, rollout_id=..., task_id=...) as client``.
@@ -261,18 +260,6 @@ class ModelClient:
         self._http = client
         self._state = ClientState.OPENED
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the connection pool (see ``aclose``).
-
-        **Cancellation:** as for ``aclose``.
-        """
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close the connection pool; later calls raise ``RuntimeError``. Closing twice is a no-op.

@@ -12,8 +12,9 @@ usual. Where httpx was already imported, this is a plain import.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 
-__all__ = ["httpx", "transport_for"]
+__all__ = ["HOP_BY_HOP", "hop_by_hop", "httpx", "transport_for"]
 
 _blocked = (
     [] if "httpx" in sys.modules else [n for n in ("click", "rich", "pygments") if n not in sys.modules]
@@ -37,3 +38,29 @@ def transport_for(base_url: str, *, uds: str | None, retries: int = 0) -> httpx.
     """
     plain = httpx.URL(base_url).scheme == "http"
     return httpx.AsyncHTTPTransport(uds=uds, retries=retries, verify=not plain)
+
+
+HOP_BY_HOP: frozenset[bytes] = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+"""Header names (lower case) about one connection only: a proxy never forwards them (RFC 9110 7.6.1)."""
+
+
+def hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    """The hop-by-hop header names of ``headers``: the standard ones and those its ``Connection`` names."""
+    names = set(HOP_BY_HOP)
+    for key, value in headers:
+        if key.lower() == b"connection":
+            names.update(token.strip().lower() for token in value.split(b","))
+    return names

@@ -25,7 +25,7 @@ Stopping a child the way the executors do::
     gone = await stop_tree(GroupTree(proc.pid, exit_future), StopStrategy(grace_s=2, kill_wait_s=5))
 """
 
-from rollcage.procs._cancel import first_of, shielded, wait_shared, within
+from rollcage.procs._cancel import AsyncClosing, first_of, shielded, wait_shared, within
 from rollcage.procs._handles import (
     ChildProcess,
     ExitStatus,
@@ -55,6 +55,7 @@ from rollcage.procs._table import (
 )
 
 __all__ = [
+    "AsyncClosing",
     "ChildProcess",
     "ExitStatus",
     "GroupTree",

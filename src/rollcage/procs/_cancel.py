@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from types import TracebackType
 from typing import Any, TypeVar
 
-__all__ = ["first_of", "shielded", "wait_shared", "within"]
+__all__ = ["AsyncClosing", "first_of", "shielded", "wait_shared", "within"]
 
 _T = TypeVar("_T")
 
@@ -124,3 +125,28 @@ async def first_of(*works: Awaitable[Any], seconds: float | None = None) -> list
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return tasks
+
+
+class AsyncClosing:
+    """Base of everything closed by ``aclose()``: ``async with`` leaves through it.
+
+    A subclass defines ``aclose`` (and its own ``__aenter__``); leaving the block,
+    by an exception or a cancellation too, awaits it. One ``__aexit__`` for every
+    such class, so none can forget the close or swallow an exception.
+    """
+
+    async def aclose(self) -> None:
+        """Release what the object holds; idempotent.
+
+        **Cancellation:** as the subclass says.
+        """
+        raise NotImplementedError
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Close (see :meth:`aclose`); an exception from the block propagates.
+
+        **Cancellation:** as for :meth:`aclose`.
+        """
+        await self.aclose()

@@ -103,7 +103,6 @@ import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal, Self
 
 import h11
@@ -113,7 +112,8 @@ import orjson
 from rollcage.durable import AppendCursor
 from rollcage.errors import SupervisorError
 from rollcage.harness import budget_refusal, model_call_api
-from rollcage.procs import shielded
+from rollcage.model.http import HOP_BY_HOP, hop_by_hop
+from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
 from rollcage.supervisor.config import ProxyConfig
 from rollcage.supervisor.fds import connection_budget, is_out_of_descriptors, retry_on_emfile
@@ -138,21 +138,7 @@ PROXY_HOST = "rollcage-proxy"
 MODEL_PREFIX = "/model/v1"
 """Path prefix of the model route."""
 
-_HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"trailers",
-        b"transfer-encoding",
-        b"upgrade",
-    }
-)
-_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect"}
+_REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect"}
 _CREDENTIALS = frozenset({b"authorization", b"proxy-authorization", b"x-api-key", b"api-key"})
 _IDENTITY = frozenset({b"x-rollout-id", b"x-task-id"})
 _IDENTITY_PREFIX = b"x-rollcage-"
@@ -426,15 +412,6 @@ def _header(pairs: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-def _nominated(pairs: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
-    """Header names a ``Connection`` header makes hop-by-hop."""
-    names: set[bytes] = set()
-    for key, value in pairs:
-        if key.lower() == b"connection":
-            names.update(token.strip().lower() for token in value.split(b","))
-    return names
-
-
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -623,7 +600,7 @@ class _Connection:
             connection_budget().release()
 
 
-class EgressProxy:
+class EgressProxy(AsyncClosing):
     """The egress proxy of one rollout, as an async context manager.
 
     Example::
@@ -776,15 +753,6 @@ class EgressProxy:
             sock.close()
             raise
         return sock
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        """Stop serving (see :meth:`aclose`).
-
-        **Cancellation:** as for :meth:`aclose`.
-        """
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Stop accepting, abort exchanges still running (each still gets its capture line), close all.
@@ -1192,7 +1160,7 @@ class EgressProxy:
                     await forward
 
     def _upstream_headers(self, ex: _Exchange, route: Route) -> list[tuple[bytes, bytes]]:
-        drop = _REQUEST_DROP | _CREDENTIALS | _IDENTITY | _nominated(ex.request_headers)
+        drop = _REQUEST_DROP | _CREDENTIALS | _IDENTITY | hop_by_hop(ex.request_headers)
         headers = [
             (name, value)
             for name, value in ex.request_headers
@@ -1229,7 +1197,7 @@ class EgressProxy:
                 await self._send_simple(conn, sock, 502, f"rollcage egress proxy: {ex.error}")
                 return True
             ex.status = response.status_code
-            drop = _HOP_BY_HOP | _nominated(response.headers.raw)
+            drop = hop_by_hop(response.headers.raw)
             ex.response_headers = [
                 (name, value) for name, value in response.headers.raw if name.lower() not in drop
             ]

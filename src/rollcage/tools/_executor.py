@@ -25,11 +25,10 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, Unpack
 
 from rollcage.errors import ConfigError, ExecutorError, SandboxError
-from rollcage.procs import shielded
+from rollcage.procs import AsyncClosing, shielded
 
 if TYPE_CHECKING:
     from rollcage.protocol import ExecutorSettings
@@ -286,7 +285,7 @@ def fail_future(future: asyncio.Future[Any], exc: BaseException) -> None:
         future.add_done_callback(lambda f: f.exception())
 
 
-class Executor(abc.ABC):
+class Executor(abc.ABC, AsyncClosing):
     """A persistent Python session in a child process; one cell at a time.
 
     Use it as an async context manager, or call :meth:`start` and
@@ -360,18 +359,6 @@ class Executor(abc.ABC):
         """
         await self.start()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the executor (see :meth:`aclose`).
-
-        **Cancellation:** as for :meth:`aclose`.
-        """
-        await self.aclose()
 
     async def start(self) -> None:
         """Start the child process and wait until it is ready; a no-op when it already is.

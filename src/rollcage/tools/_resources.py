@@ -26,11 +26,11 @@ import enum
 import time
 from collections.abc import Mapping, Sequence
 from http.cookiejar import CookieJar, DefaultCookiePolicy
-from types import TracebackType
 from typing import Any
 
 from rollcage.errors import ConfigError, ResourceUnavailableError
 from rollcage.model.http import httpx, transport_for
+from rollcage.procs import AsyncClosing
 from rollcage.protocol import ResourceEndpoint, ResourceToolSpec, ToolStatus
 
 __all__ = ["ResourceTools", "cookie_header", "parse_set_cookie", "tool_parameters"]
@@ -57,7 +57,7 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class ResourceTools:
+class ResourceTools(AsyncClosing):
     """The rollout's HTTP resource tools, with one ``httpx`` client per endpoint.
 
     Example::
@@ -149,18 +149,6 @@ class ResourceTools:
             )
         self._state = _State.OPENED
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close every client (see :meth:`aclose`).
-
-        **Cancellation:** as for :meth:`aclose`.
-        """
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close every client; idempotent.
