@@ -1,4 +1,4 @@
-"""Child processes for tests/test_durable.py: writers that are killed, and concurrent publishers.
+"""Child processes for tests/core/test_durable.py: writers that are killed, and concurrent publishers.
 
 ``forker`` imports rollcage once and then forks one writer per command, so a kill
 campaign of hundreds of SIGKILLs pays for one interpreter start. It reads commands

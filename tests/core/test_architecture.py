@@ -28,7 +28,9 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "rollcage"
+from tests.helpers.paths import REPO
+
+SRC = REPO / "src" / "rollcage"
 
 LAYERS: tuple[str, ...] = (
     "errors",  # the one exception hierarchy

@@ -1,6 +1,6 @@
 """rollcage export: ATIF and NeMo Gym rollout JSONL from any run directory, validated; the run is only read.
 
-The real run is exported in ``tests/test_acceptance.py``; here the viewer's run
+The real run is exported in ``tests/controller/test_acceptance.py``; here the viewer's run
 fixture (every outcome, a torn last line, hostile text) and odd trajectories.
 """
 
@@ -15,6 +15,7 @@ import pytest
 
 from rollcage.export import to_atif, to_nemo_gym_row
 from rollcage.protocol import WorkerInput
+from tests.environments.test_nemo_gym_conformance import GymVerifyResponse
 from tests.helpers.formats import AtifTrajectory, NgTrajectoryRecord
 from tests.helpers.viewer_fixtures import (
     XSS_SCRIPT,
@@ -26,7 +27,6 @@ from tests.helpers.viewer_fixtures import (
     trajectory_of,
     write_run,
 )
-from tests.test_nemo_gym_conformance import GymVerifyResponse
 
 SPEC = WorkerInput.model_validate(
     {

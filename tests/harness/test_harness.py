@@ -27,13 +27,13 @@ import pytest
 from rollcage import load_checkpoint
 from rollcage.durable import read_journal
 from rollcage.protocol import RolloutRecord, RunMetrics, SupervisorReceipt, WorkerResult
+from tests.environments.test_nemo_gym_conformance import GymVerifyResponse
 from tests.helpers.formats import AtifTrajectory, NgTrajectoryRecord, check_training_items
 from tests.helpers.harness_env import HarnessEnvs, prepare_harness_envs
+from tests.helpers.paths import REPO
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.waiting import wait_for
-from tests.test_nemo_gym_conformance import GymVerifyResponse
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 
 pytestmark = [

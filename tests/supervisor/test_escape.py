@@ -10,7 +10,7 @@ pytest-xdist the first worker to need the run makes it and the others read it (a
 file under a lock: ``xdist_group`` does not keep a module on one worker here).
 
 To check that a probe can fail, disable its defence and watch it go red, e.g.
-``ROLLCAGE_ESCAPE_WEAKEN=executor_cage=shared,cgroups=off pytest tests/test_escape.py``
+``ROLLCAGE_ESCAPE_WEAKEN=executor_cage=shared,cgroups=off pytest tests/supervisor/test_escape.py``
 (fields of :class:`rollcage.supervisor.BwrapSandbox`).
 """
 

@@ -13,7 +13,6 @@ payload's fields as its keyword arguments, sends exactly the same JSON.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,8 +27,9 @@ from pydantic import TypeAdapter
 from rollcage.model import ModelClient, build_request
 from rollcage.policy import PolicyServer
 from rollcage.protocol import ModelCall, ModelEndpoint
+from tests.helpers.paths import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures" / "responses"
+FIXTURES = FIXTURES / "responses"
 BASE_URL = "http://model.test/v1"
 
 SCRIPT: dict[str, Any] = {

@@ -2,7 +2,7 @@
 
 The scheduler runs on the fake supervisor here (milliseconds, deterministic); the
 real supervisor, sandbox and worker under ``collect`` are exercised by
-``tests/test_acceptance.py`` and by the trainer example's test.
+``tests/controller/test_acceptance.py`` and by the trainer example's test.
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from rollcage.protocol import RolloutRecord, WorkerResult
+from tests.helpers.paths import HELPERS
 from tests.helpers.supervisor_env import requires_bwrap
 
 pytestmark = [pytest.mark.bwrap, requires_bwrap(), pytest.mark.timeout(180)]
 
-HELPERS = Path(__file__).resolve().parent / "helpers"
 DEADLINE_S = 15.0
 
 FLOOD = r"""

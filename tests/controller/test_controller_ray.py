@@ -42,6 +42,7 @@ from rollcage.controller import (
     rollout_id,
 )
 from rollcage.protocol import RolloutRecord
+from tests.helpers.paths import EXAMPLES
 from tests.helpers.ray_cluster import RayCluster, RayNode, free_port
 from tests.helpers.waiting import alive, processes_mentioning, wait_for, wait_for_records
 
@@ -56,7 +57,6 @@ except ImportError:  # pragma: no cover - CI installs the ray extra
 # two-node cluster once: a worker of its own per test would start a cluster each.
 pytestmark = pytest.mark.xdist_group("ray")
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SANDBOX: Any = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
 
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="needs ray: pip install 'rollcage[ray]' (CI installs it)")

@@ -44,8 +44,9 @@ from rollcage.protocol import (
     Trajectory,
     WorkerResult,
 )
+from tests.helpers.paths import EXAMPLES
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "nemo-counter"
+EXAMPLE = EXAMPLES / "nemo-counter"
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 

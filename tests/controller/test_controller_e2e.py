@@ -13,8 +13,8 @@ import pytest
 
 from rollcage.controller import Controller, ModelEndpointConfig, RunConfig, RunSummary
 from rollcage.protocol import RolloutRecord
+from tests.helpers.paths import EXAMPLES
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # bwrap is what these tests are for; "none" is only for narrowing down a failure by hand.
 SANDBOX: Any = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
 

@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "trainer_loop.py"
+from tests.helpers.paths import EXAMPLES
+
+EXAMPLE = EXAMPLES / "trainer_loop.py"
 SANDBOX = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
 
 pytestmark = [

@@ -31,8 +31,8 @@ from rollcage.policy import (
     parse_fault_kinds,
     parse_fault_spec,
 )
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "examples" / "policy-demo.yaml"
 
 SCRIPT: dict[str, Any] = {

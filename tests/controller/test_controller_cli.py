@@ -15,9 +15,8 @@ import pytest
 
 from rollcage.durable import read_journal
 from rollcage.protocol import RolloutRecord
+from tests.helpers.paths import EXAMPLES
 from tests.helpers.waiting import processes_mentioning, wait_for, wait_for_records
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 try:
     from rollcage.supervisor import supervise as _supervise  # noqa: F401

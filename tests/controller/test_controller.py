@@ -26,6 +26,7 @@ from rollcage.controller import (
 from rollcage.controller.testing import FakePlan, FakeSupervisor
 from rollcage.errors import ConfigError, SupervisorError
 from rollcage.protocol import RolloutRecord, RunMetrics, WorkerInput
+from tests.helpers.paths import EXAMPLES
 
 
 def write_rows(path: Path, rows: list[dict[str, Any] | str]) -> Path:
@@ -410,7 +411,7 @@ async def test_a_second_cancellation_while_the_servers_close_still_stops_the_pol
     from rollcage.controller import EmbeddedPolicyConfig
     from rollcage.controller._servers import EnvironmentPool
 
-    policy = Path(__file__).parents[1] / "examples" / "calc-weather" / "policy.yaml"
+    policy = EXAMPLES / "calc-weather" / "policy.yaml"
     dataset = write_rows(tmp_path / "d.jsonl", [row("t0")])
     cfg = config(tmp_path, dataset, model=EmbeddedPolicyConfig(script=policy))
     fake = FakeSupervisor(plan=lambda wi, t: FakePlan(hang=True))

@@ -29,8 +29,9 @@ from pydantic import BaseModel
 
 from rollcage.durable import CheckpointJournal, JournalState, is_temp_artifact, publish_json, read_journal
 from rollcage.errors import DurableWriteError, JournalCorruptError
+from tests.helpers.paths import HELPERS
 
-HELPER = Path(__file__).parent / "helpers" / "durable_child.py"
+HELPER = HELPERS / "durable_child.py"
 LOGGER = "rollcage.durable"
 
 

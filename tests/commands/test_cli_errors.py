@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import REPO
+
+ROOT = REPO
 DATASET = ROOT / "examples" / "calc-weather" / "dataset.jsonl"
 ALIAS_BOMB = "\n".join(
     [

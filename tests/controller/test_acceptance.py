@@ -32,8 +32,8 @@ from rollcage.export import export_run
 from rollcage.model import build_request, chat_messages
 from rollcage.policy import PolicyServer
 from rollcage.protocol import ModelCall, ResponseItem, RolloutRecord, RunMetrics, WorkerInput, WorkerResult
+from tests.environments.test_nemo_gym_conformance import GymVerifyResponse
 from tests.helpers.formats import AtifTrajectory, NgTrajectoryRecord, check_training_items
-from tests.test_nemo_gym_conformance import GymVerifyResponse
 
 SANDBOX = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
 pytestmark = [

@@ -22,6 +22,7 @@ from rollcage.controller import (
 from rollcage.controller._dataset import detect_format, validate_row
 from rollcage.errors import ConfigError
 from rollcage.protocol import ModelEndpoint, PythonToolSpec, ResourceToolSpec, WorkerInput
+from tests.helpers.paths import EXAMPLES
 
 FULL_ROW: dict[str, Any] = {
     "id": "oslo-sum",
@@ -158,7 +159,7 @@ def test_rollout_ids_are_deterministic_safe_and_distinct() -> None:
 
 
 def test_bundled_example_datasets_are_valid() -> None:
-    root = Path(__file__).resolve().parent.parent / "examples"
+    root = EXAMPLES
     for name in ("calc-weather", "code-fn"):
         items = list(iter_dataset(root / name / "dataset.jsonl"))
         assert items and all(isinstance(i, Task) for i in items), name

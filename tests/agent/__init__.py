@@ -1,0 +1,1 @@
+"""Tests of rollcage.agent, trajectory and resume: the loop and its record."""

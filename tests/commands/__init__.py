@@ -1,0 +1,1 @@
+"""Tests of rollcage.commands: the CLI verbs."""

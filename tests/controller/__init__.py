@@ -1,0 +1,1 @@
+"""Tests of rollcage.controller, collect and export: a dataset through supervisors."""

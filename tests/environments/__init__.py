@@ -1,0 +1,1 @@
+"""Tests of rollcage.environments: bundled resource servers, graders, NeMo Gym's protocol."""

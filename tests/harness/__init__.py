@@ -1,0 +1,1 @@
+"""Tests of rollcage.harness: NOOA and command-line agents."""

@@ -1,0 +1,1 @@
+"""Tests of rollcage.model: the model client, the wire formats, token data."""

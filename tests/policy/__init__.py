@@ -1,0 +1,1 @@
+"""Tests of rollcage.policy: the scripted model server."""

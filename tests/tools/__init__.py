@@ -1,0 +1,1 @@
+"""Tests of rollcage.tools: the Python executors and resource tools."""

@@ -1,0 +1,1 @@
+"""Tests of rollcage.viewer: show and report."""

@@ -1,0 +1,1 @@
+"""Tests of rollcage.worker: the sandbox entrypoint, its input and hostile models."""
