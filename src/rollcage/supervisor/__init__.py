@@ -12,7 +12,8 @@ The controller's entry point::
 behind this face: :mod:`~rollcage.supervisor.config` (the configs),
 :mod:`~rollcage.supervisor.sandbox` (the sandbox layout and the bwrap command
 line), :mod:`~rollcage.supervisor.proxy` (the egress proxy and the capture),
-:mod:`~rollcage.supervisor.procs` (processes, pidfds, ``/proc``),
+:mod:`~rollcage.supervisor.tree` (a rollout's process tree, stopped through :mod:`rollcage.procs`),
+:mod:`~rollcage.supervisor.budgets` (per-rollout budgets), :mod:`~rollcage.supervisor.fds` (open files),
 :mod:`~rollcage.supervisor.pacing` (how many rollouts start up at once),
 :mod:`~rollcage.supervisor.bytecode` (the worker's compiled bytecode),
 :mod:`~rollcage.supervisor.outcome` (the outcome rules) and
