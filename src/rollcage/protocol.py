@@ -1269,7 +1269,11 @@ class RolloutMetrics(_Model):
 
     model_calls: int = Field(default=0, description="Model calls made.")
     failed_model_calls: int = Field(default=0, description="Model calls that failed.")
-    tool_calls: int = Field(default=0, description="Tool calls made.")
+    tool_calls: int = Field(
+        default=0,
+        description="Tool calls made (by a resumed rollout: not those answered from the earlier attempt's "
+        "journal, which that attempt's record counts; re-run cells are made again and count).",
+    )
     input_tokens: int | None = Field(default=None, description="Sum of reported prompt tokens.")
     output_tokens: int | None = Field(default=None, description="Sum of reported completion tokens.")
     total_tokens: int | None = Field(default=None, description="Sum of reported totals.")

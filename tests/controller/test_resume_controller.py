@@ -125,6 +125,11 @@ async def test_an_infra_failure_retry_resumes_and_the_records_say_so(
     replayed = set(result.trajectory.resumed_from.replayed_model_calls)
     made = [c for c in result.trajectory.model_calls if c.id not in replayed]
     assert retry.metrics.total_tokens == sum(c.usage.total_tokens or 0 for c in made)
+    # Tool calls answered from the journal were made, and are counted, by the earlier attempt; re-run
+    # cells were made again.
+    from_journal = set(result.trajectory.resumed_from.replayed_tool_calls)
+    assert result.trajectory.resumed_from.rerun_cells
+    assert retry.metrics.tool_calls == len(result.trajectory.tool_calls) - len(from_journal)
     m = summary.metrics
     assert (m.resumed_rollouts, m.model_calls_saved, m.retries) == (1, saved, 1)
     assert m.tokens.total_tokens == sum(r.metrics.total_tokens or 0 for r in (first, retry))

@@ -393,6 +393,8 @@ def rollout_metrics(result: WorkerResult | None, receipt: SupervisorReceipt) -> 
     # A resumed rollout's replayed calls were made (and counted) by the earlier attempt: counting
     # them again would double the run's tokens.
     replayed = _replayed(result.trajectory)
+    resumed = result.trajectory.resumed_from
+    answered_from_journal = frozenset(resumed.replayed_tool_calls) if resumed is not None else frozenset()
     calls = [c for c in result.trajectory.model_calls if c.id not in replayed]
     answered = [c for c in calls if _answered(c)]
     interrupted = any(c.incomplete_reason == _INTERRUPTED for c in calls)
@@ -400,7 +402,7 @@ def rollout_metrics(result: WorkerResult | None, receipt: SupervisorReceipt) -> 
         replayed_model_calls=len(replayed),
         model_calls=len(calls),
         failed_model_calls=sum(1 for c in calls if c.status == "failed"),
-        tool_calls=len(result.trajectory.tool_calls),
+        tool_calls=sum(1 for t in result.trajectory.tool_calls if t.call_id not in answered_from_journal),
         input_tokens=_sum([c.usage.input_tokens for c in answered]),
         output_tokens=_sum([c.usage.output_tokens for c in answered]),
         total_tokens=_sum([c.usage.total_tokens for c in answered]),
