@@ -8,7 +8,6 @@ import itertools
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from starlette.routing import Route
 from rollcage.errors import ConfigError, ResourceUnavailableError
 from rollcage.protocol import ResourceEndpoint, ResourceToolSpec
 from rollcage.tools import ResourceTools, tool_parameters
+from tests.helpers.waiting import wait_for
 
 ROLLOUT_ID = "rollout-7"
 SLOW_HANDLER_S = 5.0
@@ -92,11 +92,9 @@ def _serve(config: uvicorn.Config, sockets: list[socket.socket] | None = None) -
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
+        wait_for(lambda: server.started or not thread.is_alive(), what="uvicorn to start")
+        if not server.started:
+            raise RuntimeError("uvicorn did not start")
         yield
     finally:
         server.should_exit = True
