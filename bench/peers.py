@@ -5,7 +5,9 @@ Both systems run the same tasks against the same OpenAI-compatible model server
 after a configurable latency): task ``tN`` with N odd makes one python call and
 then answers, with N even two; 2.5 model calls and 1.5 executions per task.
 
-* rollcage: ``rollcage run DATASET --sandbox bwrap --concurrency C`` (this repo's ``.venv``);
+* rollcage: ``rollcage run DATASET --sandbox bwrap --concurrency C`` (this repo's ``.venv``),
+  its workers started warm (the default); ``--system rollcage-cold`` adds a run with
+  ``--worker-start cold`` (a fresh interpreter per rollout) for comparison;
 * Inspect AI (``inspect-ai`` pinned below, installed once into its own venv under the
   git-ignored ``bench/.cache/``): ``eval()`` of the ``react`` agent with its ``python``
   tool in the ``local`` sandbox, ``max_samples``/``max_connections``/``max_subprocesses``
@@ -321,7 +323,7 @@ def _command(
     system: str, inspect_python: Path | None, run_dir: Path, base_url: str, tasks: int, concurrency: int
 ) -> tuple[list[str], Path]:
     """The command line of one run, and the file whose first line is its first result."""
-    if system == "rollcage":
+    if system.startswith("rollcage"):
         dataset = run_dir / "dataset.jsonl"
         write_dataset(dataset, tasks)
         out = run_dir / "out"
@@ -339,6 +341,8 @@ def _command(
             str(concurrency),
             "--sandbox",
             "bwrap",
+            "--worker-start",
+            "cold" if system == "rollcage-cold" else "warm",
             "--quiet",
         ]
         return argv, out / "rollouts.jsonl"
@@ -369,7 +373,7 @@ def _command(
 
 def _collect(run: Run, run_dir: Path, log: Path) -> None:
     """Outcomes of the run from the system's own artifacts."""
-    if run.system == "rollcage":
+    if run.system.startswith("rollcage"):
         records = run_dir / "out" / "rollouts.jsonl"
         finished: set[str] = set()
         if records.exists():
@@ -479,7 +483,7 @@ def print_table(runs: list[Run], alone: dict[tuple[str, float], float | None]) -
     """Every run, one row each."""
     columns = [
         ("scenario", 9),
-        ("system", 9),
+        ("system", 13),
         ("N", 4),
         ("C", 4),
         ("wall s", 7),
@@ -628,7 +632,12 @@ def main() -> None:
     parser.add_argument(
         "--scenario", action="append", choices=list(SCENARIOS), help="repeatable; default: all"
     )
-    parser.add_argument("--system", action="append", choices=["rollcage", "inspect"], help="default: both")
+    parser.add_argument(
+        "--system",
+        action="append",
+        choices=["rollcage", "rollcage-cold", "inspect"],
+        help="default: rollcage and inspect; rollcage-cold: rollcage with --worker-start cold (to compare)",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="instant (N=32) and c64 (N=64) only, one alone run"
     )

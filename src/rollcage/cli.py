@@ -13,8 +13,6 @@ as usual.
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -31,16 +29,13 @@ def main() -> None:
     """Console-script entry point."""
     argv = sys.argv[1:]
     if argv[:1] == ["worker"]:
-        from rollcage.worker import worker_main
+        from rollcage.worker import run_worker
 
-        code = worker_main(argv[1:])
-        # worker_main returns only once result.json is published (fsync'd) and the journal is
-        # closed; everything it writes goes through os.write. Skipping the interpreter's teardown
-        # (module and object finalization) saves every rollout tens of ms of CPU.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        run_worker(argv[1:])
+    if argv[:1] == ["template"]:
+        from rollcage.warm import template_main
+
+        raise SystemExit(template_main(argv[1:]))
     raise SystemExit(_dispatch(argv))
 
 

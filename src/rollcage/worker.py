@@ -75,6 +75,7 @@ __all__ = [
     "MAX_INPUT_BYTES",
     "load_input",
     "parse_input",
+    "run_worker",
     "worker_main",
 ]
 
@@ -98,6 +99,31 @@ class _ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_INVALID_INPUT, f"{self.prog}: {message} (see --help)\n")
+
+
+def run_worker(argv: list[str]) -> NoReturn:
+    """Run the worker and end the process with its exit code, skipping the interpreter's teardown.
+
+    :func:`worker_main` returns only once result.json is published (fsync'd) and the journal is
+    closed; everything it writes goes through ``os.write``. Skipping module and object
+    finalization saves every rollout tens of ms of CPU.
+    """
+    code = 1
+    try:
+        code = worker_main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1 if exc.code else 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(code)
 
 
 def worker_main(argv: list[str]) -> int:

@@ -46,6 +46,7 @@ LAYERS: tuple[str, ...] = (
     "agent",  # the loop
     "harness",  # black-box agents (nooa, command) in the loop's place
     "worker",  # the sandbox entrypoint
+    "warm",  # the template that forks workers into their cages
     "supervisor",  # one rollout: sandbox, proxy, receipt
     "policy",  # the scripted model server
     "environments",  # bundled resource servers and graders

@@ -61,11 +61,24 @@ from rollcage.cage._bwrap import (
     system_mounts,
     which,
 )
+from rollcage.cage._enter import (
+    HOLDER_SCRIPT,
+    JOIN,
+    PR_SET_PDEATHSIG,
+    drop_privileges,
+    prctl,
+    set_limits,
+    setns,
+    show_process,
+)
 from rollcage.cage._nested import CAGE_ENV, NestedCage
 from rollcage.cage._run import PYTHON, ContainedRun, RunLimits, run_contained
 
 __all__ = [
     "CAGE_ENV",
+    "HOLDER_SCRIPT",
+    "JOIN",
+    "PR_SET_PDEATHSIG",
     "PYTHON",
     "Bind",
     "BwrapTools",
@@ -88,12 +101,17 @@ __all__ = [
     "cage_argv",
     "copy_tree",
     "detect_cgroups",
+    "drop_privileges",
     "find_tools",
     "kill_cgroup",
     "outermost",
+    "prctl",
     "python_paths",
     "remove_cgroup",
     "run_contained",
+    "set_limits",
+    "setns",
+    "show_process",
     "system_mounts",
     "unmount",
     "which",

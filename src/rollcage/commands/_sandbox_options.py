@@ -46,6 +46,13 @@ class ExecutorCageChoice(enum.StrEnum):
     shared = "shared"
 
 
+class WorkerStartChoice(enum.StrEnum):
+    """How each rollout's worker starts in its sandbox."""
+
+    warm = "warm"
+    cold = "cold"
+
+
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -131,6 +138,15 @@ ExecutorCage = Annotated[
         rich_help_panel=_PANEL,
     ),
 ]
+WorkerStart = Annotated[
+    WorkerStartChoice | None,
+    typer.Option(
+        "--worker-start",
+        help="warm: the worker forked into its sandbox from a pre-imported template (default, as root); "
+        "cold: a fresh interpreter per rollout.",
+        rich_help_panel=_PANEL,
+    ),
+]
 
 
 BUDGET_FLAGS = (
@@ -145,6 +161,7 @@ BUDGET_FLAGS = (
     "cgroups",
     "disk_budgets",
     "executor_cage",
+    "worker_start",
 )
 """The commands' parameter names of the flags above."""
 

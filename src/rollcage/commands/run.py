@@ -26,6 +26,7 @@ from rollcage.commands._sandbox_options import (
     ShmInodes,
     TmpBudget,
     TmpInodes,
+    WorkerStart,
     WorkspaceBudget,
     WorkspaceInodes,
     bwrap_fields,
@@ -130,6 +131,7 @@ def command(
     cgroups: Cgroups = None,
     disk_budgets: DiskBudgets = None,
     executor_cage: ExecutorCage = None,
+    worker_start: WorkerStart = None,
     backend: Annotated[
         _Backend, typer.Option(help="Where rollouts run: this machine, or a Ray cluster (rollcage[ray]).")
     ] = _Backend.local,

@@ -25,6 +25,7 @@ from rollcage.commands._sandbox_options import (
     ShmInodes,
     TmpBudget,
     TmpInodes,
+    WorkerStart,
     WorkspaceBudget,
     WorkspaceInodes,
     bwrap_fields,
@@ -87,6 +88,7 @@ def command(
     cgroups: Cgroups = None,
     disk_budgets: DiskBudgets = None,
     executor_cage: ExecutorCage = None,
+    worker_start: WorkerStart = None,
 ) -> None:
     """Run one prepared rollout under a supervisor; always ends with receipt.json."""
     flags = dict(locals())  # the parameters, before anything else is bound: the budget flags among them

@@ -29,6 +29,7 @@ import fcntl
 import itertools
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -352,6 +353,10 @@ class Controller:
                 final = self._ledger.snapshot(time.monotonic() - self._started)
                 await shielded(asyncio.to_thread(self._publish_metrics_quietly, final))
             self._reporter.stop()
+            # The warm worker template (rollcage.warm) is this run's helper: it goes with the run.
+            warm = sys.modules.get("rollcage.supervisor.warm")
+            if warm is not None:
+                await shielded(asyncio.to_thread(warm.stop_templates))
             if lock_fd is not None:
                 os.close(lock_fd)
         return self.summary()

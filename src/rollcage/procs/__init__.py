@@ -35,6 +35,7 @@ from rollcage.procs._handles import (
     ensure_subreaper,
     is_subreaper,
     pid_exists,
+    reap_child,
     signal_group,
     wait_readable,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "ns_pids",
     "pid_exists",
     "read_proc",
+    "reap_child",
     "scan_processes",
     "shielded",
     "signal_group",

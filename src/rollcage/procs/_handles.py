@@ -56,6 +56,29 @@ def signal_name(number: int) -> str:
         return f"SIG{number}"
 
 
+def reap_child(pid: int, *, kill: bool = False) -> int:
+    """Wait for this process's own child ``pid`` (SIGKILLed first if ``kill``) and reap it, blocking.
+
+    Safe by number: a child nobody has reaped keeps its PID. For a process that
+    forked ``pid`` itself and is its only waiter (a warm start's intermediate, see
+    :mod:`rollcage.warm`), never for a child a :class:`ChildProcess` holds.
+
+    Returns:
+        Its exit code as a shell reports it: the code, or 128 + N for signal N.
+    """
+    if kill:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
 def describe_exit(returncode: int | None) -> str:
     """A ``subprocess`` return code in words: ``exit code 3``, ``killed by SIGKILL``, ``still running``."""
     if returncode is None:
@@ -332,11 +355,14 @@ class ChildProcess:
         cwd: str,
         stdout: int,
         pass_fds: Sequence[int] = (),
+        stdin: int | None = None,
+        stderr: int | None = None,
     ) -> ChildProcess:
         """Start ``argv`` in a new session with stdin from /dev/null and stdout+stderr to ``stdout``.
 
         This forks and executes at once (milliseconds), as asyncio's own
-        subprocess functions do.
+        subprocess functions do. ``stdin`` and ``stderr``, when given, replace
+        /dev/null and ``stdout``.
 
         Raises:
             OSError: The program cannot be started, or pidfds are unavailable (Linux < 5.4;
@@ -344,9 +370,9 @@ class ChildProcess:
         """
         popen = subprocess.Popen(
             list(argv),
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL if stdin is None else stdin,
             stdout=stdout,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if stderr is None else stderr,
             env=dict(env),
             cwd=cwd,
             start_new_session=True,

@@ -16,6 +16,7 @@ line), :mod:`~rollcage.supervisor.proxy` (the egress proxy and the capture),
 :mod:`~rollcage.supervisor.budgets` (per-rollout budgets), :mod:`~rollcage.supervisor.fds` (open files),
 :mod:`~rollcage.supervisor.pacing` (how many rollouts start up at once),
 :mod:`~rollcage.supervisor.bytecode` (the worker's compiled bytecode),
+:mod:`~rollcage.supervisor.warm` (workers forked warm into their cages),
 :mod:`~rollcage.supervisor.outcome` (the outcome rules) and
 :mod:`~rollcage.supervisor.core` (the sequence).
 """
@@ -30,6 +31,7 @@ from rollcage.supervisor.core import (
 )
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.sandbox import RolloutLayout
+from rollcage.supervisor.warm import stop_templates
 
 __all__ = [
     "BwrapSandbox",
@@ -43,6 +45,7 @@ __all__ = [
     "classify_outcome",
     "default_worker_command",
     "kill_leftovers",
+    "stop_templates",
     "supervise",
     "supervise_rollout",
 ]

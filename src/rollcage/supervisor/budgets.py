@@ -232,6 +232,10 @@ class RolloutBudgets:
         """The argv prefix that puts the sandbox into its cgroups (``[]`` without any)."""
         return self.cgroups.enter_prefix()
 
+    def cgroup_procs(self) -> list[str]:
+        """The ``cgroup.procs`` files a process joins to count with the sandbox (``[]`` without cgroups)."""
+        return [str(path) for path in self.cgroups.procs_files()]
+
     def _record(self) -> None:
         record = {
             "cgroups": self.cgroups.paths(),

@@ -137,6 +137,16 @@ class BwrapSandbox(_Config):
             "sandbox, as the worker's equal (weaker: the journal and the worker are in its reach)."
         ),
     )
+    worker_start: Literal["warm", "cold"] = Field(
+        default="warm",
+        description=(
+            "warm: under bubblewrap as root, the worker is forked from a pre-imported template into the "
+            "cage bwrap made (rollcage.warm): the same namespaces, mounts, cgroups, uid, limits and "
+            "environment as a cold start, without paying an interpreter and its imports per rollout. "
+            "cold: every rollout's worker is a fresh interpreter. A custom worker_command, a harness "
+            "rollout, and a supervisor that is not root (or has no run_as_uid) always start cold."
+        ),
+    )
     run_as_uid: int | None = Field(
         default=65534,
         ge=1,

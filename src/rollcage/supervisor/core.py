@@ -83,6 +83,7 @@ from rollcage.supervisor.sandbox import (
     worker_environment,
 )
 from rollcage.supervisor.tree import WorkerTree
+from rollcage.supervisor.warm import WarmStart, template_for
 
 __all__ = ["Supervised", "default_worker_command", "kill_leftovers", "supervise", "supervise_rollout"]
 
@@ -284,6 +285,10 @@ class _Supervision:
         self.journal: CaptureJournal | None = None
         """A harness rollout's journal, written here from the capture (see :mod:`rollcage.harness`)."""
         self.relay_task: asyncio.Future[None] | None = None
+        self.warm: WarmStart | None = None
+        """A warm start's pipes (see :mod:`rollcage.warm`), from just before bwrap is spawned."""
+        self.warm_task: asyncio.Task[None] | None = None
+        self.bytecode: str | None = None
 
     # ----------------------------------------------------------------- check and prepare
 
@@ -425,8 +430,17 @@ class _Supervision:
         bytecode: str | None = None
         if self.config.worker_command is None:
             bytecode = await asyncio.to_thread(worker_bytecode)
+        self.bytecode = bytecode
         command = self.config.worker_command or default_worker_command(bytecode)
         relay_write = await self._open_journal()
+        warm = (
+            isinstance(self.config.sandbox, BwrapSandbox)
+            and self.config.sandbox.worker_start == "warm"
+            and isinstance(self.launcher, BwrapLauncher)
+            and self.launcher.owner is not None
+            and self.config.worker_command is None
+            and relay_write is None
+        )
         if relay_write is not None:
             env[RELAY_FD_ENV] = str(relay_write)
         harness_env = self.original.harness_env
@@ -457,6 +471,7 @@ class _Supervision:
                     extra_ro=[*harness_mounts, *([bytecode] if bytecode is not None else [])],
                     worker_journal=self.journal is None,
                     pass_fds=() if relay_write is None else (relay_write,),
+                    warm_cgroups=self.budgets.cgroup_procs() if warm else None,
                 )
             else:
                 self.plan = plan = self.launcher.plan(
@@ -592,14 +607,29 @@ class _Supervision:
             worker_input = sandbox_input(self.original, plan.proxy_socket)
         await asyncio.to_thread(retry_on_emfile, self._prepare_files, plan, worker_input)
         self.log_fd = await asyncio.to_thread(self._open_log)
+        pass_fds = (*(() if status_fd is None else (status_fd,)), *plan.pass_fds)
         try:
-            self.child = ChildProcess.spawn(
-                plan.argv,
-                env=plan.env,
-                cwd=plan.cwd,
-                stdout=self.log_fd,
-                pass_fds=(*(() if status_fd is None else (status_fd,)), *plan.pass_fds),
-            )
+            if plan.warm is not None:
+                template = template_for(self.bytecode)
+                # Its imports overlap the making of the cage (the first time only).
+                await asyncio.to_thread(template.start)
+                self.warm = WarmStart()
+                # The holder reads the worker's exit status on stdin and announces itself on stdout;
+                # bwrap's own words still go to the log.
+                self.child = ChildProcess.spawn(
+                    plan.argv,
+                    env=plan.env,
+                    cwd=plan.cwd,
+                    stdin=self.warm.holder_stdin,
+                    stdout=self.warm.holder_stdout,
+                    stderr=self.log_fd,
+                    pass_fds=pass_fds,
+                )
+                self.warm.spawned()
+            else:
+                self.child = ChildProcess.spawn(
+                    plan.argv, env=plan.env, cwd=plan.cwd, stdout=self.log_fd, pass_fds=pass_fds
+                )
         except OSError as exc:
             raise SupervisorError(f"cannot start the worker ({plan.argv[0]}): {exc}") from exc
         self.tree = WorkerTree(
@@ -608,13 +638,37 @@ class _Supervision:
             marked=f"{TOKEN_ENV}={self.token}",
             budgets=self.budgets,
             signals=self.signals,
+            warm=plan.warm is not None,
         )
+        if plan.warm is not None:
+            self.warm_task = asyncio.ensure_future(self._start_warm(plan))
         self.stopping = TreeStop(
             self.tree, StopStrategy(grace_s=self.config.grace_s, kill_wait_s=self.config.kill_wait_s)
         )
         if self._hurried:
             self.stopping.hurry()
         logger.debug("rollout %s: worker started (pid %d, %s)", self.rollout_id, self.child.pid, plan.sandbox)
+
+    async def _start_warm(self, plan: LaunchPlan) -> None:
+        """Have the template fork the worker into the cage once its holder is there; hold the worker."""
+        assert self.warm is not None and plan.warm is not None and self.log_fd is not None
+        assert self.tree is not None
+        try:
+            worker = await self.warm.start(
+                template_for(self.bytecode),
+                plan.warm,
+                log_fd=self.log_fd,
+                marked=f"{TOKEN_ENV}={self.token}",
+                timeout_s=max(self.deadline_at - time.monotonic(), 0.0),
+            )
+        finally:
+            self.warm.close()
+        if worker is not None:
+            self.tree.adopt_worker(worker)
+        elif self.warm.failure is not None:
+            # Its holder exits with 125 and no result: the receipt says why, as for any failed start.
+            logger.error("rollout %s: %s", self.rollout_id, self.warm.failure)
+            self.setup_failure = f"the worker was not started: {self.warm.failure}"
 
     async def _read_bwrap_status(self, fd: int) -> None:
         """Read bwrap's JSON status: its first document names the sandbox's (outermost) init process."""
@@ -756,10 +810,12 @@ class _Supervision:
                     # Seen only at the end (the worker was quicker than a poll, or the kernel killed it).
                     self.budget_exceeded = (breach[0], f"{breach[0]}: {breach[1]}")
         finally:
-            for task in (self.status_task, self.budget_task, self.start_task):
+            for task in (self.status_task, self.budget_task, self.start_task, self.warm_task):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
+            if self.warm is not None:
+                self.warm.close()
             self._end_turn()
             if tree is not None:
                 await tree.aclose()

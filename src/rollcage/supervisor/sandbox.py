@@ -57,6 +57,7 @@ with the supervisor. Agent code is not contained; every launch logs a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -68,6 +69,7 @@ from typing import Literal
 
 from rollcage.cage import (
     CAGE_ENV,
+    HOLDER_SCRIPT,
     Bind,
     BwrapTools,
     CageSpec,
@@ -82,6 +84,7 @@ from rollcage.cage import (
     which,
 )
 from rollcage.supervisor.config import BwrapSandbox, NoSandbox
+from rollcage.warm import WarmRequest
 
 __all__ = [
     "SANDBOX_PROXY_SOCKET",
@@ -95,6 +98,7 @@ __all__ = [
     "bwrap_argv",
     "python_paths",
     "worker_environment",
+    "worker_limits",
 ]
 
 logger = logging.getLogger("rollcage.supervisor")
@@ -203,6 +207,8 @@ class LaunchPlan:
             harness rollout's boundaries to the supervisor).
         worker_journal: The worker writes ``checkpoint.jsonl``; ``False`` for a harness rollout,
             whose journal the supervisor writes (the sandbox then does not see the file).
+        warm: The worker the template forks into the cage, whose payload is then a holder
+            (:mod:`rollcage.warm`); ``None``: the command runs the worker itself (a cold start).
     """
 
     sandbox: Literal["bwrap", "none"]
@@ -214,6 +220,7 @@ class LaunchPlan:
     owner: tuple[int, int] | None = None
     pass_fds: tuple[int, ...] = ()
     worker_journal: bool = True
+    warm: WarmRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -302,14 +309,7 @@ def bwrap_argv(
         mounts=mounts,
         tmp=scratch.tmp,
         shm=scratch.shm,
-        limits=Limits(
-            address_space_bytes=config.address_space_bytes,
-            max_processes=config.max_processes,
-            file_size_bytes=config.file_size_bytes,
-            cpu_seconds=config.cpu_seconds,
-            open_files=config.open_files,
-            core_bytes=None,
-        ),
+        limits=worker_limits(config),
         uid=config.sandbox_uid,
         gid=config.sandbox_gid,
         run_as=run_as,
@@ -319,6 +319,30 @@ def bwrap_argv(
         status_fd=status_fd,
     )
     return cage_argv(spec, tools=tools, as_root=as_root)
+
+
+def worker_limits(config: BwrapSandbox) -> Limits:
+    """The per-process limits of a worker's cage."""
+    return Limits(
+        address_space_bytes=config.address_space_bytes,
+        max_processes=config.max_processes,
+        file_size_bytes=config.file_size_bytes,
+        cpu_seconds=config.cpu_seconds,
+        open_files=config.open_files,
+        core_bytes=None,
+    )
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` would, for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def _within_hard_nofile(config: BwrapSandbox) -> BwrapSandbox:
@@ -382,6 +406,7 @@ class BwrapLauncher:
         extra_ro: Sequence[str] = (),
         worker_journal: bool = True,
         pass_fds: Sequence[int] = (),
+        warm_cgroups: Sequence[str] | None = None,
     ) -> LaunchPlan:
         """The launch plan for one rollout (call :meth:`check` first).
 
@@ -398,26 +423,43 @@ class BwrapLauncher:
                 the compiled bytecode cache).
             worker_journal: See :attr:`LaunchPlan.worker_journal`.
             pass_fds: See :attr:`LaunchPlan.pass_fds`.
+            warm_cgroups: Start the worker warm (:mod:`rollcage.warm`: ``worker_command`` is then
+                only what the template runs), moving it into these ``cgroup.procs`` files;
+                ``None``: a cold start, ``worker_command`` in the cage.
         """
         tools = self.check()
         root = SANDBOX_ROLLOUT_DIR
-        argv = [
-            *worker_command,
-            f"{root}/input.json",
-            f"{root}/result.json",
-            "--checkpoint",
-            f"{root}/checkpoint.jsonl",
-        ]
+        args = [f"{root}/input.json", f"{root}/result.json", "--checkpoint", f"{root}/checkpoint.jsonl"]
         ro = [*python_paths(), *self.config.extra_ro_paths, *extra_ro]
-        if os.path.isabs(worker_command[0]):
-            ro.append(os.path.dirname(worker_command[0]))
+        if warm_cgroups is not None:
+            # The holder stands where the worker would; the worker is forked in beside it.
+            argv = ["sh", "-c", HOLDER_SCRIPT, "rollcage-holder"]
+        else:
+            argv = [*worker_command, *args]
+            if os.path.isabs(worker_command[0]):
+                ro.append(os.path.dirname(worker_command[0]))
         env = dict(worker_env)
         if self.config.executor_cage == "bwrap":
             # The worker cages its executor with the same bubblewrap, wherever it is installed.
             env[CAGE_ENV] = f"bwrap:{tools.bwrap}"
             ro.append(tools.bwrap)
+        config = _within_hard_nofile(self.config)
+        warm: WarmRequest | None = None
+        if warm_cgroups is not None:
+            warm = WarmRequest(
+                argv=args,
+                # As bwrap gives its payload (--chdir sets PWD).
+                env={**env, **token_env, "PWD": f"{root}/workspace"},
+                cwd=f"{root}/workspace",
+                uid=config.sandbox_uid,
+                gid=config.sandbox_gid,
+                limits=dataclasses.asdict(worker_limits(config)),
+                umask=_umask(),
+                cgroups=list(warm_cgroups),
+                clear_groups=os.geteuid() == 0,
+            )
         full = bwrap_argv(
-            _within_hard_nofile(self.config),
+            config,
             tools=tools,
             layout=layout,
             worker_argv=argv,
@@ -438,6 +480,7 @@ class BwrapLauncher:
             owner=self.owner,
             pass_fds=tuple(pass_fds),
             worker_journal=worker_journal,
+            warm=warm,
         )
 
 

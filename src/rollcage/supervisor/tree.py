@@ -8,7 +8,9 @@ module knows what belongs to *one rollout*:
 * under bubblewrap, the sandbox's init (named by bwrap's status pipe, checked by
   the rollout's token, held by a pidfd from then on): SIGKILL to it takes the
   whole PID namespace at once; and the worker's process group inside it, led by
-  the innermost namespace's init, which gets the polite signal;
+  the innermost namespace's init, which gets the polite signal; a warm worker
+  (:mod:`rollcage.warm`) leads a session and group of its own in that namespace,
+  and is held from the moment the template names it;
 * everything in the rollout's cgroups;
 * the orphans this process (a child subreaper) adopted that carry the rollout's
   token in their environment: a double-forked daemon whose parent is gone.
@@ -56,6 +58,8 @@ class WorkerTree:
         marked: The environment entry (``NAME=token``) every process of the rollout carries.
         budgets: The rollout's cgroups and bounded file systems, if any.
         signals: Where each signal sent is recorded (the receipt's ``signals_sent``).
+        warm: The worker is forked into the sandbox (:meth:`adopt_worker` names it); the
+            sandbox's own process group is then only its holder's.
     """
 
     def __init__(
@@ -66,8 +70,10 @@ class WorkerTree:
         marked: str,
         budgets: RolloutBudgets | None,
         signals: list[SignalEvent],
+        warm: bool = False,
     ) -> None:
         self.child = child
+        self.warm = warm
         self.sandbox = sandbox
         self.marked = marked
         self.budgets = budgets
@@ -106,7 +112,7 @@ class WorkerTree:
             if sent is not None:
                 return sent
         reached = False
-        for info in await self._sandbox_group():
+        for info in await self._worker_group():
             handle = self._handle(info)
             reached = (handle is not None and handle.send(sig)) or reached
         return reached
@@ -210,7 +216,14 @@ class WorkerTree:
             self._sandbox_init = handle
             if self.budgets is not None:
                 self.budgets.set_sandbox_root(pid)
-            self._locate_task = asyncio.ensure_future(self._locate_group_leader())
+            if not self.warm:
+                self._locate_task = asyncio.ensure_future(self._locate_group_leader())
+
+    def adopt_worker(self, worker: PidHandle) -> None:
+        """Hold a warm worker, forked into the sandbox, as the leader of the worker's process group."""
+        if self._group_leader is not None:
+            self._group_leader.close()
+        self._group_leader = worker
 
     async def aclose(self) -> None:
         """Stop looking for the group leader and close every pidfd held.
@@ -255,6 +268,16 @@ class WorkerTree:
             return None
         return PidHandle.open(leader)
 
+    async def _worker_group(self) -> list[ProcInfo]:
+        """The worker's process group, by a walk of ``/proc`` (where a pidfd cannot signal a group)."""
+        leader = self._group_leader
+        if not self.warm:
+            return await self._sandbox_group()
+        if leader is None:
+            return []  # not started yet: the sandbox holds only its holder, which the polite signals spare
+        tree = await in_proc_thread(subtree, [leader.info.pid])
+        return [info for info in tree if info.alive and info.pgid == leader.info.pid]
+
     async def _sandbox_group(self) -> list[ProcInfo]:
         """Under bwrap: the worker's process group inside the sandbox (empty before the sandbox exists).
 
@@ -276,13 +299,17 @@ class WorkerTree:
         """The worker's process tree (its direct child included), the reparented stragglers, and
         everything in the rollout's cgroups."""
         child, budgets, init = self.child, self.budgets, self._sandbox_init
+        worker = self._group_leader if self.warm else None
 
         def walk() -> list[ProcInfo]:
             roots = [child.pid, *(budgets.members() if budgets is not None else [])]
-            if init is not None:
-                now = read_proc(init.info.pid)
-                # Once reaped, the init's PID may name another process: only the one we hold is a root.
-                if now is not None and now.starttime == init.info.starttime:
+            for held in (init, worker):
+                if held is None:
+                    continue
+                now = read_proc(held.info.pid)
+                # Once reaped, a PID may name another process: only the one we hold is a root.
+                # (A warm worker's parent is the template's child, outside the sandbox's tree.)
+                if now is not None and now.starttime == held.info.starttime:
                     roots.append(now.pid)
             # Walked from the rollout's own roots, not by reading every process on the machine.
             return tree_of(roots, marked=self.marked)

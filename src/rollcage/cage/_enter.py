@@ -1,0 +1,262 @@
+"""Entering a cage bubblewrap made: the system calls a warm worker uses to become what bwrap's payload is.
+
+A cage's namespaces, mounts and cgroups are made by bubblewrap exactly as for a
+cold start (:func:`~rollcage.cage.cage_argv`); its payload is then only a holder
+(:data:`HOLDER_SCRIPT`). A warm worker is a fork of a pre-imported template that
+joins the holder's namespaces (``setns`` through a pidfd, all at once) and then
+takes away from itself everything bubblewrap, ``setpriv`` and ``prlimit`` would
+have: supplementary groups, capabilities (bounding, ambient, permitted,
+effective), the uid and gid, the right to gain privileges, the resource limits,
+every inherited descriptor. What is left is the process a cold start would have
+run, with the interpreter already warm.
+
+Nothing here is called by the supervisor's own process: these calls change the
+caller for good and are made only in the template's children.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import resource
+from collections.abc import Mapping
+
+__all__ = [
+    "HOLDER_SCRIPT",
+    "JOIN",
+    "PR_SET_PDEATHSIG",
+    "drop_privileges",
+    "prctl",
+    "set_limits",
+    "setns",
+    "show_process",
+]
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+JOIN = (
+    CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
+)
+"""The holder's namespaces, joined at once by the template's child before it forks the worker (the PID
+namespace takes effect for the fork). At once, and while the caller still holds the capabilities
+it came with: bubblewrap nests a second user namespace to set the cage's uid, so the cgroup and
+mount namespaces belong to one the holder's own user namespace has no capability over."""
+
+PR_SET_PDEATHSIG = 1
+PR_SET_MM = 35
+PR_SET_MM_MAP = 14
+PR_SET_DUMPABLE = 4
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+
+HOLDER_SCRIPT = (
+    # The cage's stand-in for the worker: it tells the supervisor it is there (one byte on stdout,
+    # a socket whose receiver learns its PID), lets go of that socket, then waits for the worker's
+    # exit code on stdin (written by the worker's parent outside) and exits with it once that
+    # parent is gone too (end of file), so bwrap reports the worker's status as for a cold start
+    # and nothing of the rollout outlives the sandbox. Polite signals are for the worker, not for
+    # it; 125: the worker's parent went away without a word (it could not be started).
+    "trap '' HUP INT QUIT TERM USR1 USR2; printf r; exec >/dev/null; "
+    "IFS= read -r code || code=125; "
+    "while IFS= read -r _; do :; done; "
+    'case $code in ""|*[!0-9]*) code=125;; esac; '
+    'exit "$code"'
+)
+"""The holder: the payload of a cage a warm worker enters (run by ``/bin/sh -c``)."""
+
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = (
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    )
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.setns.argtypes = (ctypes.c_int, ctypes.c_int)
+_libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+_libc.capset.argtypes = (ctypes.POINTER(_CapHeader), ctypes.POINTER(_CapData))
+_libc.sbrk.argtypes = (ctypes.c_long,)
+_libc.sbrk.restype = ctypes.c_void_p
+
+
+def setns(fd: int, flags: int) -> None:
+    """Join the namespaces ``flags`` of the process the pidfd ``fd`` names (single-threaded callers only).
+
+    Raises:
+        OSError: The kernel refused.
+    """
+    if _libc.setns(fd, flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"setns({flags:#x}) failed: {os.strerror(code)}")
+
+
+def prctl(option: int, arg2: int = 0, arg3: int = 0) -> int:
+    """``prctl(option, arg2, arg3, 0, 0)``.
+
+    Raises:
+        OSError: The kernel refused.
+    """
+    result = int(_libc.prctl(option, arg2, arg3, 0, 0))
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"prctl({option}) failed: {os.strerror(code)}")
+    return result
+
+
+class _MmMap(ctypes.Structure):
+    """``struct prctl_mm_map`` (linux/prctl.h)."""
+
+    _fields_ = (
+        *(
+            (name, ctypes.c_uint64)
+            for name in (
+                "start_code",
+                "end_code",
+                "start_data",
+                "end_data",
+                "start_brk",
+                "brk",
+                "start_stack",
+                "arg_start",
+                "arg_end",
+                "env_start",
+                "env_end",
+                "auxv",
+            )
+        ),
+        ("auxv_size", ctypes.c_uint32),
+        ("exe_fd", ctypes.c_uint32),
+    )
+
+
+_blocks: list[ctypes.Array[ctypes.c_char]] = []
+
+
+def _block(words: list[str]) -> tuple[int, int]:
+    """A NUL-separated block that lives as long as the process: its (start, end) addresses."""
+    data = b"".join(word.encode() + b"\0" for word in words)
+    block = ctypes.create_string_buffer(data)
+    _blocks.append(block)
+    start = ctypes.addressof(block)
+    return start, start + len(data)
+
+
+def show_process(argv: list[str], env: Mapping[str, str]) -> None:
+    """Make ``/proc/<pid>/cmdline`` and ``environ`` of this process, and of the children it forks, show these.
+
+    A forked process shows its template's command line and environment there,
+    whatever ``sys.argv`` and ``os.environ`` say; the supervisor knows a rollout's
+    processes by the token in their environment, and people by their command line.
+    The whole memory map is restated with only those two places changed
+    (``PR_SET_MM_MAP``, which needs no capability).
+
+    Raises:
+        OSError: The kernel refused.
+    """
+    arg_start, arg_end = _block(argv)
+    env_start, env_end = _block([f"{name}={value}" for name, value in env.items()])
+    with open("/proc/self/stat", "rb") as file:
+        # Fields after the command's closing parenthesis, numbered as in proc(5) from 3.
+        fields = file.read().rsplit(b")", 1)[1].split()
+
+    def field(number: int) -> int:
+        return int(fields[number - 3])
+
+    mm = _MmMap(
+        start_code=field(26),
+        end_code=field(27),
+        start_data=field(45),
+        end_data=field(46),
+        start_brk=field(47),
+        brk=_libc.sbrk(0) or 0,
+        start_stack=field(28),
+        arg_start=arg_start,
+        arg_end=arg_end,
+        env_start=env_start,
+        env_end=env_end,
+        auxv=0,
+        auxv_size=0,
+        exe_fd=0xFFFFFFFF,  # unchanged
+    )
+    result = int(_libc.prctl(PR_SET_MM, PR_SET_MM_MAP, ctypes.addressof(mm), ctypes.sizeof(mm), 0))
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"prctl(PR_SET_MM_MAP) failed: {os.strerror(code)}")
+
+
+def drop_privileges(uid: int, gid: int) -> None:
+    """Become ``uid``/``gid`` (ids of the current user namespace) with no capability and no way to gain one.
+
+    In order: the bounding set emptied and the ambient set cleared (which needs
+    ``CAP_SETPCAP``, so before the uid changes), then the gid and uid, then the
+    effective, permitted and inheritable sets emptied, then ``no_new_privs``. The
+    sets are emptied by hand: the kernel clears them on a change away from the
+    namespace's uid 0, and a process that joined a user namespace is not its uid 0
+    (it keeps the host uid, unmapped there). Checked after: a process that still
+    holds a capability refuses to go on.
+
+    Raises:
+        OSError: A step failed, or a capability is left.
+    """
+    cap = 0
+    while True:
+        try:
+            prctl(PR_CAPBSET_DROP, cap)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # past the kernel's last capability
+                break
+            raise
+        cap += 1
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    empty = (_CapData * 2)()
+    if _libc.capset(ctypes.byref(header), empty) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"capset failed: {os.strerror(code)}")
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            name, _, value = line.partition(":")
+            if name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb") and int(value, 16) != 0:
+                raise OSError(errno.EPERM, f"a capability is left after dropping privileges: {line.strip()}")
+
+
+_LIMITS: Mapping[str, int] = {
+    "address_space_bytes": resource.RLIMIT_AS,
+    "max_processes": resource.RLIMIT_NPROC,
+    "file_size_bytes": resource.RLIMIT_FSIZE,
+    "cpu_seconds": resource.RLIMIT_CPU,
+    "open_files": resource.RLIMIT_NOFILE,
+    "core_bytes": resource.RLIMIT_CORE,
+}
+
+
+def set_limits(limits: Mapping[str, int | None]) -> None:
+    """Set each limit named as in :class:`~rollcage.cage.Limits` (soft = hard; ``None``: unchanged).
+
+    Raises:
+        OSError: A limit could not be set.
+        KeyError: A name is not a known limit.
+    """
+    for name, value in limits.items():
+        if value is not None:
+            resource.setrlimit(_LIMITS[name], (value, value))

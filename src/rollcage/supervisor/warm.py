@@ -1,0 +1,314 @@
+"""Warm worker starts, the supervisor's side: the template process and one start's pipes.
+
+See :mod:`rollcage.warm` for what the template does with a request. Here:
+
+* :class:`Template`: one per supervising process and bytecode cache, started on
+  first use (its imports overlap the first cage's making), started again when it
+  has died;
+* :class:`WarmStart`: one rollout's start: the holder's stdin (whose write end,
+  once the template holds it, is the worker's exit status), the socket on which
+  the holder announces itself, and the report pipe on which the template's child
+  names the worker.
+
+The holder's PID comes from the kernel (``SO_PASSCRED``: the credentials of the
+process that wrote the byte, translated to this PID namespace), and is checked by
+the rollout's token in its environment before a pidfd of it goes to the
+template; the worker's, from the template's child, is checked by its PID
+namespace being the holder's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+from rollcage.errors import SupervisorError
+from rollcage.procs import PidHandle, environ_has, read_proc, wait_readable, within
+from rollcage.warm import REQUEST_FDS, WarmRequest
+
+__all__ = ["Template", "WarmStart", "stop_templates", "template_for"]
+
+logger = logging.getLogger("rollcage.supervisor")
+
+_UCRED = struct.Struct("iII")
+_REPORT_MAX = 4096
+
+
+class Template:
+    """The template process for one bytecode cache (see :mod:`rollcage.warm`).
+
+    Args:
+        bytecode: The compiled bytecode cache the template (and so every worker) reads
+            its ``.pyc`` files from; ``None``: none.
+    """
+
+    def __init__(self, bytecode: str | None) -> None:
+        self.bytecode = bytecode
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._socket: socket.socket | None = None
+        self.starts = 0
+        """How many template processes were started (a restart after a death counts)."""
+
+    def _ensure(self) -> socket.socket:
+        """The live template's socket, starting one if there is none (blocking, but quick)."""
+        with self._lock:
+            if self._process is not None and self._process.poll() is None and self._socket is not None:
+                return self._socket
+            self._close_locked()
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            prefix = ["-X", f"pycache_prefix={self.bytecode}"] if self.bytecode is not None else []
+            argv = [sys.executable, "-I", "-B", *prefix, "-m", "rollcage", "template"]
+            try:
+                self._process = subprocess.Popen(
+                    [*argv, str(theirs.fileno()), str(os.getpid())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    # Its own failures (an import that breaks) are the supervisor's to see.
+                    env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"},
+                    cwd="/",
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                ours.close()
+                raise SupervisorError(
+                    f"cannot start the warm worker template ({sys.executable}): {exc}"
+                ) from exc
+            finally:
+                theirs.close()
+            self._socket = ours
+            self.starts += 1
+            return ours
+
+    def start(self) -> None:
+        """Start the template now if none runs (blocking, a few ms: its imports go on by themselves)."""
+        self._ensure()
+
+    async def send(self, request: WarmRequest, fds: Sequence[int]) -> None:
+        """Hand one start to the template; a dead template is started again, once.
+
+        From the event loop, never blocking it: the descriptors are the caller's to close
+        afterwards, so the send is never left running in a thread.
+
+        Raises:
+            SupervisorError: No template could take it.
+
+        **Cancellation:** a message is sent whole or not at all; the descriptors stay the caller's.
+        """
+        data = request.encode()
+        for attempt in (1, 2):
+            sock = self._ensure()
+            try:
+                while True:
+                    try:
+                        socket.send_fds(sock, [data], list(fds), socket.MSG_DONTWAIT)
+                        return
+                    except BlockingIOError:
+                        # Its queue is full (many starts at once): rare and brief. Not add_writer:
+                        # rollouts of one loop share the socket, and a second writer would replace the first.
+                        await asyncio.sleep(0.002)
+            except OSError as exc:
+                if attempt == 2:
+                    raise SupervisorError(f"the warm worker template refused a start: {exc}") from exc
+                with self._lock:
+                    self._close_locked()
+
+    @property
+    def pid(self) -> int | None:
+        """The template's PID while it runs."""
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
+
+    def close(self) -> None:
+        """Stop the template (its in-flight starts fail; their holders exit with 125)."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+        process, self._process = self._process, None
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            process.wait()
+
+
+_templates: dict[tuple[int, str | None], Template] = {}
+_templates_lock = threading.Lock()
+
+
+def template_for(bytecode: str | None) -> Template:
+    """This process's template for ``bytecode`` (one per process: a forked child gets its own)."""
+    key = (os.getpid(), bytecode)
+    with _templates_lock:
+        template = _templates.get(key)
+        if template is None:
+            template = _templates[key] = Template(bytecode)
+        return template
+
+
+def stop_templates() -> int:
+    """Stop this process's templates (blocking; a later warm start starts one again); how many ran.
+
+    A template dies with its parent anyway; this is for a caller that goes on (a
+    controller whose run has ended) and should leave no helper process behind.
+    """
+    with _templates_lock:
+        mine = [key for key in _templates if key[0] == os.getpid()]
+        templates = [_templates.pop(key) for key in mine]
+    running = 0
+    for template in templates:
+        running += template.pid is not None
+        template.close()
+    return running
+
+
+class WarmStart:
+    """One rollout's warm start: the pipes bwrap's holder and the template's child speak on.
+
+    Make it before bwrap is spawned; give bwrap :attr:`holder_stdin` and
+    :attr:`holder_stdout`, call :meth:`spawned` once it is, then :meth:`start`.
+    :meth:`close` in every case: until the template holds it, the write end of the
+    holder's stdin is ours, and closing it makes the holder exit (125: no worker).
+    """
+
+    def __init__(self) -> None:
+        self.holder_stdin, self._stdin_write = os.pipe()
+        self._ready, self._holder_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._ready.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self._ready.setblocking(False)
+        self._open = {self.holder_stdin, self._stdin_write}
+        self.failure: str | None = None
+        """Why the worker was not started, in words (its holder then exits with 125)."""
+
+    @property
+    def holder_stdout(self) -> int:
+        """The descriptor bwrap is given as stdout: the holder announces itself on it."""
+        return self._holder_end.fileno()
+
+    def spawned(self) -> None:
+        """bwrap holds its ends now: close ours."""
+        self._close_fd(self.holder_stdin)
+        self._holder_end.close()
+
+    async def start(
+        self, template: Template, request: WarmRequest, *, log_fd: int, marked: str, timeout_s: float
+    ) -> PidHandle | None:
+        """Wait for the holder, have the template fork the worker into its cage; the worker's handle.
+
+        ``None`` when there is no worker: the holder never came (bwrap failed: its words are in
+        the log), or the start failed (:attr:`failure` says why; the holder exits with 125).
+
+        **Cancellation:** the holder's stdin is closed by :meth:`close`, so a start that was not
+        handed over yet ends with the holder's exit.
+        """
+        holder_pid = await within(self._holder_pid(), timeout_s)
+        if holder_pid is None:
+            return None
+        info = await asyncio.to_thread(read_proc, holder_pid)
+        holder = None if info is None else PidHandle.open_checked(info, lambda pid: environ_has(pid, marked))
+        if holder is None:
+            self.failure = f"the sandbox's holder (PID {holder_pid}) is gone or is not this rollout's"
+            return None
+        report_read, report_write = os.pipe()
+        try:
+            fds = [holder.fd, self._stdin_write, report_write, log_fd]
+            assert len(fds) == REQUEST_FDS
+            try:
+                await template.send(request, fds)
+            except SupervisorError as exc:
+                self.failure = str(exc)
+                return None
+            finally:
+                # The template's child holds its own copies now; without them the holder exits.
+                os.close(report_write)
+                self._close_fd(self._stdin_write)
+            report = await within(_read_report(report_read), timeout_s)
+        finally:
+            os.close(report_read)
+        try:
+            return self._worker_from(report, holder)
+        finally:
+            holder.close()
+
+    def _worker_from(self, report: bytes | None, holder: PidHandle) -> PidHandle | None:
+        words = (report or b"").decode(errors="replace").strip()
+        if not words.startswith("pid "):
+            self.failure = f"the warm start failed: {words.removeprefix('error ') or 'no report'}"
+            return None
+        pid = int(words.split()[1])
+        info = read_proc(pid)
+        holder_ns = _pid_namespace(holder.info.pid)
+        worker = (
+            None
+            if info is None or holder_ns is None
+            else PidHandle.open_checked(info, lambda p: _pid_namespace(p) == holder_ns)
+        )
+        if worker is None:
+            # It was started and is gone already: its exit status reaches the holder, as for any exit.
+            logger.debug("the warm worker (PID %d) exited before it could be held", pid)
+        return worker
+
+    async def _holder_pid(self) -> int | None:
+        """The PID of the process that wrote the holder's byte; ``None`` if the holder never came."""
+        fd = self._ready.fileno()
+        while True:
+            await wait_readable(fd)
+            try:
+                data, ancillary, _, _ = self._ready.recvmsg(16, socket.CMSG_SPACE(_UCRED.size))
+            except BlockingIOError:
+                continue
+            if not data:
+                return None
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = _UCRED.unpack(payload[: _UCRED.size])[0]
+                    return pid if pid > 0 else None
+            return None
+
+    def _close_fd(self, fd: int) -> None:
+        if fd in self._open:
+            self._open.discard(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        """Close every end still ours (idempotent)."""
+        for fd in list(self._open):
+            self._close_fd(fd)
+        self._ready.close()
+        self._holder_end.close()
+
+
+async def _read_report(fd: int) -> bytes:
+    """The template's child's one line (``pid N`` or ``error ...``), or what came before EOF."""
+    os.set_blocking(fd, False)
+    data = b""
+    while b"\n" not in data and len(data) < _REPORT_MAX:
+        await wait_readable(fd)
+        try:
+            chunk = os.read(fd, _REPORT_MAX)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _pid_namespace(pid: int) -> int | None:
+    """The inode of the process's PID namespace; ``None`` if it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None

@@ -1,0 +1,218 @@
+"""The warm template: one pre-imported interpreter that forks each rollout's worker into its cage.
+
+A cold start pays a fresh interpreter and the worker's imports (pydantic, the
+models, httpx, asyncio: about 250 ms of CPU) in every rollout. The template
+pays them once: ``python -I -B -m rollcage template FD PARENT`` imports the
+worker, freezes its heap (``gc.freeze()``, so children do not dirty the shared
+pages by collecting them) and then only waits on its socket. It runs no thread
+and no event loop, holds no credential, and dies with its parent.
+
+For each rollout the supervisor has bubblewrap build the cage as for a cold
+start, with a holder in the worker's place (:data:`~rollcage.cage.HOLDER_SCRIPT`),
+and sends the template one :class:`WarmRequest` with four descriptors: a pidfd
+of the holder, the write end of the holder's stdin, a report pipe, and
+``worker.log``. Then, in the template's child (outside the cage):
+
+1. it opens the rollout's ``cgroup.procs`` files, clears its supplementary
+   groups, and joins the holder's user, mount, PID, network, IPC, UTS and
+   cgroup namespaces at once (``setns`` on the pidfd);
+2. it forks the worker, which is born in the cage's PID namespace, moves it
+   into the rollout's cgroups, lets it go, and reports its PID;
+3. it waits for the worker and writes its exit status to the holder, which
+   exits with it: bwrap reports it as it would the worker's own.
+
+The worker, once let go: drops every capability, takes the sandbox's uid and
+gid, sets ``no_new_privs``, dies with its parent, takes the cage's resource
+limits, keeps only ``/dev/null`` and the log as its standard descriptors (every
+other one is closed), starts a session, takes the working directory and the
+exact environment a cold start would have, and runs
+:func:`rollcage.worker.worker_main`; it always ends in ``os._exit``.
+
+A template that dies takes only the starts it had not forked yet with it: their
+holders see their stdin closed and exit with 125 (no result: ``infra_failure``);
+workers already running go on, and the supervisor starts a new template for the
+next rollout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import signal
+import socket
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import NoReturn
+
+from rollcage.cage import JOIN, PR_SET_PDEATHSIG, drop_privileges, prctl, set_limits, setns, show_process
+from rollcage.procs import reap_child
+
+__all__ = ["MAX_REQUEST_BYTES", "REQUEST_FDS", "WarmRequest", "template_main"]
+
+MAX_REQUEST_BYTES = 1 << 20
+"""The largest request the template reads (a worker's argv and environment)."""
+
+REQUEST_FDS = 4
+"""Descriptors sent with each request: holder pidfd, holder's stdin, report pipe, worker.log."""
+
+WARM_MODULES: tuple[str, ...] = (
+    "rollcage.worker",
+    "rollcage.model",
+    "rollcage.tools",
+    "rollcage.tools._repl",
+    "rollcage.cage",
+    "httpx",
+    "json",
+)
+"""What every rollout's worker imports, loaded once in the template (the rest is loaded on demand)."""
+
+
+@dataclass(frozen=True)
+class WarmRequest:
+    """One worker to start in a cage (sent as JSON; the descriptors travel beside it).
+
+    Attributes:
+        argv: The worker's arguments (``INPUT RESULT --checkpoint PATH``, paths as the cage sees them).
+        env: Its entire environment.
+        cwd: Its working directory in the cage.
+        uid: The uid it runs as, in the cage's user namespace.
+        gid: Likewise, the gid.
+        limits: Resource limits by :class:`~rollcage.cage.Limits` field name (soft = hard).
+        umask: Its file-mode creation mask.
+        cgroups: The rollout's ``cgroup.procs`` files it is moved into before it runs.
+        clear_groups: Clear the supplementary groups first (the template is root).
+    """
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    uid: int
+    gid: int
+    limits: dict[str, int | None] = field(default_factory=dict)
+    umask: int = 0o022
+    cgroups: list[str] = field(default_factory=list)
+    clear_groups: bool = True
+
+    def encode(self) -> bytes:
+        """The request as the template reads it."""
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> WarmRequest:
+        """Parse a request (from the trusted supervisor; a malformed one raises)."""
+        return cls(**json.loads(data))
+
+
+def template_main(argv: list[str]) -> int:
+    """``rollcage template FD PARENT``: serve worker starts on socket ``FD`` until it closes.
+
+    Exits at once if its parent is no longer ``PARENT`` (it would never be told to stop).
+    """
+    fd, parent = int(argv[0]), int(argv[1])
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        return 1
+    for name in WARM_MODULES:
+        __import__(name)
+    gc.collect()
+    gc.freeze()
+    # Each start's first child is reaped by the kernel: the template never waits.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST_BYTES, REQUEST_FDS + 1)
+        except InterruptedError:
+            continue
+        if not message:
+            return 0
+        try:
+            pid = os.fork() if len(fds) == REQUEST_FDS else -1
+        except OSError:
+            pid = -1
+        if pid == 0:
+            _enter(message, fds)
+        for received in fds:
+            os.close(received)
+
+
+def _say(fd: int, text: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, text.encode(errors="replace"))
+
+
+def _enter(message: bytes, fds: list[int]) -> NoReturn:
+    """The template's child: join the cage, fork the worker into it, report, wait, pass its status on."""
+    holder, life, report, log = fds
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # Not dying with the template: a template that dies fails only the starts it has not forked
+        # yet. This process outlives its worker by a moment at most (the worker dies with its cage).
+        request = WarmRequest.decode(message)
+        cgroups = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in request.cgroups]
+        if request.clear_groups:
+            os.setgroups([])
+        setns(holder, JOIN)
+        go_read, go_write = os.pipe()
+        worker = os.fork()
+    except BaseException as exc:
+        _say(log, f"rollcage: the warm worker could not enter its cage: {exc}\n")
+        _say(report, f"error {exc}\n")
+        os._exit(1)
+    if worker == 0:
+        os.close(go_write)
+        _become_worker(request, holder=holder, log=log, go=go_read, closing=[life, report, *cgroups])
+    os.close(go_read)
+    try:
+        for procs in cgroups:
+            os.write(procs, str(worker).encode())
+        os.write(go_write, b"g")
+    except OSError as exc:
+        reap_child(worker, kill=True)
+        _say(log, f"rollcage: the warm worker could not join its cgroups: {exc}\n")
+        _say(report, f"error cannot join the rollout's cgroups: {exc}\n")
+        os._exit(1)
+    os.close(go_write)
+    _say(report, f"pid {worker}\n")
+    os.close(report)
+    _say(life, f"{reap_child(worker)}\n")
+    os._exit(0)
+
+
+def _become_worker(request: WarmRequest, *, holder: int, log: int, go: int, closing: list[int]) -> NoReturn:
+    """The worker, born in the cage's PID namespace: become what a cold start runs, then run it."""
+    out = log
+    try:
+        for fd in closing:
+            os.close(fd)
+        if os.read(go, 1) != b"g":
+            os._exit(125)  # the parent could not move it into the cgroups
+        os.close(go)
+        # The supervisor knows a rollout's processes by the token in their environment, and people
+        # know a worker by its command line: not the template's, which a fork would show.
+        show_process([sys.executable, "-m", "rollcage", "worker", *request.argv], request.env)
+        drop_privileges(request.uid, request.gid)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != 0:
+            os._exit(125)  # the parent (outside this PID namespace) is already gone
+        set_limits(request.limits)
+        os.umask(request.umask)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        out = 2
+        os.closerange(3, 1 << 20)
+        os.chdir(request.cwd)
+        os.setsid()
+        os.environ.clear()
+        os.environ.update(request.env)
+        sys.argv = ["rollcage", "worker", *request.argv]
+    except BaseException as exc:
+        _say(out, f"rollcage: the warm worker could not take its cage's place: {exc}\n")
+        os._exit(125)
+    from rollcage.worker import run_worker
+
+    run_worker(request.argv)

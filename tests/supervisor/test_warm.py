@@ -1,0 +1,241 @@
+"""Warm worker starts (``rollcage.warm``): the worker forked into a cage is the one a cold start runs.
+
+Under bubblewrap as root the supervisor's default is a warm start: bubblewrap
+makes the cage as for a cold start, with a holder where the worker would be,
+and a pre-imported template forks the worker into the holder's namespaces. These
+tests look at the real worker process of a real rollout, from the host, in both
+ways, and hold the warm one to the cold one: credentials, capabilities, limits,
+namespaces, cgroups, environment, command line, working directory and open
+descriptors. Then what happens when the template dies, and when a start fails.
+The sandbox, escape and chaos suites run on the warm path as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollcage.policy import PolicyServer
+from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
+from rollcage.supervisor.bytecode import worker_bytecode
+from rollcage.supervisor.warm import template_for
+from tests.helpers.supervisor_env import requires_bwrap
+from tests.helpers.waiting import alive, wait_for_async
+from tests.helpers.worker_env import worker_input
+
+pytestmark = [requires_bwrap(), pytest.mark.bwrap]
+
+TOKEN = "ROLLCAGE_SUPERVISION_TOKEN"
+NAMESPACES = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup")
+STATUS_FIELDS = (
+    "Uid",
+    "Gid",
+    "Groups",
+    "CapInh",
+    "CapPrm",
+    "CapEff",
+    "CapBnd",
+    "CapAmb",
+    "NoNewPrivs",
+    "Seccomp",
+    "Umask",
+)
+
+
+def _prepare(root: Path, model_url: str) -> None:
+    root.mkdir()
+    (root / "workspace").mkdir()
+    (root / "input.json").write_text(json.dumps(worker_input(model_url=model_url, task_id="t")))
+
+
+def _rollout_processes(root: Path) -> dict[int, bytes]:
+    """The rollout's live processes (by the token in their environment): PID -> command line."""
+    token = (root / ".sandbox" / "token").read_text().strip()
+    marked = f"{TOKEN}={token}".encode()
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as file:
+                if marked not in file.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as file:
+                found[int(name)] = file.read()
+        except OSError:
+            continue
+    return found
+
+
+def _worker_of(root: Path) -> int | None:
+    """The rollout's worker: the interpreter in the sandbox running ``rollcage worker`` on the cage's input.
+
+    (bubblewrap, setpriv and prlimit carry the same words on their command lines, outside the
+    interpreter or the sandbox's PID namespace.)
+    """
+    for pid, cmdline in _rollout_processes(root).items():
+        words = cmdline.split(b"\0")
+        if b"worker" not in words or b"/rollout/input.json" not in words:
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as file:
+                interpreter = file.read().startswith("python")
+            with open(f"/proc/{pid}/status") as file:
+                depth = next(len(line.split()) - 1 for line in file if line.startswith("NSpid:"))
+        except OSError:
+            continue
+        if interpreter and depth >= 2:
+            return pid
+    return None
+
+
+def _describe(pid: int, *, token: str) -> dict[str, Any]:
+    """What a process is, from the host, with what differs between any two rollouts left out."""
+    with open(f"/proc/{pid}/status") as file:
+        status = dict(line.split(":", 1) for line in file.read().splitlines() if ":" in line)
+    with open(f"/proc/{pid}/environ", "rb") as file:
+        env = dict(
+            entry.decode().split("=", 1) for entry in file.read().split(b"\0") if entry and b"=" in entry
+        )
+    env[TOKEN] = "<token>" if env.get(TOKEN) == token else f"wrong: {env.get(TOKEN)}"
+    with open(f"/proc/{pid}/cmdline", "rb") as file:
+        words = file.read().split(b"\0")
+    with open(f"/proc/{pid}/limits") as file:
+        limits = file.read()
+    with open(f"/proc/{pid}/cgroup") as file:
+        # Which hierarchies hold it in a cgroup of its own (the rollout's), not the paths.
+        confined = sorted(line.split(":")[1] for line in file.read().splitlines() if "rollcage-" in line)
+    return {
+        "status": {name: status[name].strip() for name in STATUS_FIELDS},
+        "pid_depth": len(status["NSpid"].split()),
+        "leads_its_group": status["NSpgid"].split()[-1] == status["NSpid"].split()[-1],
+        "environ": env,
+        "args": [word.decode() for word in words[words.index(b"worker") :]],
+        "limits": limits,
+        "cgroups": confined,
+        "cwd": os.readlink(f"/proc/{pid}/cwd"),
+        "root_is_host": _file_id(f"/proc/{pid}/root/") == _file_id("/"),
+        "fds": sorted(int(fd) for fd in os.listdir(f"/proc/{pid}/fd")),
+    }
+
+
+def _file_id(path: str) -> tuple[int, int]:
+    info = os.stat(path)
+    return info.st_dev, info.st_ino
+
+
+def _namespaces(pid: int) -> dict[str, str]:
+    return {name: os.readlink(f"/proc/{pid}/ns/{name}") for name in NAMESPACES}
+
+
+async def _running_worker(mode: str, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A rollout in ``mode``, stopped while its worker waits on its first model call: worker, receipt."""
+    with PolicyServer({"tasks": {"t": [{"text": "never"}]}}, port=0, faults=["call=1:kind=hang"]) as server:
+        _prepare(root, server.base_url)
+        stop = asyncio.Event()
+        config = SupervisorConfig(deadline_s=120, grace_s=10, sandbox=BwrapSandbox(worker_start=mode))
+        task = asyncio.ensure_future(supervise(root, config, stop=stop))
+        try:
+            await wait_for_async(lambda: server.faults_injected, what=f"the {mode} worker's first model call")
+            pid = await wait_for_async(lambda: _worker_of(root), what=f"the {mode} worker's process")
+            token = (root / ".sandbox" / "token").read_text().strip()
+            seen = _describe(pid, token=token)
+            seen["namespaces"] = _namespaces(pid)
+            seen["others"] = {
+                other: _namespaces(other)
+                for other, cmdline in _rollout_processes(root).items()
+                if other != pid
+            }
+            seen["pid"] = pid
+        finally:
+            stop.set()
+            receipt = await task
+    return seen, receipt.model_dump()
+
+
+async def test_a_warm_worker_is_what_a_cold_start_runs(tmp_path: Path) -> None:
+    cold, cold_receipt = await _running_worker("cold", tmp_path / "cold")
+    warm, warm_receipt = await _running_worker("warm", tmp_path / "warm")
+
+    # Both were stopped on request and said so, through SIGTERM to the worker's group.
+    for receipt in (cold_receipt, warm_receipt):
+        assert receipt["outcome"] == "cancelled", receipt
+        assert receipt["result_valid"] and receipt["result_error"]["kind"] == "cancelled", receipt
+        assert receipt["cleanup_confirmed"] and receipt["descendants_killed"] == 0, receipt
+    for key in ("exit_code", "exit_signal"):
+        assert warm_receipt[key] == cold_receipt[key], key
+    assert warm_receipt["exit_signal"] == "SIGTERM"
+
+    # The same process, seen from the host.
+    for key in ("status", "pid_depth", "environ", "args", "limits", "cgroups", "cwd", "root_is_host", "fds"):
+        assert warm[key] == cold[key], key
+    assert warm["status"]["CapEff"] == warm["status"]["CapBnd"] == "0000000000000000"
+    assert warm["status"]["NoNewPrivs"] == "1"
+    assert warm["pid_depth"] == 3 and not warm["root_is_host"]
+    assert warm["cgroups"], "the warm worker is not in the rollout's cgroups"
+    assert warm["leads_its_group"], "SIGTERM to the worker's group must reach the warm worker"
+
+    # In the cage's namespaces, every one of them: those of its holder, none of the host's.
+    mine = _namespaces(os.getpid())
+    holders = [others for others in warm["others"].values() if others == warm["namespaces"]]
+    assert holders, f"no process of the sandbox shares the warm worker's namespaces: {warm['others']}"
+    for name in NAMESPACES:
+        assert warm["namespaces"][name] != mine[name], name
+        assert cold["namespaces"][name] != mine[name], name
+
+
+async def test_a_dead_template_fails_no_running_rollout_and_the_next_start_makes_a_new_one(
+    tmp_path: Path,
+) -> None:
+    template = template_for(worker_bytecode())
+    # Slow enough an answer that the template is gone while the worker waits for it.
+    with PolicyServer(
+        {"tasks": {"t": [{"text": "first"}]}}, port=0, faults=["call=1:kind=latency:delay=5"]
+    ) as server:
+        root = tmp_path / "first"
+        _prepare(root, server.base_url)
+        config = SupervisorConfig(deadline_s=120, grace_s=10, sandbox=BwrapSandbox())
+        task = asyncio.ensure_future(supervise(root, config))
+        await wait_for_async(lambda: server.faults_injected, what="the worker's first model call")
+        worker = await wait_for_async(lambda: _worker_of(root), what="the worker's process")
+        old = template.pid
+        assert old is not None
+        os.kill(old, signal.SIGKILL)
+        await wait_for_async(lambda: template.pid is None, what="the template's death")
+        assert alive(worker), "the worker died with the template"
+        receipt = await task
+    assert receipt.outcome == "completed", receipt.outcome_reason
+    with PolicyServer({"tasks": {"t": [{"text": "second"}]}}, port=0) as server:
+        root = tmp_path / "second"
+        _prepare(root, server.base_url)
+        receipt = await supervise(root, SupervisorConfig(deadline_s=120, sandbox=BwrapSandbox()))
+    assert receipt.outcome == "completed", receipt.outcome_reason
+    assert template.pid not in (None, old)
+
+
+async def test_a_start_that_cannot_enter_the_cage_is_an_infra_failure_that_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollcage.supervisor.budgets import RolloutBudgets
+
+    missing = tmp_path / "no-such-cgroup" / "cgroup.procs"
+    monkeypatch.setattr(RolloutBudgets, "cgroup_procs", lambda self: [str(missing)])
+    with PolicyServer({"tasks": {"t": [{"text": "never asked"}]}}, port=0) as server:
+        root = tmp_path / "r"
+        _prepare(root, server.base_url)
+        receipt = await supervise(root, SupervisorConfig(deadline_s=60, sandbox=BwrapSandbox()))
+        assert not server.requests, "a worker that was never started asked the model"
+    assert receipt.outcome == "infra_failure"
+    assert receipt.exit_code == 125
+    assert re.search(
+        r"worker was not started: the warm start failed: .*no-such-cgroup", receipt.outcome_reason
+    )
+    assert "could not enter its cage" in (root / "worker.log").read_text()
+    assert receipt.cleanup_confirmed and not (root / "result.json").exists()
