@@ -57,17 +57,6 @@ MAX_REQUEST_BYTES = 1 << 20
 REQUEST_FDS = 4
 """Descriptors sent with each request: holder pidfd, holder's stdin, report pipe, worker.log."""
 
-WARM_MODULES: tuple[str, ...] = (
-    "rollcage.worker",
-    "rollcage.model",
-    "rollcage.tools",
-    "rollcage.tools._repl",
-    "rollcage.cage",
-    "httpx",
-    "json",
-)
-"""What every rollout's worker imports, loaded once in the template (the rest is loaded on demand)."""
-
 
 @dataclass(frozen=True)
 class WarmRequest:
@@ -114,8 +103,9 @@ def template_main(argv: list[str]) -> int:
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         return 1
-    for name in WARM_MODULES:
-        __import__(name)
+    from rollcage.worker import warm_up
+
+    warm_up()
     gc.collect()
     gc.freeze()
     # Each start's first child is reaped by the kernel: the template never waits.

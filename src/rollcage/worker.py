@@ -76,6 +76,7 @@ __all__ = [
     "load_input",
     "parse_input",
     "run_worker",
+    "warm_up",
     "worker_main",
 ]
 
@@ -99,6 +100,57 @@ class _ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_INVALID_INPUT, f"{self.prog}: {message} (see --help)\n")
+
+
+WARM_MODULES: tuple[str, ...] = (
+    "rollcage.model",
+    "rollcage.model.http",
+    "rollcage.tools",
+    "rollcage.tools._repl",
+    "rollcage.cage",
+    "json",
+    "pydantic.plugin._loader",
+    # What httpcore loads once a request runs on the event loop, and asyncio's thread pool.
+    "anyio._backends._asyncio",
+    "anyio.to_thread",
+    "sniffio",
+    "concurrent.futures.thread",
+)
+"""What a rollout's worker imports after its start (the rest it imports with this module)."""
+
+
+def warm_up() -> int:
+    """Import and build, once, what every worker would otherwise import and build itself; how many models.
+
+    For a template whose forks run :func:`run_worker` (:mod:`rollcage.warm`): the
+    lazy imports, httpx's transport stack (httpcore, anyio, h11: imported by its
+    first transport), and every pydantic model of rollcage that defers its build to
+    its first use (validators and serializers, and pydantic's one look for plugins).
+    Nothing is opened, started or connected.
+    """
+    import importlib
+
+    import pydantic
+
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+    from rollcage.model.http import transport_for
+
+    transport_for("http://warm-up", uds=None)  # builds nothing but objects; never connects
+    built = 0
+    pending: list[type[pydantic.BaseModel]] = [pydantic.BaseModel]
+    seen: set[type[pydantic.BaseModel]] = set()
+    while pending:
+        for model in pending.pop().__subclasses__():
+            if model in seen:
+                continue
+            seen.add(model)
+            pending.append(model)
+            if model.__module__.startswith("rollcage.") and not model.__pydantic_complete__:
+                # A generic or a model with an unresolved name stays deferred: it is built where used.
+                with contextlib.suppress(pydantic.PydanticUserError, NameError, TypeError):
+                    built += bool(model.model_rebuild())
+    return built
 
 
 def run_worker(argv: list[str]) -> NoReturn:
