@@ -99,6 +99,9 @@ def template_main(argv: list[str]) -> int:
 
     Exits at once if its parent is no longer ``PARENT`` (it would never be told to stop).
     """
+    if len(argv) != 2 or not all(word.isdigit() for word in argv):
+        sys.stderr.write("rollcage template: started by the supervisor only (FD PARENT), not by hand\n")
+        return 2
     fd, parent = int(argv[0]), int(argv[1])
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:

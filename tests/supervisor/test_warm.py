@@ -239,3 +239,15 @@ async def test_a_start_that_cannot_enter_the_cage_is_an_infra_failure_that_says_
     )
     assert "could not enter its cage" in (root / "worker.log").read_text()
     assert receipt.cleanup_confirmed and not (root / "result.json").exists()
+
+
+def test_worker_start_is_a_sandbox_flag_warm_by_default() -> None:
+    import typer
+
+    from rollcage.commands._sandbox_options import WorkerStartChoice, bwrap_fields
+
+    assert BwrapSandbox().worker_start == "warm"
+    fields = bwrap_fields({"worker_start": WorkerStartChoice.cold}, sandbox="bwrap")
+    assert BwrapSandbox(**fields).worker_start == "cold"
+    with pytest.raises(typer.BadParameter, match="--worker-start needs --sandbox bwrap"):
+        bwrap_fields({"worker_start": WorkerStartChoice.cold}, sandbox="none")

@@ -610,9 +610,10 @@ class _Supervision:
         pass_fds = (*(() if status_fd is None else (status_fd,)), *plan.pass_fds)
         try:
             if plan.warm is not None:
-                template = template_for(self.bytecode)
-                # Its imports overlap the making of the cage (the first time only).
-                await asyncio.to_thread(template.start)
+                # Its imports overlap the making of the cage (the first time only). Started from this
+                # thread, not a pool's: it dies with the thread that started it (PR_SET_PDEATHSIG),
+                # and the loop's thread lives as long as the rollouts it supervises.
+                template_for(self.bytecode).start()
                 self.warm = WarmStart()
                 # The holder reads the worker's exit status on stdin and announces itself on stdout;
                 # bwrap's own words still go to the log.

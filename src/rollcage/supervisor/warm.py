@@ -90,7 +90,11 @@ class Template:
             return ours
 
     def start(self) -> None:
-        """Start the template now if none runs (blocking, a few ms: its imports go on by themselves)."""
+        """Start the template now if none runs (blocking, a few ms: its imports go on by themselves).
+
+        The template dies with the *thread* that started it (``PR_SET_PDEATHSIG``): start it
+        from a thread that outlives its rollouts (the event loop's), not a pool's.
+        """
         self._ensure()
 
     async def send(self, request: WarmRequest, fds: Sequence[int]) -> None:
