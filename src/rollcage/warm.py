@@ -189,7 +189,11 @@ def _become_worker(request: WarmRequest, *, holder: int, log: int, go: int, clos
         drop_privileges(request.uid, request.gid)
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != 0:
-            os._exit(125)  # the parent (outside this PID namespace) is already gone
+            # The parent lives outside this PID namespace (so it reads as 0); the sandbox's init took
+            # this process in: the parent is gone. (Taken in by the supervisor, a subreaper outside,
+            # it reads 0 as well: the holder then sees its stdin close, exits with 125, and the
+            # supervisor ends the sandbox with this process in it.)
+            os._exit(125)
         set_limits(request.limits)
         os.umask(request.umask)
         null = os.open("/dev/null", os.O_RDONLY)

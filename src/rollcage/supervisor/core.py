@@ -667,9 +667,11 @@ class _Supervision:
         if worker is not None:
             self.tree.adopt_worker(worker)
         elif self.warm.failure is not None:
-            # Its holder exits with 125 and no result: the receipt says why, as for any failed start.
+            # Its holder exits with 125 and no result: the receipt says why, as for any failed start;
+            # unless the rollout was being stopped meanwhile (a start cut short by a deadline times out).
             logger.error("rollout %s: %s", self.rollout_id, self.warm.failure)
-            self.setup_failure = f"the worker was not started: {self.warm.failure}"
+            if self.stop_cause is None:
+                self.setup_failure = f"the worker was not started: {self.warm.failure}"
 
     async def _read_bwrap_status(self, fd: int) -> None:
         """Read bwrap's JSON status: its first document names the sandbox's (outermost) init process."""

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from rollcage.errors import SupervisorError
 from rollcage.procs import PidHandle, environ_has, read_proc, wait_readable, within
-from rollcage.warm import REQUEST_FDS, WarmRequest
+from rollcage.warm import WarmRequest
 
 __all__ = ["Template", "WarmStart", "stop_templates", "template_for"]
 
@@ -225,12 +225,22 @@ class WarmStart:
         if holder is None:
             self.failure = f"the sandbox's holder (PID {holder_pid}) is gone or is not this rollout's"
             return None
+        try:
+            report = await self._hand_over(
+                template, request, holder=holder.fd, log_fd=log_fd, timeout_s=timeout_s
+            )
+            return None if report is None else self._worker_from(report, holder)
+        finally:
+            holder.close()
+
+    async def _hand_over(
+        self, template: Template, request: WarmRequest, *, holder: int, log_fd: int, timeout_s: float
+    ) -> bytes | None:
+        """Send the start and its descriptors; the report (``None``: not sent, :attr:`failure` says why)."""
         report_read, report_write = os.pipe()
         try:
-            fds = [holder.fd, self._stdin_write, report_write, log_fd]
-            assert len(fds) == REQUEST_FDS
             try:
-                await template.send(request, fds)
+                await template.send(request, [holder, self._stdin_write, report_write, log_fd])
             except SupervisorError as exc:
                 self.failure = str(exc)
                 return None
@@ -238,16 +248,12 @@ class WarmStart:
                 # The template's child holds its own copies now; without them the holder exits.
                 os.close(report_write)
                 self._close_fd(self._stdin_write)
-            report = await within(_read_report(report_read), timeout_s)
+            return await within(_read_report(report_read), timeout_s) or b""
         finally:
             os.close(report_read)
-        try:
-            return self._worker_from(report, holder)
-        finally:
-            holder.close()
 
-    def _worker_from(self, report: bytes | None, holder: PidHandle) -> PidHandle | None:
-        words = (report or b"").decode(errors="replace").strip()
+    def _worker_from(self, report: bytes, holder: PidHandle) -> PidHandle | None:
+        words = report.decode(errors="replace").strip()
         if not words.startswith("pid "):
             self.failure = f"the warm start failed: {words.removeprefix('error ') or 'no report'}"
             return None
