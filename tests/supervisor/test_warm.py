@@ -201,7 +201,7 @@ async def test_a_dead_template_fails_no_running_rollout_and_the_next_start_makes
     ) as server:
         root = tmp_path / "first"
         _prepare(root, server.base_url)
-        config = SupervisorConfig(deadline_s=120, grace_s=10, sandbox=BwrapSandbox())
+        config = SupervisorConfig(deadline_s=120, grace_s=10, sandbox=BwrapSandbox(worker_start="warm"))
         task = asyncio.ensure_future(supervise(root, config))
         await wait_for_async(lambda: server.faults_injected, what="the worker's first model call")
         worker = await wait_for_async(lambda: _worker_of(root), what="the worker's process")
@@ -215,7 +215,9 @@ async def test_a_dead_template_fails_no_running_rollout_and_the_next_start_makes
     with PolicyServer({"tasks": {"t": [{"text": "second"}]}}, port=0) as server:
         root = tmp_path / "second"
         _prepare(root, server.base_url)
-        receipt = await supervise(root, SupervisorConfig(deadline_s=120, sandbox=BwrapSandbox()))
+        receipt = await supervise(
+            root, SupervisorConfig(deadline_s=120, sandbox=BwrapSandbox(worker_start="warm"))
+        )
     assert receipt.outcome == "completed", receipt.outcome_reason
     assert template.pid not in (None, old)
 
@@ -230,7 +232,9 @@ async def test_a_start_that_cannot_enter_the_cage_is_an_infra_failure_that_says_
     with PolicyServer({"tasks": {"t": [{"text": "never asked"}]}}, port=0) as server:
         root = tmp_path / "r"
         _prepare(root, server.base_url)
-        receipt = await supervise(root, SupervisorConfig(deadline_s=60, sandbox=BwrapSandbox()))
+        receipt = await supervise(
+            root, SupervisorConfig(deadline_s=60, sandbox=BwrapSandbox(worker_start="warm"))
+        )
         assert not server.requests, "a worker that was never started asked the model"
     assert receipt.outcome == "infra_failure"
     assert receipt.exit_code == 125
