@@ -6,7 +6,7 @@ cold start (:func:`~rollcage.cage.cage_argv`); its payload is then only a holder
 joins the holder's namespaces (``setns`` through a pidfd, all at once) and then
 takes away from itself everything bubblewrap, ``setpriv`` and ``prlimit`` would
 have: supplementary groups, capabilities (bounding, ambient, permitted,
-effective), the uid and gid, the right to gain privileges, the resource limits,
+effective, inheritable), the uid and gid, the right to gain privileges, the resource limits,
 every inherited descriptor. What is left is the process a cold start would have
 run, with the interpreter already warm.
 
@@ -46,13 +46,12 @@ JOIN = (
 )
 """The holder's namespaces, joined at once by the template's child before it forks the worker (the PID
 namespace takes effect for the fork). At once, and while the caller still holds the capabilities
-it came with: bubblewrap nests a second user namespace to set the cage's uid, so the cgroup and
-mount namespaces belong to one the holder's own user namespace has no capability over."""
+it came with: bubblewrap nests a second user namespace to set the cage's uid, so the cage's cgroup
+namespace belongs to the outer one, over which the holder's own user namespace gives none."""
 
 PR_SET_PDEATHSIG = 1
 PR_SET_MM = 35
 PR_SET_MM_MAP = 14
-PR_SET_DUMPABLE = 4
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
