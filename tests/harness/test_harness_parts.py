@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import tempfile
+import termios
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -118,6 +120,8 @@ async def test_forwarder_records_each_model_call_before_the_harness_sees_its_end
         async with httpx.AsyncClient(timeout=30) as client:
             pending = asyncio.ensure_future(chat(client, fwd.base_url))
             await wait_for_async(lambda: seen, within_s=30, what="the exchange to be recorded")
+            # A negative needs a window: had the forwarder answered without waiting for the record,
+            # the answer would be back well within it (it has the whole upstream response already).
             await asyncio.sleep(0.2)
             assert not pending.done()
             release.set()
@@ -277,6 +281,11 @@ async def rig(policy: PolicyServer, short_dir: Path) -> AsyncIterator[Rig]:
         await journal.aclose()
 
 
+def _unread(fd: int) -> int:
+    """Bytes waiting in a pipe (FIONREAD)."""
+    return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), "little")
+
+
 async def test_the_proxy_refuses_model_calls_past_its_limit_and_they_are_no_model_calls(rig: Rig) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         statuses = [(await chat(client, rig.forwarder.base_url)).status_code for _ in range(3)]
@@ -319,7 +328,8 @@ async def test_the_journal_keeps_model_calls_from_the_capture_and_relayed_tool_c
                 kind="tool_call", at=time.time(), tool_calls=[done], reported_by="supervisor"
             )
             os.write(write_fd, relay_line(record, after=2))
-            await asyncio.sleep(0.1)
+            # Taken off the pipe by the journal's pump, which then holds it for the second call.
+            await wait_for_async(lambda: _unread(read_fd) == 0, within_s=30, what="the relayed line read")
             # The harness's next request: its history, the model's tool call (its server id) and the output.
             answer = first.json()["choices"][0]["message"]
             history = [
