@@ -46,7 +46,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
-from rollcage.cage import JOIN, PR_SET_PDEATHSIG, drop_privileges, prctl, set_limits, setns, show_process
+from rollcage.cage import JOIN, PR_SET_PDEATHSIG, Limits, drop_privileges, prctl, setns, show_process
 from rollcage.procs import reap_child
 
 __all__ = ["MAX_REQUEST_BYTES", "REQUEST_FDS", "WarmRequest", "template_main"]
@@ -68,7 +68,7 @@ class WarmRequest:
         cwd: Its working directory in the cage.
         uid: The uid it runs as, in the cage's user namespace.
         gid: Likewise, the gid.
-        limits: Resource limits by :class:`~rollcage.cage.Limits` field name (soft = hard).
+        limits: The cage's :class:`~rollcage.cage.Limits`, by field name (soft = hard).
         umask: Its file-mode creation mask.
         cgroups: The rollout's ``cgroup.procs`` files it is moved into before it runs.
         clear_groups: Clear the supplementary groups first (the template is root).
@@ -194,7 +194,7 @@ def _become_worker(request: WarmRequest, *, holder: int, log: int, go: int, clos
             # it reads 0 as well: the holder then sees its stdin close, exits with 125, and the
             # supervisor ends the sandbox with this process in it.)
             os._exit(125)
-        set_limits(request.limits)
+        Limits(**request.limits).apply()
         os.umask(request.umask)
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)

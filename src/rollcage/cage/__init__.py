@@ -67,7 +67,6 @@ from rollcage.cage._enter import (
     PR_SET_PDEATHSIG,
     drop_privileges,
     prctl,
-    set_limits,
     setns,
     show_process,
 )
@@ -109,7 +108,6 @@ __all__ = [
     "python_paths",
     "remove_cgroup",
     "run_contained",
-    "set_limits",
     "setns",
     "show_process",
     "system_mounts",

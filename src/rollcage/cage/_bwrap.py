@@ -27,12 +27,13 @@ import functools
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollcage.errors import SandboxError
@@ -116,17 +117,36 @@ class Limits:
     open_files: int | None = None
     core_bytes: int | None = 0
 
+    def _set(self) -> Iterator[tuple[str, int, int]]:
+        """``(prlimit flag, RLIMIT_*, value)`` of each limit that is set."""
+        for name, (flag, which) in _RLIMITS.items():
+            value = getattr(self, name)
+            if value is not None:
+                yield flag, which, value
+
     def prlimit_args(self) -> list[str]:
         """``prlimit`` options for these limits."""
-        limits = {
-            "--as": self.address_space_bytes,
-            "--nproc": self.max_processes,
-            "--fsize": self.file_size_bytes,
-            "--cpu": self.cpu_seconds,
-            "--nofile": self.open_files,
-            "--core": self.core_bytes,
-        }
-        return [f"{flag}={value}" for flag, value in limits.items() if value is not None]
+        return [f"{flag}={value}" for flag, _, value in self._set()]
+
+    def apply(self) -> None:
+        """Set these limits on this process, as ``prlimit`` would before the command (soft = hard).
+
+        Raises:
+            OSError: A limit could not be set (above a hard limit this process cannot raise).
+        """
+        for _, which, value in self._set():
+            resource.setrlimit(which, (value, value))
+
+
+_RLIMITS: dict[str, tuple[str, int]] = {
+    "address_space_bytes": ("--as", resource.RLIMIT_AS),
+    "max_processes": ("--nproc", resource.RLIMIT_NPROC),
+    "file_size_bytes": ("--fsize", resource.RLIMIT_FSIZE),
+    "cpu_seconds": ("--cpu", resource.RLIMIT_CPU),
+    "open_files": ("--nofile", resource.RLIMIT_NOFILE),
+    "core_bytes": ("--core", resource.RLIMIT_CORE),
+}
+"""Each :class:`Limits` field: its ``prlimit`` flag and its ``setrlimit`` resource."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import resource
 from collections.abc import Mapping
 
 __all__ = [
@@ -28,7 +27,6 @@ __all__ = [
     "PR_SET_PDEATHSIG",
     "drop_privileges",
     "prctl",
-    "set_limits",
     "setns",
     "show_process",
 ]
@@ -237,25 +235,3 @@ def drop_privileges(uid: int, gid: int) -> None:
             name, _, value = line.partition(":")
             if name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb") and int(value, 16) != 0:
                 raise OSError(errno.EPERM, f"a capability is left after dropping privileges: {line.strip()}")
-
-
-_LIMITS: Mapping[str, int] = {
-    "address_space_bytes": resource.RLIMIT_AS,
-    "max_processes": resource.RLIMIT_NPROC,
-    "file_size_bytes": resource.RLIMIT_FSIZE,
-    "cpu_seconds": resource.RLIMIT_CPU,
-    "open_files": resource.RLIMIT_NOFILE,
-    "core_bytes": resource.RLIMIT_CORE,
-}
-
-
-def set_limits(limits: Mapping[str, int | None]) -> None:
-    """Set each limit named as in :class:`~rollcage.cage.Limits` (soft = hard; ``None``: unchanged).
-
-    Raises:
-        OSError: A limit could not be set.
-        KeyError: A name is not a known limit.
-    """
-    for name, value in limits.items():
-        if value is not None:
-            resource.setrlimit(_LIMITS[name], (value, value))

@@ -207,6 +207,19 @@ async def wait_readable(fd: int) -> None:
         loop.remove_reader(fd)
 
 
+async def read_ready(fd: int, size: int = 65536) -> bytes:
+    """Wait until the non-blocking ``fd`` is readable and read what is there; ``b""`` at end of file.
+
+    **Cancellation:** nothing is read.
+    """
+    while True:
+        await wait_readable(fd)
+        try:
+            return os.read(fd, size)
+        except BlockingIOError:
+            continue
+
+
 def _poll_fd(fd: int) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)

@@ -56,9 +56,9 @@ from rollcage.procs import (
     ensure_subreaper,
     environ_has,
     first_of,
+    read_ready,
     scan_processes,
     shielded,
-    wait_readable,
     within,
 )
 from rollcage.protocol import (
@@ -83,7 +83,7 @@ from rollcage.supervisor.sandbox import (
     worker_environment,
 )
 from rollcage.supervisor.tree import WorkerTree
-from rollcage.supervisor.warm import WarmStart, template_for
+from rollcage.supervisor.warm import Template, WarmStart, template_for
 
 __all__ = ["Supervised", "default_worker_command", "kill_leftovers", "supervise", "supervise_rollout"]
 
@@ -288,7 +288,8 @@ class _Supervision:
         self.warm: WarmStart | None = None
         """A warm start's pipes (see :mod:`rollcage.warm`), from just before bwrap is spawned."""
         self.warm_task: asyncio.Task[None] | None = None
-        self.bytecode: str | None = None
+        self.template: Template | None = None
+        """The warm template this rollout's worker is forked from (its bytecode cache's); ``None``: cold."""
 
     # ----------------------------------------------------------------- check and prepare
 
@@ -430,17 +431,9 @@ class _Supervision:
         bytecode: str | None = None
         if self.config.worker_command is None:
             bytecode = await asyncio.to_thread(worker_bytecode)
-        self.bytecode = bytecode
         command = self.config.worker_command or default_worker_command(bytecode)
         relay_write = await self._open_journal()
-        warm = (
-            isinstance(self.config.sandbox, BwrapSandbox)
-            and self.config.sandbox.worker_start == "warm"
-            and isinstance(self.launcher, BwrapLauncher)
-            and self.launcher.owner is not None
-            and self.config.worker_command is None
-            and relay_write is None
-        )
+        self.template = self._warm_template(bytecode, relayed=relay_write is not None)
         if relay_write is not None:
             env[RELAY_FD_ENV] = str(relay_write)
         harness_env = self.original.harness_env
@@ -471,7 +464,7 @@ class _Supervision:
                     extra_ro=[*harness_mounts, *([bytecode] if bytecode is not None else [])],
                     worker_journal=self.journal is None,
                     pass_fds=() if relay_write is None else (relay_write,),
-                    warm_cgroups=self.budgets.cgroup_procs() if warm else None,
+                    warm_cgroups=self.budgets.cgroup_procs() if self.template is not None else None,
                 )
             else:
                 self.plan = plan = self.launcher.plan(
@@ -499,6 +492,24 @@ class _Supervision:
         if self.turn is not None:
             self.start_task = asyncio.ensure_future(self._hold_turn())
         await self._watch(self.child)
+
+    def _warm_template(self, bytecode: str | None, *, relayed: bool) -> Template | None:
+        """The template to fork this rollout's worker from (:mod:`rollcage.warm`); ``None``: start it cold.
+
+        Warm only where its start is equivalent and tested: bwrap as root (two stages), rollcage's own
+        worker, no relay to the supervisor (a harness rollout).
+        """
+        sandbox = self.config.sandbox
+        if (
+            not isinstance(sandbox, BwrapSandbox)
+            or sandbox.worker_start != "warm"
+            or not isinstance(self.launcher, BwrapLauncher)
+            or self.launcher.owner is None
+            or self.config.worker_command is not None
+            or relayed
+        ):
+            return None
+        return template_for(bytecode)
 
     async def _open_journal(self) -> int | None:
         """For a harness rollout behind the proxy: this side's journal and the relay pipe's write end.
@@ -610,10 +621,11 @@ class _Supervision:
         pass_fds = (*(() if status_fd is None else (status_fd,)), *plan.pass_fds)
         try:
             if plan.warm is not None:
+                assert self.template is not None
                 # Its imports overlap the making of the cage (the first time only). Started from this
                 # thread, not a pool's: it dies with the thread that started it (PR_SET_PDEATHSIG),
                 # and the loop's thread lives as long as the rollouts it supervises.
-                template_for(self.bytecode).start()
+                self.template.start()
                 self.warm = WarmStart()
                 # The holder reads the worker's exit status on stdin and announces itself on stdout;
                 # bwrap's own words still go to the log.
@@ -653,10 +665,10 @@ class _Supervision:
     async def _start_warm(self, plan: LaunchPlan) -> None:
         """Have the template fork the worker into the cage once its holder is there; hold the worker."""
         assert self.warm is not None and plan.warm is not None and self.log_fd is not None
-        assert self.tree is not None
+        assert self.tree is not None and self.template is not None
         try:
             worker = await self.warm.start(
-                template_for(self.bytecode),
+                self.template,
                 plan.warm,
                 log_fd=self.log_fd,
                 marked=f"{TOKEN_ENV}={self.token}",
@@ -679,11 +691,7 @@ class _Supervision:
         buffer = b""
         try:
             while True:
-                await wait_readable(fd)
-                try:
-                    chunk = os.read(fd, 4096)
-                except BlockingIOError:
-                    continue
+                chunk = await read_ready(fd, 4096)
                 if not chunk:
                     return
                 buffer += chunk

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Sequence
 
 from rollcage.errors import SupervisorError
-from rollcage.procs import PidHandle, environ_has, read_proc, wait_readable, within
+from rollcage.procs import PidHandle, environ_has, read_proc, read_ready, wait_readable, within
 from rollcage.warm import WarmRequest
 
 __all__ = ["Template", "WarmStart", "stop_templates", "template_for"]
@@ -305,11 +305,7 @@ async def _read_report(fd: int) -> bytes:
     os.set_blocking(fd, False)
     data = b""
     while b"\n" not in data and len(data) < _REPORT_MAX:
-        await wait_readable(fd)
-        try:
-            chunk = os.read(fd, _REPORT_MAX)
-        except BlockingIOError:
-            continue
+        chunk = await read_ready(fd, _REPORT_MAX)
         if not chunk:
             break
         data += chunk
