@@ -212,7 +212,9 @@ async def test_first_of_ends_the_other_waits_and_says_which_finished() -> None:
 async def test_command_name_names_a_live_process_and_none_once_it_is_gone(tmp_path: Path) -> None:
     proc, exited = await _spawn(tmp_path, "sleep", "30")
     try:
-        assert command_name(proc.pid) == "sleep"
+        # The spawn returns once exec has closed the error pipe, which the kernel does a
+        # moment before it renames the process: "python" until then.
+        await wait_for_async(lambda: command_name(proc.pid) == "sleep", what="the child to exec sleep")
     finally:
         proc.kill()
         await asyncio.wait_for(exited, 10)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tests.helpers.waiting import alive, wait_for
 
-__all__ = ["RayCluster", "RayNode", "free_port"]
+__all__ = ["RayCluster", "RayNode", "free_port", "free_ports"]
 
 MARKER_ENV = "ROLLCAGE_TEST_RAY_CLUSTER"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -31,9 +31,23 @@ START_TIMEOUT_S = 180.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """One loopback port free right now."""
+    (port,) = free_ports(1)
+    return port
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports free right now.
+
+    Every socket stays bound until all are chosen: ports asked for one at a time may
+    come back equal (the kernel hands a just-closed port out again), and Ray refuses
+    to start when two of its components are given the same port.
+    """
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def marked_processes(marker: str) -> list[int]:
@@ -125,14 +139,19 @@ class RayCluster:
         env.update(self.env)
         return env
 
-    def _start(self, name: str, *args: str) -> RayNode:
+    def _start(self, name: str, *args: str, agent_port: int | None = None) -> RayNode:
         temp_dir = self.root / name / "ray"
         scratch_tmp = self.root / name / "tmp"
         temp_dir.mkdir(parents=True, exist_ok=True)
         scratch_tmp.mkdir(parents=True, exist_ok=True)
         log = self.root / name / "ray-start.log"
         command = [RAY, "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1"]
-        command += ["--temp-dir", str(temp_dir), "--dashboard-agent-listen-port", str(free_port())]
+        command += [
+            "--temp-dir",
+            str(temp_dir),
+            "--dashboard-agent-listen-port",
+            str(agent_port or free_port()),
+        ]
         command += ["--disable-usage-stats", *args]
         with log.open("ab") as out:
             proc = subprocess.Popen(
@@ -157,7 +176,7 @@ class RayCluster:
         return node
 
     def start_head(self) -> RayNode:
-        port = free_port()
+        port, dashboard, agent = free_ports(3)
         self.address = f"127.0.0.1:{port}"
         return self._start(
             "head",
@@ -167,7 +186,8 @@ class RayCluster:
             "--include-dashboard",
             "false",
             "--dashboard-port",
-            str(free_port()),
+            str(dashboard),
+            agent_port=agent,
         )
 
     def add_worker(self) -> RayNode:
