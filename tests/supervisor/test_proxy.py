@@ -26,7 +26,7 @@ import pytest
 
 from rollcage.protocol import CaptureExchange, WorkerInput, WorkerResult
 from rollcage.supervisor import ProxyConfig, supervise
-from rollcage.supervisor.proxy import EgressProxy, Route, routes_for, sandbox_input
+from rollcage.supervisor.proxy import _POOL_USERS, EgressProxy, Route, routes_for, sandbox_input
 from tests.helpers.supervisor_env import (
     HELPERS,
     bwrap_usable,
@@ -397,6 +397,24 @@ async def test_rollouts_share_kept_alive_upstream_connections_and_each_captures_
         "chatcmpl-3",
         "chatcmpl-2",
     ]
+
+
+async def test_a_pool_is_shared_by_at_most_its_number_of_rollouts_then_another_opens(
+    upstream: Upstream, short_dir: Path
+) -> None:
+    # httpcore's pool looks at every connection it holds on each request: one pool for all of a
+    # big run's rollouts cost more than forwarding their requests.
+    async with contextlib.AsyncExitStack() as stack:
+        proxies = [
+            await stack.enter_async_context(rollout_proxy(upstream, short_dir / f"r{n}", f"r{n}"))
+            for n in range(_POOL_USERS + 1)
+        ]
+        for harness in proxies:
+            assert (await harness.client.post("/resource/weather/echo", json={})).status_code == 200
+        # The first pool's rollouts took turns on one connection; the next rollout is in a pool of its own.
+        assert upstream.connections == 2
+        first_pool = {proxy._borrowed[0].pool for proxy in (h.proxy for h in proxies[:_POOL_USERS])}
+        assert len(first_pool) == 1 and proxies[-1].proxy._borrowed[0].pool not in first_pool
 
 
 async def test_a_response_cut_off_for_one_rollout_never_reaches_another(

@@ -51,9 +51,10 @@ connections (twice ``max_request_bytes``; 503 past it) and the capture's bytes.
 Request bodies are read whole; responses are streamed back chunk by chunk, so
 server-sent events arrive as they are produced.
 
-Upstream connections are pooled per upstream and shared by every proxy of the
+Upstream connections are pooled per upstream and shared by the proxies of the
 event loop (kept alive, reused by whichever rollout asks next; see
-``_UpstreamPools``); only a completely read response gives its connection back.
+``_UpstreamPools``), in pools of at most ``_POOL_USERS`` rollouts each; only a
+completely read response gives its connection back.
 The capture, the credential and the identity headers stay per rollout.
 
 The proxy runs its own accept loop rather than ``asyncio.start_unix_server``:
@@ -147,9 +148,13 @@ _CHUNK = 65536
 _MAX_HEAD = 64 * 1024
 _PREFIX_BYTES = 64 * 1024
 _BACKLOG = 64
-# Idle upstream connections kept per shared pool (one pool per upstream, shared by every rollout):
-# enough for every rollout in flight at C=256 to find one warm.
-_POOL_KEEPALIVE = 256
+# Rollouts per shared pool. httpcore's pool looks at every connection it holds each time a request
+# comes or a response ends (a readability poll per idle one, and for each a count of the idle ones),
+# so one pool for 256 rollouts cost more than forwarding their requests; pools of 16 keep that
+# small and still let a rollout find a connection another left warm.
+_POOL_USERS = 16
+# Idle upstream connections kept per pool: two per rollout that uses it.
+_POOL_KEEPALIVE = 2 * _POOL_USERS
 # An idle pooled connection is dropped well before a server would close it (uvicorn: 5 s), so a
 # request is rarely sent on a connection the server is closing at that moment (it would fail: 502).
 _POOL_IDLE_S = 2.0
@@ -264,36 +269,41 @@ class _Refusal(Exception):
         self.message = message
 
 
-@functools.cache
 class _Pool:
-    """One upstream's connection pool, shared by every proxy of this event loop that routes to it."""
+    """One upstream's connection pool, shared by up to ``_POOL_USERS`` proxies of this event loop."""
 
-    def __init__(self, transport: httpx.AsyncHTTPTransport) -> None:
+    def __init__(self, key: tuple[str, str | None], transport: httpx.AsyncHTTPTransport) -> None:
+        self.key = key
         self.transport = transport
         self.users = 0
 
 
 class _UpstreamPools:
-    """The upstream connection pools of one event loop, one per (base URL, Unix socket).
+    """The upstream connection pools of one event loop, per (base URL, Unix socket).
 
     Every rollout's proxy used to open its own connections, so 256 rollouts made 256
     TLS/TCP handshakes to the same model server at once (``ConnectTimeout`` on a busy
-    machine); now a rollout's request reuses a kept-alive connection that any rollout
-    left idle. Only whole, completed responses return a connection to the pool
-    (httpcore closes one whose response was cut off), so no bytes of one rollout's
-    exchange reach another's. The pool has no cap of its own: each rollout's
-    connections are already capped at accept, so no rollout can starve the others of
-    upstream connections. A pool is closed when its last proxy leaves.
+    machine); now a rollout's request reuses a kept-alive connection that another
+    rollout of its pool left idle. A proxy joins the first pool of its upstream with
+    room (``_POOL_USERS``), so rollouts fill one pool before the next is opened.
+    Only whole, completed responses return a connection to the pool (httpcore closes
+    one whose response was cut off), so no bytes of one rollout's exchange reach
+    another's. A pool has no connection cap of its own: each rollout's connections
+    are already capped at accept, so no rollout can starve the others of upstream
+    connections. A pool is closed when its last proxy leaves.
     """
 
     def __init__(self) -> None:
-        self._pools: dict[tuple[str, str | None], _Pool] = {}
+        self._pools: dict[tuple[str, str | None], list[_Pool]] = {}
         self._lock = asyncio.Lock()
 
-    async def acquire(self, route: Route) -> httpx.AsyncBaseTransport:
+    async def acquire(self, route: Route) -> _Borrowed:
+        """A transport of a pool of ``route``'s upstream with room, opened if none has; give it back with
+        :meth:`release`."""
         key = (route.upstream, route.uds)
         async with self._lock:
-            pool = self._pools.get(key)
+            pools = self._pools.setdefault(key, [])
+            pool = next((p for p in pools if p.users < _POOL_USERS), None)
             if pool is None:
                 context = await asyncio.to_thread(_ssl_context)
                 limits = httpx.Limits(
@@ -302,29 +312,32 @@ class _UpstreamPools:
                     keepalive_expiry=_POOL_IDLE_S,
                 )
                 transport = httpx.AsyncHTTPTransport(uds=route.uds, retries=0, verify=context, limits=limits)
-                pool = self._pools[key] = _Pool(transport)
+                pool = _Pool(key, transport)
+                pools.append(pool)
             pool.users += 1
-        return _Borrowed(pool.transport)
+        return _Borrowed(pool)
 
-    async def release(self, route: Route) -> None:
-        key = (route.upstream, route.uds)
-        pool = self._pools.get(key)
-        if pool is None:
-            return
+    async def release(self, borrowed: _Borrowed) -> None:
+        """Give back a transport from :meth:`acquire`; its pool is closed when its last user leaves."""
+        pool = borrowed.pool
         pool.users -= 1
         if pool.users == 0:
-            del self._pools[key]
+            pools = self._pools.get(pool.key, [])
+            if pool in pools:
+                pools.remove(pool)
+            if not pools:
+                self._pools.pop(pool.key, None)
             await shielded(pool.transport.aclose())
 
 
 class _Borrowed(httpx.AsyncBaseTransport):
     """A shared pool's transport as one proxy's client sees it: closing the client leaves it open."""
 
-    def __init__(self, transport: httpx.AsyncHTTPTransport) -> None:
-        self._transport = transport
+    def __init__(self, pool: _Pool) -> None:
+        self.pool = pool
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return await self._transport.handle_async_request(request)
+        return await self.pool.transport.handle_async_request(request)
 
     async def aclose(self) -> None:
         return None
@@ -343,6 +356,7 @@ def _upstream_pools() -> _UpstreamPools:
     return pools
 
 
+@functools.cache
 def _ssl_context() -> ssl.SSLContext:
     # Loading the CA bundle takes tens of milliseconds: do it once per process, not per rollout
     # (a context is safe to share between connections and clients).
@@ -665,7 +679,7 @@ class EgressProxy(AsyncClosing):
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
         self._clients: dict[str, httpx.AsyncClient] = {}
-        self._borrowed: list[Route] = []
+        self._borrowed: list[_Borrowed] = []
         self._handlers: dict[asyncio.Task[None], _Connection] = {}
         self._buffered = 0
         self._joined = False
@@ -720,7 +734,7 @@ class EgressProxy(AsyncClosing):
                     pool=self._config.connect_timeout_s,
                 )
                 transport = await pools.acquire(route)
-                self._borrowed.append(route)
+                self._borrowed.append(transport)
                 self._clients[route.prefix] = httpx.AsyncClient(
                     transport=transport,
                     timeout=timeout,
@@ -786,8 +800,8 @@ class EgressProxy(AsyncClosing):
             await client.aclose()
         if self._borrowed:
             pools = _upstream_pools()
-            for route in self._borrowed:
-                await pools.release(route)
+            for borrowed in self._borrowed:
+                await pools.release(borrowed)
             self._borrowed.clear()
         await self._capture.close()
         with contextlib.suppress(FileNotFoundError):
