@@ -82,6 +82,7 @@ from rollcage.supervisor.sandbox import (
     RolloutLayout,
     worker_environment,
 )
+from rollcage.supervisor.stopfiles import watch_stop_file
 from rollcage.supervisor.tree import WorkerTree
 from rollcage.supervisor.warm import Template, WarmStart, template_for
 
@@ -744,14 +745,12 @@ class _Supervision:
             self._over_budget.set()
 
     async def _stop_arrives(self) -> None:
-        """Return once a stop is asked for: the event, or the stop file."""
-        while True:
-            if await asyncio.to_thread(os.path.exists, self.layout.stop):
-                return
+        """Return once a stop is asked for: the event, or the stop file (see :mod:`.stopfiles`)."""
+        async with watch_stop_file(self.layout.stop, self.config.stop_poll_s) as seen:
             if self.stop_event is None:
-                await asyncio.sleep(self.config.stop_poll_s)
-            elif await within(self.stop_event.wait(), self.config.stop_poll_s) is not None:
-                return
+                await seen.wait()
+            else:
+                await first_of(seen.wait(), self.stop_event.wait())
 
     def hurry(self) -> None:
         """A second cancellation: skip what is left of the grace period."""
