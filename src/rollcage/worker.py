@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -124,12 +125,14 @@ def warm_up() -> int:
 
     For a template whose forks run :func:`run_worker` (:mod:`rollcage.warm`): the
     lazy imports, httpx's transport stack (httpcore, anyio, h11: imported by its
-    first transport), and every pydantic model of rollcage that defers its build to
-    its first use (validators and serializers, and pydantic's one look for plugins).
-    Nothing is opened, started or connected.
+    first transport) and its cookie handling, the command-line parser, and every
+    pydantic model of rollcage that defers its build to its first use (validators
+    and serializers, and pydantic's one look for plugins). Nothing is opened,
+    started or connected.
     """
     import importlib
 
+    import httpx
     import pydantic
 
     for name in WARM_MODULES:
@@ -137,6 +140,11 @@ def warm_up() -> int:
     from rollcage.model.http import transport_for
 
     transport_for("http://warm-up", uds=None)  # builds nothing but objects; never connects
+    # A response's cookies are read through urllib's request, whose regular expressions compile on first use.
+    request = httpx.Request("POST", "http://warm-up/v1")
+    httpx.Cookies().extract_cookies(httpx.Response(200, request=request))
+    # The command line, made and parsed once (argparse compiles its patterns as it goes).
+    _parser().parse_args(["/rollout/input.json", "/rollout/result.json", "--workspace", "/rollout/workspace"])
     built = 0
     pending: list[type[pydantic.BaseModel]] = [pydantic.BaseModel]
     seen: set[type[pydantic.BaseModel]] = set()
@@ -178,8 +186,9 @@ def run_worker(argv: list[str]) -> NoReturn:
         os._exit(code)
 
 
-def worker_main(argv: list[str]) -> int:
-    """Run the worker with command-line arguments; return the exit code."""
+@functools.cache
+def _parser() -> _ArgumentParser:
+    """The worker's command line (made once: a warm template makes it for all its workers)."""
     parser = _ArgumentParser(prog="rollcage worker", description="Run one rollout (sandbox entrypoint).")
     parser.add_argument("input", type=Path, help="input.json (WorkerInput)")
     parser.add_argument("result", type=Path, help="where result.json is published")
@@ -196,13 +205,21 @@ def worker_main(argv: list[str]) -> int:
         help="an earlier attempt's journal, replayed when input.json asks to resume "
         "(default: resume.jsonl beside RESULT)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def worker_main(argv: list[str]) -> int:
+    """Run the worker with command-line arguments; return the exit code."""
+    args = _parser().parse_args(argv)
     level = os.environ.get("ROLLCAGE_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(
         level=level if level in logging.getLevelNamesMapping() else "INFO",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if logging.getLogger().level > logging.DEBUG:
+        # httpx logs every request at INFO; the proxy's capture already holds each one, whole.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     base = args.result.parent
     paths = _Paths(
         input=args.input,
