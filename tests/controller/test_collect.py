@@ -126,8 +126,15 @@ async def test_breaking_out_of_a_bare_loop_still_stops_the_run(tmp_path: Path) -
         await fake.wait_in_flight(1)
         break
     gc.collect()  # the abandoned iterator is closed when collected, as CPython does at once
+    # The stop is asked for and the fake has returned before the run writes the stopped rollout's
+    # record: wait for the records, not only for those two.
     await wait_for_async(
-        lambda: fake.in_flight == 0 and collection.summary().interrupted, what="the run to stop"
+        lambda: (
+            fake.in_flight == 0
+            and collection.summary().interrupted
+            and (tmp_path / "out" / "rollouts.jsonl").read_bytes().count(b"\n") == 2
+        ),
+        what="the run to stop and record both rollouts",
     )
     assert {r.task_id: r.outcome for r in _on_disk(tmp_path / "out")} == {
         "quick": "completed",
