@@ -508,10 +508,12 @@ def test_sigkill_after_k_model_calls_leaves_k_boundaries_in_the_journal(
         targets = _pids_with(marker)
         if victims == "sandbox":
             token = (root / ".sandbox" / "token").read_text().strip()
-            targets += [pid for pid in _pids_with("worker") if _has_token(pid, token)]
+            # The worker first: one that outlived its harness by a moment (a busy machine between two
+            # kills) would record the harness's death as the policy's failure.
+            targets = [pid for pid in _pids_with("worker") if _has_token(pid, token)] + targets
         assert targets
         for pid in targets:
-            # The cage's bubblewrap carries the marker too: killed first, it takes the rest with it.
+            # The harness cage's bubblewrap carries the marker too: killed, it takes the harness with it.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         receipt = _receipt(proc)
