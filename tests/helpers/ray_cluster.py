@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollcage.cage._budget import unmount
 from tests.helpers.waiting import alive, wait_for
 
 __all__ = ["RayCluster", "RayNode", "free_port", "free_ports"]
@@ -216,4 +217,18 @@ class RayCluster:
             )
         except AssertionError:
             return marked_processes(self.marker)
+        self._release_mounts()
         return []
+
+    def _release_mounts(self) -> None:
+        """Unmount what the nodes' killed supervisors left under the cluster's root (as root).
+
+        A supervisor killed with its node leaves its rollout's bounded tmpfs mounted, for the
+        next supervisor on the machine to release (``sweep_orphans``); the cluster's root is
+        removed now, so its own are released here, deepest first, and no later run meets them.
+        """
+        prefix = str(self.root.resolve()) + "/"
+        with open("/proc/self/mountinfo", encoding="utf-8") as file:
+            points = [line.split()[4] for line in file]
+        for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+            unmount(Path(point.encode().decode("unicode_escape")))
