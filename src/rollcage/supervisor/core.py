@@ -620,6 +620,7 @@ class _Supervision:
         await asyncio.to_thread(retry_on_emfile, self._prepare_files, plan, worker_input)
         self.log_fd = await asyncio.to_thread(self._open_log)
         pass_fds = (*(() if status_fd is None else (status_fd,)), *plan.pass_fds)
+        warm = None
         try:
             if plan.warm is not None:
                 assert self.template is not None
@@ -627,23 +628,20 @@ class _Supervision:
                 # thread, not a pool's: it dies with the thread that started it (PR_SET_PDEATHSIG),
                 # and the loop's thread lives as long as the rollouts it supervises.
                 self.template.start()
-                self.warm = WarmStart()
-                # The holder reads the worker's exit status on stdin and announces itself on stdout;
-                # bwrap's own words still go to the log.
-                self.child = ChildProcess.spawn(
-                    plan.argv,
-                    env=plan.env,
-                    cwd=plan.cwd,
-                    stdin=self.warm.holder_stdin,
-                    stdout=self.warm.holder_stdout,
-                    stderr=self.log_fd,
-                    pass_fds=pass_fds,
-                )
-                self.warm.spawned()
-            else:
-                self.child = ChildProcess.spawn(
-                    plan.argv, env=plan.env, cwd=plan.cwd, stdout=self.log_fd, pass_fds=pass_fds
-                )
+                self.warm = warm = WarmStart()
+            # A warm start's holder reads the worker's exit status on stdin and announces itself on
+            # stdout; bwrap's own words go to the log either way.
+            self.child = ChildProcess.spawn(
+                plan.argv,
+                env=plan.env,
+                cwd=plan.cwd,
+                stdin=None if warm is None else warm.holder_stdin,
+                stdout=self.log_fd if warm is None else warm.holder_stdout,
+                stderr=self.log_fd,
+                pass_fds=pass_fds,
+            )
+            if warm is not None:
+                warm.spawned()
         except OSError as exc:
             raise SupervisorError(f"cannot start the worker ({plan.argv[0]}): {exc}") from exc
         self.tree = WorkerTree(

@@ -55,8 +55,6 @@ class Template:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._socket: socket.socket | None = None
-        self.starts = 0
-        """How many template processes were started (a restart after a death counts)."""
 
     def _ensure(self) -> socket.socket:
         """The live template's socket, starting one if there is none (blocking, but quick)."""
@@ -86,7 +84,6 @@ class Template:
             finally:
                 theirs.close()
             self._socket = ours
-            self.starts += 1
             return ours
 
     def start(self) -> None:
