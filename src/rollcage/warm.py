@@ -10,15 +10,18 @@ and no event loop, holds no credential, and dies with its parent.
 For each rollout the supervisor has bubblewrap build the cage as for a cold
 start, with a holder in the worker's place (:data:`~rollcage.cage.HOLDER_SCRIPT`),
 and sends the template one :class:`WarmRequest` with four descriptors: a pidfd
-of the holder, the write end of the holder's stdin, a report pipe, and
+of the holder, the write end of the holder's stdin, a report socket, and
 ``worker.log``. Then, in the template's child (outside the cage):
 
 1. it opens the rollout's ``cgroup.procs`` files, clears its supplementary
    groups, and joins the holder's user, mount, PID, network, IPC, UTS and
    cgroup namespaces at once (``setns`` on the pidfd);
-2. it forks the worker, which is born in the cage's PID namespace, moves it
-   into the rollout's cgroups, lets it go, and reports its PID;
-3. it waits for the worker and writes its exit status to the holder, which
+2. it mounts the bounded ``/tmp`` and ``/dev/shm`` the request asks for, inside
+   the cage (over bubblewrap's own), so the host's mount table never holds them;
+3. it forks the worker, which is born in the cage's PID namespace, moves it
+   into the rollout's cgroups, lets it go, and reports its PID, with the roots
+   of the tmpfs it mounted (the supervisor measures their budgets through them);
+4. it waits for the worker and writes its exit status to the holder, which
    exits with it: bwrap reports it as it would the worker's own.
 
 The worker, once let go: drops every capability, takes the sandbox's uid and
@@ -44,9 +47,20 @@ import signal
 import socket
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
-from rollcage.cage import JOIN, PR_SET_PDEATHSIG, Limits, drop_privileges, prctl, setns, show_process
+from rollcage.cage import (
+    JOIN,
+    MOUNT_NS,
+    PR_SET_PDEATHSIG,
+    Limits,
+    drop_privileges,
+    mount_tmpfs,
+    prctl,
+    setns,
+    show_process,
+)
 from rollcage.procs import reap_child
 
 __all__ = ["MAX_REQUEST_BYTES", "REQUEST_FDS", "WarmRequest", "template_main"]
@@ -55,7 +69,7 @@ MAX_REQUEST_BYTES = 1 << 20
 """The largest request the template reads (a worker's argv and environment)."""
 
 REQUEST_FDS = 4
-"""Descriptors sent with each request: holder pidfd, holder's stdin, report pipe, worker.log."""
+"""Descriptors sent with each request: holder pidfd, holder's stdin, report socket, worker.log."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,9 @@ class WarmRequest:
         umask: Its file-mode creation mask.
         cgroups: The rollout's ``cgroup.procs`` files it is moved into before it runs.
         clear_groups: Clear the supplementary groups first (the template is root).
+        mounts: Bounded tmpfs to mount in the cage before the worker starts, each
+            ``{"path", "size", "inodes", "uid", "gid"}`` (``/tmp``, ``/dev/shm``: mode 1777,
+            owned by the host's ``uid``); the report sends their roots back, in this order.
     """
 
     argv: list[str]
@@ -83,6 +100,7 @@ class WarmRequest:
     umask: int = 0o022
     cgroups: list[str] = field(default_factory=list)
     clear_groups: bool = True
+    mounts: list[dict[str, Any]] = field(default_factory=list)
 
     def encode(self) -> bytes:
         """The request as the template reads it."""
@@ -147,7 +165,9 @@ def _enter(message: bytes, fds: list[int]) -> NoReturn:
         cgroups = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in request.cgroups]
         if request.clear_groups:
             os.setgroups([])
-        setns(holder, JOIN)
+        setns(holder, MOUNT_NS)
+        roots = [_mount(mount) for mount in request.mounts]
+        setns(holder, JOIN & ~MOUNT_NS)
         go_read, go_write = os.pipe()
         worker = os.fork()
     except BaseException as exc:
@@ -156,7 +176,7 @@ def _enter(message: bytes, fds: list[int]) -> NoReturn:
         os._exit(1)
     if worker == 0:
         os.close(go_write)
-        _become_worker(request, holder=holder, log=log, go=go_read, closing=[life, report, *cgroups])
+        _become_worker(request, holder=holder, log=log, go=go_read, closing=[life, report, *cgroups, *roots])
     os.close(go_read)
     try:
         for procs in cgroups:
@@ -168,10 +188,33 @@ def _enter(message: bytes, fds: list[int]) -> NoReturn:
         _say(report, f"error cannot join the rollout's cgroups: {exc}\n")
         os._exit(1)
     os.close(go_write)
-    _say(report, f"pid {worker}\n")
-    os.close(report)
+    for fd in cgroups:
+        os.close(fd)
+    with contextlib.suppress(OSError), socket.socket(fileno=report) as channel:
+        # The supervisor measures the tmpfs through these roots, whoever outlives whom.
+        socket.send_fds(channel, [f"pid {worker}\n".encode()], roots)
+    for fd in roots:
+        os.close(fd)
     _say(life, f"{reap_child(worker)}\n")
     os._exit(0)
+
+
+def _mount(mount: dict[str, Any]) -> int:
+    """Mount one bounded tmpfs in the cage (this process is in its mount namespace); its root, ``O_PATH``.
+
+    Mounted by the host's root, so its owner is a host uid, and seen only by the cage.
+    """
+    path = str(mount["path"])
+    mount_tmpfs(
+        Path(path),
+        size=int(mount["size"]),
+        inodes=int(mount["inodes"]),
+        uid=int(mount["uid"]),
+        gid=int(mount["gid"]),
+        mode=0o1777,
+        source="rollcage",
+    )
+    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 def _become_worker(request: WarmRequest, *, holder: int, log: int, go: int, closing: list[int]) -> NoReturn:

@@ -13,10 +13,12 @@ The sandbox, escape and chaos suites run on the warm path as they are.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +131,13 @@ def _describe(pid: int, *, token: str) -> dict[str, Any]:
 def _file_id(path: str) -> tuple[int, int]:
     info = os.stat(path)
     return info.st_dev, info.st_ino
+
+
+def _same_file(one: str, other: str) -> bool:
+    try:
+        return _file_id(one) == _file_id(other)
+    except OSError:
+        return False
 
 
 def _namespaces(pid: int) -> dict[str, str]:
@@ -255,3 +264,94 @@ def test_worker_start_is_a_sandbox_flag_warm_by_default() -> None:
     assert BwrapSandbox(**fields).worker_start == "cold"
     with pytest.raises(typer.BadParameter, match="--worker-start needs --sandbox bwrap"):
         bwrap_fields({"worker_start": WorkerStartChoice.cold}, sandbox="none")
+
+
+# --------------------------------------------------------------------------- scratch in the cage
+
+MIB = 1 << 20
+SCRATCH = {"tmp_size_bytes": 8 * MIB, "tmp_inodes": 70, "shm_bytes": 2 * MIB, "shm_inodes": 30}
+
+
+def _mounts(mountinfo: str) -> list[tuple[str, str, str]]:
+    """(mount point, file system type, source) of each line of the ``mountinfo`` file at this path."""
+    found = []
+    for line in Path(mountinfo).read_text().splitlines():
+        fields, _, rest = line.partition(" - ")
+        fstype, source = rest.split()[:2]
+        found.append((fields.split()[4], fstype, source))
+    return found
+
+
+@pytest.mark.parametrize("placed", ["cage", "host"])
+async def test_a_warm_cage_mounts_its_bounded_tmp_and_shm_inside_and_the_host_holds_only_its_workspace(
+    tmp_path: Path, placed: str
+) -> None:
+    """Unless a path the cage shows is in /tmp: a tmpfs over /tmp would hide it, so the host mounts them."""
+    from rollcage.supervisor.budgets import owner_tag
+
+    root = tmp_path / "r"
+    with contextlib.ExitStack() as stack:
+        shown = Path(stack.enter_context(tempfile.TemporaryDirectory(dir="/tmp")))
+        server = stack.enter_context(
+            PolicyServer({"tasks": {"t": [{"text": "never"}]}}, port=0, faults=["call=1:kind=hang"])
+        )
+        _prepare(root, server.base_url)
+        stop = asyncio.Event()
+        extra = {"extra_ro_paths": [str(shown)]} if placed == "host" else {}
+        sandbox = BwrapSandbox(worker_start="warm", **SCRATCH, **extra)
+        task = asyncio.ensure_future(
+            supervise(root, SupervisorConfig(deadline_s=120, sandbox=sandbox), stop=stop)
+        )
+        try:
+            await wait_for_async(lambda: server.faults_injected, what="the worker's first model call")
+            pid = await wait_for_async(lambda: _worker_of(root), what="the worker's process")
+            inside = {point: (fstype, source) for point, fstype, source in _mounts(f"/proc/{pid}/mountinfo")}
+            bounds = {place: os.statvfs(f"/proc/{pid}/root{place}") for place in ("/tmp", "/dev/shm")}
+            still_shown = _same_file(f"/proc/{pid}/root{shown}", str(shown))
+            ours = f"rollcage-{owner_tag()}"
+            on_the_host = sorted(
+                point for point, _, source in _mounts("/proc/self/mountinfo") if source == ours
+            )
+        finally:
+            stop.set()
+            receipt = await task
+
+    # The last mount at each place is the one the cage sees, with the budgets as bounds.
+    source = "rollcage" if placed == "cage" else ours
+    assert inside["/tmp"] == ("tmpfs", source) and inside["/dev/shm"] == ("tmpfs", source), inside
+    for place, size, inodes in (("/tmp", 8 * MIB, 70), ("/dev/shm", 2 * MIB, 30)):
+        assert bounds[place].f_blocks * bounds[place].f_frsize == size, place
+        assert bounds[place].f_files == inodes + 1, place  # and one for its root
+    if placed == "cage":
+        # The host's mount table holds this rollout's workspace, and nothing else of it.
+        assert on_the_host == [str(root / "workspace")], on_the_host
+    else:
+        assert still_shown and len(on_the_host) == 3 and str(root / "workspace") in on_the_host, on_the_host
+    uses = {use.budget: use for use in receipt.budgets}
+    for budget in ("tmp_bytes", "tmp_inodes", "shm_bytes", "shm_inodes"):
+        assert uses[budget].mechanism == "tmpfs" and uses[budget].peak is not None, uses[budget]
+    assert receipt.outcome == "cancelled" and receipt.cleanup_confirmed, receipt.outcome_reason
+
+
+async def test_the_kernel_bounds_the_inodes_of_a_warm_cages_tmp(tmp_path: Path) -> None:
+    fill = (
+        "import errno\nmade = 0\ntry:\n    while made < 1000:\n        open(f'/tmp/f{made}', 'w').close()\n"
+        "        made += 1\nexcept OSError as exc:\n    stop = errno.errorcode.get(exc.errno)\n"
+        "open('made.txt', 'w').write(f'{made} {stop}')\n"
+    )
+    script = {
+        "tasks": {"t": [{"tool_calls": [{"name": "python", "arguments": {"code": fill}}]}, {"text": "x"}]}
+    }
+    root = tmp_path / "r"
+    with PolicyServer(script, port=0) as server:
+        _prepare(root, server.base_url)
+        sandbox = BwrapSandbox(worker_start="warm", budget_poll_s=0.1, **SCRATCH)
+        receipt = await supervise(root, SupervisorConfig(deadline_s=120, sandbox=sandbox))
+    made, stop = (root / "workspace" / "made.txt").read_text().split()
+    # Refused by the kernel at the budget, not found a poll later.
+    assert stop == "ENOSPC" and 0 < int(made) <= 70, (made, stop)
+    assert receipt.outcome == "agent_error" and receipt.budget_exceeded == "tmp_inodes", (
+        receipt.outcome_reason
+    )
+    uses = {use.budget: use for use in receipt.budgets}
+    assert uses["tmp_inodes"].mechanism == "tmpfs" and uses["tmp_inodes"].peak == 70

@@ -32,6 +32,7 @@ Writing a grader step that runs agent code::
 """
 
 from rollcage.cage._budget import (
+    CageTmpfs,
     CgroupSet,
     CgroupSupport,
     CopyReport,
@@ -42,6 +43,7 @@ from rollcage.cage._budget import (
     copy_tree,
     detect_cgroups,
     kill_cgroup,
+    mount_tmpfs,
     remove_cgroup,
     unmount,
 )
@@ -64,6 +66,7 @@ from rollcage.cage._bwrap import (
 from rollcage.cage._enter import (
     HOLDER_SCRIPT,
     JOIN,
+    MOUNT_NS,
     PR_SET_PDEATHSIG,
     drop_privileges,
     prctl,
@@ -77,11 +80,13 @@ __all__ = [
     "CAGE_ENV",
     "HOLDER_SCRIPT",
     "JOIN",
+    "MOUNT_NS",
     "PR_SET_PDEATHSIG",
     "PYTHON",
     "Bind",
     "BwrapTools",
     "CageSpec",
+    "CageTmpfs",
     "CgroupSet",
     "CgroupSupport",
     "ContainedRun",
@@ -103,6 +108,7 @@ __all__ = [
     "drop_privileges",
     "find_tools",
     "kill_cgroup",
+    "mount_tmpfs",
     "outermost",
     "prctl",
     "python_paths",

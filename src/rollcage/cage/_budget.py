@@ -23,14 +23,18 @@ then executes bubblewrap, so every descendant is born inside. A breach is read
 from the cgroup's own counters: an OOM kill (``oom_kill``) for memory, a refused
 fork (``pids.events`` ``max``) for processes.
 
-File systems (:class:`TmpfsVolume`, :class:`PolledTree`, :class:`ProcRootTmpfs`)
-==============================================================================
+File systems (:class:`TmpfsVolume`, :class:`CageTmpfs`, :class:`PolledTree`, :class:`ProcRootTmpfs`)
+=================================================================================================
 
 A per-file limit (``RLIMIT_FSIZE``) does not bound a directory. As root the
 supervisor mounts a tmpfs of its own for each writable place (``size=`` and
 ``nr_inodes=``): a hard bound, measured with one ``statvfs``; the workspace is
 copied in before the start and out (bounded, never following a link) after the
-end, so it stays on the host as evidence. Without root, bubblewrap's ``--size``
+end, so it stays on the host as evidence. A warm start (:mod:`rollcage.warm`)
+mounts ``/tmp`` and ``/dev/shm`` with the same bounds inside the cage instead
+(:class:`CageTmpfs`): every mount in the host's table is copied and read again by
+every later launch's bubblewrap, so a host mount per place costs every other
+rollout's start. Without root, bubblewrap's ``--size``
 bounds the bytes of ``/tmp`` and ``/dev/shm`` and a bounded walk of the workspace
 (and ``statvfs`` through ``/proc/<pid>/root`` for the inodes of ``/tmp``) finds a
 breach after the fact, a poll interval late; ``RLIMIT_FSIZE`` bounds each file
@@ -58,6 +62,7 @@ from rollcage.procs import PidHandle, read_proc
 from rollcage.protocol import BudgetMechanism
 
 __all__ = [
+    "CageTmpfs",
     "CgroupSet",
     "CgroupSupport",
     "CopyReport",
@@ -515,6 +520,19 @@ def _statvfs_usage(path: str | int) -> tuple[int, int, int, int] | None:
     )
 
 
+def _reached(found: tuple[int, int, int, int] | None) -> tuple[bool, bool]:
+    """Whether a tmpfs with hard bounds is full in bytes and in inodes (``statvfs`` numbers)."""
+    if found is None:
+        return False, False
+    _, free_bytes, _, free_inodes = found
+    # A hard limit is never exceeded, only reached: a write past it failed with ENOSPC.
+    return free_bytes < 4096, free_inodes == 0
+
+
+def _pages(size: int) -> int:
+    return -(-size // 4096) * 4096
+
+
 class TmpfsVolume(Volume):
     """A tmpfs the supervisor mounted (root): a hard bound on bytes and inodes, read by ``statvfs``."""
 
@@ -546,12 +564,7 @@ class TmpfsVolume(Volume):
         return used_bytes, max(used_inodes - 1, 0)
 
     def full(self, used_bytes: int, used_inodes: int) -> tuple[bool, bool]:
-        found = _statvfs_usage(str(self.path))
-        if found is None:
-            return False, False
-        _, free_bytes, _, free_inodes = found
-        # A hard limit is never exceeded, only reached: a write past it failed with ENOSPC.
-        return free_bytes < 4096, free_inodes == 0
+        return _reached(_statvfs_usage(str(self.path)))
 
     def unmount(self) -> None:
         """Detach the tmpfs (idempotent)."""
@@ -594,8 +607,7 @@ class ProcRootTmpfs(Volume):
             return None
         # Until bubblewrap has mounted it, the path shows something else: only the bounded tmpfs is kept.
         found = _statvfs_usage(fd)
-        page = 4096
-        if found is None or found[0] + found[1] != -(-self.max_bytes // page) * page:
+        if found is None or found[0] + found[1] != _pages(self.max_bytes):
             os.close(fd)
             return None
         self._fd = fd
@@ -616,6 +628,68 @@ class ProcRootTmpfs(Volume):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class CageTmpfs(Volume):
+    """A tmpfs with hard bounds that a warm start mounted inside the cage (see :mod:`rollcage.warm`).
+
+    The host's mount table never holds it, so it costs the other cages' launches
+    nothing, and it goes with its cage whoever dies. It is measured through the
+    descriptor of its root that the start sends back (:meth:`hold`), so the last
+    reading, after the cage is gone, still sees it.
+    """
+
+    bytes_mechanism: BudgetMechanism = "tmpfs"
+    inodes_mechanism: BudgetMechanism = "tmpfs"
+
+    def __init__(self, name: str, inside: str, *, max_bytes: int, max_inodes: int) -> None:
+        super().__init__(name, max_bytes=max_bytes, max_inodes=max_inodes)
+        self.inside = inside
+        """Where the cage has it (``/tmp``)."""
+        self._fd: int | None = None
+        self._closed = False
+
+    @property
+    def mount_inodes(self) -> int:
+        """Its ``nr_inodes``: one more than the budget, for its root directory."""
+        return self.max_inodes + 1
+
+    def hold(self, fd: int) -> bool:
+        """Take ``fd`` (the root of the mounted tmpfs; owned from now on); ``False`` if it is not that.
+
+        Only a tmpfs of exactly this size and inode count is kept, so a descriptor of
+        anything else is closed and measures nothing.
+        """
+        found = _statvfs_usage(fd)
+        if (
+            self._closed
+            or self._fd is not None
+            or found is None
+            or found[0] + found[1] != _pages(self.max_bytes)
+            or found[2] + found[3] != self.mount_inodes
+        ):
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def usage(self) -> tuple[int, int] | None:
+        fd = self._fd
+        found = None if fd is None else _statvfs_usage(fd)
+        if found is None:
+            return None
+        used_bytes, _, used_inodes, _ = found
+        return used_bytes, max(used_inodes - 1, 0)
+
+    def full(self, used_bytes: int, used_inodes: int) -> tuple[bool, bool]:
+        fd = self._fd
+        return _reached(None if fd is None else _statvfs_usage(fd))
+
+    def close(self) -> None:
+        self._closed = True
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class PolledTree(Volume):

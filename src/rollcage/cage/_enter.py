@@ -47,6 +47,11 @@ namespace takes effect for the fork). At once, and while the caller still holds 
 it came with: bubblewrap nests a second user namespace to set the cage's uid, so the cage's cgroup
 namespace belongs to the outer one, over which the holder's own user namespace gives none."""
 
+MOUNT_NS = CLONE_NEWNS
+"""The cage's mount namespace alone: the template's child joins it first, to mount the cage's bounded
+``/tmp`` and ``/dev/shm`` as the host's root (the mount namespace belongs to bubblewrap's outer user
+namespace, over which the cage's own gives no capability either), then the rest of :data:`JOIN`."""
+
 PR_SET_PDEATHSIG = 1
 PR_SET_MM = 35
 PR_SET_MM_MAP = 14

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from rollcage.cage import (
     Bind,
+    CageTmpfs,
     CgroupSet,
     PolledTree,
     ProcRootTmpfs,
@@ -130,8 +131,13 @@ class RolloutBudgets:
 
     # ----------------------------------------------------------------- before the launch
 
-    def prepare(self) -> Scratch:
-        """Make the cgroups and the bounded file systems; the sandbox's writable places (blocking)."""
+    def prepare(self, *, in_cage: bool = False) -> Scratch:
+        """Make the cgroups and the bounded file systems; the sandbox's writable places (blocking).
+
+        Args:
+            in_cage: A warm start will mount ``/tmp`` and ``/dev/shm`` inside the cage
+                (:attr:`Scratch.in_cage`); only the workspace is mounted on the host.
+        """
         config = self.config
         self.layout.staging.mkdir(mode=0o700, exist_ok=True)
         self.layout.workspace.mkdir(exist_ok=True)
@@ -142,7 +148,7 @@ class RolloutBudgets:
                 max_processes=config.max_processes,
                 count_cpu=True,
             )
-        scratch = self._mounts() if self._can_mount() else None
+        scratch = self._mounts(in_cage=in_cage) if self._can_mount() else None
         if scratch is None:
             workspace = PolledTree(
                 "workspace",
@@ -168,7 +174,7 @@ class RolloutBudgets:
     def _can_mount(self) -> bool:
         return self.config.disk_budgets == "auto" and os.geteuid() == 0
 
-    def _mounts(self) -> Scratch | None:
+    def _mounts(self, *, in_cage: bool) -> Scratch | None:
         config = self.config
         owner = self.owner or (os.getuid(), os.getgid())
         base = self.private_dir / "fs"
@@ -183,11 +189,12 @@ class RolloutBudgets:
         )
         # The workspace is mounted at R/workspace itself, so the host sees the agent's files where they
         # always are; /tmp and /dev/shm under the supervisor's own directory.
-        bounded = (
-            ("workspace", self.layout.workspace, config.workspace_bytes, config.workspace_inodes),
-            ("tmp", base / "tmp", config.tmp_size_bytes, config.tmp_inodes),
-            ("shm", base / "shm", config.shm_bytes, config.shm_inodes),
-        )
+        bounded = [("workspace", self.layout.workspace, config.workspace_bytes, config.workspace_inodes)]
+        if not in_cage:
+            bounded += [
+                ("tmp", base / "tmp", config.tmp_size_bytes, config.tmp_inodes),
+                ("shm", base / "shm", config.shm_bytes, config.shm_inodes),
+            ]
         mounted: list[TmpfsVolume] = []
         try:
             for name, where, max_bytes, max_inodes in bounded:
@@ -208,9 +215,8 @@ class RolloutBudgets:
             self.workspace_mount = None
             shutil.rmtree(initial, ignore_errors=True)
             return None
-        workspace, tmp, shm = mounted
-        self.workspace_mount = workspace
-        for volume in (tmp, shm):
+        workspace = self.workspace_mount = mounted[0]
+        for volume in mounted[1:]:
             os.chmod(volume.path, 0o1777)
         report = copy_tree(
             initial,
@@ -222,11 +228,38 @@ class RolloutBudgets:
         shutil.rmtree(initial, ignore_errors=True)
         if report.skipped:
             logger.warning("workspace files over the budget were not copied in: %s", report.skipped)
+        if in_cage:
+            in_the_cage = (
+                CageTmpfs("tmp", "/tmp", max_bytes=config.tmp_size_bytes, max_inodes=config.tmp_inodes),
+                CageTmpfs("shm", "/dev/shm", max_bytes=config.shm_bytes, max_inodes=config.shm_inodes),
+            )
+            self.volumes += in_the_cage
+            # bubblewrap's own tmpfs hold the places until the warm start mounts the bounded ones.
+            return Scratch(
+                workspace=workspace.path,
+                tmp=Tmpfs("/tmp", config.tmp_size_bytes),
+                shm=Tmpfs("/dev/shm", config.shm_bytes),
+                in_cage=in_the_cage,
+            )
+        tmp, shm = mounted[1:]
         return Scratch(
             workspace=workspace.path,
             tmp=Bind(str(tmp.path), "/tmp", writable=True),
             shm=Bind(str(shm.path), "/dev/shm", writable=True),
         )
+
+    def hold_cage_scratch(self, roots: list[int]) -> None:
+        """Take the roots of the tmpfs a warm start mounted in the cage (owned from now on), in order.
+
+        One that is not the bounded tmpfs asked for (or comes unasked) is closed, and said.
+        """
+        volumes = [volume for volume in self.volumes if isinstance(volume, CageTmpfs)]
+        for index, fd in enumerate(roots):
+            if index < len(volumes) and volumes[index].hold(fd):
+                continue
+            if index >= len(volumes):
+                os.close(fd)
+            logger.warning("rollout %s: the warm start sent back a root not of its bounded tmpfs", self.name)
 
     def enter_prefix(self) -> list[str]:
         """The argv prefix that puts the sandbox into its cgroups (``[]`` without any)."""

@@ -453,7 +453,11 @@ class _Supervision:
                     owner=self.launcher.owner,
                     name=f"rollcage-{owner_tag()}-{self.token[:12]}",
                 )
-                scratch = await asyncio.to_thread(self.budgets.prepare)
+                extra_ro = [*harness_mounts, *([bytecode] if bytecode is not None else [])]
+                # A warm start mounts /tmp and /dev/shm in the cage: the host's mount table, which every
+                # launch copies and reads again, then holds one mount per rollout rather than three.
+                in_cage = self.template is not None and self.launcher.scratch_fits_in_cage(extra_ro)
+                scratch = await asyncio.to_thread(self.budgets.prepare, in_cage=in_cage)
                 self.plan = plan = self.launcher.plan(
                     self.layout,
                     worker_command=command,
@@ -462,7 +466,7 @@ class _Supervision:
                     status_fd=status_write,
                     scratch=scratch,
                     enter=self.budgets.enter_prefix(),
-                    extra_ro=[*harness_mounts, *([bytecode] if bytecode is not None else [])],
+                    extra_ro=extra_ro,
                     worker_journal=self.journal is None,
                     pass_fds=() if relay_write is None else (relay_write,),
                     warm_cgroups=self.budgets.cgroup_procs() if self.template is not None else None,
@@ -673,6 +677,12 @@ class _Supervision:
                 marked=f"{TOKEN_ENV}={self.token}",
                 timeout_s=max(self.deadline_at - time.monotonic(), 0.0),
             )
+            roots = self.warm.take_roots()
+            if roots and self.budgets is not None:
+                self.budgets.hold_cage_scratch(roots)
+            else:
+                for fd in roots:
+                    os.close(fd)
         finally:
             self.warm.close()
         if worker is not None:

@@ -73,6 +73,7 @@ from rollcage.cage import (
     Bind,
     BwrapTools,
     CageSpec,
+    CageTmpfs,
     Limits,
     Mount,
     Tmpfs,
@@ -108,6 +109,9 @@ SANDBOX_ROLLOUT_DIR = "/rollout"
 
 SANDBOX_PROXY_SOCKET = "/run/rollcage/proxy.sock"
 """The egress proxy's Unix socket as the worker sees it under bwrap."""
+
+SCRATCH_PLACES = ("/tmp", "/dev/shm")
+"""The cage's memory-backed scratch places, each with a budget of its own."""
 
 _SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -232,11 +236,14 @@ class Scratch:
             ``workspace/``, or a bounded tmpfs copied back into it at the end.
         tmp: ``/tmp``: a bubblewrap tmpfs of a size, or a bounded host tmpfs.
         shm: ``/dev/shm``, likewise.
+        in_cage: Bounded tmpfs that a warm start mounts inside the cage (:mod:`rollcage.warm`)
+            over ``tmp`` and ``shm``, which then only hold their places.
     """
 
     workspace: Path
     tmp: Tmpfs | Bind
     shm: Tmpfs | Bind
+    in_cage: tuple[CageTmpfs, ...] = ()
 
 
 def bwrap_argv(
@@ -393,6 +400,34 @@ class BwrapLauncher:
         uid, gid = self.config.run_as_uid, self.config.run_as_gid
         return (uid, gid) if os.geteuid() == 0 and uid is not None and gid is not None else None
 
+    def read_only_paths(
+        self, extra_ro: Sequence[str] = (), *, worker_command: Sequence[str] | None = None
+    ) -> list[str]:
+        """The host paths the cage shows read-only at the same place (those that exist).
+
+        Args:
+            extra_ro: See :meth:`plan`.
+            worker_command: A worker program run in the cage: its directory is shown too.
+        """
+        ro = [*python_paths(), *self.config.extra_ro_paths, *extra_ro]
+        if worker_command and os.path.isabs(worker_command[0]):
+            ro.append(os.path.dirname(worker_command[0]))
+        if self.config.executor_cage == "bwrap":
+            ro.append(self.check().bwrap)
+        return [path for path in ro if os.path.exists(path)]
+
+    def scratch_fits_in_cage(self, extra_ro: Sequence[str] = ()) -> bool:
+        """Whether a warm start may mount ``/tmp`` and ``/dev/shm`` inside the cage (:class:`Scratch`).
+
+        Not when a read-only path lives under one of them (a Python environment in
+        ``/tmp``): the cage shows it there, and a tmpfs mounted over it would hide it.
+        """
+        return not any(
+            os.path.commonpath([os.path.abspath(path), place]) == place
+            for path in self.read_only_paths(extra_ro)
+            for place in SCRATCH_PLACES
+        )
+
     def plan(
         self,
         layout: RolloutLayout,
@@ -430,19 +465,19 @@ class BwrapLauncher:
         tools = self.check()
         root = SANDBOX_ROLLOUT_DIR
         args = [f"{root}/input.json", f"{root}/result.json", "--checkpoint", f"{root}/checkpoint.jsonl"]
-        ro = [*python_paths(), *self.config.extra_ro_paths, *extra_ro]
         if warm_cgroups is not None:
             # The holder stands where the worker would; the worker is forked in beside it.
             argv = ["sh", "-c", HOLDER_SCRIPT, "rollcage-holder"]
         else:
             argv = [*worker_command, *args]
-            if os.path.isabs(worker_command[0]):
-                ro.append(os.path.dirname(worker_command[0]))
+        if scratch is not None and scratch.in_cage and warm_cgroups is None:
+            raise ValueError("scratch mounted in the cage needs a warm start, which mounts it")
+        cold_command = worker_command if warm_cgroups is None else None
+        ro = self.read_only_paths(extra_ro, worker_command=cold_command)
         env = dict(worker_env)
         if self.config.executor_cage == "bwrap":
             # The worker cages its executor with the same bubblewrap, wherever it is installed.
             env[CAGE_ENV] = f"bwrap:{tools.bwrap}"
-            ro.append(tools.bwrap)
         config = _within_hard_nofile(self.config)
         warm: WarmRequest | None = None
         if warm_cgroups is not None:
@@ -457,6 +492,17 @@ class BwrapLauncher:
                 umask=_umask(),
                 cgroups=list(warm_cgroups),
                 clear_groups=os.geteuid() == 0,
+                mounts=[
+                    {
+                        "path": volume.inside,
+                        "size": volume.max_bytes,
+                        "inodes": volume.mount_inodes,
+                        # The host's ids of the cage's user, as for the tmpfs mounted on the host.
+                        "uid": (self.owner or (os.getuid(), os.getgid()))[0],
+                        "gid": (self.owner or (os.getuid(), os.getgid()))[1],
+                    }
+                    for volume in (scratch.in_cage if scratch is not None else ())
+                ],
             )
         full = bwrap_argv(
             config,
@@ -464,7 +510,7 @@ class BwrapLauncher:
             layout=layout,
             worker_argv=argv,
             worker_env={**env, **token_env},
-            ro_paths=[p for p in ro if os.path.exists(p)],
+            ro_paths=ro,
             as_root=os.geteuid() == 0,
             status_fd=status_fd,
             scratch=scratch,

@@ -7,7 +7,7 @@ See :mod:`rollcage.warm` for what the template does with a request. Here:
   has died;
 * :class:`WarmStart`: one rollout's start: the holder's stdin (whose write end,
   once the template holds it, is the worker's exit status), the socket on which
-  the holder announces itself, and the report pipe on which the template's child
+  the holder announces itself, and the report socket on which the template's child
   names the worker.
 
 The holder's PID comes from the kernel (``SO_PASSCRED``: the credentials of the
@@ -31,7 +31,7 @@ import threading
 from collections.abc import Sequence
 
 from rollcage.errors import SupervisorError
-from rollcage.procs import PidHandle, environ_has, read_proc, read_ready, wait_readable, within
+from rollcage.procs import PidHandle, environ_has, read_proc, wait_readable, within
 from rollcage.warm import WarmRequest
 
 __all__ = ["Template", "WarmStart", "stop_templates", "template_for"]
@@ -40,6 +40,7 @@ logger = logging.getLogger("rollcage.supervisor")
 
 _UCRED = struct.Struct("iII")
 _REPORT_MAX = 4096
+_MAX_ROOTS = 4
 
 
 class Template:
@@ -192,6 +193,7 @@ class WarmStart:
         self._open = {self.holder_stdin, self._stdin_write}
         self.failure: str | None = None
         """Why the worker was not started, in words (its holder then exits with 125)."""
+        self._roots: list[int] = []
 
     @property
     def holder_stdout(self) -> int:
@@ -234,20 +236,18 @@ class WarmStart:
         self, template: Template, request: WarmRequest, *, holder: int, log_fd: int, timeout_s: float
     ) -> bytes | None:
         """Send the start and its descriptors; the report (``None``: not sent, :attr:`failure` says why)."""
-        report_read, report_write = os.pipe()
-        try:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with ours:
             try:
-                await template.send(request, [holder, self._stdin_write, report_write, log_fd])
+                await template.send(request, [holder, self._stdin_write, theirs.fileno(), log_fd])
             except SupervisorError as exc:
                 self.failure = str(exc)
                 return None
             finally:
                 # The template's child holds its own copies now; without them the holder exits.
-                os.close(report_write)
+                theirs.close()
                 self._close_fd(self._stdin_write)
-            return await within(_read_report(report_read), timeout_s) or b""
-        finally:
-            os.close(report_read)
+            return await within(_read_report(ours, self._roots), timeout_s) or b""
 
     def _worker_from(self, report: bytes, holder: PidHandle) -> PidHandle | None:
         words = report.decode(errors="replace").strip()
@@ -284,6 +284,11 @@ class WarmStart:
                     return pid if pid > 0 else None
             return None
 
+    def take_roots(self) -> list[int]:
+        """The roots of the tmpfs the start mounted in the cage (``O_PATH``; the caller's to close)."""
+        roots, self._roots = self._roots, []
+        return roots
+
     def _close_fd(self, fd: int) -> None:
         if fd in self._open:
             self._open.discard(fd)
@@ -293,16 +298,26 @@ class WarmStart:
         """Close every end still ours (idempotent)."""
         for fd in list(self._open):
             self._close_fd(fd)
+        for fd in self.take_roots():
+            os.close(fd)
         self._ready.close()
         self._holder_end.close()
 
 
-async def _read_report(fd: int) -> bytes:
-    """The template's child's one line (``pid N`` or ``error ...``), or what came before EOF."""
-    os.set_blocking(fd, False)
+async def _read_report(channel: socket.socket, roots: list[int]) -> bytes:
+    """The template's child's one line (``pid N`` or ``error ...``), or what came before EOF.
+
+    Descriptors that come with it (the roots of the tmpfs it mounted) are added to ``roots``.
+    """
+    channel.setblocking(False)
     data = b""
     while b"\n" not in data and len(data) < _REPORT_MAX:
-        chunk = await read_ready(fd, _REPORT_MAX)
+        await wait_readable(channel.fileno())
+        try:
+            chunk, fds, _, _ = socket.recv_fds(channel, _REPORT_MAX, _MAX_ROOTS)
+        except BlockingIOError:
+            continue
+        roots += fds
         if not chunk:
             break
         data += chunk
