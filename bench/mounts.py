@@ -1,14 +1,17 @@
 """Benchmark (not a test): what a sandbox's launch costs as the host's mount table grows.
 
-As root, every rollout in flight has three bounded tmpfs mounted on the host (its
-workspace, ``/tmp`` and ``/dev/shm``; see ``rollcage.supervisor.budgets``). Each
-rollout's outer bubblewrap stage starts from a copy of the host's mount table and
-reads ``/proc/self/mountinfo`` once per bind, so its cost grows with the number of
-rollouts in flight elsewhere on the machine. This bench mounts ``3 x R`` small
-tmpfs for R rollouts in flight and runs the real launch chain
-(``bench/profile.py``'s cuts: the outer stage, and the whole chain up to the worker)
-ended by ``true``, ``--runs`` times each, interleaved; CPU is the cgroup's
-``cpuacct.usage`` (exact). The ratio is against R = 0 in the same run.
+As root, every rollout in flight has bounded tmpfs mounted on the host: its
+workspace, and, for a cold start (or a warm one whose cage shows a path under
+``/tmp``), its ``/tmp`` and ``/dev/shm`` too; a warm start mounts those two inside
+the cage, where no other launch sees them (see ``rollcage.supervisor.budgets``).
+Each rollout's outer bubblewrap stage starts from a copy of the host's mount table
+and reads ``/proc/self/mountinfo`` once per bind, so its cost grows with the number
+of rollouts in flight elsewhere on the machine. This bench mounts ``M x R`` small
+tmpfs for R rollouts in flight, M = 3 (three host mounts per rollout) and M = 1
+(one), and runs the real launch chain (``bench/profile.py``'s cuts: the outer stage,
+and the whole chain up to the worker) ended by ``true``, ``--runs`` times each,
+interleaved; CPU is the cgroup's ``cpuacct.usage`` (exact). The ratio is against
+R = 0 in the same run.
 
     sudo .venv/bin/python bench/mounts.py [--in-flight 0 50 128 256] [--runs 15]
 """
@@ -39,7 +42,8 @@ _spec.loader.exec_module(_profile)
 _run_in_group = _profile._run_in_group
 chain_stages = _profile.chain_stages
 
-MOUNTS_PER_ROLLOUT = 3
+MOUNTS_PER_ROLLOUT = (3, 1)
+"""Host mounts per rollout in flight: cold starts (workspace, /tmp, /dev/shm), warm starts (workspace)."""
 
 
 @contextlib.contextmanager
@@ -86,11 +90,12 @@ def main() -> None:
         (base / "mounts").mkdir()
         results: dict[int, dict[str, float]] = {}
         tables: dict[int, int] = {}
+        counts = sorted({per * level for level in levels for per in MOUNTS_PER_ROLLOUT})
         with _host_mounts(base / "mounts") as mounted:
-            for level in levels:
-                _grow(mounted, base / "mounts", MOUNTS_PER_ROLLOUT * level)
-                tables[level] = _host_table()
-                groups = {label: CpuGroup.make(f"mounts{level}-{i}") for i, (label, _) in enumerate(cuts)}
+            for count in counts:
+                _grow(mounted, base / "mounts", count)
+                tables[count] = _host_table()
+                groups = {label: CpuGroup.make(f"mounts{count}-{i}") for i, (label, _) in enumerate(cuts)}
                 try:
                     samples: dict[str, list[float]] = {label: [] for label, _ in cuts}
                     for _ in range(args.runs):
@@ -101,25 +106,27 @@ def main() -> None:
                     for group in groups.values():
                         if group is not None:
                             group.remove()
-                results[level] = {
+                results[count] = {
                     label: 1000 * statistics.median(values) for label, values in samples.items()
                 }
-                print(f"  {level} rollouts in flight measured", flush=True)
+                print(f"  {count} mounts of rollouts in flight measured", flush=True)
     exact = CpuGroup.make("probe")
     if exact is not None:
         exact.remove()
     print()
     print(f"CPU per launch, median of {args.runs} ({'cgroup cpuacct' if exact else 'rusage: a lower bound'})")
-    header = f"{'in flight':>9}  {'host mounts':>11}"
+    header = f"{'in flight':>9}  {'per rollout':>11}  {'host mounts':>11}"
     for label, _ in cuts:
         header += f"  {label[:44]:>44}  {'ratio':>5}"
     print(header)
-    for level in levels:
-        row = f"{level:>9}  {tables[level]:>11}"
-        for label, _ in cuts:
-            ms = results[level][label]
-            row += f"  {ms:>41.1f} ms  {ms / results[levels[0]][label]:>4.2f}x"
-        print(row)
+    for per in MOUNTS_PER_ROLLOUT:
+        for level in levels:
+            count = per * level
+            row = f"{level:>9}  {per:>11}  {tables[count]:>11}"
+            for label, _ in cuts:
+                ms = results[count][label]
+                row += f"  {ms:>41.1f} ms  {ms / results[counts[0]][label]:>4.2f}x"
+            print(row)
 
 
 if __name__ == "__main__":
