@@ -172,7 +172,8 @@ def _enter(message: bytes, fds: list[int]) -> NoReturn:
         worker = os.fork()
     except BaseException as exc:
         _say(log, f"rollcage: the warm worker could not enter its cage: {exc}\n")
-        _say(report, f"error {exc}\n")
+        # "mount": the supervisor mounts on the host for its next rollouts instead.
+        _say(report, f"error {'mount: ' if isinstance(exc, _MountRefused) else ''}{exc}\n")
         os._exit(1)
     if worker == 0:
         os.close(go_write)
@@ -199,22 +200,29 @@ def _enter(message: bytes, fds: list[int]) -> NoReturn:
     os._exit(0)
 
 
+class _MountRefused(OSError):
+    """A bounded tmpfs could not be mounted in the cage."""
+
+
 def _mount(mount: dict[str, Any]) -> int:
     """Mount one bounded tmpfs in the cage (this process is in its mount namespace); its root, ``O_PATH``.
 
     Mounted by the host's root, so its owner is a host uid, and seen only by the cage.
     """
     path = str(mount["path"])
-    mount_tmpfs(
-        Path(path),
-        size=int(mount["size"]),
-        inodes=int(mount["inodes"]),
-        uid=int(mount["uid"]),
-        gid=int(mount["gid"]),
-        mode=0o1777,
-        source="rollcage",
-    )
-    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        mount_tmpfs(
+            Path(path),
+            size=int(mount["size"]),
+            inodes=int(mount["inodes"]),
+            uid=int(mount["uid"]),
+            gid=int(mount["gid"]),
+            mode=0o1777,
+            source="rollcage",
+        )
+        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _MountRefused(exc.errno, str(exc)) from exc
 
 
 def _become_worker(request: WarmRequest, *, holder: int, log: int, go: int, closing: list[int]) -> NoReturn:

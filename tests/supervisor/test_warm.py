@@ -355,3 +355,36 @@ async def test_the_kernel_bounds_the_inodes_of_a_warm_cages_tmp(tmp_path: Path) 
     )
     uses = {use.budget: use for use in receipt.budgets}
     assert uses["tmp_inodes"].mechanism == "tmpfs" and uses["tmp_inodes"].peak == 70
+
+
+async def test_a_cage_that_refuses_its_mounts_fails_one_start_and_the_next_mount_on_the_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollcage.cage import CageTmpfs
+    from rollcage.supervisor import budgets, warm
+
+    monkeypatch.setattr(warm, "_cage_mounts_refused", [])
+    # Where the cage has no such directory, the template's child cannot mount: as a kernel that refused.
+    monkeypatch.setattr(
+        budgets,
+        "CageTmpfs",
+        lambda name, inside, **bounds: CageTmpfs(
+            name, "/no-such-place" if name == "tmp" else inside, **bounds
+        ),
+    )
+    script = {"tasks": {"t": [{"text": "done"}]}}
+    with PolicyServer(script, port=0) as server:
+        _prepare(tmp_path / "first", server.base_url)
+        config = SupervisorConfig(deadline_s=60, sandbox=BwrapSandbox(worker_start="warm"))
+        first = await supervise(tmp_path / "first", config)
+        assert not server.requests, "a worker that was never started asked the model"
+        assert first.outcome == "infra_failure" and first.exit_code == 125, first.outcome_reason
+        assert re.search(
+            r"worker was not started: .*cannot mount a tmpfs at /no-such-place", first.outcome_reason
+        )
+        assert not warm.cage_mounts()
+        _prepare(tmp_path / "second", server.base_url)
+        second = await supervise(tmp_path / "second", config)
+    assert second.outcome == "completed", second.outcome_reason
+    uses = {use.budget: use for use in second.budgets}
+    assert uses["tmp_inodes"].mechanism == "tmpfs" and uses["tmp_inodes"].peak is not None

@@ -5,10 +5,12 @@ whole (the mechanisms are in :mod:`rollcage.cage`):
 
 * ``memory_bytes`` and ``processes``: the rollout's cgroups (v2 or v1, whichever
   the machine allows), else the per-process rlimits alone;
-* ``workspace_*``, ``tmp_*``, ``shm_*``: as root, a tmpfs per place mounted by the
-  supervisor in a private directory (size and inode bounds; the workspace copied
-  in before the start and back into ``R/workspace`` at the end); otherwise
-  bubblewrap's size-bounded tmpfs and a poll.
+* ``workspace_*``, ``tmp_*``, ``shm_*``: as root, a tmpfs per place with size and
+  inode bounds: the workspace mounted by the supervisor on ``R/workspace`` (copied
+  in before the start and back at the end), ``/tmp`` and ``/dev/shm`` in a private
+  directory, or, for a warm start, inside the cage (:class:`~rollcage.cage.CageTmpfs`:
+  the host's mount table, which every launch copies and reads, then grows by one
+  mount per rollout, not three); otherwise bubblewrap's size-bounded tmpfs and a poll.
 
 :meth:`RolloutBudgets.check` names the first budget breached (the supervisor
 then ends the rollout as the policy's fault); :meth:`RolloutBudgets.report` is the

@@ -84,7 +84,7 @@ from rollcage.supervisor.sandbox import (
 )
 from rollcage.supervisor.stopfiles import watch_stop_file
 from rollcage.supervisor.tree import WorkerTree
-from rollcage.supervisor.warm import Template, WarmStart, template_for
+from rollcage.supervisor.warm import Template, WarmStart, cage_mounts, refuse_cage_mounts, template_for
 
 __all__ = ["Supervised", "default_worker_command", "kill_leftovers", "supervise", "supervise_rollout"]
 
@@ -456,7 +456,8 @@ class _Supervision:
                 extra_ro = [*harness_mounts, *([bytecode] if bytecode is not None else [])]
                 # A warm start mounts /tmp and /dev/shm in the cage: the host's mount table, which every
                 # launch copies and reads again, then holds one mount per rollout rather than three.
-                in_cage = self.template is not None and self.launcher.scratch_fits_in_cage(extra_ro)
+                mount_in_cage = self.template is not None and cage_mounts()
+                in_cage = mount_in_cage and self.launcher.scratch_fits_in_cage(extra_ro)
                 scratch = await asyncio.to_thread(self.budgets.prepare, in_cage=in_cage)
                 self.plan = plan = self.launcher.plan(
                     self.layout,
@@ -688,6 +689,8 @@ class _Supervision:
         if worker is not None:
             self.tree.adopt_worker(worker)
         elif self.warm.failure is not None:
+            if self.warm.mount_refused:
+                refuse_cage_mounts(self.warm.failure)
             # Its holder exits with 125 and no result: the receipt says why, as for any failed start;
             # unless the rollout was being stopped meanwhile (a start cut short by a deadline times out).
             logger.error("rollout %s: %s", self.rollout_id, self.warm.failure)

@@ -18,7 +18,8 @@ and is removed when the rollout ends::
     R/resume.jsonl (when resuming)     /rollout/resume.jsonl       read       an earlier attempt's journal
     R/workspace/ (a bounded tmpfs      /rollout/workspace/         write      the agent's working directory
       as root, see budgets.py)
-    <private>/fs/tmp, fs/shm (root)    /tmp, /dev/shm              write      bounded tmpfs
+    <private>/fs/tmp, fs/shm (root)    /tmp, /dev/shm              write      bounded tmpfs (a warm start
+                                                                              mounts them in the cage)
     <private>/proxy.sock               /run/rollcage/proxy.sock    connect    the egress proxy
     R/worker.log                       (stdout and stderr)         write      through the inherited fd only
     R/result.json                      (not visible)               -          moved from R/.sandbox/root/

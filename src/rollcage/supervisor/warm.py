@@ -34,7 +34,7 @@ from rollcage.errors import SupervisorError
 from rollcage.procs import PidHandle, environ_has, read_proc, wait_readable, within
 from rollcage.warm import WarmRequest
 
-__all__ = ["Template", "WarmStart", "stop_templates", "template_for"]
+__all__ = ["Template", "WarmStart", "cage_mounts", "refuse_cage_mounts", "stop_templates", "template_for"]
 
 logger = logging.getLogger("rollcage.supervisor")
 
@@ -146,6 +146,25 @@ class Template:
             process.wait()
 
 
+_cage_mounts_refused: list[str] = []
+
+
+def refuse_cage_mounts(reason: str) -> None:
+    """Have the later warm starts of this process mount ``/tmp`` and ``/dev/shm`` on the host."""
+    if not _cage_mounts_refused:
+        logger.warning(
+            "a warm start could not mount /tmp and /dev/shm in its cage (%s); they are mounted on the host "
+            "from now on",
+            reason,
+        )
+        _cage_mounts_refused.append(reason)
+
+
+def cage_mounts() -> bool:
+    """Whether warm starts mount the cage's ``/tmp`` and ``/dev/shm`` inside it (none here was refused)."""
+    return not _cage_mounts_refused
+
+
 _templates: dict[tuple[int, str | None], Template] = {}
 _templates_lock = threading.Lock()
 
@@ -193,6 +212,8 @@ class WarmStart:
         self._open = {self.holder_stdin, self._stdin_write}
         self.failure: str | None = None
         """Why the worker was not started, in words (its holder then exits with 125)."""
+        self.mount_refused = False
+        """The start failed because a tmpfs could not be mounted in the cage."""
         self._roots: list[int] = []
 
     @property
@@ -252,7 +273,9 @@ class WarmStart:
     def _worker_from(self, report: bytes, holder: PidHandle) -> PidHandle | None:
         words = report.decode(errors="replace").strip()
         if not words.startswith("pid "):
-            self.failure = f"the warm start failed: {words.removeprefix('error ') or 'no report'}"
+            words = words.removeprefix("error ")
+            self.mount_refused = words.startswith("mount: ")
+            self.failure = f"the warm start failed: {words.removeprefix('mount: ') or 'no report'}"
             return None
         pid = int(words.split()[1])
         info = read_proc(pid)
