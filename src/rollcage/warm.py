@@ -222,7 +222,7 @@ def _mount(mount: dict[str, Any]) -> int:
         )
         return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        raise _MountRefused(exc.errno, str(exc)) from exc
+        raise _MountRefused(exc.errno, exc.strerror or str(exc)) from exc
 
 
 def _become_worker(request: WarmRequest, *, holder: int, log: int, go: int, closing: list[int]) -> NoReturn:

@@ -80,6 +80,7 @@ from rollcage.supervisor.sandbox import (
     LaunchPlan,
     NoSandboxLauncher,
     RolloutLayout,
+    Scratch,
     worker_environment,
 )
 from rollcage.supervisor.stopfiles import watch_stop_file
@@ -454,11 +455,7 @@ class _Supervision:
                     name=f"rollcage-{owner_tag()}-{self.token[:12]}",
                 )
                 extra_ro = [*harness_mounts, *([bytecode] if bytecode is not None else [])]
-                # A warm start mounts /tmp and /dev/shm in the cage: the host's mount table, which every
-                # launch copies and reads again, then holds one mount per rollout rather than three.
-                mount_in_cage = self.template is not None and cage_mounts()
-                in_cage = mount_in_cage and self.launcher.scratch_fits_in_cage(extra_ro)
-                scratch = await asyncio.to_thread(self.budgets.prepare, in_cage=in_cage)
+                scratch = await asyncio.to_thread(self._prepare_budgets, self.budgets, extra_ro)
                 self.plan = plan = self.launcher.plan(
                     self.layout,
                     worker_command=command,
@@ -498,6 +495,16 @@ class _Supervision:
         if self.turn is not None:
             self.start_task = asyncio.ensure_future(self._hold_turn())
         await self._watch(self.child)
+
+    def _prepare_budgets(self, budgets: RolloutBudgets, extra_ro: list[str]) -> Scratch:
+        """Make the rollout's budgets (blocking); a warm start's ``/tmp`` and ``/dev/shm`` go in its cage.
+
+        There the host's mount table, which every launch copies and reads again, holds one
+        mount per rollout in flight rather than three.
+        """
+        assert isinstance(self.launcher, BwrapLauncher)
+        in_cage = self.template is not None and cage_mounts() and self.launcher.scratch_fits_in_cage(extra_ro)
+        return budgets.prepare(in_cage=in_cage)
 
     def _warm_template(self, bytecode: str | None, *, relayed: bool) -> Template | None:
         """The template to fork this rollout's worker from (:mod:`rollcage.warm`); ``None``: start it cold.

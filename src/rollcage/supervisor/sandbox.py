@@ -494,14 +494,9 @@ class BwrapLauncher:
                 cgroups=list(warm_cgroups),
                 clear_groups=os.geteuid() == 0,
                 mounts=[
-                    {
-                        "path": volume.inside,
-                        "size": volume.max_bytes,
-                        "inodes": volume.mount_inodes,
-                        # The host's ids of the cage's user, as for the tmpfs mounted on the host.
-                        "uid": (self.owner or (os.getuid(), os.getgid()))[0],
-                        "gid": (self.owner or (os.getuid(), os.getgid()))[1],
-                    }
+                    # Owned by the host's ids of the cage's user, as the tmpfs mounted on the host are.
+                    {"path": volume.inside, "size": volume.max_bytes, "inodes": volume.mount_inodes}
+                    | dict(zip(("uid", "gid"), self.owner or (os.getuid(), os.getgid()), strict=True))
                     for volume in (scratch.in_cage if scratch is not None else ())
                 ],
             )
