@@ -18,6 +18,8 @@ of the holder, the write end of the holder's stdin, a report socket, and
    cgroup namespaces at once (``setns`` on the pidfd);
 2. it mounts the bounded ``/tmp`` and ``/dev/shm`` the request asks for, inside
    the cage (over bubblewrap's own), so the host's mount table never holds them;
+   what the cage shows under them (a Python environment in ``/tmp``) is copied
+   first and put back on top, as bubblewrap had mounted it;
 3. it forks the worker, which is born in the cage's PID namespace, moves it
    into the rollout's cgroups, lets it go, and reports its PID, with the roots
    of the tmpfs it mounted (the supervisor measures their budgets through them);
@@ -55,6 +57,8 @@ from rollcage.cage import (
     MOUNT_NS,
     PR_SET_PDEATHSIG,
     Limits,
+    attach_mounts,
+    clone_mounts,
     drop_privileges,
     mount_tmpfs,
     prctl,
@@ -89,6 +93,8 @@ class WarmRequest:
         mounts: Bounded tmpfs to mount in the cage before the worker starts, each
             ``{"path", "size", "inodes", "uid", "gid"}`` (``/tmp``, ``/dev/shm``: mode 1777,
             owned by the host's ``uid``); the report sends their roots back, in this order.
+        keep: Paths the cage shows under those places (a Python environment in ``/tmp``): their
+            mounts are copied before the tmpfs goes over them and put back on top of it.
     """
 
     argv: list[str]
@@ -101,6 +107,7 @@ class WarmRequest:
     cgroups: list[str] = field(default_factory=list)
     clear_groups: bool = True
     mounts: list[dict[str, Any]] = field(default_factory=list)
+    keep: list[str] = field(default_factory=list)
 
     def encode(self) -> bytes:
         """The request as the template reads it."""
@@ -166,7 +173,7 @@ def _enter(message: bytes, fds: list[int]) -> NoReturn:
         if request.clear_groups:
             os.setgroups([])
         setns(holder, MOUNT_NS)
-        roots = [_mount(mount) for mount in request.mounts]
+        roots = _mount_scratch(request)
         setns(holder, JOIN & ~MOUNT_NS)
         go_read, go_write = os.pipe()
         worker = os.fork()
@@ -204,25 +211,41 @@ class _MountRefused(OSError):
     """A bounded tmpfs could not be mounted in the cage."""
 
 
+def _mount_scratch(request: WarmRequest) -> list[int]:
+    """Mount the request's bounded tmpfs in the cage, keeping what the cage shows under them; their roots."""
+    try:
+        # Copied as bubblewrap mounted them (read-only, nosuid, nodev), before the tmpfs hides them.
+        kept = [(path, clone_mounts(path)) for path in request.keep]
+    except OSError as exc:
+        raise _MountRefused(exc.errno, exc.strerror or str(exc)) from exc
+    try:
+        roots = [_mount(mount) for mount in request.mounts]
+        for path, tree in kept:
+            attach_mounts(tree, path)
+    except OSError as exc:
+        raise _MountRefused(exc.errno, exc.strerror or str(exc)) from exc
+    finally:
+        for _, tree in kept:
+            os.close(tree)
+    return roots
+
+
 def _mount(mount: dict[str, Any]) -> int:
     """Mount one bounded tmpfs in the cage (this process is in its mount namespace); its root, ``O_PATH``.
 
     Mounted by the host's root, so its owner is a host uid, and seen only by the cage.
     """
     path = str(mount["path"])
-    try:
-        mount_tmpfs(
-            Path(path),
-            size=int(mount["size"]),
-            inodes=int(mount["inodes"]),
-            uid=int(mount["uid"]),
-            gid=int(mount["gid"]),
-            mode=0o1777,
-            source="rollcage",
-        )
-        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise _MountRefused(exc.errno, exc.strerror or str(exc)) from exc
+    mount_tmpfs(
+        Path(path),
+        size=int(mount["size"]),
+        inodes=int(mount["inodes"]),
+        uid=int(mount["uid"]),
+        gid=int(mount["gid"]),
+        mode=0o1777,
+        source="rollcage",
+    )
+    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 def _become_worker(request: WarmRequest, *, holder: int, log: int, go: int, closing: list[int]) -> NoReturn:

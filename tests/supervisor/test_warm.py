@@ -282,22 +282,32 @@ def _mounts(mountinfo: str) -> list[tuple[str, str, str]]:
     return found
 
 
-@pytest.mark.parametrize("placed", ["cage", "host"])
+def _mounts_with_options(mountinfo: str) -> dict[str, set[str]]:
+    """Mount point -> its per-mount options, of the ``mountinfo`` file at this path (the last mount wins)."""
+    found = {}
+    for line in Path(mountinfo).read_text().splitlines():
+        fields = line.split(" - ")[0].split()
+        found[fields[4]] = set(fields[5].split(","))
+    return found
+
+
+@pytest.mark.parametrize("shows_a_path_in_tmp", [False, True])
 async def test_a_warm_cage_mounts_its_bounded_tmp_and_shm_inside_and_the_host_holds_only_its_workspace(
-    tmp_path: Path, placed: str
+    tmp_path: Path, shows_a_path_in_tmp: bool
 ) -> None:
-    """Unless a path the cage shows is in /tmp: a tmpfs over /tmp would hide it, so the host mounts them."""
+    """A path the cage shows under /tmp (a Python environment there) stays shown, read-only, on top."""
     from rollcage.supervisor.budgets import owner_tag
 
     root = tmp_path / "r"
     with contextlib.ExitStack() as stack:
         shown = Path(stack.enter_context(tempfile.TemporaryDirectory(dir="/tmp")))
+        (shown / "inside").mkdir()
         server = stack.enter_context(
             PolicyServer({"tasks": {"t": [{"text": "never"}]}}, port=0, faults=["call=1:kind=hang"])
         )
         _prepare(root, server.base_url)
         stop = asyncio.Event()
-        extra = {"extra_ro_paths": [str(shown)]} if placed == "host" else {}
+        extra = {"extra_ro_paths": [str(shown)]} if shows_a_path_in_tmp else {}
         sandbox = BwrapSandbox(worker_start="warm", **SCRATCH, **extra)
         task = asyncio.ensure_future(
             supervise(root, SupervisorConfig(deadline_s=120, sandbox=sandbox), stop=stop)
@@ -306,8 +316,9 @@ async def test_a_warm_cage_mounts_its_bounded_tmp_and_shm_inside_and_the_host_ho
             await wait_for_async(lambda: server.faults_injected, what="the worker's first model call")
             pid = await wait_for_async(lambda: _worker_of(root), what="the worker's process")
             inside = {point: (fstype, source) for point, fstype, source in _mounts(f"/proc/{pid}/mountinfo")}
+            options = _mounts_with_options(f"/proc/{pid}/mountinfo")
             bounds = {place: os.statvfs(f"/proc/{pid}/root{place}") for place in ("/tmp", "/dev/shm")}
-            still_shown = _same_file(f"/proc/{pid}/root{shown}", str(shown))
+            still_shown = _same_file(f"/proc/{pid}/root{shown}/inside", str(shown / "inside"))
             ours = f"rollcage-{owner_tag()}"
             on_the_host = sorted(
                 point for point, _, source in _mounts("/proc/self/mountinfo") if source == ours
@@ -316,17 +327,18 @@ async def test_a_warm_cage_mounts_its_bounded_tmp_and_shm_inside_and_the_host_ho
             stop.set()
             receipt = await task
 
-    # The last mount at each place is the one the cage sees, with the budgets as bounds.
-    source = "rollcage" if placed == "cage" else ours
-    assert inside["/tmp"] == ("tmpfs", source) and inside["/dev/shm"] == ("tmpfs", source), inside
+    # The last mount at each place is the one the cage sees: the warm start's, with the budgets as bounds.
+    assert inside["/tmp"] == ("tmpfs", "rollcage") and inside["/dev/shm"] == ("tmpfs", "rollcage"), inside
     for place, size, inodes in (("/tmp", 8 * MIB, 70), ("/dev/shm", 2 * MIB, 30)):
         assert bounds[place].f_blocks * bounds[place].f_frsize == size, place
         assert bounds[place].f_files == inodes + 1, place  # and one for its root
-    if placed == "cage":
-        # The host's mount table holds this rollout's workspace, and nothing else of it.
-        assert on_the_host == [str(root / "workspace")], on_the_host
+    # The host's mount table holds this rollout's workspace, and nothing else of it.
+    assert on_the_host == [str(root / "workspace")], on_the_host
+    if shows_a_path_in_tmp:
+        assert still_shown, f"{shown} was hidden by the cage's /tmp"
+        assert {"ro", "nosuid", "nodev"} <= options[str(shown)], options[str(shown)]
     else:
-        assert still_shown and len(on_the_host) == 3 and str(root / "workspace") in on_the_host, on_the_host
+        assert not still_shown and str(shown) not in options
     uses = {use.budget: use for use in receipt.budgets}
     for budget in ("tmp_bytes", "tmp_inodes", "shm_bytes", "shm_inodes"):
         assert uses[budget].mechanism == "tmpfs" and uses[budget].peak is not None, uses[budget]

@@ -70,6 +70,8 @@ __all__ = [
     "ProcRootTmpfs",
     "TmpfsVolume",
     "Volume",
+    "attach_mounts",
+    "clone_mounts",
     "copy_tree",
     "detect_cgroups",
     "kill_cgroup",
@@ -108,6 +110,42 @@ def mount_tmpfs(
     if libc.mount(source.encode(), os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot mount a tmpfs at {target}: {os.strerror(err)}")
+
+
+_SYS_OPEN_TREE = 428  # the same number on every architecture (added after the tables were unified)
+_SYS_MOVE_MOUNT = 429
+_OPEN_TREE_CLONE = 1
+_AT_RECURSIVE = 0x8000
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+
+
+def clone_mounts(path: str) -> int:
+    """A detached copy of the mount tree at ``path``, flags and all (``open_tree``; Linux 5.2+).
+
+    Raises:
+        OSError: The copy was refused.
+    """
+    libc = _libc()
+    fd = libc.syscall(
+        _SYS_OPEN_TREE, -100, os.fsencode(path), _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE
+    )
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot copy the mounts at {path}: {os.strerror(err)}")
+    return int(fd)
+
+
+def attach_mounts(tree: int, path: str) -> None:
+    """Attach a detached mount tree (from :func:`clone_mounts`) at ``path``, made first if missing.
+
+    Raises:
+        OSError: The directory or the attachment was refused.
+    """
+    os.makedirs(path, mode=0o755, exist_ok=True)
+    libc = _libc()
+    if libc.syscall(_SYS_MOVE_MOUNT, tree, b"", -100, os.fsencode(path), _MOVE_MOUNT_F_EMPTY_PATH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot mount the copied mounts at {path}: {os.strerror(err)}")
 
 
 def unmount(target: Path) -> bool:

@@ -80,7 +80,6 @@ from rollcage.supervisor.sandbox import (
     LaunchPlan,
     NoSandboxLauncher,
     RolloutLayout,
-    Scratch,
     worker_environment,
 )
 from rollcage.supervisor.stopfiles import watch_stop_file
@@ -454,8 +453,10 @@ class _Supervision:
                     owner=self.launcher.owner,
                     name=f"rollcage-{owner_tag()}-{self.token[:12]}",
                 )
-                extra_ro = [*harness_mounts, *([bytecode] if bytecode is not None else [])]
-                scratch = await asyncio.to_thread(self._prepare_budgets, self.budgets, extra_ro)
+                # A warm start mounts /tmp and /dev/shm in its cage: the host's mount table, which every
+                # launch copies and reads again, then holds one mount per rollout in flight, not three.
+                in_cage = self.template is not None and cage_mounts()
+                scratch = await asyncio.to_thread(self.budgets.prepare, in_cage=in_cage)
                 self.plan = plan = self.launcher.plan(
                     self.layout,
                     worker_command=command,
@@ -464,7 +465,7 @@ class _Supervision:
                     status_fd=status_write,
                     scratch=scratch,
                     enter=self.budgets.enter_prefix(),
-                    extra_ro=extra_ro,
+                    extra_ro=[*harness_mounts, *([bytecode] if bytecode is not None else [])],
                     worker_journal=self.journal is None,
                     pass_fds=() if relay_write is None else (relay_write,),
                     warm_cgroups=self.budgets.cgroup_procs() if self.template is not None else None,
@@ -495,16 +496,6 @@ class _Supervision:
         if self.turn is not None:
             self.start_task = asyncio.ensure_future(self._hold_turn())
         await self._watch(self.child)
-
-    def _prepare_budgets(self, budgets: RolloutBudgets, extra_ro: list[str]) -> Scratch:
-        """Make the rollout's budgets (blocking); a warm start's ``/tmp`` and ``/dev/shm`` go in its cage.
-
-        There the host's mount table, which every launch copies and reads again, holds one
-        mount per rollout in flight rather than three.
-        """
-        assert isinstance(self.launcher, BwrapLauncher)
-        in_cage = self.template is not None and cage_mounts() and self.launcher.scratch_fits_in_cage(extra_ro)
-        return budgets.prepare(in_cage=in_cage)
 
     def _warm_template(self, bytecode: str | None, *, relayed: bool) -> Template | None:
         """The template to fork this rollout's worker from (:mod:`rollcage.warm`); ``None``: start it cold.

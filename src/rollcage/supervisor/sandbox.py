@@ -111,9 +111,6 @@ SANDBOX_ROLLOUT_DIR = "/rollout"
 SANDBOX_PROXY_SOCKET = "/run/rollcage/proxy.sock"
 """The egress proxy's Unix socket as the worker sees it under bwrap."""
 
-SCRATCH_PLACES = ("/tmp", "/dev/shm")
-"""The cage's memory-backed scratch places, each with a budget of its own."""
-
 _SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -417,18 +414,6 @@ class BwrapLauncher:
             ro.append(self.check().bwrap)
         return [path for path in ro if os.path.exists(path)]
 
-    def scratch_fits_in_cage(self, extra_ro: Sequence[str] = ()) -> bool:
-        """Whether a warm start may mount ``/tmp`` and ``/dev/shm`` inside the cage (:class:`Scratch`).
-
-        Not when a read-only path lives under one of them (a Python environment in
-        ``/tmp``): the cage shows it there, and a tmpfs mounted over it would hide it.
-        """
-        return not any(
-            os.path.commonpath([os.path.abspath(path), place]) == place
-            for path in self.read_only_paths(extra_ro)
-            for place in SCRATCH_PLACES
-        )
-
     def plan(
         self,
         layout: RolloutLayout,
@@ -498,6 +483,13 @@ class BwrapLauncher:
                     {"path": volume.inside, "size": volume.max_bytes, "inodes": volume.mount_inodes}
                     | dict(zip(("uid", "gid"), self.owner or (os.getuid(), os.getgid()), strict=True))
                     for volume in (scratch.in_cage if scratch is not None else ())
+                ],
+                # What the cage shows under them (a Python environment in /tmp) stays shown.
+                keep=[
+                    path
+                    for path in outermost(ro)
+                    for volume in (scratch.in_cage if scratch is not None else ())
+                    if os.path.commonpath([os.path.abspath(path), volume.inside]) == volume.inside
                 ],
             )
         full = bwrap_argv(
