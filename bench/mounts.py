@@ -1,8 +1,8 @@
 """Benchmark (not a test): what a sandbox's launch costs as the host's mount table grows.
 
 As root, every rollout in flight has bounded tmpfs mounted on the host: its
-workspace, and, for a cold start (or a warm one whose cage shows a path under
-``/tmp``), its ``/tmp`` and ``/dev/shm`` too; a warm start mounts those two inside
+workspace, and, for a cold start, its ``/tmp`` and ``/dev/shm`` too; a warm
+start (the default) mounts those two inside
 the cage, where no other launch sees them (see ``rollcage.supervisor.budgets``).
 Each rollout's outer bubblewrap stage starts from a copy of the host's mount table
 and reads ``/proc/self/mountinfo`` once per bind, so its cost grows with the number
