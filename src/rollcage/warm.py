@@ -213,21 +213,20 @@ class _MountRefused(OSError):
 
 def _mount_scratch(request: WarmRequest) -> list[int]:
     """Mount the request's bounded tmpfs in the cage, keeping what the cage shows under them; their roots."""
+    kept: list[tuple[str, int]] = []
     try:
         # Copied as bubblewrap mounted them (read-only, nosuid, nodev), before the tmpfs hides them.
-        kept = [(path, clone_mounts(path)) for path in request.keep]
-    except OSError as exc:
-        raise _MountRefused(exc.errno, exc.strerror or str(exc)) from exc
-    try:
+        for path in request.keep:
+            kept.append((path, clone_mounts(path)))
         roots = [_mount(mount) for mount in request.mounts]
         for path, tree in kept:
             attach_mounts(tree, path)
+        return roots
     except OSError as exc:
         raise _MountRefused(exc.errno, exc.strerror or str(exc)) from exc
     finally:
         for _, tree in kept:
             os.close(tree)
-    return roots
 
 
 def _mount(mount: dict[str, Any]) -> int:

@@ -571,6 +571,14 @@ def _pages(size: int) -> int:
     return -(-size // 4096) * 4096
 
 
+def _used(found: tuple[int, int, int, int] | None) -> tuple[int, int] | None:
+    """(bytes, inodes) in use on a tmpfs from its ``statvfs`` numbers; its root directory is not counted."""
+    if found is None:
+        return None
+    used_bytes, _, used_inodes, _ = found
+    return used_bytes, max(used_inodes - 1, 0)
+
+
 class TmpfsVolume(Volume):
     """A tmpfs the supervisor mounted (root): a hard bound on bytes and inodes, read by ``statvfs``."""
 
@@ -595,11 +603,7 @@ class TmpfsVolume(Volume):
         self.mounted = True
 
     def usage(self) -> tuple[int, int] | None:
-        found = _statvfs_usage(str(self.path))
-        if found is None:
-            return None
-        used_bytes, _, used_inodes, _ = found
-        return used_bytes, max(used_inodes - 1, 0)
+        return _used(_statvfs_usage(str(self.path)))
 
     def full(self, used_bytes: int, used_inodes: int) -> tuple[bool, bool]:
         return _reached(_statvfs_usage(str(self.path)))
@@ -654,10 +658,9 @@ class ProcRootTmpfs(Volume):
     def usage(self) -> tuple[int, int] | None:
         fd = self._held()
         found = None if fd is None else _statvfs_usage(fd)
-        if found is None:
-            return None
-        used_bytes, self._free_bytes, used_inodes, _ = found
-        return used_bytes, max(used_inodes - 1, 0)
+        if found is not None:
+            self._free_bytes = found[1]
+        return _used(found)
 
     def full(self, used_bytes: int, used_inodes: int) -> tuple[bool, bool]:
         return self._free_bytes < 4096, used_inodes > self.max_inodes
@@ -713,11 +716,7 @@ class CageTmpfs(Volume):
 
     def usage(self) -> tuple[int, int] | None:
         fd = self._fd
-        found = None if fd is None else _statvfs_usage(fd)
-        if found is None:
-            return None
-        used_bytes, _, used_inodes, _ = found
-        return used_bytes, max(used_inodes - 1, 0)
+        return _used(None if fd is None else _statvfs_usage(fd))
 
     def full(self, used_bytes: int, used_inodes: int) -> tuple[bool, bool]:
         fd = self._fd

@@ -27,6 +27,7 @@ was left by one that is gone (SIGKILLed, its Ray node lost) and release it
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -256,12 +257,11 @@ class RolloutBudgets:
         One that is not the bounded tmpfs asked for (or comes unasked) is closed, and said.
         """
         volumes = [volume for volume in self.volumes if isinstance(volume, CageTmpfs)]
-        for index, fd in enumerate(roots):
-            if index < len(volumes) and volumes[index].hold(fd):
-                continue
-            if index >= len(volumes):
-                os.close(fd)
-            logger.warning("rollout %s: the warm start sent back a root not of its bounded tmpfs", self.name)
+        for volume, fd in itertools.zip_longest(volumes, roots):
+            if fd is not None and (volume is None or not volume.hold(fd)):
+                if volume is None:
+                    os.close(fd)
+                logger.warning("rollout %s: a root the warm start sent back is not its tmpfs", self.name)
 
     def enter_prefix(self) -> list[str]:
         """The argv prefix that puts the sandbox into its cgroups (``[]`` without any)."""

@@ -66,7 +66,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from rollcage.cage import (
     CAGE_ENV,
@@ -338,6 +338,17 @@ def worker_limits(config: BwrapSandbox) -> Limits:
     )
 
 
+def _cage_mount(volume: CageTmpfs, owner: tuple[int, int] | None) -> dict[str, Any]:
+    """A :attr:`WarmRequest.mounts` entry: owned by the cage user's host ids, as a host-mounted tmpfs is."""
+    uid, gid = owner or (os.getuid(), os.getgid())
+    size, inodes = volume.max_bytes, volume.mount_inodes
+    return {"path": volume.inside, "size": size, "inodes": inodes, "uid": uid, "gid": gid}
+
+
+def _within(path: str, place: str) -> bool:
+    return os.path.commonpath([os.path.abspath(path), place]) == place
+
+
 def _umask() -> int:
     """This process's umask, read without changing it (``os.umask`` would, for every thread)."""
     try:
@@ -398,22 +409,6 @@ class BwrapLauncher:
         uid, gid = self.config.run_as_uid, self.config.run_as_gid
         return (uid, gid) if os.geteuid() == 0 and uid is not None and gid is not None else None
 
-    def read_only_paths(
-        self, extra_ro: Sequence[str] = (), *, worker_command: Sequence[str] | None = None
-    ) -> list[str]:
-        """The host paths the cage shows read-only at the same place (those that exist).
-
-        Args:
-            extra_ro: See :meth:`plan`.
-            worker_command: A worker program run in the cage: its directory is shown too.
-        """
-        ro = [*python_paths(), *self.config.extra_ro_paths, *extra_ro]
-        if worker_command and os.path.isabs(worker_command[0]):
-            ro.append(os.path.dirname(worker_command[0]))
-        if self.config.executor_cage == "bwrap":
-            ro.append(self.check().bwrap)
-        return [path for path in ro if os.path.exists(path)]
-
     def plan(
         self,
         layout: RolloutLayout,
@@ -451,19 +446,23 @@ class BwrapLauncher:
         tools = self.check()
         root = SANDBOX_ROLLOUT_DIR
         args = [f"{root}/input.json", f"{root}/result.json", "--checkpoint", f"{root}/checkpoint.jsonl"]
+        ro = [*python_paths(), *self.config.extra_ro_paths, *extra_ro]
         if warm_cgroups is not None:
             # The holder stands where the worker would; the worker is forked in beside it.
             argv = ["sh", "-c", HOLDER_SCRIPT, "rollcage-holder"]
         else:
             argv = [*worker_command, *args]
-        if scratch is not None and scratch.in_cage and warm_cgroups is None:
+            if os.path.isabs(worker_command[0]):
+                ro.append(os.path.dirname(worker_command[0]))
+        in_cage = scratch.in_cage if scratch is not None else ()
+        if in_cage and warm_cgroups is None:
             raise ValueError("scratch mounted in the cage needs a warm start, which mounts it")
-        cold_command = worker_command if warm_cgroups is None else None
-        ro = self.read_only_paths(extra_ro, worker_command=cold_command)
         env = dict(worker_env)
         if self.config.executor_cage == "bwrap":
             # The worker cages its executor with the same bubblewrap, wherever it is installed.
             env[CAGE_ENV] = f"bwrap:{tools.bwrap}"
+            ro.append(tools.bwrap)
+        ro = [path for path in ro if os.path.exists(path)]
         config = _within_hard_nofile(self.config)
         warm: WarmRequest | None = None
         if warm_cgroups is not None:
@@ -478,19 +477,9 @@ class BwrapLauncher:
                 umask=_umask(),
                 cgroups=list(warm_cgroups),
                 clear_groups=os.geteuid() == 0,
-                mounts=[
-                    # Owned by the host's ids of the cage's user, as the tmpfs mounted on the host are.
-                    {"path": volume.inside, "size": volume.max_bytes, "inodes": volume.mount_inodes}
-                    | dict(zip(("uid", "gid"), self.owner or (os.getuid(), os.getgid()), strict=True))
-                    for volume in (scratch.in_cage if scratch is not None else ())
-                ],
+                mounts=[_cage_mount(volume, self.owner) for volume in in_cage],
                 # What the cage shows under them (a Python environment in /tmp) stays shown.
-                keep=[
-                    path
-                    for path in outermost(ro)
-                    for volume in (scratch.in_cage if scratch is not None else ())
-                    if os.path.commonpath([os.path.abspath(path), volume.inside]) == volume.inside
-                ],
+                keep=[path for path in outermost(ro) if any(_within(path, v.inside) for v in in_cage)],
             )
         full = bwrap_argv(
             config,
