@@ -7,36 +7,45 @@ worker, freezes its heap (``gc.freeze()``, so children do not dirty the shared
 pages by collecting them) and then only waits on its socket. It runs no thread
 and no event loop, holds no credential, and dies with its parent.
 
-For each rollout the supervisor has bubblewrap build the cage as for a cold
-start, with a holder in the worker's place (:data:`~rollcage.cage.HOLDER_SCRIPT`),
-and sends the template one :class:`WarmRequest` with four descriptors: a pidfd
-of the holder, the write end of the holder's stdin, a report socket, and
-``worker.log``. Then, in the template's child (outside the cage):
+For each rollout the supervisor has bubblewrap build the cage as for a cold start,
+with a holder in the worker's place (:data:`~rollcage.cage.HOLDER_SCRIPT`), and
+sends the template one :class:`WarmRequest` with three descriptors: a pidfd of
+the holder, a report socket, and ``worker.log``. The template joins the holder's
+PID namespace for its next child only, forks the worker into it as the
+*supervisor's* child (``clone3`` with ``CLONE_PARENT``: no process stands between
+them), goes back to its own PID namespace, and sends the supervisor a pidfd of the
+worker on the report socket. The supervisor reaps the worker and writes its exit
+status to the holder, which exits with it: bwrap reports it as it would the
+worker's own.
 
-1. it opens the rollout's ``cgroup.procs`` files, clears its supplementary
-   groups, and joins the holder's user, mount, PID, network, IPC, UTS and
-   cgroup namespaces at once (``setns`` on the pidfd);
-2. it mounts the bounded ``/tmp`` and ``/dev/shm`` the request asks for, inside
-   the cage (over bubblewrap's own), so the host's mount table never holds them;
-   what the cage shows under them (a Python environment in ``/tmp``) is copied
-   first and put back on top, as bubblewrap had mounted it;
-3. it forks the worker, which is born in the cage's PID namespace, moves it
-   into the rollout's cgroups, lets it go, and reports its PID, with the roots
-   of the tmpfs it mounted (the supervisor measures their budgets through them);
-4. it waits for the worker and writes its exit status to the holder, which
-   exits with it: bwrap reports it as it would the worker's own.
+The worker then, before it runs anything of the rollout's:
 
-The worker, once let go: drops every capability, takes the sandbox's uid and
-gid, sets ``no_new_privs``, dies with its parent, takes the cage's resource
-limits, keeps only ``/dev/null`` and the log as its standard descriptors (every
-other one is closed), starts a session, takes the working directory and the
-exact environment a cold start would have, and runs
-:func:`rollcage.worker.worker_main`; it always ends in ``os._exit``.
+1. opens the rollout's ``cgroup.procs`` files and moves itself into them, as the
+   host's root still;
+2. clears its supplementary groups, joins the holder's mount namespace alone and
+   mounts the bounded ``/tmp`` and ``/dev/shm`` the request asks for there (over
+   bubblewrap's own), so the host's mount table never holds them; what the cage
+   shows under them (a Python environment in ``/tmp``) is copied first and put
+   back on top, as bubblewrap had mounted it;
+3. joins the holder's user, network, IPC, UTS and cgroup namespaces at once
+   (``setns`` on the pidfd);
+4. reports ``ok`` on the report socket, with the roots of the tmpfs it mounted
+   (the supervisor measures their budgets through them), or ``error ...`` and
+   exits.
+
+Then it drops every capability, takes the sandbox's uid and gid, sets
+``no_new_privs``, takes the cage's resource limits, keeps only ``/dev/null`` and
+the log as its standard descriptors (every other one is closed), starts a
+session, takes the working directory and the exact environment a cold start would
+have, and runs :func:`rollcage.worker.worker_main`; it always ends in ``os._exit``.
+It has no parent-death signal: its parent is a thread of the supervisor's, which
+may end before the rollout does, and a supervisor that dies closes the holder's
+stdin, whose exit ends the cage's PID namespace with the worker in it.
 
 A template that dies takes only the starts it had not forked yet with it: their
 holders see their stdin closed and exit with 125 (no result: ``infra_failure``);
-workers already running go on, and the supervisor starts a new template for the
-next rollout.
+workers already running are not its children and go on, and the supervisor starts
+a new template for the next rollout.
 """
 
 from __future__ import annotations
@@ -55,25 +64,26 @@ from typing import Any, NoReturn
 from rollcage.cage import (
     JOIN,
     MOUNT_NS,
+    PID_NS,
     PR_SET_PDEATHSIG,
     Limits,
     attach_mounts,
     clone_mounts,
+    clone_sibling,
     drop_privileges,
     mount_tmpfs,
     prctl,
     setns,
     show_process,
 )
-from rollcage.procs import reap_child
 
 __all__ = ["MAX_REQUEST_BYTES", "REQUEST_FDS", "WarmRequest", "template_main"]
 
 MAX_REQUEST_BYTES = 1 << 20
 """The largest request the template reads (a worker's argv and environment)."""
 
-REQUEST_FDS = 4
-"""Descriptors sent with each request: holder pidfd, holder's stdin, report socket, worker.log."""
+REQUEST_FDS = 3
+"""Descriptors sent with each request: holder pidfd, report socket (``SOCK_SEQPACKET``), worker.log."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +146,8 @@ def template_main(argv: list[str]) -> int:
     warm_up()
     gc.collect()
     gc.freeze()
-    # Each start's first child is reaped by the kernel: the template never waits.
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    # Where each worker is born is set for one fork at a time, and set back after.
+    home = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     sock = socket.socket(fileno=fd)
     while True:
         try:
@@ -146,14 +156,16 @@ def template_main(argv: list[str]) -> int:
             continue
         if not message:
             return 0
-        try:
-            pid = os.fork() if len(fds) == REQUEST_FDS else -1
-        except OSError:
-            pid = -1
-        if pid == 0:
-            _enter(message, fds)
+        if len(fds) == REQUEST_FDS:
+            _start(message, fds, home=home, listening=fd)
         for received in fds:
             os.close(received)
+
+
+def _report(channel: int, text: str, fds: list[int] | None = None) -> None:
+    """One message on the report socket (never blocks: one short message on a socket of its own)."""
+    with contextlib.suppress(OSError), socket.fromfd(channel, socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        socket.send_fds(sock, [text.encode(errors="replace")], fds or [], socket.MSG_DONTWAIT)
 
 
 def _say(fd: int, text: str) -> None:
@@ -161,50 +173,62 @@ def _say(fd: int, text: str) -> None:
         os.write(fd, text.encode(errors="replace"))
 
 
-def _enter(message: bytes, fds: list[int]) -> NoReturn:
-    """The template's child: join the cage, fork the worker into it, report, wait, pass its status on."""
-    holder, life, report, log = fds
+def _start(message: bytes, fds: list[int], *, home: int, listening: int) -> None:
+    """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
+    holder, report, log = fds
+    try:
+        setns(holder, PID_NS)
+    except OSError as exc:
+        _report(report, f"error cannot enter the sandbox's PID namespace: {exc}")
+        return
+    try:
+        pid, pidfd = clone_sibling()
+    except OSError as exc:
+        _go_home(home, log)
+        _report(report, f"error cannot fork the worker: {exc}")
+        return
+    if pid == 0:
+        os.close(listening)
+        _enter(message, holder=holder, report=report, log=log)
+    _go_home(home, log)
+    _report(report, f"pid {pid}", [pidfd])
+    os.close(pidfd)
+
+
+def _go_home(home: int, log: int) -> None:
+    """Have the template's next children born in its own PID namespace again; exit if they cannot be."""
+    try:
+        setns(home, PID_NS)
+    except OSError as exc:
+        # They would be born in this cage: the supervisor starts a new template instead.
+        _say(log, f"rollcage: the warm worker template cannot return to its PID namespace: {exc}\n")
+        os._exit(1)
+
+
+def _enter(message: bytes, *, holder: int, report: int, log: int) -> NoReturn:
+    """The worker, born in the cage's PID namespace: move into its cgroups, join the cage, report, run."""
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        # Not dying with the template: a template that dies fails only the starts it has not forked
-        # yet. This process outlives its worker by a moment at most (the worker dies with its cage).
         request = WarmRequest.decode(message)
-        cgroups = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in request.cgroups]
+        for path in request.cgroups:
+            procs = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(procs, b"0")  # this process
+            finally:
+                os.close(procs)
         if request.clear_groups:
             os.setgroups([])
         setns(holder, MOUNT_NS)
         roots = _mount_scratch(request)
         setns(holder, JOIN & ~MOUNT_NS)
-        go_read, go_write = os.pipe()
-        worker = os.fork()
     except BaseException as exc:
         _say(log, f"rollcage: the warm worker could not enter its cage: {exc}\n")
         # "mount": the supervisor mounts on the host for its next rollouts instead.
-        _say(report, f"error {'mount: ' if isinstance(exc, _MountRefused) else ''}{exc}\n")
+        _report(report, f"error {'mount: ' if isinstance(exc, _MountRefused) else ''}{exc}")
         os._exit(1)
-    if worker == 0:
-        os.close(go_write)
-        _become_worker(request, holder=holder, log=log, go=go_read, closing=[life, report, *cgroups, *roots])
-    os.close(go_read)
-    try:
-        for procs in cgroups:
-            os.write(procs, str(worker).encode())
-        os.write(go_write, b"g")
-    except OSError as exc:
-        reap_child(worker, kill=True)
-        _say(log, f"rollcage: the warm worker could not join its cgroups: {exc}\n")
-        _say(report, f"error cannot join the rollout's cgroups: {exc}\n")
-        os._exit(1)
-    os.close(go_write)
-    for fd in cgroups:
-        os.close(fd)
-    with contextlib.suppress(OSError), socket.socket(fileno=report) as channel:
-        # The supervisor measures the tmpfs through these roots, whoever outlives whom.
-        socket.send_fds(channel, [f"pid {worker}\n".encode()], roots)
-    for fd in roots:
-        os.close(fd)
-    _say(life, f"{reap_child(worker)}\n")
-    os._exit(0)
+    # The supervisor measures the tmpfs through these roots, whoever outlives whom.
+    _report(report, "ok", roots)
+    _become_worker(request, log=log)
 
 
 class _MountRefused(OSError):
@@ -247,26 +271,14 @@ def _mount(mount: dict[str, Any]) -> int:
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
-def _become_worker(request: WarmRequest, *, holder: int, log: int, go: int, closing: list[int]) -> NoReturn:
-    """The worker, born in the cage's PID namespace: become what a cold start runs, then run it."""
+def _become_worker(request: WarmRequest, *, log: int) -> NoReturn:
+    """The worker, in its cage: become what a cold start runs, then run it."""
     out = log
     try:
-        for fd in closing:
-            os.close(fd)
-        if os.read(go, 1) != b"g":
-            os._exit(125)  # the parent could not move it into the cgroups
-        os.close(go)
         # The supervisor knows a rollout's processes by the token in their environment, and people
         # know a worker by its command line: not the template's, which a fork would show.
         show_process([sys.executable, "-m", "rollcage", "worker", *request.argv], request.env)
         drop_privileges(request.uid, request.gid)
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != 0:
-            # The parent lives outside this PID namespace (so it reads as 0); the sandbox's init took
-            # this process in: the parent is gone. (Taken in by the supervisor, a subreaper outside,
-            # it reads 0 as well: the holder then sees its stdin close, exits with 125, and the
-            # supervisor ends the sandbox with this process in it.)
-            os._exit(125)
         Limits(**request.limits).apply()
         os.umask(request.umask)
         null = os.open("/dev/null", os.O_RDONLY)

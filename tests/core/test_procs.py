@@ -13,6 +13,7 @@ import pytest
 
 from rollcage.procs import (
     GroupTree,
+    PidfdChild,
     StopPhase,
     StopStrategy,
     TreeStop,
@@ -20,6 +21,7 @@ from rollcage.procs import (
     first_of,
     is_running,
     live_members,
+    reap_abandoned,
     shielded,
     stop_tree,
     wait_shared,
@@ -219,3 +221,47 @@ async def test_command_name_names_a_live_process_and_none_once_it_is_gone(tmp_pa
         proc.kill()
         await asyncio.wait_for(exited, 10)
     assert command_name(proc.pid) is None
+
+
+def _held_child(code: str) -> PidfdChild:
+    """A child of this process running ``code``, held by a pidfd and by nothing else (no Popen)."""
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", code], dict(os.environ))
+    return PidfdChild(pid, os.pidfd_open(pid))
+
+
+def _reaped(pid: int) -> bool:
+    """Whether the child ``pid`` of this process has been reaped (looked at without reaping it)."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return False
+
+
+async def test_a_pidfd_child_is_awaited_reaped_and_reported_as_a_shell_would() -> None:
+    quits, killed = _held_child("raise SystemExit(3)"), _held_child("import time; time.sleep(60)")
+    assert killed.reap() is None and not killed.reaped, "reaped while it runs"
+    killed.kill()
+    codes = []
+    for child in (quits, killed):
+        await asyncio.wait_for(child.wait(), 30)
+        codes.append(child.reap())
+        assert child.reaped and _reaped(child.pid)
+    assert codes == [3, 128 + signal.SIGKILL]
+
+
+async def test_an_abandoned_child_is_killed_and_reaped_by_a_later_sweep() -> None:
+    child = _held_child("import time; time.sleep(60)")
+    handle = child.handle()
+    assert handle is not None
+    try:
+        child.abandon()
+        await asyncio.wait_for(handle.wait(), 30)
+
+        def swept() -> bool:
+            reap_abandoned()
+            return _reaped(child.pid)
+
+        await wait_for_async(swept, what="the abandoned child's reaping")
+    finally:
+        handle.close()

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from rollcage.policy import PolicyServer
+from rollcage.procs import read_proc, scan_processes
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.warm import template_for
@@ -254,6 +255,38 @@ async def test_a_start_that_cannot_enter_the_cage_is_an_infra_failure_that_says_
     assert receipt.cleanup_confirmed and not (root / "result.json").exists()
 
 
+def _zombie_children() -> list[int]:
+    """This process's children that have exited and nobody has reaped."""
+    return [info.pid for info in scan_processes().values() if info.ppid == os.getpid() and not info.alive]
+
+
+async def test_a_warm_worker_is_the_supervisors_own_child_whose_death_its_holder_reports(
+    tmp_path: Path,
+) -> None:
+    """No process stands between the supervisor and a warm worker: the supervisor reaps it and hands its
+    exit status to the holder, so bwrap reports a worker killed by someone else as a cold start's."""
+    template = template_for(worker_bytecode())
+    with PolicyServer({"tasks": {"t": [{"text": "never"}]}}, port=0, faults=["call=1:kind=hang"]) as server:
+        root = tmp_path / "r"
+        _prepare(root, server.base_url)
+        config = SupervisorConfig(deadline_s=120, grace_s=10, sandbox=BwrapSandbox(worker_start="warm"))
+        task = asyncio.ensure_future(supervise(root, config))
+        try:
+            await wait_for_async(lambda: server.faults_injected, what="the worker's first model call")
+            worker = await wait_for_async(lambda: _worker_of(root), what="the worker's process")
+            info = read_proc(worker)
+            assert info is not None and info.ppid == os.getpid(), f"the warm worker's parent: {info}"
+            assert template.pid is not None and template.pid != os.getpid()
+            os.kill(worker, signal.SIGKILL)
+        finally:
+            receipt = await task
+    assert receipt.outcome == "infra_failure", receipt.outcome_reason
+    assert receipt.exit_signal == "SIGKILL" and receipt.signals_sent == []
+    assert "SIGKILL, which the supervisor did not send" in receipt.outcome_reason
+    assert receipt.cleanup_confirmed
+    assert worker not in _zombie_children(), "the warm worker was left unreaped"
+
+
 def test_worker_start_is_a_sandbox_flag_warm_by_default() -> None:
     import typer
 
@@ -376,7 +409,7 @@ async def test_a_cage_that_refuses_its_mounts_fails_one_start_and_the_next_mount
     from rollcage.supervisor import budgets, warm
 
     monkeypatch.setattr(warm, "_cage_mounts_refused", [])
-    # Where the cage has no such directory, the template's child cannot mount: as a kernel that refused.
+    # Where the cage has no such directory, the worker cannot mount: as a kernel that refused.
     monkeypatch.setattr(
         budgets,
         "CageTmpfs",

@@ -24,7 +24,9 @@ from collections.abc import Mapping
 __all__ = [
     "HOLDER_SCRIPT",
     "JOIN",
+    "PID_NS",
     "PR_SET_PDEATHSIG",
+    "clone_sibling",
     "drop_privileges",
     "prctl",
     "setns",
@@ -42,15 +44,20 @@ CLONE_NEWNET = 0x40000000
 JOIN = (
     CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
 )
-"""The holder's namespaces, joined at once by the template's child before it forks the worker (the PID
-namespace takes effect for the fork). At once, and while the caller still holds the capabilities
+"""The holder's namespaces, joined at once by a warm worker, born in the cage's PID namespace, before it
+runs anything (the PID namespace, already its own, takes effect for its children). At once, and while
+the caller still holds the capabilities
 it came with: bubblewrap nests a second user namespace to set the cage's uid, so the cage's cgroup
 namespace belongs to the outer one, over which the holder's own user namespace gives none."""
 
 MOUNT_NS = CLONE_NEWNS
-"""The cage's mount namespace alone: the template's child joins it first, to mount the cage's bounded
+"""The cage's mount namespace alone: a warm worker joins it first, to mount the cage's bounded
 ``/tmp`` and ``/dev/shm`` as the host's root (the mount namespace belongs to bubblewrap's outer user
 namespace, over which the cage's own gives no capability either), then the rest of :data:`JOIN`."""
+
+PID_NS = CLONE_NEWPID
+"""The PID namespace alone: the template joins the cage's for its next child (the worker is born
+there, its init's to kill with the rest), then goes back to its own."""
 
 PR_SET_PDEATHSIG = 1
 PR_SET_MM = 35
@@ -91,6 +98,10 @@ class _CapData(ctypes.Structure):
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+# clone3 is called holding the GIL, between the interpreter's own fork hooks (PyOS_BeforeFork and
+# PyOS_AfterFork_*), as os.fork() calls fork(): a CDLL call would release the GIL around it.
+_python = ctypes.PyDLL(None, use_errno=True)
+_python.syscall.restype = ctypes.c_long
 _libc.setns.argtypes = (ctypes.c_int, ctypes.c_int)
 _libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
 _libc.capset.argtypes = (ctypes.POINTER(_CapHeader), ctypes.POINTER(_CapData))
@@ -107,6 +118,47 @@ def setns(fd: int, flags: int) -> None:
     if _libc.setns(fd, flags) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"setns({flags:#x}) failed: {os.strerror(code)}")
+
+
+CLONE_PIDFD = 0x00001000
+CLONE_PARENT = 0x00008000
+_SYS_CLONE3 = 435  # the same number on every architecture (Linux 5.3's unified table)
+
+
+class _CloneArgs(ctypes.Structure):
+    _fields_ = tuple(
+        (name, ctypes.c_uint64)
+        for name in ("flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size", "tls")
+    )
+
+
+def clone_sibling() -> tuple[int, int]:
+    """Fork this process as its own parent's child (``clone3`` with ``CLONE_PARENT | CLONE_PIDFD``).
+
+    The child is born where this process's next child would be (a PID namespace joined with
+    :func:`setns` and :data:`PID_NS`), and its exit is reported to this process's parent, which
+    reaps it: this process has nothing to wait for. Single-threaded callers only (as ``fork``).
+
+    Returns:
+        ``(pid, pidfd)`` in the caller: the child's PID and a pidfd of it (the caller's to close,
+        or to hand to the parent); ``(0, -1)`` in the child.
+
+    Raises:
+        OSError: The kernel refused (before Linux 5.3: ``ENOSYS``).
+    """
+    pidfd = ctypes.c_int(-1)
+    # exit_signal stays 0: with CLONE_PARENT the kernel takes this process's own.
+    args = _CloneArgs(flags=CLONE_PARENT | CLONE_PIDFD, pidfd=ctypes.addressof(pidfd))
+    ctypes.pythonapi.PyOS_BeforeFork()
+    pid = _python.syscall(ctypes.c_long(_SYS_CLONE3), ctypes.byref(args), ctypes.c_long(ctypes.sizeof(args)))
+    if pid == 0:
+        ctypes.pythonapi.PyOS_AfterFork_Child()
+        return 0, -1
+    code = ctypes.get_errno()
+    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(code, f"clone3 failed: {os.strerror(code)}")
+    return int(pid), pidfd.value
 
 
 def prctl(option: int, arg2: int = 0, arg3: int = 0) -> int:

@@ -29,6 +29,7 @@ from rollcage.procs._cancel import AsyncClosing, first_of, shielded, wait_shared
 from rollcage.procs._handles import (
     ChildProcess,
     ExitStatus,
+    PidfdChild,
     PidHandle,
     any_exit,
     describe_exit,
@@ -36,7 +37,7 @@ from rollcage.procs._handles import (
     is_subreaper,
     pid_exists,
     read_ready,
-    reap_child,
+    reap_abandoned,
     signal_group,
     wait_readable,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "ExitStatus",
     "GroupTree",
     "PidHandle",
+    "PidfdChild",
     "ProcInfo",
     "ProcessTree",
     "StopPhase",
@@ -82,7 +84,7 @@ __all__ = [
     "pid_exists",
     "read_proc",
     "read_ready",
-    "reap_child",
+    "reap_abandoned",
     "scan_processes",
     "shielded",
     "signal_group",

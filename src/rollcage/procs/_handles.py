@@ -30,12 +30,14 @@ __all__ = [
     "ChildProcess",
     "ExitStatus",
     "PidHandle",
+    "PidfdChild",
     "any_exit",
     "describe_exit",
     "ensure_subreaper",
     "group_exists",
     "is_subreaper",
     "pid_exists",
+    "reap_abandoned",
     "signal_group",
     "signal_name",
     "wait_readable",
@@ -56,27 +58,86 @@ def signal_name(number: int) -> str:
         return f"SIG{number}"
 
 
-def reap_child(pid: int, *, kill: bool = False) -> int:
-    """Wait for this process's own child ``pid`` (SIGKILLed first if ``kill``) and reap it, blocking.
+class PidfdChild:
+    """A child of this process known by the pidfd the kernel made at its fork (``CLONE_PIDFD``).
 
-    Safe by number: a child nobody has reaped keeps its PID. For a process that
-    forked ``pid`` itself and is its only waiter (a warm start's intermediate, see
-    :mod:`rollcage.warm`), never for a child a :class:`ChildProcess` holds.
-
-    Returns:
-        Its exit code as a shell reports it: the code, or 128 + N for signal N.
+    No number is ever used to reach it: it is signalled, awaited and reaped through the pidfd,
+    so a reused PID is never hit. (A warm worker: forked by the template as this process's child.)
     """
-    if kill:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    while True:
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid = pid
+        """Its PID, for a :class:`ProcInfo` or a message."""
+        self._fd: int | None = pidfd
+
+    def handle(self) -> PidHandle | None:
+        """A :class:`PidHandle` of it (a pidfd of its own); ``None`` if it is closed or gone."""
+        info = read_proc(self.pid)
+        if self._fd is None or info is None:
+            return None
+        # Not reaped (only this object reaps it): the PID still names it, zombie or not.
+        return PidHandle(info, os.dup(self._fd))
+
+    def kill(self) -> None:
+        """SIGKILL it (nothing if it has exited)."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._fd, signal.SIGKILL)
+
+    async def wait(self) -> None:
+        """Wait until it has exited (bound the wait with ``asyncio.timeout``).
+
+        **Cancellation:** nothing happens to it; it is only no longer awaited.
+        """
+        if self._fd is not None:
+            await wait_readable(self._fd)
+
+    def reap(self) -> int | None:
+        """Reap it if it has exited, without blocking, and close the pidfd; its exit code.
+
+        Returns:
+            Its exit code as a shell reports it (the code, or 128 + N for signal N); ``None``
+            while it runs (the pidfd is then kept), or if someone else reaped it.
+        """
+        if self._fd is None:
+            return None
         try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
-    code = os.waitstatus_to_exitcode(status)
-    return 128 - code if code < 0 else code
+            info = os.waitid(os.P_PIDFD, self._fd, os.WEXITED | os.WNOHANG)
+        except OSError:
+            info = None  # not ours to reap any more (a waitpid(-1) elsewhere took it)
+        else:
+            if info is None:
+                return None
+        os.close(self._fd)
+        self._fd = None
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else 128 + info.si_status
+
+    @property
+    def reaped(self) -> bool:
+        """Whether it has been reaped (or given up on)."""
+        return self._fd is None
+
+    def abandon(self) -> None:
+        """Kill it, and reap it now or, if it is still dying, at a later :func:`reap_abandoned`."""
+        self.kill()
+        if self.reap() is None and not self.reaped:
+            with _abandoned_lock:
+                _abandoned.append(self)
+
+
+_abandoned: list[PidfdChild] = []
+_abandoned_lock = threading.Lock()
+
+
+def reap_abandoned() -> None:
+    """Reap the abandoned children that have exited since (a zombie keeps its PID until then)."""
+    with _abandoned_lock:
+        for child in list(_abandoned):
+            child.reap()
+            if child.reaped:
+                _abandoned.remove(child)
 
 
 def describe_exit(returncode: int | None) -> str:

@@ -665,35 +665,38 @@ class _Supervision:
         logger.debug("rollout %s: worker started (pid %d, %s)", self.rollout_id, self.child.pid, plan.sandbox)
 
     async def _start_warm(self, plan: LaunchPlan) -> None:
-        """Have the template fork the worker into the cage once its holder is there; hold the worker."""
-        assert self.warm is not None and plan.warm is not None and self.log_fd is not None
+        """Have the template fork the worker into the cage once its holder is there; hold the worker,
+        then pass its exit status to the holder (the worker is this process's child)."""
+        warm = self.warm
+        assert warm is not None and plan.warm is not None and self.log_fd is not None
         assert self.tree is not None and self.template is not None
         try:
-            worker = await self.warm.start(
+            worker = await warm.start(
                 self.template,
                 plan.warm,
                 log_fd=self.log_fd,
                 marked=f"{TOKEN_ENV}={self.token}",
                 timeout_s=max(self.deadline_at - time.monotonic(), 0.0),
             )
-            roots = self.warm.take_roots()
+            roots = warm.take_roots()
             if roots and self.budgets is not None:
                 self.budgets.hold_cage_scratch(roots)
             else:
                 for fd in roots:
                     os.close(fd)
+            if worker is not None:
+                self.tree.adopt_worker(worker)
+            elif warm.failure is not None:
+                if warm.mount_refused:
+                    refuse_cage_mounts(warm.failure)
+                # Its holder exits with 125 and no result: the receipt says why, as for any failed start;
+                # unless the rollout was being stopped meanwhile (a start cut short by a deadline times out).
+                logger.error("rollout %s: %s", self.rollout_id, warm.failure)
+                if self.stop_cause is None:
+                    self.setup_failure = f"the worker was not started: {warm.failure}"
+            await warm.relay()
         finally:
-            self.warm.close()
-        if worker is not None:
-            self.tree.adopt_worker(worker)
-        elif self.warm.failure is not None:
-            if self.warm.mount_refused:
-                refuse_cage_mounts(self.warm.failure)
-            # Its holder exits with 125 and no result: the receipt says why, as for any failed start;
-            # unless the rollout was being stopped meanwhile (a start cut short by a deadline times out).
-            logger.error("rollout %s: %s", self.rollout_id, self.warm.failure)
-            if self.stop_cause is None:
-                self.setup_failure = f"the worker was not started: {self.warm.failure}"
+            warm.close()
 
     async def _read_bwrap_status(self, fd: int) -> None:
         """Read bwrap's JSON status: its first document names the sandbox's (outermost) init process."""

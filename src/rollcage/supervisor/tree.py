@@ -308,7 +308,7 @@ class WorkerTree:
                     continue
                 now = read_proc(held.info.pid)
                 # Once reaped, a PID may name another process: only the one we hold is a root.
-                # (A warm worker's parent is the template's child, outside the sandbox's tree.)
+                # (A warm worker's parent is the supervisor, outside the sandbox's tree.)
                 if now is not None and now.starttime == held.info.starttime:
                     roots.append(now.pid)
             # Walked from the rollout's own roots, not by reading every process on the machine.

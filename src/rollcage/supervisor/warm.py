@@ -5,16 +5,16 @@ See :mod:`rollcage.warm` for what the template does with a request. Here:
 * :class:`Template`: one per supervising process and bytecode cache, started on
   first use (its imports overlap the first cage's making), started again when it
   has died;
-* :class:`WarmStart`: one rollout's start: the holder's stdin (whose write end,
-  once the template holds it, is the worker's exit status), the socket on which
-  the holder announces itself, and the report socket on which the template's child
-  names the worker.
+* :class:`WarmStart`: one rollout's start: the holder's stdin (the worker's exit
+  status goes there), the socket on which the holder announces itself, and the
+  report socket on which the template hands over a pidfd of the worker (this
+  process's child, born in the cage) and the worker says it is in its cage.
 
 The holder's PID comes from the kernel (``SO_PASSCRED``: the credentials of the
 process that wrote the byte, translated to this PID namespace), and is checked by
 the rollout's token in its environment before a pidfd of it goes to the
-template; the worker's, from the template's child, is checked by its PID
-namespace being the holder's.
+template; the worker is named by a pidfd the kernel made at its fork
+(``CLONE_PIDFD``), never by a number.
 """
 
 from __future__ import annotations
@@ -31,7 +31,15 @@ import threading
 from collections.abc import Sequence
 
 from rollcage.errors import SupervisorError
-from rollcage.procs import PidHandle, environ_has, read_proc, wait_readable, within
+from rollcage.procs import (
+    PidfdChild,
+    PidHandle,
+    environ_has,
+    read_proc,
+    reap_abandoned,
+    wait_readable,
+    within,
+)
 from rollcage.warm import WarmRequest
 
 __all__ = ["Template", "WarmStart", "cage_mounts", "refuse_cage_mounts", "stop_templates", "template_for"]
@@ -196,25 +204,31 @@ def stop_templates() -> int:
 
 
 class WarmStart:
-    """One rollout's warm start: the pipes bwrap's holder and the template's child speak on.
+    """One rollout's warm start: the pipes bwrap's holder, the template and the worker speak on.
 
     Make it before bwrap is spawned; give bwrap :attr:`holder_stdin` and
-    :attr:`holder_stdout`, call :meth:`spawned` once it is, then :meth:`start`.
-    :meth:`close` in every case: until the template holds it, the write end of the
-    holder's stdin is ours, and closing it makes the holder exit (125: no worker).
+    :attr:`holder_stdout`, call :meth:`spawned` once it is, then :meth:`start`, then
+    :meth:`relay` until the worker exits. :meth:`close` in every case: the write end of
+    the holder's stdin is ours, and closing it without a status makes the holder exit
+    (125: no worker).
     """
 
     def __init__(self) -> None:
+        reap_abandoned()
         self.holder_stdin, self._stdin_write = os.pipe()
         self._ready, self._holder_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._ready.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._ready.setblocking(False)
+        self._report, self._report_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._report.setblocking(False)
         self._open = {self.holder_stdin, self._stdin_write}
         self.failure: str | None = None
         """Why the worker was not started, in words (its holder then exits with 125)."""
         self.mount_refused = False
         """The start failed because a tmpfs could not be mounted in the cage."""
         self._roots: list[int] = []
+        self._worker: PidfdChild | None = None  # our child, until it is reaped
+        self._verdict: bytes | None = None  # the worker's own word: b"ok" or b"error ..."
 
     @property
     def holder_stdout(self) -> int:
@@ -234,8 +248,7 @@ class WarmStart:
         ``None`` when there is no worker: the holder never came (bwrap failed: its words are in
         the log), or the start failed (:attr:`failure` says why; the holder exits with 125).
 
-        **Cancellation:** the holder's stdin is closed by :meth:`close`, so a start that was not
-        handed over yet ends with the holder's exit.
+        **Cancellation:** nothing is left running that :meth:`close` does not end.
         """
         holder_pid = await within(self._holder_pid(), timeout_s)
         if holder_pid is None:
@@ -246,49 +259,100 @@ class WarmStart:
             self.failure = f"the sandbox's holder (PID {holder_pid}) is gone or is not this rollout's"
             return None
         try:
-            report = await self._hand_over(
-                template, request, holder=holder.fd, log_fd=log_fd, timeout_s=timeout_s
-            )
-            return None if report is None else self._worker_from(report, holder)
-        finally:
-            holder.close()
-
-    async def _hand_over(
-        self, template: Template, request: WarmRequest, *, holder: int, log_fd: int, timeout_s: float
-    ) -> bytes | None:
-        """Send the start and its descriptors; the report (``None``: not sent, :attr:`failure` says why)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with ours:
             try:
-                await template.send(request, [holder, self._stdin_write, theirs.fileno(), log_fd])
+                await template.send(request, [holder.fd, self._report_end.fileno(), log_fd])
             except SupervisorError as exc:
                 self.failure = str(exc)
                 return None
             finally:
-                # The template's child holds its own copies now; without them the holder exits.
-                theirs.close()
-                self._close_fd(self._stdin_write)
-            return await within(_read_report(ours, self._roots), timeout_s) or b""
-
-    def _worker_from(self, report: bytes, holder: PidHandle) -> PidHandle | None:
-        words = report.decode(errors="replace").strip()
-        if not words.startswith("pid "):
-            words = words.removeprefix("error ")
+                # The template holds its own copy now: once it and the worker are done, the report ends.
+                self._report_end.close()
+            if not await within(self._read_reports(), timeout_s):
+                self.failure = "the warm start did not report in time"
+        finally:
+            holder.close()
+        if self._verdict != b"ok" or self._worker is None:
+            words = (self._verdict or b"").decode(errors="replace").removeprefix("error ")
             self.mount_refused = words.startswith("mount: ")
-            self.failure = f"the warm start failed: {words.removeprefix('mount: ') or 'no report'}"
+            words = words.removeprefix("mount: ") or "no report"
+            self.failure = self.failure or f"the warm start failed: {words}"
             return None
-        pid = int(words.split()[1])
-        info = read_proc(pid)
-        holder_ns = _pid_namespace(holder.info.pid)
-        worker = (
-            None
-            if info is None or holder_ns is None
-            else PidHandle.open_checked(info, lambda p: _pid_namespace(p) == holder_ns)
-        )
-        if worker is None:
-            # It was started and is gone already: its exit status reaches the holder, as for any exit.
-            logger.debug("the warm worker (PID %d) exited before it could be held", pid)
-        return worker
+        return self._worker.handle()
+
+    async def _read_reports(self) -> bool:
+        """Read the template's and the worker's messages until both have spoken, or nobody is left to."""
+        while self._verdict is None or (self._worker is None and not self._verdict.startswith(b"error")):
+            await wait_readable(self._report.fileno())
+            if not self._receive():
+                break
+        return True
+
+    def _receive(self) -> bool:
+        """Take the messages waiting on the report socket; ``False`` at its end."""
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self._report, _REPORT_MAX, _MAX_ROOTS)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not data and not fds:
+                return False
+            if data.startswith(b"pid ") and fds and self._worker is None:
+                self._worker = PidfdChild(int(data.split()[1]), fds.pop(0))
+            elif data == b"ok" and self._verdict is None:
+                self._verdict = data
+                self._roots += fds
+                fds = []
+            elif data.startswith(b"error ") and self._verdict is None:
+                self._verdict = data[:_REPORT_MAX]
+            for fd in fds:
+                os.close(fd)
+
+    async def relay(self) -> None:
+        """Until the worker exits: reap it and pass its exit status to the holder, which exits with it.
+
+        A start that failed passes none (the holder exits with 125), and its worker is killed first.
+
+        **Cancellation:** the worker is left to :meth:`close`.
+        """
+        worker = self._worker
+        if worker is not None:
+            if self.failure is not None:
+                worker.kill()
+            await worker.wait()
+            code = worker.reap()
+            self._worker = None
+            if code is not None and self.failure is None:
+                with contextlib.suppress(OSError):  # a holder killed already: EPIPE
+                    os.write(self._stdin_write, f"{code}\n".encode())
+        self._close_fd(self._stdin_write)
+
+    def take_roots(self) -> list[int]:
+        """The roots of the tmpfs the start mounted in the cage (``O_PATH``; the caller's to close)."""
+        roots, self._roots = self._roots, []
+        return roots
+
+    def _close_fd(self, fd: int) -> None:
+        if fd in self._open:
+            self._open.discard(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        """Close every end still ours and end a worker not reaped yet (idempotent)."""
+        for fd in list(self._open):
+            self._close_fd(fd)
+        if self._report.fileno() >= 0:
+            self._receive()  # a worker forked while the start was being cut short
+            self._report.close()
+        for fd in self.take_roots():
+            os.close(fd)
+        if self._worker is not None:
+            self._worker.abandon()
+            self._worker = None
+        self._ready.close()
+        self._holder_end.close()
+        self._report_end.close()
 
     async def _holder_pid(self) -> int | None:
         """The PID of the process that wrote the holder's byte; ``None`` if the holder never came."""
@@ -306,50 +370,3 @@ class WarmStart:
                     pid = _UCRED.unpack(payload[: _UCRED.size])[0]
                     return pid if pid > 0 else None
             return None
-
-    def take_roots(self) -> list[int]:
-        """The roots of the tmpfs the start mounted in the cage (``O_PATH``; the caller's to close)."""
-        roots, self._roots = self._roots, []
-        return roots
-
-    def _close_fd(self, fd: int) -> None:
-        if fd in self._open:
-            self._open.discard(fd)
-            os.close(fd)
-
-    def close(self) -> None:
-        """Close every end still ours (idempotent)."""
-        for fd in list(self._open):
-            self._close_fd(fd)
-        for fd in self.take_roots():
-            os.close(fd)
-        self._ready.close()
-        self._holder_end.close()
-
-
-async def _read_report(channel: socket.socket, roots: list[int]) -> bytes:
-    """The template's child's one line (``pid N`` or ``error ...``), or what came before EOF.
-
-    Descriptors that come with it (the roots of the tmpfs it mounted) are added to ``roots``.
-    """
-    channel.setblocking(False)
-    data = b""
-    while b"\n" not in data and len(data) < _REPORT_MAX:
-        await wait_readable(channel.fileno())
-        try:
-            chunk, fds, _, _ = socket.recv_fds(channel, _REPORT_MAX, _MAX_ROOTS)
-        except BlockingIOError:
-            continue
-        roots += fds
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _pid_namespace(pid: int) -> int | None:
-    """The inode of the process's PID namespace; ``None`` if it is gone."""
-    try:
-        return os.stat(f"/proc/{pid}/ns/pid").st_ino
-    except OSError:
-        return None
