@@ -55,6 +55,7 @@ machine, compare the two systems only where the load was alike.
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import ctypes
 import json
@@ -652,6 +653,8 @@ def main() -> None:
 
     if not ROLLCAGE.exists():
         raise SystemExit(f"{ROLLCAGE} is missing: run `make test` (or create .venv) first")
+    # As `make run` leaves it, and as pip leaves Inspect AI's packages: the controller's bytecode compiled.
+    compileall.compile_dir(str(ROOT / "src" / "rollcage"), quiet=1)
     keys = args.scenario or (["instant", "c64"] if args.quick else list(SCENARIOS))
     systems = args.system or ["rollcage", "inspect"]
     alone_runs = 1 if args.quick and args.alone_runs == 3 else args.alone_runs
