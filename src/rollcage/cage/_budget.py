@@ -260,22 +260,35 @@ def _enable(v2: Path, controller: str) -> bool:
     return True
 
 
-def _read_int(path: Path) -> int | None:
+def _read(directory: Path, name: str) -> bytes | None:
+    """A cgroup file, whole: one open and one read (a page at most), no text layer.
+
+    Read several times per rollout per budget poll: pathlib's ``read_text`` cost about
+    40 us a file, this about a quarter of that.
+    """
     try:
-        text = path.read_text().strip()
+        fd = os.open(f"{directory}/{name}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_int(directory: Path, name: str) -> int | None:
+    data = _read(directory, name)
+    text = b"" if data is None else data.strip()
     return int(text) if text.isdigit() else None
 
 
-def _read_key(path: Path, key: str) -> int | None:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        name, _, value = line.partition(" ")
-        if name == key and value.strip().isdigit():
+def _read_key(directory: Path, name: str, key: str) -> int | None:
+    data = _read(directory, name)
+    for line in [] if data is None else data.splitlines():
+        found, _, value = line.partition(b" ")
+        if found == key.encode() and value.strip().isdigit():
             return int(value)
     return None
 
@@ -375,9 +388,9 @@ class CgroupSet:
             return None
         kind, directory = self.cpu
         if kind == "cgroup2":
-            usec = _read_key(directory / "cpu.stat", "usage_usec")
+            usec = _read_key(directory, "cpu.stat", "usage_usec")
             return None if usec is None else usec * 1000
-        return _read_int(directory / "cpuacct.usage")
+        return _read_int(directory, "cpuacct.usage")
 
     def enter_prefix(self) -> list[str]:
         """An argv prefix that moves the process into the cgroups, then executes the rest (``[]`` if none)."""
@@ -396,10 +409,9 @@ class CgroupSet:
             return None, None
         kind, directory = self.memory
         if kind == "cgroup2":
-            return _read_int(directory / "memory.current"), _read_int(directory / "memory.peak")
-        return _read_int(directory / "memory.usage_in_bytes"), _read_int(
-            directory / "memory.max_usage_in_bytes"
-        )
+            return _read_int(directory, "memory.current"), _read_int(directory, "memory.peak")
+        current = _read_int(directory, "memory.usage_in_bytes")
+        return current, _read_int(directory, "memory.max_usage_in_bytes")
 
     def oom_kills(self) -> int:
         """Processes the kernel killed because the cage was over its memory budget."""
@@ -407,20 +419,20 @@ class CgroupSet:
             return 0
         kind, directory = self.memory
         name = "memory.events" if kind == "cgroup2" else "memory.oom_control"
-        return _read_key(directory / name, "oom_kill") or 0
+        return _read_key(directory, name, "oom_kill") or 0
 
     def processes(self) -> tuple[int | None, int | None]:
         """(current, peak) processes and threads of the pids cgroup; ``None`` where unknown."""
         if self.pids is None:
             return None, None
         _, directory = self.pids
-        return _read_int(directory / "pids.current"), _read_int(directory / "pids.peak")
+        return _read_int(directory, "pids.current"), _read_int(directory, "pids.peak")
 
     def forks_refused(self) -> int:
         """Forks and clones refused because the cage was at its process budget."""
         if self.pids is None:
             return 0
-        return _read_key(self.pids[1] / "pids.events", "max") or 0
+        return _read_key(self.pids[1], "pids.events", "max") or 0
 
     def members(self) -> list[int]:
         """PIDs in the cage's cgroups now (in this process's PID namespace)."""
