@@ -68,6 +68,7 @@ from rollcage.protocol import (
     WorkerResult,
     describe_validation_error,
 )
+from rollcage.supervisor.budgetpolls import watch_budget
 from rollcage.supervisor.budgets import RolloutBudgets, owner_tag, release_leftovers, sweep_orphans
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
@@ -735,20 +736,17 @@ class _Supervision:
             await self._terminate("deadline" if stopped.cancelled() else "stop")
 
     async def _watch_budgets(self) -> None:
-        """Read the sandbox's budgets until one is exceeded (then the rollout ends); never without budgets."""
+        """Read the sandbox's budgets until one is exceeded (then the rollout ends); never without budgets.
+
+        Read with the other supervisions' of this loop, in one thread hop (see :mod:`.budgetpolls`).
+        """
         budgets = self.budgets
         if budgets is None:
             return
         assert isinstance(self.config.sandbox, BwrapSandbox)
-        # Early polls come quickly (a short rollout's /tmp is only seen while its sandbox lives).
-        interval = min(0.02, self.config.sandbox.budget_poll_s)
-        while True:
-            await asyncio.sleep(interval)
-            interval = min(interval * 2, self.config.sandbox.budget_poll_s)
-            breach = await asyncio.to_thread(budgets.check)
-            if breach is not None:
-                self._budget_passed(breach[0], f"{breach[0]}: {breach[1]}")
-                return
+        async with watch_budget(budgets.check, self.config.sandbox.budget_poll_s) as breach:
+            budget, words = await breach
+        self._budget_passed(budget, f"{budget}: {words}")
 
     def _budget_passed(self, budget: str, reason: str) -> None:
         """A per-rollout budget was exceeded: the rollout ends, as the policy's fault."""
