@@ -81,6 +81,7 @@ from rollcage.supervisor.sandbox import (
     LaunchPlan,
     NoSandboxLauncher,
     RolloutLayout,
+    Scratch,
     worker_environment,
 )
 from rollcage.supervisor.stopfiles import watch_stop_file
@@ -344,9 +345,36 @@ class _Supervision:
             return
         self.rollout_id = self.original.rollout_id
 
-    def _write_token(self) -> None:
+    def _read_first(self) -> tuple[str | None, bool]:
+        """Sweep what gone supervisors left (once per process), read input.json; (a missing harness
+        path, whether the stop file is there already). Blocking: one thread hop for all of it."""
+        if self.launcher.kind == "bwrap":
+            # Once per process: what supervisors that are gone left on this machine (mounts, cgroups).
+            sweep_orphans()
+        retry_on_emfile(self._read_input)
+        if self.setup_failure is not None or self.original is None:
+            return None, False
+        return _missing_harness_paths(self.original), os.path.exists(self.layout.stop)
+
+    def _make_private_dir(self) -> tuple[str | None, str | None]:
+        """(the supervisor's own directory, the worker's bytecode cache), either ``None`` if not needed.
+
+        The directory holds the proxy socket and the bounded file systems' mount points; it is named
+        for the rollout (its mounts say whose they are, in a table of every rollout's). Blocking.
+        """
+        private = None
+        if self.config.proxy is not None or self.launcher.kind == "bwrap":
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:48]
+            private = tempfile.mkdtemp(prefix=f"rollcage-{name}-{owner_tag()}-")
+        return private, worker_bytecode() if self.config.worker_command is None else None
+
+    def _prepare_budgets(self, budgets: RolloutBudgets, in_cage: bool) -> Scratch:
+        """Write the token, then mount and make what the budgets need (blocking)."""
+        # Before anything is mounted or made: if this supervisor is SIGKILLed from here on,
+        # the next run finds the rollout by its token and releases what it left (kill_leftovers).
         self.layout.staging.mkdir(mode=0o700, exist_ok=True)
         self.layout.token.write_text(self.token)
+        return budgets.prepare(in_cage=in_cage)
 
     def _prepare_files(self, plan: LaunchPlan, worker_input: WorkerInput) -> None:
         layout = self.layout
@@ -378,7 +406,9 @@ class _Supervision:
                 for name in [*dirs, *files]:
                     os.chown(os.path.join(directory, name), uid, gid, follow_symlinks=False)
 
-    def _open_log(self) -> int:
+    def _stage(self, plan: LaunchPlan, worker_input: WorkerInput) -> int:
+        """Lay out the files the sandbox shows, then open ``worker.log``; its descriptor (blocking)."""
+        retry_on_emfile(self._prepare_files, plan, worker_input)
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
         return retry_on_emfile(os.open, self.layout.log, flags, 0o600)
 
@@ -390,22 +420,18 @@ class _Supervision:
             ensure_subreaper()
         except OSError as exc:
             raise SupervisorError(f"cannot become a child subreaper: {exc}") from exc
-        if self.launcher.kind == "bwrap":
-            # Once per process: what supervisors that are gone left on this machine (mounts, cgroups).
-            await asyncio.to_thread(sweep_orphans)
         raise_open_file_limit()
-        await asyncio.to_thread(retry_on_emfile, self._read_input)
+        # One thread hop for what the start reads first (each hop costs more than these reads).
+        missing, stop_file = await asyncio.to_thread(self._read_first)
         if self.setup_failure is not None or self.original is None:
             return
-        missing = await asyncio.to_thread(_missing_harness_paths, self.original)
         if missing is not None:
             self.setup_failure = (
                 f"the worker was not started: the harness environment's {missing} does not exist on this "
                 "machine (harness_env in input.json): 'rollcage harness install', or fix --harness-env"
             )
             return
-        stop_set = self.stop_event is not None and self.stop_event.is_set()
-        if stop_set or await asyncio.to_thread(os.path.exists, self.layout.stop):
+        if stop_file or (self.stop_event is not None and self.stop_event.is_set()):
             self.stop_requested = True
             self.stop_cause = "stop"
             logger.info(
@@ -414,12 +440,7 @@ class _Supervision:
             return
         if self.config.start_pacing == "cpus" and not await self._wait_turn():
             return
-        if self.config.proxy is not None or self.launcher.kind == "bwrap":
-            # The supervisor's own directory: the proxy socket, the bounded file systems' mount points.
-            # Named for the rollout (its mounts say whose they are, in a table of every rollout's).
-            name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:48]
-            prefix = f"rollcage-{name}-{owner_tag()}-"
-            self.private_dir = await asyncio.to_thread(tempfile.mkdtemp, prefix=prefix)
+        self.private_dir, bytecode = await asyncio.to_thread(self._make_private_dir)
         if self.config.proxy is not None:
             assert self.private_dir is not None
             self.layout = RolloutLayout(self.layout.root, Path(self.private_dir) / "proxy.sock")
@@ -430,9 +451,6 @@ class _Supervision:
         if harness is not None and harness.type != "builtin":
             # A harness gets part of the grace to report its partial episode; the worker needs the rest.
             env[GRACE_ENV] = repr(self.config.grace_s)
-        bytecode: str | None = None
-        if self.config.worker_command is None:
-            bytecode = await asyncio.to_thread(worker_bytecode)
         command = self.config.worker_command or default_worker_command(bytecode)
         relay_write = await self._open_journal()
         self.template = self._warm_template(bytecode, relayed=relay_write is not None)
@@ -444,9 +462,6 @@ class _Supervision:
         try:
             if isinstance(self.launcher, BwrapLauncher):
                 assert isinstance(self.config.sandbox, BwrapSandbox) and self.private_dir is not None
-                # Before anything is mounted or made: if this supervisor is SIGKILLed from here on,
-                # the next run finds the rollout by its token and releases what it left (kill_leftovers).
-                await asyncio.to_thread(self._write_token)
                 self.budgets = RolloutBudgets(
                     self.config.sandbox,
                     self.layout,
@@ -457,7 +472,7 @@ class _Supervision:
                 # A warm start mounts /tmp and /dev/shm in its cage: the host's mount table, which every
                 # launch copies and reads again, then holds one mount per rollout in flight, not three.
                 in_cage = self.template is not None and cage_mounts()
-                scratch = await asyncio.to_thread(self.budgets.prepare, in_cage=in_cage)
+                scratch = await asyncio.to_thread(self._prepare_budgets, self.budgets, in_cage)
                 self.plan = plan = self.launcher.plan(
                     self.layout,
                     worker_command=command,
@@ -621,8 +636,7 @@ class _Supervision:
             )
             await self.proxy.__aenter__()
             worker_input = sandbox_input(self.original, plan.proxy_socket)
-        await asyncio.to_thread(retry_on_emfile, self._prepare_files, plan, worker_input)
-        self.log_fd = await asyncio.to_thread(self._open_log)
+        self.log_fd = await asyncio.to_thread(self._stage, plan, worker_input)
         pass_fds = (*(() if status_fd is None else (status_fd,)), *plan.pass_fds)
         warm = None
         try:
