@@ -162,10 +162,18 @@ def template_main(argv: list[str]) -> int:
             os.close(received)
 
 
-def _report(channel: int, text: str, fds: list[int] | None = None) -> None:
-    """One message on the report socket (never blocks: one short message on a socket of its own)."""
-    with contextlib.suppress(OSError), socket.fromfd(channel, socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-        socket.send_fds(sock, [text.encode(errors="replace")], fds or [], socket.MSG_DONTWAIT)
+def _report(channel: int, text: str, fds: list[int] | None = None) -> bool:
+    """One message on the report socket (never blocks: one short message on a socket of its own); sent?
+
+    The template says ``pid N`` (with a pidfd) or ``unforked ...``; the worker ``ok`` (with the tmpfs
+    roots) or ``error ...``. The supervisor tells the two apart by the words.
+    """
+    try:
+        with socket.fromfd(channel, socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            socket.send_fds(sock, [text.encode(errors="replace")], fds or [], socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+    return True
 
 
 def _say(fd: int, text: str) -> None:
@@ -179,18 +187,20 @@ def _start(message: bytes, fds: list[int], *, home: int, listening: int) -> None
     try:
         setns(holder, PID_NS)
     except OSError as exc:
-        _report(report, f"error cannot enter the sandbox's PID namespace: {exc}")
+        _report(report, f"unforked cannot enter the sandbox's PID namespace: {exc}")
         return
     try:
         pid, pidfd = clone_sibling()
     except OSError as exc:
         _go_home(home, log)
-        _report(report, f"error cannot fork the worker: {exc}")
+        _report(report, f"unforked cannot fork the worker: {exc}")
         return
     if pid == 0:
         os.close(listening)
         _enter(message, holder=holder, report=report, log=log)
     _go_home(home, log)
+    # The supervisor reaps the worker by this pidfd: until it does, the zombie holds the sandbox's PID
+    # namespace (and so bwrap) open. It reads this message before it lets go of the socket.
     _report(report, f"pid {pid}", [pidfd])
     os.close(pidfd)
 

@@ -70,6 +70,14 @@ class PidfdChild:
         """Its PID, for a :class:`ProcInfo` or a message."""
         self._fd: int | None = pidfd
 
+    @classmethod
+    def of_child(cls, pid: int) -> PidfdChild | None:
+        """A child of this process that nobody has reaped yet (so ``pid`` is still it); ``None`` if gone."""
+        try:
+            return cls(pid, os.pidfd_open(pid))
+        except OSError:
+            return None
+
     def handle(self) -> PidHandle | None:
         """A :class:`PidHandle` of it (a pidfd of its own); ``None`` if it is closed or gone."""
         info = read_proc(self.pid)

@@ -19,6 +19,7 @@ template; the worker is named by a pidfd the kernel made at its fork
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import logging
@@ -28,7 +29,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rollcage.errors import SupervisorError
 from rollcage.procs import (
@@ -203,6 +204,114 @@ def stop_templates() -> int:
     return running
 
 
+class _Reports:
+    """One start's report socket (``SOCK_SEQPACKET``): the template's word and the worker's.
+
+    The template says ``pid N`` with a pidfd of the worker (or ``unforked ...``: there is none);
+    the worker says ``ok`` with the roots of the tmpfs it mounted, or ``error ...``. Each message
+    comes with its sender's credentials (``SO_PASSCRED``), so a worker whose template died before
+    it spoke is known all the same: it is this process's child until reaped, so its PID is safe.
+    """
+
+    def __init__(self) -> None:
+        self.sock, self.end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.setblocking(False)
+        self.worker: PidfdChild | None = None
+        self.verdict: bytes | None = None
+        self.roots: list[int] = []
+        self.template_spoke = False
+        self.ended = False
+
+    @property
+    def settled(self) -> bool:
+        """Whether every worker the start may have forked is known (the template spoke, or all are gone)."""
+        return self.template_spoke or self.ended
+
+    async def until(self, done: Callable[[], bool]) -> bool:
+        """Read messages until ``done()`` or the socket's end; ``True``.
+
+        **Cancellation:** what was read stays read.
+        """
+        while not done() and not self.ended:
+            await wait_readable(self.sock.fileno())
+            self.receive()
+        return True
+
+    def receive(self) -> None:
+        """Take the messages waiting now (never blocks)."""
+        while not self.ended and self.sock.fileno() >= 0:
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(_REPORT_MAX, _ANCILLARY)
+            except BlockingIOError:
+                return
+            except OSError:
+                data, ancillary = b"", []
+            fds, sender = _unpack(ancillary)
+            if not data and not fds:
+                self.ended = True
+                return
+            if data.startswith((b"pid ", b"unforked ")):
+                self.template_spoke = True
+            if data.startswith(b"pid ") and fds and self.worker is None:
+                self.worker = PidfdChild(int(data.split()[1]), fds.pop(0))
+            elif data.startswith((b"ok", b"error ")) and self.worker is None and sender:
+                self.worker = PidfdChild.of_child(sender)  # its template died before it spoke
+            if data == b"ok" and self.verdict is None:
+                self.verdict, self.roots, fds = data, self.roots + fds, []
+            elif data.startswith((b"error ", b"unforked ")) and self.verdict is None:
+                self.verdict = data
+            for fd in fds:
+                os.close(fd)
+
+    def close(self) -> None:
+        """Close the socket and the roots not taken (idempotent)."""
+        self.sock.close()
+        self.end.close()
+        for fd in self.roots:
+            os.close(fd)
+        self.roots = []
+
+
+_ANCILLARY = socket.CMSG_SPACE(_MAX_ROOTS * 4) + socket.CMSG_SPACE(_UCRED.size)
+
+
+def _unpack(ancillary: list[tuple[int, int, bytes]]) -> tuple[list[int], int]:
+    """(descriptors, sender's PID in this namespace, 0 if unknown) of a message's ancillary data."""
+    fds: list[int] = []
+    sender = 0
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += array.array("i", payload[: len(payload) - len(payload) % 4])
+        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            sender = _UCRED.unpack(payload[: _UCRED.size])[0]
+    return fds, sender
+
+
+_unsettled: list[_Reports] = []
+_unsettled_lock = threading.Lock()
+
+
+def _settle_later(reports: _Reports) -> None:
+    """Keep a start's report socket whose template has not spoken yet: a later start reads it."""
+    with _unsettled_lock:
+        _unsettled.append(reports)
+
+
+def _settle_leftovers() -> None:
+    """Read the kept report sockets: end each worker they name (so its PID namespace can end)."""
+    with _unsettled_lock:
+        for reports in list(_unsettled):
+            reports.receive()
+            if reports.worker is not None:
+                reports.worker.abandon()
+                reports.worker = None
+            if reports.settled:
+                _unsettled.remove(reports)
+                reports.close()
+    reap_abandoned()
+
+
 class WarmStart:
     """One rollout's warm start: the pipes bwrap's holder, the template and the worker speak on.
 
@@ -214,21 +323,17 @@ class WarmStart:
     """
 
     def __init__(self) -> None:
-        reap_abandoned()
+        _settle_leftovers()
         self.holder_stdin, self._stdin_write = os.pipe()
         self._ready, self._holder_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._ready.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._ready.setblocking(False)
-        self._report, self._report_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._report.setblocking(False)
+        self._reports = _Reports()
         self._open = {self.holder_stdin, self._stdin_write}
         self.failure: str | None = None
         """Why the worker was not started, in words (its holder then exits with 125)."""
         self.mount_refused = False
         """The start failed because a tmpfs could not be mounted in the cage."""
-        self._roots: list[int] = []
-        self._worker: PidfdChild | None = None  # our child, until it is reaped
-        self._verdict: bytes | None = None  # the worker's own word: b"ok" or b"error ..."
 
     @property
     def holder_stdout(self) -> int:
@@ -258,56 +363,33 @@ class WarmStart:
         if holder is None:
             self.failure = f"the sandbox's holder (PID {holder_pid}) is gone or is not this rollout's"
             return None
+        reports = self._reports
         try:
             try:
-                await template.send(request, [holder.fd, self._report_end.fileno(), log_fd])
+                await template.send(request, [holder.fd, reports.end.fileno(), log_fd])
             except SupervisorError as exc:
                 self.failure = str(exc)
+                reports.ended = True  # nothing was forked
                 return None
             finally:
                 # The template holds its own copy now: once it and the worker are done, the report ends.
-                self._report_end.close()
-            if not await within(self._read_reports(), timeout_s):
+                reports.end.close()
+            if (
+                await within(
+                    reports.until(lambda: reports.verdict is not None and reports.settled), timeout_s
+                )
+                is None
+            ):
                 self.failure = "the warm start did not report in time"
         finally:
             holder.close()
-        if self._verdict != b"ok" or self._worker is None:
-            words = (self._verdict or b"").decode(errors="replace").removeprefix("error ")
+        if reports.verdict != b"ok" or reports.worker is None:
+            words = (reports.verdict or b"").decode(errors="replace").partition(" ")[2]
             self.mount_refused = words.startswith("mount: ")
             words = words.removeprefix("mount: ") or "no report"
             self.failure = self.failure or f"the warm start failed: {words}"
             return None
-        return self._worker.handle()
-
-    async def _read_reports(self) -> bool:
-        """Read the template's and the worker's messages until both have spoken, or nobody is left to."""
-        while self._verdict is None or (self._worker is None and not self._verdict.startswith(b"error")):
-            await wait_readable(self._report.fileno())
-            if not self._receive():
-                break
-        return True
-
-    def _receive(self) -> bool:
-        """Take the messages waiting on the report socket; ``False`` at its end."""
-        while True:
-            try:
-                data, fds, _, _ = socket.recv_fds(self._report, _REPORT_MAX, _MAX_ROOTS)
-            except BlockingIOError:
-                return True
-            except OSError:
-                return False
-            if not data and not fds:
-                return False
-            if data.startswith(b"pid ") and fds and self._worker is None:
-                self._worker = PidfdChild(int(data.split()[1]), fds.pop(0))
-            elif data == b"ok" and self._verdict is None:
-                self._verdict = data
-                self._roots += fds
-                fds = []
-            elif data.startswith(b"error ") and self._verdict is None:
-                self._verdict = data[:_REPORT_MAX]
-            for fd in fds:
-                os.close(fd)
+        return reports.worker.handle()
 
     async def relay(self) -> None:
         """Until the worker exits: reap it and pass its exit status to the holder, which exits with it.
@@ -316,13 +398,16 @@ class WarmStart:
 
         **Cancellation:** the worker is left to :meth:`close`.
         """
-        worker = self._worker
+        reports = self._reports
+        # A worker forked after the start gave up on it is known once the template speaks.
+        await reports.until(lambda: reports.settled)
+        worker = reports.worker
         if worker is not None:
             if self.failure is not None:
                 worker.kill()
             await worker.wait()
             code = worker.reap()
-            self._worker = None
+            reports.worker = None
             if code is not None and self.failure is None:
                 with contextlib.suppress(OSError):  # a holder killed already: EPIPE
                     os.write(self._stdin_write, f"{code}\n".encode())
@@ -330,7 +415,7 @@ class WarmStart:
 
     def take_roots(self) -> list[int]:
         """The roots of the tmpfs the start mounted in the cage (``O_PATH``; the caller's to close)."""
-        roots, self._roots = self._roots, []
+        roots, self._reports.roots = self._reports.roots, []
         return roots
 
     def _close_fd(self, fd: int) -> None:
@@ -342,17 +427,17 @@ class WarmStart:
         """Close every end still ours and end a worker not reaped yet (idempotent)."""
         for fd in list(self._open):
             self._close_fd(fd)
-        if self._report.fileno() >= 0:
-            self._receive()  # a worker forked while the start was being cut short
-            self._report.close()
-        for fd in self.take_roots():
-            os.close(fd)
-        if self._worker is not None:
-            self._worker.abandon()
-            self._worker = None
+        reports = self._reports
+        reports.receive()  # a worker forked while the start was being cut short
+        if reports.worker is not None:
+            reports.worker.abandon()
+            reports.worker = None
+        if reports.settled:
+            reports.close()
+        else:
+            _settle_later(reports)
         self._ready.close()
         self._holder_end.close()
-        self._report_end.close()
 
     async def _holder_pid(self) -> int | None:
         """The PID of the process that wrote the holder's byte; ``None`` if the holder never came."""
