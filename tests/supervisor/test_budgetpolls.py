@@ -13,7 +13,7 @@ from rollcage.supervisor import budgetpolls
 from rollcage.supervisor.budgetpolls import watch_budget
 from tests.helpers.waiting import wait_for_async
 
-PERIOD_S = 0.04
+PERIOD_S = 0.4
 
 
 Verdict = Callable[[], tuple[str, str] | None]

@@ -5,9 +5,9 @@ Each supervision used to read its sandbox's counters (cgroup files, the tmpfs'
 then every ``budget_poll_s``: at C=256 about nine hops a rollout, each costing more
 CPU in the hand-over (a pool thread woken, the loop woken back) than in the
 reading. Now one task per event loop takes every reading that is due, or due
-within a quarter of its own interval, in one hop, and a supervision awaits its
-breach. The schedule of each is the one it had: an early reading may come a
-little sooner, none later.
+within a quarter of its period, in one hop, and a supervision awaits its breach.
+The schedule of each is the one it had, except that a reading may come up to a
+quarter of a period sooner (so watches started apart are read together), never later.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ __all__ = ["watch_budget"]
 _FIRST_S = 0.02
 """The first reading after a watch begins; the interval then doubles up to the period."""
 _SLACK = 0.25
-"""A reading due within this share of its interval is taken with the ones due now."""
+"""A reading due within this share of its period is taken with the ones due now."""
 
 _IDLE_S = 60.0
 """How long the task waits for a new watch when every watch it has is over (it is cancelled sooner)."""
@@ -80,7 +80,7 @@ class _Poller:
             if wait > 0 and await within(self.changed.wait(), wait) is not None:
                 continue  # a new watch: look at the schedule again
             now = loop.time()
-            due = [w for w in pending if w.due <= now + _SLACK * w.interval and not w.breach.done()]
+            due = [w for w in pending if w.due <= now + _SLACK * w.period_s]
             for watch in due:
                 watch.taken(now)
             if not due:
