@@ -82,3 +82,20 @@ async def test_a_worker_whose_template_died_before_it_spoke_is_known_by_its_own_
         assert worker.reap() == 128 + signal.SIGKILL
     finally:
         reports.close()
+
+
+async def test_a_start_whose_holder_never_came_leaves_nothing_to_settle() -> None:
+    from rollcage.supervisor import warm
+    from rollcage.warm import WarmRequest
+
+    before = list(warm._unsettled)
+    start = warm.WarmStart()
+    start.spawned()  # as if bwrap held its ends, then failed before its holder spoke
+    request = WarmRequest(argv=[], env={}, cwd="/", uid=0, gid=0)
+    worker = await start.start(warm.Template(None), request, log_fd=2, marked="X=y", timeout_s=0.05)
+    assert worker is None
+    await asyncio.wait_for(start.relay(), 10)
+    start.close()
+    # Nothing was handed to a template, so nothing can have been forked: no socket kept for later.
+    assert warm._unsettled == before
+    assert start._reports.sock.fileno() == -1 and start._reports.end.fileno() == -1

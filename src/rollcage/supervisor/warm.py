@@ -329,6 +329,7 @@ class WarmStart:
         self._ready.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._ready.setblocking(False)
         self._reports = _Reports()
+        self._handed_over = False
         self._open = {self.holder_stdin, self._stdin_write}
         self.failure: str | None = None
         """Why the worker was not started, in words (its holder then exits with 125)."""
@@ -355,21 +356,16 @@ class WarmStart:
 
         **Cancellation:** nothing is left running that :meth:`close` does not end.
         """
-        holder_pid = await within(self._holder_pid(), timeout_s)
-        if holder_pid is None:
-            return None
-        info = await asyncio.to_thread(read_proc, holder_pid)
-        holder = None if info is None else PidHandle.open_checked(info, lambda pid: environ_has(pid, marked))
-        if holder is None:
-            self.failure = f"the sandbox's holder (PID {holder_pid}) is gone or is not this rollout's"
-            return None
         reports = self._reports
+        holder = await self._holder(marked, timeout_s)
+        if holder is None:
+            return None
         try:
             try:
                 await template.send(request, [holder.fd, reports.end.fileno(), log_fd])
+                self._handed_over = True  # sent whole: a worker may be forked from now on
             except SupervisorError as exc:
                 self.failure = str(exc)
-                reports.ended = True  # nothing was forked
                 return None
             finally:
                 # The template holds its own copy now: once it and the worker are done, the report ends.
@@ -391,6 +387,18 @@ class WarmStart:
             return None
         return reports.worker.handle()
 
+    async def _holder(self, marked: str, timeout_s: float) -> PidHandle | None:
+        """A verified handle on the holder once it has announced itself; ``None`` if it never did
+        (bwrap failed: its words are in the log) or is not this rollout's (:attr:`failure` says so)."""
+        holder_pid = await within(self._holder_pid(), timeout_s)
+        if holder_pid is None:
+            return None
+        info = await asyncio.to_thread(read_proc, holder_pid)
+        holder = None if info is None else PidHandle.open_checked(info, lambda pid: environ_has(pid, marked))
+        if holder is None:
+            self.failure = f"the sandbox's holder (PID {holder_pid}) is gone or is not this rollout's"
+        return holder
+
     async def relay(self) -> None:
         """Until the worker exits: reap it and pass its exit status to the holder, which exits with it.
 
@@ -399,8 +407,9 @@ class WarmStart:
         **Cancellation:** the worker is left to :meth:`close`.
         """
         reports = self._reports
-        # A worker forked after the start gave up on it is known once the template speaks.
-        await reports.until(lambda: reports.settled)
+        if self._handed_over:
+            # A worker forked after the start gave up on it is known once the template speaks.
+            await reports.until(lambda: reports.settled)
         worker = reports.worker
         if worker is not None:
             if self.failure is not None:
@@ -428,6 +437,8 @@ class WarmStart:
         for fd in list(self._open):
             self._close_fd(fd)
         reports = self._reports
+        if not self._handed_over:
+            reports.ended = True  # nothing was sent to the template: nothing was forked
         reports.receive()  # a worker forked while the start was being cut short
         if reports.worker is not None:
             reports.worker.abandon()
