@@ -18,6 +18,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 
 from rollcage.procs import within
+from rollcage.supervisor._loops import LoopPoller, poller_for
 
 __all__ = ["watch_budget"]
 
@@ -49,26 +50,15 @@ class _Watch:
         self.due = now + self.interval
 
 
-class _Poller:
+class _Poller(LoopPoller[_Watch]):
     """The budget watches of one event loop, read together by one task while any is watched."""
 
     def __init__(self) -> None:
-        self.watches: set[_Watch] = set()
-        self.task: asyncio.Task[None] | None = None
+        super().__init__()
         self.changed = asyncio.Event()
 
-    def add(self, watch: _Watch) -> None:
-        self.watches.add(watch)
+    def _added(self, watch: _Watch) -> None:
         self.changed.set()  # it may be due before the reading the task sleeps towards
-        if self.task is None or self.task.done():
-            self.task = asyncio.create_task(self._poll())
-
-    def discard(self, watch: _Watch) -> None:
-        self.watches.discard(watch)
-        if not self.watches and self.task is not None:
-            # Nothing left to read: the task ends now rather than after its next sleep.
-            self.task.cancel()
-            self.task = None
 
     async def _poll(self) -> None:
         loop = asyncio.get_running_loop()
@@ -119,15 +109,10 @@ async def watch_budget(check: Check, period_s: float) -> AsyncIterator[asyncio.F
 
     **Cancellation:** the watch ends with the block, whatever ends it.
     """
-    loop = asyncio.get_running_loop()
-    watch = _Watch(check, period_s, loop.time())
-    poller = _pollers.get(loop)
-    if poller is None:
-        poller = _pollers[loop] = _Poller()
-    poller.add(watch)
+    watch = _Watch(check, period_s, asyncio.get_running_loop().time())
     try:
-        yield watch.breach
+        with poller_for(_pollers, _Poller).watching(watch):
+            yield watch.breach
     finally:
-        poller.discard(watch)
         if not watch.breach.done():
             watch.breach.cancel()

@@ -20,6 +20,8 @@ import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from rollcage.supervisor._loops import LoopPoller, poller_for
+
 __all__ = ["watch_stop_file"]
 
 
@@ -32,24 +34,8 @@ class _Watch:
         self.seen = asyncio.Event()
 
 
-class _Poller:
+class _Poller(LoopPoller[_Watch]):
     """The stop files of one event loop, looked at together by one task while any is watched."""
-
-    def __init__(self) -> None:
-        self.watches: set[_Watch] = set()
-        self.task: asyncio.Task[None] | None = None
-
-    def add(self, watch: _Watch) -> None:
-        self.watches.add(watch)
-        if self.task is None or self.task.done():
-            self.task = asyncio.create_task(self._poll())
-
-    def discard(self, watch: _Watch) -> None:
-        self.watches.discard(watch)
-        if not self.watches and self.task is not None:
-            # Nothing left to look at: the task ends now rather than after its next sleep.
-            self.task.cancel()
-            self.task = None
 
     async def _poll(self) -> None:
         while self.watches:
@@ -79,12 +65,5 @@ async def watch_stop_file(path: Path, period_s: float) -> AsyncIterator[asyncio.
     watch = _Watch(path, period_s)
     if await asyncio.to_thread(os.path.exists, path):
         watch.seen.set()
-    loop = asyncio.get_running_loop()
-    poller = _pollers.get(loop)
-    if poller is None:
-        poller = _pollers[loop] = _Poller()
-    poller.add(watch)
-    try:
+    with poller_for(_pollers, _Poller).watching(watch):
         yield watch.seen
-    finally:
-        poller.discard(watch)
