@@ -419,6 +419,7 @@ def http(method, url, body=None, token=os.environ["OPENAI_API_KEY"]):
     request = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
         with OPENER.open(request, timeout=30) as response:
+            response.read()  # the whole answer: a harness that hangs up after the status interrupts the call
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
