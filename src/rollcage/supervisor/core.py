@@ -362,11 +362,13 @@ class _Supervision:
         The directory holds the proxy socket and the bounded file systems' mount points; it is named
         for the rollout (its mounts say whose they are, in a table of every rollout's). Blocking.
         """
+        # The cache first: nothing can fail once the directory exists, which finish() removes.
+        bytecode = worker_bytecode() if self.config.worker_command is None else None
         private = None
         if self.config.proxy is not None or self.launcher.kind == "bwrap":
             name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:48]
             private = tempfile.mkdtemp(prefix=f"rollcage-{name}-{owner_tag()}-")
-        return private, worker_bytecode() if self.config.worker_command is None else None
+        return private, bytecode
 
     def _prepare_budgets(self, budgets: RolloutBudgets, in_cage: bool) -> Scratch:
         """Write the token, then mount and make what the budgets need (blocking)."""
