@@ -13,7 +13,9 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import sys
+from collections.abc import Sequence
 
 from rollcage.procs import PidfdChild
 from rollcage.supervisor.warm import _Reports
@@ -32,6 +34,28 @@ def _heard(reports: _Reports) -> bool:
     """Whether the worker's word has come (taking what is waiting on the socket)."""
     reports.receive()
     return reports.verdict is not None
+
+
+def _reaped(pid: int) -> bool:
+    """Whether the child ``pid`` of this process has been reaped (looked at without reaping it)."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def _holder(start: object) -> subprocess.Popen[bytes]:
+    """A stand-in for bwrap's holder: announces itself on the start's socket, marked ``ROLE=holder``."""
+    from rollcage.supervisor.warm import WarmStart
+
+    assert isinstance(start, WarmStart)
+    return subprocess.Popen(
+        ["/bin/sh", "-c", "printf r; exec sleep 60"],
+        stdin=start.holder_stdin,
+        stdout=start.holder_stdout,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "ROLE": "holder"},
+    )
 
 
 def _both_spoken(reports: _Reports) -> bool:
@@ -99,3 +123,44 @@ async def test_a_start_whose_holder_never_came_leaves_nothing_to_settle() -> Non
     # Nothing was handed to a template, so nothing can have been forked: no socket kept for later.
     assert warm._unsettled == before
     assert start._reports.sock.fileno() == -1 and start._reports.end.fileno() == -1
+
+
+async def test_a_start_whose_worker_fails_before_its_template_names_it_still_reaps_it() -> None:
+    """The race of a real start, played in order: the worker's error is read, the template's
+    ``pid N`` comes after. The start must wait for it, and its relay must reap that worker."""
+    from rollcage.supervisor import warm
+    from rollcage.warm import WarmRequest
+
+    start = warm.WarmStart()
+    holder = _holder(start)
+    start.spawned()
+    forked: list[int] = []
+    naming: list[asyncio.Future[None]] = []
+
+    class Template(warm.Template):
+        """Forks a 'worker' that says ``error boom`` and exits; names it once that word was read."""
+
+        async def send(self, request: WarmRequest, fds: Sequence[int]) -> None:
+            channel = socket.socket(fileno=os.dup(fds[1]))
+            forked.append(_worker_saying(b"error boom", channel, then="pass"))
+
+            async def name_it() -> None:
+                await wait_for_async(lambda: start._reports.verdict is not None, what="the worker's word")
+                pidfd = os.pidfd_open(forked[0])
+                with channel:
+                    socket.send_fds(channel, [f"pid {forked[0]}".encode()], [pidfd])
+                os.close(pidfd)
+
+            naming.append(asyncio.ensure_future(name_it()))
+
+    try:
+        request = WarmRequest(argv=[], env={}, cwd="/", uid=0, gid=0)
+        worker = await start.start(Template(None), request, log_fd=2, marked="ROLE=holder", timeout_s=30)
+        assert worker is None and start.failure is not None and "boom" in start.failure
+        await asyncio.wait_for(start.relay(), 30)
+        await naming[0]
+        assert _reaped(forked[0]), "the failed worker was left a zombie: its PID namespace would never end"
+    finally:
+        start.close()
+        holder.kill()
+        await asyncio.to_thread(holder.wait)
