@@ -26,7 +26,7 @@ from rollcage.procs import (
     stop_tree,
     wait_shared,
 )
-from tests.helpers.waiting import wait_for_async
+from tests.helpers.waiting import reaped, wait_for_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -229,29 +229,20 @@ def _held_child(code: str) -> PidfdChild:
     return PidfdChild(pid, os.pidfd_open(pid))
 
 
-def _reaped(pid: int) -> bool:
-    """Whether the child ``pid`` of this process has been reaped (looked at without reaping it)."""
-    try:
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    return False
-
-
 async def test_a_pidfd_child_is_awaited_reaped_and_reported_as_a_shell_would() -> None:
-    quits, killed = _held_child("raise SystemExit(3)"), _held_child("import time; time.sleep(60)")
+    quits, killed = _held_child("raise SystemExit(3)"), _held_child("import signal; signal.pause()")
     assert killed.reap() is None and not killed.reaped, "reaped while it runs"
     killed.kill()
     codes = []
     for child in (quits, killed):
         await asyncio.wait_for(child.wait(), 30)
         codes.append(child.reap())
-        assert child.reaped and _reaped(child.pid)
+        assert child.reaped and reaped(child.pid)
     assert codes == [3, 128 + signal.SIGKILL]
 
 
 async def test_an_abandoned_child_is_killed_and_reaped_by_a_later_sweep() -> None:
-    child = _held_child("import time; time.sleep(60)")
+    child = _held_child("import signal; signal.pause()")
     handle = child.handle()
     assert handle is not None
     try:
@@ -260,7 +251,7 @@ async def test_an_abandoned_child_is_killed_and_reaped_by_a_later_sweep() -> Non
 
         def swept() -> bool:
             reap_abandoned()
-            return _reaped(child.pid)
+            return reaped(child.pid)
 
         await wait_for_async(swept, what="the abandoned child's reaping")
     finally:

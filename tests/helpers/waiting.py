@@ -76,6 +76,15 @@ def alive(pid: int) -> bool:
     return state not in (b"Z", b"X", b"x")
 
 
+def reaped(pid: int) -> bool:
+    """Whether this process's child ``pid`` has been reaped (looked at without reaping it)."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return False
+
+
 def processes_mentioning(marker: str) -> list[int]:
     """Pids of processes (other than this one) whose command line contains ``marker``."""
     found = []

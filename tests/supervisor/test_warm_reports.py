@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from rollcage.procs import PidfdChild
 from rollcage.supervisor.warm import _Reports
-from tests.helpers.waiting import wait_for_async
+from tests.helpers.waiting import reaped, wait_for_async
 
 
 def _worker_saying(words: bytes, channel: socket.socket, *, then: str) -> int:
@@ -36,22 +36,13 @@ def _heard(reports: _Reports) -> bool:
     return reports.verdict is not None
 
 
-def _reaped(pid: int) -> bool:
-    """Whether the child ``pid`` of this process has been reaped (looked at without reaping it)."""
-    try:
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    return False
-
-
 def _holder(start: object) -> subprocess.Popen[bytes]:
     """A stand-in for bwrap's holder: announces itself on the start's socket, marked ``ROLE=holder``."""
     from rollcage.supervisor.warm import WarmStart
 
     assert isinstance(start, WarmStart)
     return subprocess.Popen(
-        ["/bin/sh", "-c", "printf r; exec sleep 60"],
+        ["/bin/sh", "-c", "printf r; exec cat >/dev/null"],
         stdin=start.holder_stdin,
         stdout=start.holder_stdout,
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "ROLE": "holder"},
@@ -72,7 +63,7 @@ async def _end(worker: PidfdChild | None) -> None:
 async def test_a_workers_error_before_its_templates_word_waits_for_the_word_and_knows_the_worker() -> None:
     reports = _Reports()
     try:
-        pid = _worker_saying(b"error boom", reports.end, then="import time; time.sleep(60)")
+        pid = _worker_saying(b"error boom", reports.end, then="import signal; signal.pause()")
         spoken = asyncio.ensure_future(reports.until(lambda: _both_spoken(reports)))
         await wait_for_async(lambda: reports.verdict is not None, what="the worker's word")
         # Known by the credentials of its message already, but the start waits for the template.
@@ -93,7 +84,7 @@ async def test_a_workers_error_before_its_templates_word_waits_for_the_word_and_
 async def test_a_worker_whose_template_died_before_it_spoke_is_known_by_its_own_word() -> None:
     reports = _Reports()
     try:
-        pid = _worker_saying(b"ok", reports.end, then="import time; time.sleep(60)")
+        pid = _worker_saying(b"ok", reports.end, then="import signal; signal.pause()")
         reports.end.close()  # the template is gone without a word: only the worker holds the socket
         await wait_for_async(lambda: _heard(reports), what="the worker's word")
         assert reports.worker is not None and reports.worker.pid == pid and not reports.settled
@@ -159,7 +150,7 @@ async def test_a_start_whose_worker_fails_before_its_template_names_it_still_rea
         assert worker is None and start.failure is not None and "boom" in start.failure
         await asyncio.wait_for(start.relay(), 30)
         await naming[0]
-        assert _reaped(forked[0]), "the failed worker was left a zombie: its PID namespace would never end"
+        assert reaped(forked[0]), "the failed worker was left a zombie: its PID namespace would never end"
     finally:
         start.close()
         holder.kill()
