@@ -111,11 +111,10 @@ class PidfdChild:
             return None
         try:
             info = os.waitid(os.P_PIDFD, self._fd, os.WEXITED | os.WNOHANG)
+            if info is None:
+                return None  # still running
         except OSError:
             info = None  # not ours to reap any more (a waitpid(-1) elsewhere took it)
-        else:
-            if info is None:
-                return None
         os.close(self._fd)
         self._fd = None
         if info is None:

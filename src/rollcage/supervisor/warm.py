@@ -461,8 +461,4 @@ class WarmStart:
                 continue
             if not data:
                 return None
-            for level, kind, payload in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                    pid = _UCRED.unpack(payload[: _UCRED.size])[0]
-                    return pid if pid > 0 else None
-            return None
+            return _unpack(ancillary)[1] or None
