@@ -80,7 +80,7 @@ CHAIN_LABELS = {
     3: "inner bwrap: monitor (uid 65534, was setpriv)",
     4: "inner bwrap: PID-ns init",
     5: "worker (python, was prlimit)",
-    6: "executor (python _repl_child.py)",
+    6: "executor (python -c BOOT: _repl_child)",
 }
 """Depth below the supervisor -> the process of the two-stage sandbox (as root)."""
 
@@ -725,7 +725,7 @@ def print_breakdown(report: dict[str, Any], chain: list[tuple[str, Timing]], exi
     )
     executor_ms = 1000 * _avg([p["children_cpu_s"] for p in probes])
     pss, detail = mem(CHAIN_LABELS[6])
-    rows.append(("executor process (python _repl_child.py: start, 1.5 cells)", executor_ms, pss, detail))
+    rows.append(("executor (python -c BOOT, _repl_child: start, 1.5 cells)", executor_ms, pss, detail))
 
     tree = report["tree_cpu_s"]
     sandbox_chain = stage_cpu[keys[-2]] if len(keys) > 2 else 0.0
@@ -774,7 +774,7 @@ def print_zygote(data: dict[str, Any], count: int) -> None:
         f"   the template: {1000 * fork['template_cpu_s']:.0f} ms CPU once, "
         f"{fork['template_pss_mb']:.1f} MB PSS "
         "alone (its pages are shared with the children: included above, divided among them). A worker's CPU\n"
-        "   includes its executor (an exec'd `python -I -u _repl_child.py` in both ways) and, for the fork, "
+        "   includes its executor (an exec'd `python -c BOOT` (_repl_child), both ways) and, for the fork, "
         "no interpreter exit (os._exit). "
         f"Exit codes: exec {sorted(set(exec_['exits']))}, fork {sorted(set(fork['exits']))}."
     )

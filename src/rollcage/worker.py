@@ -140,6 +140,9 @@ def warm_up() -> int:
     from rollcage.model.http import transport_for
 
     transport_for("http://warm-up", uds=None)  # builds nothing but objects; never connects
+    from rollcage.tools import prepare_repl
+
+    prepare_repl()  # the executor's code, compiled once for every worker
     # A response's cookies are read through urllib's request, whose regular expressions compile on first use.
     request = httpx.Request("POST", "http://warm-up/v1")
     httpx.Cookies().extract_cookies(httpx.Response(200, request=request))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import marshal
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -448,3 +450,49 @@ def test_importing_tools_does_not_import_jupyter() -> None:
         "assert not [m for m in heavy if m in sys.modules], sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ------------------------------------------------------- the repl child's start
+
+
+async def test_the_repl_child_runs_the_code_its_parent_sends_not_its_source_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child compiles nothing at start: it runs the module its parent compiled once and sent."""
+    from rollcage.tools import _repl
+
+    source = Path(_repl.__file__).with_name("_repl_child.py").read_text()
+    assert 'sys.argv = [""]' in source
+    marked = compile(source.replace('sys.argv = [""]', 'sys.argv = ["sent-by-the-parent"]'), "x", "exec")
+    monkeypatch.setattr(_repl, "child_code", lambda: marshal.dumps(marked))
+    executor = make_executor(ExecutorSettings(), cwd=tmp_path, env=CHILD_ENV)
+    try:
+        assert (await executor.run("import sys\nsys.argv", CELL_TIMEOUT_S)).value == "['sent-by-the-parent']"
+    finally:
+        await executor.aclose()
+
+
+def test_the_repl_childs_code_is_its_module_compiled_once() -> None:
+    from rollcage.tools._repl import child_code
+
+    code = marshal.loads(child_code())
+    assert Path(code.co_filename).name == "_repl_child.py"
+    assert child_code() is child_code()
+
+
+def test_a_repl_child_whose_parent_left_before_sending_its_code_exits_quietly() -> None:
+    from rollcage.tools._repl import _BOOT
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        child = subprocess.Popen(
+            [sys.executable, "-I", "-u", "-c", _BOOT, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        theirs.close()
+        ours.sendall((1000).to_bytes(4, "big") + b"part of a frame")
+        ours.close()
+        stdout, stderr = child.communicate(timeout=60)
+    assert (child.returncode, stdout, stderr) == (0, b"", b"")

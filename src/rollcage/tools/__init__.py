@@ -33,5 +33,13 @@ __all__ = [
     "cookie_header",
     "make_executor",
     "parse_set_cookie",
+    "prepare_repl",
     "tool_parameters",
 ]
+
+
+def prepare_repl() -> None:
+    """Compile the ``repl`` backend's child once, now (a warm template does it for all its workers)."""
+    from rollcage.tools._repl import child_code
+
+    child_code()

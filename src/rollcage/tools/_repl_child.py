@@ -1,9 +1,11 @@
 """The ``repl`` executor's child process: a persistent namespace behind a framed protocol.
 
-Run by :mod:`rollcage.tools._repl` as ``python -I -u _repl_child.py CTL_FD``
-(a script, not ``-m``, so that importing the ``rollcage`` package and pydantic is
-not part of every start). It imports nothing beyond what the interpreter has
-already loaded at start-up, so it is ready in tens of milliseconds.
+Run by :mod:`rollcage.tools._repl` as ``python -I -u -c BOOT CTL_FD``: the
+parent sends this module's code, compiled, as the first frame, and ``BOOT`` runs
+it as ``__main__`` (a script's bytecode is never cached; this way it is compiled
+once, not at every start, and importing the ``rollcage`` package and pydantic is
+not part of any start). It imports nothing beyond what the interpreter has
+already loaded at start-up, so it is ready in about a bare interpreter's time.
 
 Wire format on the control socket ``CTL_FD`` (never on stdout, which belongs to
 the cell):
