@@ -362,7 +362,8 @@ def cage_argv(spec: CageSpec, *, tools: BwrapTools, as_root: bool) -> list[str]:
     for name in spec.unset_env:
         environment += ["--unsetenv", name]
     runtime = ["--chdir", spec.cwd, *environment]
-    command = [tools.prlimit, *spec.limits.prlimit_args(), "--", *spec.argv]
+    limits = spec.limits.prlimit_args()
+    command = [tools.prlimit, *limits, "--", *spec.argv] if limits else list(spec.argv)
 
     two_stage = as_root and spec.run_as is not None
     if not two_stage:

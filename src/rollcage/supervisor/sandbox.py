@@ -256,6 +256,7 @@ def bwrap_argv(
     status_fd: int | None = None,
     scratch: Scratch | None = None,
     worker_journal: bool = True,
+    limits: Limits | None = None,
 ) -> list[str]:
     """The full command line that runs ``worker_argv`` in the sandbox (pure: nothing is checked on disk).
 
@@ -275,6 +276,8 @@ def bwrap_argv(
             configured sizes.
         worker_journal: Mount ``checkpoint.jsonl`` for the worker to append to; ``False``: the
             supervisor writes it (a harness rollout) and the sandbox does not see it.
+        limits: The per-process limits ``worker_argv`` starts under; ``None``: the worker's
+            (:func:`worker_limits`). With none set, no ``prlimit`` runs.
 
     Returns:
         The argv to execute.
@@ -314,7 +317,7 @@ def bwrap_argv(
         mounts=mounts,
         tmp=scratch.tmp,
         shm=scratch.shm,
-        limits=worker_limits(config),
+        limits=worker_limits(config) if limits is None else limits,
         uid=config.sandbox_uid,
         gid=config.sandbox_gid,
         run_as=run_as,
@@ -492,6 +495,9 @@ class BwrapLauncher:
             status_fd=status_fd,
             scratch=scratch,
             worker_journal=worker_journal,
+            # A warm worker takes the cage's limits itself (rollcage.warm) and is not the holder's
+            # child: the holder, a shell that only relays an exit status, needs none (one exec less).
+            limits=None if warm is None else Limits(core_bytes=None),
         )
         return LaunchPlan(
             sandbox="bwrap",
