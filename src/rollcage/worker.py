@@ -46,6 +46,7 @@ from rollcage.agent import SUBMIT, Agent, AgentResult
 from rollcage.checkpoint import CallCompactor
 from rollcage.durable import CheckpointJournal, publish_json, read_bounded
 from rollcage.errors import ConfigError, ResumeRefusedError, RollcageError
+from rollcage.filewatch import wait_for_file
 from rollcage.procs import shielded, wait_shared
 from rollcage.protocol import (
     SCHEMA_VERSION,
@@ -87,7 +88,11 @@ EXIT_INVALID_INPUT = 2
 EXIT_STOPPED_BEFORE_START = 3
 EXIT_CANCELLED = 128 + signal.SIGTERM
 
-STOP_POLL_S = 0.1
+STOP_POLL_S = 1.0
+"""How often the stop file is looked for where no inotify watch can be made (:mod:`rollcage.filewatch`).
+
+A supervisor that watches the file itself (rollcage's does, every 0.2 s) stops the worker with SIGTERM
+at once; this look serves the launchers that cannot signal."""
 EXECUTOR_CLOSE_TIMEOUT_S = 10.0
 MAX_INPUT_BYTES = 64 * 1024 * 1024
 """The largest input.json read; a larger one is invalid input (a task's input is text, not a data set)."""
@@ -487,9 +492,9 @@ class _Session:
             self.task.cancel()
 
     async def _watch_stop_file(self) -> None:
-        # Polling is the point: it serves sandboxes whose controller cannot send signals.
-        while not self.paths.stop.exists():  # noqa: ASYNC110 - a file, not an event, is the signal
-            await asyncio.sleep(STOP_POLL_S)
+        # For sandboxes whose controller cannot send signals. Watched, not polled: a look every 0.1 s
+        # cost a waiting rollout ~3 ms of CPU a second (rollcage.filewatch).
+        await wait_for_file(self.paths.stop, poll_s=STOP_POLL_S)
         self._cancel(0)
 
     async def _open_evidence(self) -> None:

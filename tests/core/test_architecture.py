@@ -37,6 +37,7 @@ LAYERS: tuple[str, ...] = (
     "procs",  # process lifecycle and the cancellation dialect
     "protocol",  # the artifacts' shapes
     "durable",  # atomic publication, the journal
+    "filewatch",  # waiting for a file to appear
     "cage",  # the containment primitive
     "model",  # the model client
     "tools",  # executor, resource tools
