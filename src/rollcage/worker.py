@@ -137,8 +137,11 @@ def warm_up() -> int:
     """
     import importlib
 
-    import httpx
     import pydantic
+
+    # Through rollcage.model.http, which keeps httpx's command line (rich, click, pygments: ~80
+    # modules, ~6 MB) out: a template that imported httpx first carried them into every fork.
+    from rollcage.model.http import httpx
 
     for name in WARM_MODULES:
         importlib.import_module(name)

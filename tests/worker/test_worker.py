@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -345,3 +346,18 @@ def test_malformed_tool_arguments_end_as_invalid_policy_output(
     assert all(
         c.status == "failed" and "not valid JSON" in (c.output or "") for c in result.trajectory.tool_calls
     )
+
+
+def test_the_templates_warm_up_carries_no_command_line_code_into_its_forks() -> None:
+    # A warm template's heap is copied (its page tables, then the pages written) into every worker.
+    probe = (
+        "import sys\n"
+        "from rollcage.worker import warm_up\n"
+        "warm_up()\n"
+        "heavy = {'rich', 'click', 'pygments', 'typer', 'yaml', 'starlette', 'uvicorn'}\n"
+        "print(sorted(heavy & {name.split('.')[0] for name in sys.modules}))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert loaded.strip() == "[]"
