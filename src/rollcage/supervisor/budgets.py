@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -374,7 +375,7 @@ class RolloutBudgets:
         self._unmount()
         for volume in self.volumes:
             volume.close()
-        self.cgroups.remove()
+        released = self.cgroups.remove()
         # Only empty mount points are removed: never a tree that might still be a mounted file system.
         for volume in self.volumes:
             if isinstance(volume, TmpfsVolume) and not volume.mounted and volume is not self.workspace_mount:
@@ -382,6 +383,11 @@ class RolloutBudgets:
                     volume.path.rmdir()
         with contextlib.suppress(OSError):
             (self.private_dir / "fs").rmdir()
+        if released and not any(isinstance(v, TmpfsVolume) and v.mounted for v in self.volumes):
+            # Nothing is left for a later sweep to find by the record: the private directory can go
+            # (the supervisor removes it once its proxy socket is gone too).
+            with contextlib.suppress(OSError):
+                (self.private_dir / _PRIVATE_RECORD).unlink()
 
     def _copy_out(self, volume: TmpfsVolume) -> None:
         config = self.config
@@ -533,10 +539,25 @@ def _release(record: dict[str, object], layout: RolloutLayout) -> None:
             if Path(str(mount)).is_relative_to(private):
                 with contextlib.suppress(OSError):
                     Path(str(mount)).rmdir()
+        _remove_private_dir(Path(private))
+
+
+def _remove_private_dir(private: Path) -> None:
+    """A supervisor's private directory, once what it held is released: only what is known, only if empty.
+
+    Its record and a proxy socket are unlinked; the mount points in ``fs``, ``fs`` and the directory
+    itself are removed with ``rmdir``: a mount point still in use, or anything else found there, keeps them.
+    """
+    for name in (_PRIVATE_RECORD, "proxy.sock"):
         with contextlib.suppress(OSError):
-            (Path(private) / "fs").rmdir()
+            (private / name).unlink()
+    with contextlib.suppress(OSError):
+        for point in (private / "fs").iterdir():
+            with contextlib.suppress(OSError):
+                point.rmdir()
+    for directory in (private / "fs", private):
         with contextlib.suppress(OSError):
-            (Path(private) / _PRIVATE_RECORD).unlink()
+            directory.rmdir()
 
 
 _swept = False
@@ -581,6 +602,34 @@ def sweep_orphans() -> None:
                 if child.is_dir() and _owner_gone(child.name):
                     kill_cgroup(child)
                     remove_cgroup(child)
+    # Last: a private directory's mounts and cgroups are released above, by their names.
+    for private in _orphan_private_dirs():
+        _remove_private_dir(private)
+
+
+def _orphan_private_dirs() -> list[Path]:
+    """This user's private directories (``rollcage-ROLLOUT-PID.START-*``, temporary directory), maker gone."""
+    owners: dict[str, bool] = {}
+    found = []
+    try:
+        with os.scandir(tempfile.gettempdir()) as entries:
+            for entry in entries:
+                match = _OWNED.search(entry.name) if entry.name.startswith("rollcage-") else None
+                if match is None:
+                    continue
+                owner = f"{match.group(1)}.{match.group(2)}"
+                if owner not in owners:
+                    owners[owner] = _owner_gone(entry.name)
+                with contextlib.suppress(OSError):
+                    if (
+                        owners[owner]
+                        and entry.is_dir(follow_symlinks=False)
+                        and entry.stat(follow_symlinks=False).st_uid == os.geteuid()
+                    ):
+                        found.append(Path(entry.path))
+    except OSError:
+        return found
+    return found
 
 
 def _orphan_mounts() -> list[str]:

@@ -1,0 +1,82 @@
+"""Nothing of a rollout is left in the temporary directory: after its end, nor after its supervisor's death.
+
+A supervisor makes a private directory per rollout (``rollcage-ROLLOUT-PID.START-*``:
+the proxy socket, the mount points of bounded file systems, a record of what it made).
+A finished rollout removes it; what a supervisor that is gone left is removed by the
+next one's sweep, by the owner in the name, and only what is known to be there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollcage.policy import PolicyServer
+from rollcage.supervisor import BwrapSandbox, SupervisorConfig, budgets, supervise
+from tests.helpers.supervisor_env import make_rollout, requires_bwrap
+
+GONE = "1.999999999"
+"""An owner tag whose process is gone (PID 1 started long before that many ticks)."""
+
+
+@pytest.fixture
+def temp_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The temporary directory the code under test uses: this test's alone (short: a socket goes in it)."""
+    directory = Path(tempfile.mkdtemp(prefix="rc-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(directory))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@requires_bwrap()
+@pytest.mark.bwrap
+@pytest.mark.parametrize("start", ["warm", "cold"])
+async def test_a_finished_rollout_leaves_nothing_in_the_temporary_directory(
+    tmp_path: Path, temp_dir: Path, start: str
+) -> None:
+    with PolicyServer({"tasks": {"t": [{"text": "done"}]}}, port=0) as server:
+        root = make_rollout(tmp_path, model_url=server.base_url)
+        config = SupervisorConfig(deadline_s=120, sandbox=BwrapSandbox(worker_start=start))  # type: ignore[arg-type]
+        receipt = await supervise(root, config)
+    assert receipt.outcome == "completed", receipt.outcome_reason
+    assert receipt.cleanup_confirmed
+    assert sorted(os.listdir(temp_dir)) == []
+
+
+def _left(temp_dir: Path, owner: str, name: str = "r1") -> Path:
+    """A private directory as a supervisor killed mid-rollout leaves it."""
+    private = temp_dir / f"rollcage-{name}-{owner}-abc123"
+    (private / "fs" / "tmp").mkdir(parents=True)
+    (private / "fs" / "shm").mkdir()
+    (private / "rollout.json").write_text(json.dumps({"private_dir": str(private)}))
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(private / "proxy.sock"))
+    return private
+
+
+def test_what_a_gone_supervisor_left_in_the_temporary_directory_is_swept(
+    temp_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = _left(temp_dir, GONE)
+    unknown = _left(temp_dir, GONE, "r2")
+    (unknown / "fs" / "tmp" / "evidence").write_text("not ours to judge")
+    alive = _left(temp_dir, budgets.owner_tag(), "r3")
+    stranger = temp_dir / f"rollcage-not-a-private-dir-{GONE}"
+    stranger.write_text("a file, not a directory")
+    monkeypatch.setattr(budgets, "_swept", False)  # once per process: this test's sweep is a new one
+    budgets.sweep_orphans()
+    assert not gone.exists()
+    # Only what is known to be there goes: a file found in it keeps the directory and its path.
+    assert (unknown / "fs" / "tmp" / "evidence").exists()
+    assert not (unknown / "rollout.json").exists()
+    assert sorted(p.name for p in alive.iterdir()) == ["fs", "proxy.sock", "rollout.json"]
+    assert stranger.read_text() == "a file, not a directory"
