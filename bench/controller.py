@@ -31,6 +31,7 @@ POLICY = "tasks:\n  '*':\n    - text: '42'\n"
 
 
 def _child(size: int, sandbox: str, concurrency: int, workdir: Path) -> dict[str, Any]:
+    from rollcage.commands.run import tune_collector
     from rollcage.controller import Controller, RunConfig
 
     dataset = workdir / "dataset.jsonl"
@@ -53,6 +54,7 @@ def _child(size: int, sandbox: str, concurrency: int, workdir: Path) -> dict[str
         deadline_s=120,
         metrics_interval_s=5,
     )
+    tune_collector()  # as `rollcage run` does
     started = time.monotonic()
     summary = asyncio.run(Controller(config).run())
     wall = time.monotonic() - started

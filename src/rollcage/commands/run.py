@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from rollcage.controller import RunConfig, RunSummary
     from rollcage.errors import ConfigError
 
-__all__ = ["command"]
+__all__ = ["command", "tune_collector"]
 
 
 class _Sandbox(enum.StrEnum):
@@ -305,12 +305,29 @@ def command(
         raise typer.BadParameter(describe_validation_error(exc)) from exc
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    tune_collector()
     try:
         summary = asyncio.run(_run(config, reporter))
     except ConfigError as exc:
         fail("run", str(exc), code=EXIT_USAGE)
     render_summary(summary, reporter.console)
     raise typer.Exit(summary.exit_code)
+
+
+def tune_collector() -> None:
+    """Set this process's garbage collector for a controller's run (``rollcage run`` calls it first).
+
+    What start-up built (modules, models: ~46k tracked objects) lives as long as the run: frozen, out
+    of every collection. The young generation is collected every 10,000 allocations, not 700: a
+    rollout allocates thousands, so the default collected it about once a rollout (time in the
+    collector 1.0 -> 0.34 ms a rollout, instant model, C=8). The young generation's bound is constant:
+    memory does not grow with the dataset.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 def _harness_spec(harness: _Harness | None, command: str | None, task: _TaskVia, answer: _AnswerFrom) -> Any:
