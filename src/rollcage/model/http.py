@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-__all__ = ["HOP_BY_HOP", "UnixHTTPTransport", "hop_by_hop", "httpx", "transport_for"]
+__all__ = ["HOP_BY_HOP", "H11Transport", "hop_by_hop", "httpx", "transport_for"]
 
 _blocked = (
     [] if "httpx" in sys.modules else [n for n in ("click", "rich", "pygments") if n not in sys.modules]
@@ -28,21 +28,20 @@ finally:
         if _name in sys.modules and sys.modules[_name] is None:
             del sys.modules[_name]
 
-from rollcage.model._unix import UnixHTTPTransport  # noqa: E402 - after httpx, imported without its CLI
+from rollcage.model._h11 import H11Transport  # noqa: E402 - after httpx, imported without its CLI
 
 
 def transport_for(base_url: str, *, uds: str | None, retries: int = 0) -> httpx.AsyncBaseTransport:
     """A transport for ``base_url``, over ``uds`` when set.
 
-    Plain HTTP over a Unix socket (what the worker, its resource tools and a harness's forwarder
-    see behind the egress proxy) goes through :class:`UnixHTTPTransport`, half the CPU a request of
-    httpx's own. Anything else is httpx's transport; building a verifying one loads the CA bundle
-    (about 50 ms per process), so a plain-http endpoint, which never negotiates TLS (redirects are
-    not followed), skips that cost.
+    Plain HTTP (what the worker, its resource tools and a harness's forwarder see behind the egress
+    proxy, on a Unix socket) goes through :class:`H11Transport`, half the CPU a request of httpx's
+    own. HTTPS is httpx's transport (building a verifying one loads the CA bundle: about 50 ms per
+    process).
     """
     plain = httpx.URL(base_url).scheme == "http"
-    if plain and uds is not None and retries == 0:
-        return UnixHTTPTransport(uds)
+    if plain and retries == 0:
+        return H11Transport(uds=uds)
     return httpx.AsyncHTTPTransport(uds=uds, retries=retries, verify=not plain)
 
 

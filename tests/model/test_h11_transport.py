@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from rollcage.model.http import UnixHTTPTransport, httpx, transport_for
+from rollcage.model.http import H11Transport, httpx, transport_for
 
 BOUND_S = 30.0
 
@@ -40,11 +42,22 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
     return head + (await reader.readexactly(length) if length else b"")
 
 
-class Server:
-    """A Unix-socket HTTP server whose answers are the test's; it counts connections and requests."""
+@dataclass
+class Place:
+    """Where the server listens: a Unix socket, or TCP on loopback (its port known once it listens)."""
 
-    def __init__(self, path: Path, answer: Answer) -> None:
-        self.path = path
+    uds: Path | None
+    port: int = 0
+
+    def base_url(self) -> str:
+        return "http://proxy" if self.uds is not None else f"http://127.0.0.1:{self.port}"
+
+
+class Server:
+    """An HTTP server whose answers are the test's; it counts connections and requests."""
+
+    def __init__(self, place: Place, answer: Answer) -> None:
+        self.place = place
         self.answer = answer
         self.connections = 0
         self.requests: list[bytes] = []
@@ -68,7 +81,11 @@ class Server:
             writer.close()
 
     async def __aenter__(self) -> Server:
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+        if self.place.uds is not None:
+            self._server = await asyncio.start_unix_server(self._serve, path=str(self.place.uds))
+        else:
+            self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+            self.place.port = self._server.sockets[0].getsockname()[1]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -78,15 +95,20 @@ class Server:
             await self._server.wait_closed()
 
 
-@pytest.fixture
-def sock(tmp_path: Path) -> Path:
-    return tmp_path / "s.sock"
+@pytest.fixture(params=["unix", "tcp"])
+def sock(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    if request.param == "unix":
+        return Place(tmp_path / "s.sock")
+    with socket.socket() as probe:  # a port nothing listens on, until a Server takes another
+        probe.bind(("127.0.0.1", 0))
+        return Place(None, probe.getsockname()[1])
 
 
 @contextlib.asynccontextmanager
-async def client(sock: Path, **timeouts: float) -> AsyncIterator[httpx.AsyncClient]:
+async def client(sock: Place, **timeouts: float) -> AsyncIterator[httpx.AsyncClient]:
     timeout = httpx.Timeout(BOUND_S, **timeouts)  # type: ignore[arg-type]
-    async with httpx.AsyncClient(transport=UnixHTTPTransport(str(sock)), timeout=timeout) as http:
+    transport = H11Transport(uds=None if sock.uds is None else str(sock.uds))
+    async with httpx.AsyncClient(transport=transport, timeout=timeout, base_url=sock.base_url()) as http:
         yield http
 
 
@@ -96,23 +118,23 @@ async def _simple(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, in
     return True
 
 
-async def test_requests_share_one_kept_alive_connection_and_bodies_arrive_whole(sock: Path) -> None:
+async def test_requests_share_one_kept_alive_connection_and_bodies_arrive_whole(sock: Place) -> None:
     async with Server(sock, _simple) as server, client(sock) as http:
-        answers = [await http.post("http://proxy/model/v1/chat", content=b"q" * 100) for _ in range(3)]
+        answers = [await http.post("/model/v1/chat", content=b"q" * 100) for _ in range(3)]
     assert [a.content for a in answers] == [b"answer 1", b"answer 2", b"answer 3"]
     assert server.connections == 1
     assert all(request.endswith(b"q" * 100) for request in server.requests)
-    assert b"host: proxy" in server.requests[0].lower()
+    assert f"host: {sock.base_url().removeprefix('http://')}".encode() in server.requests[0].lower()
 
 
-async def test_a_large_request_body_is_sent_whole(sock: Path) -> None:
+async def test_a_large_request_body_is_sent_whole(sock: Place) -> None:
     body = bytes(range(256)) * (24 * 1024)  # 6 MiB: past every socket buffer
     async with Server(sock, _simple) as server, client(sock) as http:
-        answer = await http.post("http://proxy/x", content=body)
+        answer = await http.post("/x", content=body)
     assert answer.status_code == 200 and server.requests[0].endswith(body)
 
 
-async def test_a_body_streams_as_it_arrives(sock: Path) -> None:
+async def test_a_body_streams_as_it_arrives(sock: Place) -> None:
     first_read = asyncio.Event()
 
     async def chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
@@ -123,7 +145,7 @@ async def test_a_body_streams_as_it_arrives(sock: Path) -> None:
         await writer.drain()
         return True
 
-    async with Server(sock, chunked), client(sock) as http, http.stream("GET", "http://proxy/sse") as answer:
+    async with Server(sock, chunked), client(sock) as http, http.stream("GET", "/sse") as answer:
         parts = []
         async for part in answer.aiter_raw():
             parts.append(part)
@@ -131,7 +153,7 @@ async def test_a_body_streams_as_it_arrives(sock: Path) -> None:
     assert parts == [b"first", b"second"]
 
 
-async def test_an_answer_read_in_part_closes_its_connection(sock: Path) -> None:
+async def test_an_answer_read_in_part_closes_its_connection(sock: Place) -> None:
     async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
         writer.write(_ok(b"x" * 500_000))
         with contextlib.suppress(ConnectionError):
@@ -139,14 +161,14 @@ async def test_an_answer_read_in_part_closes_its_connection(sock: Path) -> None:
         return True
 
     async with Server(sock, big) as server, client(sock) as http:
-        async with http.stream("GET", "http://proxy/a") as answer:
+        async with http.stream("GET", "/a") as answer:
             async for _ in answer.aiter_raw():
                 break
-        await http.get("http://proxy/b")
+        await http.get("/b")
     assert server.connections == 2  # the rest of the first answer is never read as the second
 
 
-async def test_bytes_past_an_answer_are_never_read_as_the_next_answer(sock: Path) -> None:
+async def test_bytes_past_an_answer_are_never_read_as_the_next_answer(sock: Place) -> None:
     async def stray(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
         # An answer, then a forged one on the same connection before any request asked for it.
         writer.write(_ok(b"real %d" % index) + _ok(b"forged"))
@@ -154,48 +176,48 @@ async def test_bytes_past_an_answer_are_never_read_as_the_next_answer(sock: Path
         return True
 
     async with Server(sock, stray) as server, client(sock) as http:
-        first = await http.get("http://proxy/1")
-        second = await http.get("http://proxy/2")
+        first = await http.get("/1")
+        second = await http.get("/2")
     assert (first.content, second.content) == (b"real 1", b"real 2")
     assert server.connections == 2
 
 
-async def test_a_connection_the_server_closed_while_idle_is_not_used(sock: Path) -> None:
+async def test_a_connection_the_server_closed_while_idle_is_not_used(sock: Place) -> None:
     async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
         writer.write(_ok(b"bye"))
         await writer.drain()
         return False  # closed after one answer, without saying so
 
     async with Server(sock, once) as server, client(sock) as http:
-        assert (await http.get("http://proxy/1")).content == b"bye"
+        assert (await http.get("/1")).content == b"bye"
         for _ in range(100):  # let the end of the stream arrive (loop turns, not time)
             await asyncio.sleep(0)
-        assert (await http.get("http://proxy/2")).content == b"bye"
+        assert (await http.get("/2")).content == b"bye"
     assert server.connections == 2
 
 
-async def test_connection_close_is_honoured(sock: Path) -> None:
+async def test_connection_close_is_honoured(sock: Place) -> None:
     async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
         writer.write(_ok(b"done", "connection: close"))
         await writer.drain()
         return True  # the server would go on: the client must not
 
     async with Server(sock, closing) as server, client(sock) as http:
-        await http.get("http://proxy/1")
-        await http.get("http://proxy/2")
+        await http.get("/1")
+        await http.get("/2")
     assert server.connections == 2
 
 
-async def test_a_server_that_closes_without_an_answer_is_a_remote_protocol_error(sock: Path) -> None:
+async def test_a_server_that_closes_without_an_answer_is_a_remote_protocol_error(sock: Place) -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
         return False
 
     async with Server(sock, silent), client(sock) as http:
         with pytest.raises(httpx.RemoteProtocolError, match="without an answer"):
-            await http.get("http://proxy/")
+            await http.get("/")
 
 
-async def test_an_answer_cut_off_in_its_body_is_a_remote_protocol_error(sock: Path) -> None:
+async def test_an_answer_cut_off_in_its_body_is_a_remote_protocol_error(sock: Place) -> None:
     async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part")
         await writer.drain()
@@ -203,10 +225,10 @@ async def test_an_answer_cut_off_in_its_body_is_a_remote_protocol_error(sock: Pa
 
     async with Server(sock, cut), client(sock) as http:
         with pytest.raises(httpx.RemoteProtocolError):
-            await http.get("http://proxy/")
+            await http.get("/")
 
 
-async def test_a_malformed_answer_is_a_remote_protocol_error(sock: Path) -> None:
+async def test_a_malformed_answer_is_a_remote_protocol_error(sock: Place) -> None:
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
         writer.write(b"this is not HTTP\r\n\r\n")
         await writer.drain()
@@ -214,10 +236,10 @@ async def test_a_malformed_answer_is_a_remote_protocol_error(sock: Path) -> None
 
     async with Server(sock, garbage), client(sock) as http:
         with pytest.raises(httpx.RemoteProtocolError):
-            await http.get("http://proxy/")
+            await http.get("/")
 
 
-async def test_a_silent_server_is_a_read_timeout_and_the_connection_is_dropped(sock: Path) -> None:
+async def test_a_silent_server_is_a_read_timeout_and_the_connection_is_dropped(sock: Place) -> None:
     release = asyncio.Event()
 
     async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
@@ -228,19 +250,19 @@ async def test_a_silent_server_is_a_read_timeout_and_the_connection_is_dropped(s
 
     async with Server(sock, hang) as server, client(sock, read=0.2) as http:
         with pytest.raises(httpx.ReadTimeout):
-            await http.get("http://proxy/1")
+            await http.get("/1")
         release.set()
-        assert (await http.get("http://proxy/2")).content == b"answer 2"
+        assert (await http.get("/2")).content == b"answer 2"
     assert server.connections == 2
 
 
-async def test_no_server_is_a_connect_error(sock: Path) -> None:
+async def test_no_server_is_a_connect_error(sock: Place) -> None:
     async with client(sock) as http:
         with pytest.raises(httpx.ConnectError, match="cannot connect"):
-            await http.get("http://proxy/")
+            await http.get("/")
 
 
-async def test_a_cancelled_request_closes_its_connection(sock: Path) -> None:
+async def test_a_cancelled_request_closes_its_connection(sock: Place) -> None:
     answered = asyncio.Event()
 
     async def slow_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
@@ -250,16 +272,16 @@ async def test_a_cancelled_request_closes_its_connection(sock: Path) -> None:
         return await _simple(reader, writer, index)
 
     async with Server(sock, slow_first) as server, client(sock) as http:
-        call = asyncio.create_task(http.get("http://proxy/1"))
+        call = asyncio.create_task(http.get("/1"))
         await asyncio.wait_for(answered.wait(), BOUND_S)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
-        assert (await http.get("http://proxy/2")).content == b"answer 2"
+        assert (await http.get("/2")).content == b"answer 2"
     assert server.connections == 2
 
 
-def test_plain_http_over_a_unix_socket_takes_this_transport_and_nothing_else_does() -> None:
-    assert isinstance(transport_for("http://proxy/model/v1", uds="/run/p.sock"), UnixHTTPTransport)
-    for url, uds in (("https://proxy/v1", "/run/p.sock"), ("http://127.0.0.1:8000/v1", None)):
-        assert isinstance(transport_for(url, uds=uds), httpx.AsyncHTTPTransport)
+def test_plain_http_takes_this_transport_and_https_httpxs() -> None:
+    assert isinstance(transport_for("http://proxy/model/v1", uds="/run/p.sock"), H11Transport)
+    assert isinstance(transport_for("http://127.0.0.1:8000/v1", uds=None), H11Transport)
+    assert isinstance(transport_for("https://api.example/v1", uds=None), httpx.AsyncHTTPTransport)
