@@ -2,23 +2,22 @@
 
 Every model call of a worker, and every resource-tool call, goes to the
 supervisor's egress proxy on a Unix socket, and the proxy forwards each to the
-model server (over TCP, most often plain HTTP to a local inference server).
-httpx's own transport runs each
-request through httpcore's pool and anyio's stream layer (per request: a pool
-scan that asks every idle connection ``is_readable``, an anyio attribute table
-built with ``getpeername``, a task group per response read): measured against a
-local server, 650 µs of the client's CPU a request with httpx's transport, 330
-with this one, httpx's client above both; a worker's CPU per rollout fell from ~32
-to ~27 ms with it. This transport keeps what a plain-HTTP call needs and
-nothing more (TLS stays httpx's):
+model server (over TCP; most often plain HTTP to a local inference server).
+httpx's own transport runs each request through httpcore's pool and anyio's
+streams (per request: a pool scan that asks every idle connection
+``is_readable``, an anyio attribute table built with ``getpeername``, a task
+group per read). Measured against a local server: 650 µs of the client's CPU a
+request with httpx's transport, 330 with this one, httpx's client above both; a
+worker's CPU per rollout fell from ~32 to ~27 ms with it. It keeps what a
+plain-HTTP call needs and nothing more (HTTPS stays httpx's):
 
-* h11 (httpx's own HTTP/1.1 parser) on an ``asyncio`` stream pair: the same
-  parsing, framing and checks (a malformed answer is a ``RemoteProtocolError``);
-* connections kept alive, reused last-in first-out, only after a whole
-  response was read and both sides may go on (a response cut off, cancelled or
-  failed closes its connection: no byte of one exchange is read by another);
-  an idle connection the server has closed, or one idle past ``idle_s``, is
-  dropped, not used;
+* h11 (httpx's own HTTP/1.1 parser): the same parsing, framing and checks (a
+  malformed answer is a ``RemoteProtocolError``);
+* connections kept alive and reused last in, first out, only after a whole
+  answer was read, both sides may go on and nothing was received past it; an
+  answer cut off, cancelled or failed closes its connection, and an idle one
+  that received anything (bytes, an end of stream) or sat past ``idle_s`` is
+  dropped, never used: no byte of one exchange is read as part of another;
 * httpx's timeouts (``connect``, ``read``, ``write``) and exceptions
   (``ConnectError``, ``ReadTimeout``, ``RemoteProtocolError``...), so its callers
   classify failures as they did.
@@ -47,7 +46,7 @@ def _timeout(timeouts: dict[str, Any], name: str) -> float | None:
 
 
 class _Socket(asyncio.Protocol):
-    """A Unix stream socket's bytes as they arrive, with flow control both ways.
+    """A stream socket's bytes as they arrive, with flow control both ways.
 
     A protocol of its own, not ``asyncio.StreamReader``: what arrived while the connection sat idle
     (stray bytes, an end of stream) must be seen before the connection is used again.
