@@ -116,10 +116,8 @@ WARM_MODULES: tuple[str, ...] = (
     "rollcage.cage",
     "json",
     "pydantic.plugin._loader",
-    # What httpcore loads once a request runs on the event loop, and asyncio's thread pool.
-    "anyio._backends._asyncio",
-    "anyio.to_thread",
-    "sniffio",
+    # asyncio's thread pool. (Plain HTTP goes through rollcage.model.http's h11 transport: no worker
+    # behind the proxy loads httpcore or anyio, so the template carries neither.)
     "concurrent.futures.thread",
 )
 """What a rollout's worker imports after its start (the rest it imports with this module)."""
@@ -129,8 +127,8 @@ def warm_up() -> int:
     """Import and build, once, what every worker would otherwise import and build itself; how many models.
 
     For a template whose forks run :func:`run_worker` (:mod:`rollcage.warm`): the
-    lazy imports, httpx's transport stack (httpcore, anyio, h11: imported by its
-    first transport) and its cookie handling, the command-line parser, and every
+    lazy imports, the plain-HTTP transport (:func:`rollcage.model.http.transport_for`)
+    and httpx's cookie handling, the command-line parser, and every
     pydantic model of rollcage that defers its build to its first use (validators
     and serializers, and pydantic's one look for plugins). Nothing is opened,
     started or connected.

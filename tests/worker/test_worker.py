@@ -348,13 +348,15 @@ def test_malformed_tool_arguments_end_as_invalid_policy_output(
     )
 
 
-def test_the_templates_warm_up_carries_no_command_line_code_into_its_forks() -> None:
-    # A warm template's heap is copied (its page tables, then the pages written) into every worker.
+def test_the_templates_warm_up_carries_nothing_its_workers_do_not_run_into_its_forks() -> None:
+    # A warm template's heap is copied (its page tables, then the pages written) into every worker:
+    # no command-line code, and no httpcore or anyio (plain HTTP to the proxy goes through h11 alone).
     probe = (
         "import sys\n"
         "from rollcage.worker import warm_up\n"
         "warm_up()\n"
         "heavy = {'rich', 'click', 'pygments', 'typer', 'yaml', 'starlette', 'uvicorn'}\n"
+        "heavy |= {'httpcore', 'anyio'}\n"
         "print(sorted(heavy & {name.split('.')[0] for name in sys.modules}))"
     )
     loaded = subprocess.run(
