@@ -217,24 +217,20 @@ async def test_a_server_that_closes_without_an_answer_is_a_remote_protocol_error
             await http.get("/")
 
 
-async def test_an_answer_cut_off_in_its_body_is_a_remote_protocol_error(sock: Place) -> None:
-    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part")
+@pytest.mark.parametrize(
+    "sent",
+    [
+        pytest.param(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part", id="body-cut-off"),
+        pytest.param(b"this is not HTTP\r\n\r\n", id="not-http"),
+    ],
+)
+async def test_an_answer_cut_off_or_not_http_is_a_remote_protocol_error(sock: Place, sent: bytes) -> None:
+    async def broken(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
+        writer.write(sent)
         await writer.drain()
         return False
 
-    async with Server(sock, cut), client(sock) as http:
-        with pytest.raises(httpx.RemoteProtocolError):
-            await http.get("/")
-
-
-async def test_a_malformed_answer_is_a_remote_protocol_error(sock: Place) -> None:
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> bool:
-        writer.write(b"this is not HTTP\r\n\r\n")
-        await writer.drain()
-        return True
-
-    async with Server(sock, garbage), client(sock) as http:
+    async with Server(sock, broken), client(sock) as http:
         with pytest.raises(httpx.RemoteProtocolError):
             await http.get("/")
 
