@@ -58,6 +58,8 @@ def _left(temp_dir: Path, owner: str, name: str = "r1") -> Path:
     (private / "fs" / "tmp").mkdir(parents=True)
     (private / "fs" / "shm").mkdir()
     (private / "rollout.json").write_text(json.dumps({"private_dir": str(private)}))
+    (private / "workspace-initial").mkdir()
+    (private / "workspace-initial" / "task.txt").write_text("a copy of the prepared workspace")
     with socket.socket(socket.AF_UNIX) as listening:
         listening.bind(str(private / "proxy.sock"))
     return private
@@ -78,5 +80,6 @@ def test_what_a_gone_supervisor_left_in_the_temporary_directory_is_swept(
     # Only what is known to be there goes: a file found in it keeps the directory and its path.
     assert (unknown / "fs" / "tmp" / "evidence").exists()
     assert not (unknown / "rollout.json").exists()
-    assert sorted(p.name for p in alive.iterdir()) == ["fs", "proxy.sock", "rollout.json"]
+    kept = ["fs", "proxy.sock", "rollout.json", "workspace-initial"]
+    assert sorted(p.name for p in alive.iterdir()) == kept
     assert stranger.read_text() == "a file, not a directory"

@@ -545,12 +545,17 @@ def _release(record: dict[str, object], layout: RolloutLayout) -> None:
 def _remove_private_dir(private: Path) -> None:
     """A supervisor's private directory, once what it held is released: only what is known, only if empty.
 
-    Its record and a proxy socket are unlinked; the mount points in ``fs``, ``fs`` and the directory
-    itself are removed with ``rmdir``: a mount point still in use, or anything else found there, keeps them.
+    Its record and a proxy socket are unlinked, and ``workspace-initial`` (a copy of the workspace
+    as the controller prepared it, whose original stays on the disk) is removed; the mount points in
+    ``fs``, ``fs`` and the directory itself are removed with ``rmdir``: a mount point still in use, or
+    anything else found there, keeps them.
     """
     for name in (_PRIVATE_RECORD, "proxy.sock"):
         with contextlib.suppress(OSError):
             (private / name).unlink()
+    initial = private / "workspace-initial"
+    if initial.is_dir() and not initial.is_symlink() and not os.path.ismount(initial):
+        shutil.rmtree(initial, ignore_errors=True)
     with contextlib.suppress(OSError):
         for point in (private / "fs").iterdir():
             with contextlib.suppress(OSError):
