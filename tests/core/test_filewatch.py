@@ -30,6 +30,16 @@ async def _turns(count: int = 5) -> None:
         await asyncio.sleep(0)
 
 
+def _make(path: Path) -> None:
+    path.write_text("")
+
+
+async def _made_and_seen(path: Path, waiting: asyncio.Task[None]) -> None:
+    """Make ``path``; the wait ends (within the bound)."""
+    _make(path)
+    await asyncio.wait_for(waiting, BOUND_S)
+
+
 def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
@@ -40,8 +50,7 @@ async def test_a_file_made_in_the_directory_ends_the_wait_without_a_look_by_poll
     (tmp_path / "unrelated").write_text("")  # wakes the watch; the wait goes on
     await _turns()
     assert not waiting.done()
-    stop.write_text("")
-    await asyncio.wait_for(waiting, BOUND_S)
+    await _made_and_seen(stop, waiting)
 
 
 async def test_a_file_moved_into_the_directory_ends_the_wait(tmp_path: Path) -> None:
@@ -65,8 +74,7 @@ async def test_without_a_watch_the_file_is_found_by_polling(
     monkeypatch.setattr(filewatch, "inotify_directory", lambda directory: None)
     stop = tmp_path / "stop"
     waiting = await _started(stop, 0.01)
-    stop.write_text("")
-    await asyncio.wait_for(waiting, BOUND_S)
+    await _made_and_seen(stop, waiting)
 
 
 async def test_a_directory_that_cannot_be_watched_is_polled(tmp_path: Path) -> None:
@@ -74,8 +82,7 @@ async def test_a_directory_that_cannot_be_watched_is_polled(tmp_path: Path) -> N
     assert inotify_directory(missing.parent) is None
     waiting = await _started(missing, 0.01)
     missing.parent.mkdir()
-    missing.write_text("")
-    await asyncio.wait_for(waiting, BOUND_S)
+    await _made_and_seen(missing, waiting)
 
 
 async def test_a_watch_that_cannot_be_read_falls_back_to_polling(
@@ -87,8 +94,7 @@ async def test_a_watch_that_cannot_be_read_falls_back_to_polling(
     (tmp_path / "unrelated").write_text("")  # the wake-up whose read fails
     await _turns()
     assert not waiting.done()
-    stop.write_text("")
-    await asyncio.wait_for(waiting, BOUND_S)
+    await _made_and_seen(stop, waiting)
 
 
 async def test_a_cancelled_wait_closes_its_watch(tmp_path: Path) -> None:
