@@ -402,6 +402,31 @@ async def test_headers_name_the_rollout_and_never_carry_credentials(
     assert request.url == "http://model.test/v1/chat/completions"
 
 
+async def test_a_request_goes_out_as_httpx_s_client_would_send_it() -> None:
+    # The client hands each request to its transport itself: what httpx's client adds must be there.
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=CHAT_TEXT)
+
+    endpoint = mock_endpoint(timeout_s=7.5, connect_timeout_s=2.5)
+    client = ModelClient(endpoint, rollout_id="r", task_id="t", transport=httpx.MockTransport(handler))
+    async with client:
+        await client.call(USER)
+        await client.call(USER)
+    assert len(seen) == 2
+    expected = httpx.AsyncClient(headers={"User-Agent": "rollcage"}).build_request(
+        "POST", "http://model.test/v1/chat/completions", content=seen[0].content
+    )
+    for request in seen:
+        assert request.method == "POST"
+        for name in ("user-agent", "accept-encoding", "connection", "host", "content-length"):
+            assert request.headers[name] == expected.headers[name], name
+        assert request.headers["content-type"] == "application/json"
+        assert request.extensions["timeout"] == {"connect": 2.5, "read": 7.5, "write": 7.5, "pool": 7.5}
+
+
 async def test_cookies_are_forwarded_and_kept_from_set_cookie() -> None:
     sent: list[str | None] = []
 
