@@ -465,3 +465,30 @@ def test_request_log_limit_keeps_the_latest_records_and_exact_counts(
     assert server.state.calls == 3
     assert server.state.wait_for_requests(3, timeout=30)
     assert server.state.wait_for_requests(1, timeout=30, rollout_id="r2")
+
+
+async def test_served_tcp_connections_send_without_waiting_for_acks() -> None:
+    # uvicorn writes an answer's head and body apart: with Nagle's algorithm on, the body waited for
+    # the client's delayed ACK (~40 ms a request). asyncio turns it off only on sockets that say TCP.
+    import asyncio
+    import socket
+
+    from rollcage.policy import bind_socket
+
+    nodelay: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = writer.get_extra_info("socket")
+        nodelay.set_result(served.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    server = await asyncio.start_server(accepted, sock=bind_socket())
+    try:
+        host, port = server.sockets[0].getsockname()[:2]
+        _, writer = await asyncio.open_connection(host, port)
+        async with asyncio.timeout(30):
+            assert await nodelay != 0
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import socket
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -59,13 +58,11 @@ class AppServer:
         """
         import uvicorn
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        from rollcage.policy import bind_socket
+
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", 0))
-            sock.listen(1024)
-        except OSError as exc:
-            sock.close()
+            sock = bind_socket(host="127.0.0.1", port=0, backlog=1024)
+        except ConfigError as exc:
             raise ConfigError(f"cannot open a loopback port for {self._name}: {exc}") from exc
         port = sock.getsockname()[1]
         config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off")

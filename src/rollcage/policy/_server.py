@@ -61,12 +61,20 @@ class _Uvicorn(uvicorn.Server):
 
 
 def bind_socket(
-    *, host: str = "127.0.0.1", port: int = 0, uds: str | os.PathLike[str] | None = None
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    uds: str | os.PathLike[str] | None = None,
+    backlog: int = 256,
 ) -> socket.socket:
     """A listening socket: TCP on ``host:port`` (0: a free port), or a Unix socket at ``uds``.
 
     Binding before the server starts means the port is known (and connectable:
-    connections wait in the backlog) as soon as this returns.
+    connections wait in the backlog) as soon as this returns. A TCP socket names its
+    protocol (``IPPROTO_TCP``): asyncio turns Nagle's algorithm off only on connections
+    whose socket says TCP, and with it on, every answer written in two parts (uvicorn
+    writes the head, then the body) waited for the client's delayed ACK: ~40 ms a
+    request, and ~0.7 ms more of the client's CPU.
 
     Raises:
         ConfigError: the address cannot be bound.
@@ -80,10 +88,10 @@ def bind_socket(
             sock.bind(str(path))
         else:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
-        sock.listen(256)
+        sock.listen(backlog)
     except (OSError, OverflowError, ValueError) as exc:  # a port out of range, a NUL in a path
         raise ConfigError(f"cannot listen on {uds or f'{host}:{port}'}: {exc}") from exc
     sock.set_inheritable(True)
