@@ -187,6 +187,8 @@ class Upstream:
             ).encode()
             content_type = "application/json"
         headers = [("content-type", content_type), ("content-length", str(len(payload)))]
+        if seen.path.endswith("/set-cookie"):
+            headers.append(("set-cookie", "sticky=node-4; Path=/"))
         writer.write(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
         writer.write(conn.send(h11.Data(data=payload)) or b"")
         writer.write(conn.send(h11.EndOfMessage()) or b"")

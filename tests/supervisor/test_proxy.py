@@ -218,6 +218,16 @@ async def test_resource_request_keeps_its_path_query_and_cookies(
     assert seen.headers["cookie"] == "session=abc"
 
 
+async def test_the_proxy_keeps_no_cookies_of_its_own(harness: Harness, upstream: Upstream) -> None:
+    # The sandbox's client decides which cookies go back (the model client keeps and bounds its
+    # own): a jar in the proxy would send an upstream's cookie on requests that carry none.
+    first = await harness.client.post("/resource/weather/set-cookie", json={})
+    assert first.headers["set-cookie"] == "sticky=node-4; Path=/"
+    harness.client.cookies.clear()  # the test's own client keeps none either
+    await harness.client.post("/resource/weather/next", json={})
+    assert [seen.headers.get("cookie") for seen in upstream.requests] == [None, None]
+
+
 @pytest.mark.parametrize(
     "request_line",
     [

@@ -30,7 +30,7 @@ import math
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from email.utils import parsedate_to_datetime
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from http.cookies import CookieError, SimpleCookie
@@ -41,7 +41,7 @@ import orjson
 from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
 from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
 from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload, without_lifted
-from rollcage.model.http import httpx, transport_for
+from rollcage.model.http import DirectSend, httpx, transport_for
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import (
     MAX_JSON_DEPTH,
@@ -217,10 +217,7 @@ class ModelClient(AsyncClosing):
         self._transport = transport
         self._state = ClientState.UNOPENED
         self._http: httpx.AsyncClient | None = None
-        # The request is sent to the transport directly (see _exchange): these are the client's parts.
-        self._send: Callable[[httpx.Request], Awaitable[httpx.Response]] | None = None
-        self._headers = httpx.Headers()
-        self._timeouts: dict[str, float | None] = {}
+        self._send: DirectSend | None = None
         self._target: httpx.URL | None = None
         self._interrupted: ModelCall | None = None
         path = "/chat/completions" if endpoint.api == "chat" else "/responses"
@@ -263,9 +260,7 @@ class ModelClient(AsyncClosing):
         )
         await client.__aenter__()
         self._http = client
-        self._send = transport.handle_async_request
-        self._headers = client.headers
-        self._timeouts = client.timeout.as_dict()
+        self._send = DirectSend(client, transport)
         self._state = ClientState.OPENED
         return self
 
@@ -477,22 +472,12 @@ class ModelClient(AsyncClosing):
         }
         if self._cookies:
             headers["Cookie"] = "; ".join(f"{name}={value}" for name, value in self._cookies.items())
-        # Straight to the transport: httpx's client would merge the URL, the cookies (through urllib's
-        # cookie jar, which keeps none here: the client keeps them itself) and the headers again for
-        # every request, about a third of a call's HTTP work. What it adds is added here: its default
-        # headers, its timeouts, the request on the response.
-        merged = httpx.Headers(self._headers)
-        merged.update(headers)
         assert self._send is not None
         try:
             self._target = target = self._target or httpx.URL(self._url)
-            request = httpx.Request(
-                "POST", target, content=body, headers=merged, extensions={"timeout": self._timeouts}
-            )
-            response = await self._send(request)
+            response = await self._send("POST", target, headers=headers, content=body)
         except httpx.HTTPError as exc:
             _raise_transport(exc)
-        response.request = request
         first_byte_at = time.time()
         try:
             self._keep_cookies(response)

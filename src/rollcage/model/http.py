@@ -12,9 +12,9 @@ usual. Where httpx was already imported, this is a plain import.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["HOP_BY_HOP", "H11Transport", "hop_by_hop", "httpx", "transport_for"]
+__all__ = ["HOP_BY_HOP", "DirectSend", "H11Transport", "hop_by_hop", "httpx", "transport_for"]
 
 _blocked = (
     [] if "httpx" in sys.modules else [n for n in ("click", "rich", "pygments") if n not in sys.modules]
@@ -43,6 +43,51 @@ def transport_for(base_url: str, *, uds: str | None, retries: int = 0) -> httpx.
     if plain and retries == 0:
         return H11Transport(uds=uds)
     return httpx.AsyncHTTPTransport(uds=uds, retries=retries, verify=not plain)
+
+
+class DirectSend:
+    """An ``httpx.AsyncClient``'s requests, handed to its transport without the client's request path.
+
+    For every request the client merges its URL, its cookies (through urllib's cookie jar)
+    and its headers again, then stores the answer's cookies the same way: about a third of
+    a call's HTTP work here, for callers that keep no cookies in httpx (the model client
+    keeps them itself; the egress proxy forwards the sandbox's). What the client adds that
+    matters is added here: its default headers (under the request's own), its timeouts,
+    and the request on the response. Redirects are not followed; nothing comes from the
+    environment.
+
+    Args:
+        client: The client whose defaults apply (it owns the transport's life).
+        transport: The client's transport.
+    """
+
+    def __init__(self, client: httpx.AsyncClient, transport: httpx.AsyncBaseTransport) -> None:
+        self._headers = client.headers
+        self._timeouts = client.timeout.as_dict()
+        self._send = transport.handle_async_request
+
+    async def __call__(
+        self,
+        method: str,
+        url: httpx.URL | str,
+        *,
+        headers: httpx.Headers | Sequence[tuple[bytes, bytes]] | Mapping[str, str],
+        content: bytes,
+    ) -> httpx.Response:
+        """Send one request; the response's body is still to be read (and the response closed).
+
+        **Cancellation:** as the transport's (:class:`H11Transport` closes the connection in use).
+
+        Raises:
+            httpx.HTTPError: As the transport raises it, or the URL is invalid.
+        """
+        merged = httpx.Headers(self._headers)
+        merged.update(headers)
+        extensions = {"timeout": self._timeouts}
+        request = httpx.Request(method, url, headers=merged, content=content, extensions=extensions)
+        response = await self._send(request)
+        response.request = request
+        return response
 
 
 HOP_BY_HOP: frozenset[bytes] = frozenset(

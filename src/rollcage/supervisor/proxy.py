@@ -113,7 +113,7 @@ import orjson
 from rollcage.durable import AppendCursor
 from rollcage.errors import SupervisorError
 from rollcage.harness import budget_refusal, model_call_api
-from rollcage.model.http import HOP_BY_HOP, H11Transport, hop_by_hop
+from rollcage.model.http import HOP_BY_HOP, DirectSend, H11Transport, hop_by_hop
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
 from rollcage.supervisor.config import ProxyConfig
@@ -687,6 +687,7 @@ class EgressProxy(AsyncClosing):
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
         self._clients: dict[str, httpx.AsyncClient] = {}
+        self._senders: dict[str, DirectSend] = {}
         self._borrowed: list[_Borrowed] = []
         self._handlers: dict[asyncio.Task[None], _Connection] = {}
         self._buffered = 0
@@ -743,7 +744,7 @@ class EgressProxy(AsyncClosing):
                 )
                 transport = await pools.acquire(route)
                 self._borrowed.append(transport)
-                self._clients[route.prefix] = httpx.AsyncClient(
+                client = self._clients[route.prefix] = httpx.AsyncClient(
                     transport=transport,
                     timeout=timeout,
                     follow_redirects=False,
@@ -751,6 +752,8 @@ class EgressProxy(AsyncClosing):
                     # variables) may attach itself to the sandbox's traffic.
                     trust_env=False,
                 )
+                # The sandbox's cookies are its own: no jar of the proxy's adds or keeps any.
+                self._senders[route.prefix] = DirectSend(client, transport)
             self._listener = await asyncio.to_thread(retry_on_emfile, self._listen)
             connection_budget().join()
             self._joined = True
@@ -1198,12 +1201,11 @@ class EgressProxy(AsyncClosing):
     async def _forward(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bool:
         route = ex.route
         assert route is not None and ex.upstream_url is not None
-        client = self._clients[route.prefix]
+        send = self._senders[route.prefix]
         try:
-            request = client.build_request(
+            response = await send(
                 ex.method, ex.upstream_url, headers=self._upstream_headers(ex, route), content=ex.request_body
             )
-            response = await client.send(request, stream=True)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
             ex.status = 502
             ex.error = f"upstream {route.name} unreachable: {type(exc).__name__}: {exc}"
