@@ -49,9 +49,10 @@ class DirectSend:
     """An ``httpx.AsyncClient``'s requests, handed to its transport without the client's request path.
 
     For every request the client merges its URL, its cookies (through urllib's cookie jar)
-    and its headers again, then stores the answer's cookies the same way: about a third of
-    a call's HTTP work here, for callers that keep no cookies in httpx (the model client
-    keeps them itself; the egress proxy forwards the sandbox's). What the client adds that
+    and its headers again, then stores the answer's cookies the same way: about as much CPU
+    again as :class:`H11Transport`'s whole exchange, for callers that keep no cookies in
+    httpx (the model client keeps them itself; the egress proxy forwards the sandbox's, and
+    must add none of its own). What the client adds that
     matters is added here: its default headers (under the request's own), its timeouts,
     and the request on the response. Redirects are not followed; nothing comes from the
     environment.
