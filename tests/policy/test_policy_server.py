@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +27,7 @@ from rollcage.errors import ConfigError
 from rollcage.policy import (
     FaultPlan,
     PolicyServer,
+    bind_socket,
     count_model_turns,
     find_task_marker,
     load_script,
@@ -470,11 +473,6 @@ def test_request_log_limit_keeps_the_latest_records_and_exact_counts(
 async def test_served_tcp_connections_send_without_waiting_for_acks() -> None:
     # uvicorn writes an answer's head and body apart: with Nagle's algorithm on, the body waited for
     # the client's delayed ACK (~40 ms a request). asyncio turns it off only on sockets that say TCP.
-    import asyncio
-    import socket
-
-    from rollcage.policy import bind_socket
-
     nodelay: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
     async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
