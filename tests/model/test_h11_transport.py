@@ -281,3 +281,37 @@ def test_plain_http_takes_this_transport_and_https_httpxs() -> None:
     assert isinstance(transport_for("http://proxy/model/v1", uds="/run/p.sock"), H11Transport)
     assert isinstance(transport_for("http://127.0.0.1:8000/v1", uds=None), H11Transport)
     assert isinstance(transport_for("https://api.example/v1", uds=None), httpx.AsyncHTTPTransport)
+
+
+class _RecordingSocket:
+    def __init__(self, family: int) -> None:
+        self.family = family
+        self.options: list[tuple[int, int, int]] = []
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        self.options.append((level, option, value))
+
+
+class _FakeTransport(asyncio.Transport):
+    def __init__(self, sock: _RecordingSocket) -> None:
+        super().__init__()
+        self._sock = sock
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return self._sock if name == "socket" else default
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6, socket.AF_UNIX])
+def test_tcp_connections_acknowledge_every_read_at_once(family: int) -> None:
+    # A server with Nagle's algorithm on holds an answer's body until its head is acknowledged;
+    # Linux delays that ACK by up to 40 ms unless asked, after each read, to acknowledge at once.
+    from rollcage.model._h11 import _Socket
+
+    recorded = _RecordingSocket(family)
+    protocol = _Socket()
+    protocol.connection_made(_FakeTransport(recorded))
+    protocol.data_received(b"HTTP/1.1 200 OK\r\n")
+    protocol.data_received(b"content-length: 0\r\n\r\n")
+    quickack = getattr(socket, "TCP_QUICKACK", 12)
+    expected = [] if family == socket.AF_UNIX else [(socket.IPPROTO_TCP, quickack, 1)] * 3
+    assert recorded.options == expected
