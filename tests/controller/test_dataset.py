@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rollcage.controller import (
@@ -353,6 +353,7 @@ CANARY = "CANARY-7f3e"
     fmt=st.sampled_from(["rollcage", "nemo-gym", "inspect"]),
     line=st.integers(1, 10**6),
 )
+@example(value={"input": "x", "\n": 1}, fmt="inspect", line=1)  # an unknown key named by a newline
 def test_any_row_is_a_clear_error_on_its_line_or_a_task_that_runs(value: Any, fmt: Any, line: int) -> None:
     if isinstance(value, dict):
         value = {**value, "expected_count": CANARY}

@@ -165,7 +165,7 @@ def from_inspect(value: dict[str, Any], line: int, environment: str | None) -> d
     """
     unknown = sorted(set(value) - _INSPECT_KEYS)
     if unknown:
-        raise ConfigError(f"{unknown[0]}: not a field of an Inspect sample")
+        raise ConfigError(f"field {unknown[0]!r}: not a field of an Inspect sample")
     for key in ("files", "setup"):
         if value.get(key):
             raise ConfigError(
