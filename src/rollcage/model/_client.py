@@ -216,7 +216,6 @@ class ModelClient(AsyncClosing):
         self._cookies: dict[str, str] = dict(cookies or {})
         self._transport = transport
         self._state = ClientState.UNOPENED
-        self._http: httpx.AsyncClient | None = None
         self._send: DirectSend | None = None
         self._target: httpx.URL | None = None
         self._interrupted: ModelCall | None = None
@@ -259,7 +258,6 @@ class ModelClient(AsyncClosing):
             headers={"User-Agent": "rollcage"},
         )
         await client.__aenter__()
-        self._http = client
         self._send = DirectSend(client, transport)
         self._state = ClientState.OPENED
         return self
@@ -270,10 +268,10 @@ class ModelClient(AsyncClosing):
         **Cancellation:** the pool is closed even if cancelled while closing (shielded), then
         ``CancelledError`` propagates.
         """
-        http, self._http = self._http, None
+        send, self._send = self._send, None
         self._state = ClientState.CLOSED
-        if http is not None:
-            await shielded(http.aclose())
+        if send is not None:
+            await shielded(send.aclose())
 
     async def call(
         self,
@@ -322,7 +320,7 @@ class ModelClient(AsyncClosing):
         ``interrupted``, its attempts so far) is kept as ``interrupted``. The call
         never takes longer than ``max_call_seconds(endpoint)``.
         """
-        if self._state is not ClientState.OPENED or self._http is None:
+        if self._state is not ClientState.OPENED or self._send is None:
             raise RuntimeError(f"ModelClient is {self._state.value}; use it inside 'async with'")
         endpoint = self._endpoint
         self._interrupted = None
@@ -462,7 +460,7 @@ class ModelClient(AsyncClosing):
             ) from exc
 
     async def _exchange(self, body: bytes) -> _Exchange:
-        assert self._http is not None
+        assert self._send is not None
         endpoint = self._endpoint
         headers = {
             "Content-Type": "application/json",
@@ -472,7 +470,6 @@ class ModelClient(AsyncClosing):
         }
         if self._cookies:
             headers["Cookie"] = "; ".join(f"{name}={value}" for name, value in self._cookies.items())
-        assert self._send is not None
         try:
             self._target = target = self._target or httpx.URL(self._url)
             response = await self._send("POST", target, headers=headers, content=body)

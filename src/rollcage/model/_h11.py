@@ -40,15 +40,13 @@ __all__ = ["H11Transport"]
 _READ_BYTES = 64 * 1024
 _MAX_IDLE = 8
 """Idle connections kept per address by default (a worker has one call in flight; a harness a few)."""
+_TCP_QUICKACK = getattr(socket, "TCP_QUICKACK", 12)
+"""Linux's ``TCP_QUICKACK`` (Python names it on Linux only; 12 is its value there)."""
 
 
 def _timeout(timeouts: dict[str, Any], name: str) -> float | None:
     value = timeouts.get(name)
     return float(value) if value is not None else None
-
-
-_TCP_QUICKACK = getattr(socket, "TCP_QUICKACK", 12)
-"""Linux's ``TCP_QUICKACK`` (Python names it on Linux only; 12 is its value there)."""
 
 
 class _Socket(asyncio.Protocol):

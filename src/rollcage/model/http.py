@@ -63,9 +63,17 @@ class DirectSend:
     """
 
     def __init__(self, client: httpx.AsyncClient, transport: httpx.AsyncBaseTransport) -> None:
+        self._client = client
         self._headers = client.headers
         self._timeouts = client.timeout.as_dict()
         self._send = transport.handle_async_request
+
+    async def aclose(self) -> None:
+        """Close the client, and so its transport.
+
+        **Cancellation:** as the client's ``aclose``.
+        """
+        await self._client.aclose()
 
     async def __call__(
         self,

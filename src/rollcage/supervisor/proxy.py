@@ -686,7 +686,6 @@ class EgressProxy(AsyncClosing):
         )
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
-        self._clients: dict[str, httpx.AsyncClient] = {}
         self._senders: dict[str, DirectSend] = {}
         self._borrowed: list[_Borrowed] = []
         self._handlers: dict[asyncio.Task[None], _Connection] = {}
@@ -744,7 +743,7 @@ class EgressProxy(AsyncClosing):
                 )
                 transport = await pools.acquire(route)
                 self._borrowed.append(transport)
-                client = self._clients[route.prefix] = httpx.AsyncClient(
+                client = httpx.AsyncClient(
                     transport=transport,
                     timeout=timeout,
                     follow_redirects=False,
@@ -807,8 +806,8 @@ class EgressProxy(AsyncClosing):
         self._handlers.clear()
         if self._joined:
             connection_budget().leave()
-        for client in self._clients.values():
-            await client.aclose()
+        for send in self._senders.values():
+            await send.aclose()
         if self._borrowed:
             pools = _upstream_pools()
             for borrowed in self._borrowed:
