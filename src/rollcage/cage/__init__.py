@@ -46,6 +46,7 @@ from rollcage.cage._budget import (
     detect_cgroups,
     kill_cgroup,
     mount_tmpfs,
+    mount_tmpfs_with_copy,
     remove_cgroup,
     unmount,
 )
@@ -77,6 +78,7 @@ from rollcage.cage._enter import (
     setns,
     show_process,
 )
+from rollcage.cage._launch import Launcher, launcher, stop_launcher
 from rollcage.cage._nested import CAGE_ENV, NestedCage
 from rollcage.cage._run import PYTHON, ContainedRun, RunLimits, run_contained
 
@@ -97,6 +99,7 @@ __all__ = [
     "ContainedRun",
     "CopyReport",
     "FileFromFd",
+    "Launcher",
     "Limits",
     "Mount",
     "NestedCage",
@@ -116,7 +119,9 @@ __all__ = [
     "drop_privileges",
     "find_tools",
     "kill_cgroup",
+    "launcher",
     "mount_tmpfs",
+    "mount_tmpfs_with_copy",
     "outermost",
     "prctl",
     "python_paths",
@@ -124,6 +129,7 @@ __all__ = [
     "run_contained",
     "setns",
     "show_process",
+    "stop_launcher",
     "system_mounts",
     "unmount",
     "which",

@@ -76,6 +76,7 @@ __all__ = [
     "detect_cgroups",
     "kill_cgroup",
     "mount_tmpfs",
+    "mount_tmpfs_with_copy",
     "remove_cgroup",
     "unique_name",
     "unmount",
@@ -112,11 +113,67 @@ def mount_tmpfs(
         raise OSError(err, f"cannot mount a tmpfs at {target}: {os.strerror(err)}")
 
 
-_SYS_OPEN_TREE = 428  # the same number on every architecture (added after the tables were unified)
+_SYS_OPEN_TREE = 428  # the same numbers on every architecture (added after the tables were unified)
 _SYS_MOVE_MOUNT = 429
+_SYS_FSOPEN = 430
+_SYS_FSCONFIG = 431
+_SYS_FSMOUNT = 432
 _OPEN_TREE_CLONE = 1
+_AT_EMPTY_PATH = 0x1000
 _AT_RECURSIVE = 0x8000
 _MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_FSCONFIG_SET_STRING = 1
+_FSCONFIG_CMD_CREATE = 6
+_MOUNT_ATTR_NOSUID = 0x2
+_MOUNT_ATTR_NODEV = 0x4
+
+
+def _syscall(number: int, *args: object, what: str) -> int:
+    result = int(_libc().syscall(number, *args))
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+def mount_tmpfs_with_copy(
+    target: Path, *, size: int, inodes: int, uid: int, gid: int, mode: int = 0o700, source: str = "tmpfs"
+) -> int:
+    """:func:`mount_tmpfs`, and a detached copy of the new mount for launches (Linux 5.2+: ``fsmount``).
+
+    The copy is made before the mount is attached, so it belongs to no mount namespace:
+    a launch binds it in a namespace of its own (:mod:`rollcage.cage._launch`) where
+    the host's copy would be refused. The caller owns the descriptor.
+
+    Raises:
+        OSError: The mount, or the way of making it, was refused (then nothing is mounted).
+    """
+    options = {"source": source, "size": size, "nr_inodes": inodes, "mode": f"{mode:o}"}
+    options |= {"uid": uid, "gid": gid}
+    context = _syscall(_SYS_FSOPEN, b"tmpfs", 1, what="fsopen(tmpfs)")  # 1: FSOPEN_CLOEXEC
+    try:
+        for key, value in options.items():
+            _syscall(
+                _SYS_FSCONFIG, context, _FSCONFIG_SET_STRING, key.encode(), str(value).encode(), 0, what=key
+            )
+        _syscall(_SYS_FSCONFIG, context, _FSCONFIG_CMD_CREATE, None, None, 0, what="a tmpfs")
+        mount = _syscall(
+            _SYS_FSMOUNT, context, 1, _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, what="fsmount"
+        )  # 1: FSMOUNT_CLOEXEC
+    finally:
+        os.close(context)
+    try:
+        copy = _syscall(
+            _SYS_OPEN_TREE, mount, b"", _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH, what="a copy"
+        )
+        try:
+            attach_mounts(mount, os.fspath(target))
+        except OSError:
+            os.close(copy)
+            raise
+    finally:
+        os.close(mount)
+    return copy
 
 
 def clone_mounts(path: str) -> int:
@@ -609,9 +666,19 @@ class TmpfsVolume(Volume):
     ) -> None:
         super().__init__(name, max_bytes=max_bytes, max_inodes=max_inodes)
         self.path = path
+        self.launch_copy: int | None = None
+        """A detached copy of the mount, for a launch to bind (:mod:`rollcage.cage._launch`); ``None``:
+        the kernel could not make one, and launches need the host's namespace."""
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         # One inode more than the budget: the root directory takes one.
-        mount_tmpfs(path, size=max_bytes, inodes=max_inodes + 1, uid=owner[0], gid=owner[1], source=source)
+        size, inodes, (uid, gid) = max_bytes, max_inodes + 1, owner
+        try:
+            self.launch_copy = mount_tmpfs_with_copy(
+                path, size=size, inodes=inodes, uid=uid, gid=gid, source=source
+            )
+        except OSError as exc:
+            logger.debug("no detached copy of the tmpfs at %s (%s): mounted the plain way", path, exc)
+            mount_tmpfs(path, size=size, inodes=inodes, uid=uid, gid=gid, source=source)
         self.mounted = True
 
     def usage(self) -> tuple[int, int] | None:
@@ -626,6 +693,12 @@ class TmpfsVolume(Volume):
             with contextlib.suppress(OSError):
                 unmount(self.path)
             self.mounted = False
+
+    def close(self) -> None:
+        """Let go of the launch copy (the mount on the host stays until :meth:`unmount`)."""
+        if self.launch_copy is not None:
+            os.close(self.launch_copy)
+            self.launch_copy = None
 
 
 class ProcRootTmpfs(Volume):

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from rollcage.cage import stop_launcher
 from rollcage.controller._backend import Backend
 from rollcage.controller._config import EmbeddedPolicyConfig, LocalBackendConfig, RunConfig
 from rollcage.controller._dataset import (
@@ -357,6 +358,8 @@ class Controller:
             warm = sys.modules.get("rollcage.supervisor.warm")
             if warm is not None:
                 await shielded(asyncio.to_thread(warm.stop_templates))
+            # So is the thread that started its sandboxes (rollcage.cage's launcher), once they are over.
+            await shielded(asyncio.to_thread(stop_launcher))
             if lock_fd is not None:
                 os.close(lock_fd)
         return self.summary()

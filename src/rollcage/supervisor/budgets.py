@@ -264,6 +264,20 @@ class RolloutBudgets:
                     os.close(fd)
                 logger.warning("rollout %s: a root the warm start sent back is not its tmpfs", self.name)
 
+    def launch_binds(self) -> list[tuple[int, str]] | None:
+        """What a launch from a base namespace (:func:`~rollcage.cage.launcher`) must bind there.
+
+        ``(detached copy, host path)`` of each tmpfs mounted on the host; ``None`` when one
+        has no copy (the launch then needs the host's own namespace).
+        """
+        binds = []
+        for volume in self.volumes:
+            if isinstance(volume, TmpfsVolume):
+                if volume.launch_copy is None:
+                    return None
+                binds.append((volume.launch_copy, str(volume.path)))
+        return binds
+
     def enter_prefix(self) -> list[str]:
         """The argv prefix that puts the sandbox into its cgroups (``[]`` without any)."""
         return self.cgroups.enter_prefix()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -43,6 +44,7 @@ from typing import Literal, NamedTuple
 import orjson
 from pydantic import ValidationError
 
+from rollcage.cage import launcher
 from rollcage.durable import fsync_directory, publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
 from rollcage.harness import GRACE_ENV, RELAY_FD_ENV, CaptureJournal
@@ -95,6 +97,8 @@ logger = logging.getLogger("rollcage.supervisor")
 _Cause = Literal["deadline", "stop", "budget"]
 _MAX_RESULT_BYTES = 1 << 30
 _LOG_TAIL_BYTES = 4096
+_LAUNCH_TIMEOUT_S = 60.0
+"""How long a launch may wait for the launcher thread (milliseconds when all is well)."""
 
 
 def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
@@ -130,6 +134,12 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
     with contextlib.suppress(OSError):
         layout.token.unlink()
     return killed
+
+
+def _discard(child: ChildProcess) -> None:
+    """A process started after its launch was given up: killed with its group."""
+    child.signal_group(signal.SIGKILL)
+    child.release()
 
 
 def default_worker_command(bytecode: str | None = None) -> list[str]:
@@ -651,15 +661,21 @@ class _Supervision:
                 self.warm = warm = WarmStart()
             # A warm start's holder reads the worker's exit status on stdin and announces itself on
             # stdout; bwrap's own words go to the log either way.
-            self.child = ChildProcess.spawn(
+            log_fd = self.log_fd
+            spawn = functools.partial(
+                ChildProcess.spawn,
                 plan.argv,
                 env=plan.env,
                 cwd=plan.cwd,
                 stdin=None if warm is None else warm.holder_stdin,
-                stdout=self.log_fd if warm is None else warm.holder_stdout,
-                stderr=self.log_fd,
+                stdout=log_fd if warm is None else warm.holder_stdout,
+                stderr=log_fd,
                 pass_fds=pass_fds,
             )
+            # bubblewrap from a mount namespace without the other rollouts' mounts (rollcage.cage's
+            # launcher): its launch then costs the same however many rollouts are in flight.
+            binds = self.budgets.launch_binds() if plan.sandbox == "bwrap" and self.budgets else None
+            self.child = launcher().run(spawn, binds, timeout_s=_LAUNCH_TIMEOUT_S, late=_discard)
             if warm is not None:
                 warm.spawned()
         except OSError as exc:
