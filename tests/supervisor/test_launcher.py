@@ -102,8 +102,10 @@ def _points(mountinfo: str) -> set[str]:
 def test_a_launch_sees_its_own_mount_and_none_of_the_other_rollouts(
     tmp_path: Path, mounts: Mounter, make_launcher: Callable[[], Launcher]
 ) -> None:
-    other, mine = tmp_path / "other", tmp_path / "mine"
-    mounts(other, f"rollcage-{owner_tag()}")  # another rollout's workspace, in flight
+    # Other rollouts' workspaces in flight (mountinfo escapes the odd characters of one's path).
+    other, odd, mine = tmp_path / "other", tmp_path / "odd \\ path\tx", tmp_path / "mine"
+    mounts(other, f"rollcage-{owner_tag()}")
+    mounts(odd, f"rollcage-{owner_tag()}")
     copy = mounts(mine, "rollcage-1.3")
     assert copy is not None
     (mine / "hello").write_text("from the host")
@@ -113,12 +115,14 @@ def test_a_launch_sees_its_own_mount_and_none_of_the_other_rollouts(
     assert launcher.plain_reason is None, launcher.plain_reason
     seen = _points(out)
     assert str(mine) in seen and str(other) not in seen
+    escaped = str(tmp_path / "odd\\040\\134\\040path\\011x")
+    assert escaped not in seen, seen
     assert out.endswith("from the host")
     # The same file system as the host's mount: what the launch writes is on the host.
     assert (mine / "back").read_text() == "back\n"
     # And the host's own table is as it was.
     with open("/proc/self/mountinfo", encoding="utf-8") as file:
-        assert {str(other), str(mine)} <= _points(file.read())
+        assert {str(other), escaped, str(mine)} <= _points(file.read())
 
 
 def test_the_host_s_later_mounts_reach_later_launches(

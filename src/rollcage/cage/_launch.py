@@ -23,9 +23,10 @@ own tmpfs) is seen by the next launch, since the launcher polls the host's
 mount table (``POLLPRI`` on ``mountinfo`` says it changed) and makes the base
 again when it differs.
 
-Where any of it is refused (not root; a kernel that does not let a detached copy
-be bound, as before Linux 6.15; no ``fsmount``), a launch happens in the caller's
-own thread and namespace, as it always did, and the reason is logged once.
+Where any of it is refused (not root; no ``fsmount``, before Linux 5.2; a kernel
+that does not let a detached copy be bound, as older ones do not), a launch
+happens in the caller's own thread and namespace, as it always did, and the
+reason is logged once.
 """
 
 from __future__ import annotations
