@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -251,3 +252,35 @@ def test_a_closed_launcher_leaves_no_thread_or_descriptor_and_starts_the_plain_w
     assert not thread.is_alive()
     assert set(os.listdir("/proc/self/fd")) <= before
     assert _launch(launcher, "echo started", []) == "started\n"
+
+
+def test_a_released_launcher_holds_nothing_and_what_it_started_keeps_its_parent(
+    make_launcher: Callable[[], Launcher],
+) -> None:
+    before = set(os.listdir("/proc/self/fd"))
+    launcher = make_launcher()
+    # A child that dies with the thread that started it (as bubblewrap's --die-with-parent asks), echoing.
+    echo = (
+        "import ctypes, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+        "for line in sys.stdin: print(line.strip(), flush=True)"
+    )
+
+    def start() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    child = launcher.run(start, [], timeout_s=60, late=lambda late: late.kill())
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        launcher.release()
+        pipes = {str(child.stdin.fileno()), str(child.stdout.fileno())}
+        assert set(os.listdir("/proc/self/fd")) - pipes <= before, "the launcher kept a descriptor"
+        # The next launch makes the base again; the thread that started the child is still there.
+        assert _launch(launcher, "echo again", []) == "again\n" and launcher.plain_reason is None
+        child.stdin.write("still here\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "still here\n"
+    finally:
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0

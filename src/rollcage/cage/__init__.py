@@ -78,7 +78,7 @@ from rollcage.cage._enter import (
     setns,
     show_process,
 )
-from rollcage.cage._launch import Launcher, launcher, stop_launcher
+from rollcage.cage._launch import Launcher, launcher, release_launcher
 from rollcage.cage._nested import CAGE_ENV, NestedCage
 from rollcage.cage._run import PYTHON, ContainedRun, RunLimits, run_contained
 
@@ -125,11 +125,11 @@ __all__ = [
     "outermost",
     "prctl",
     "python_paths",
+    "release_launcher",
     "remove_cgroup",
     "run_contained",
     "setns",
     "show_process",
-    "stop_launcher",
     "system_mounts",
     "unmount",
     "which",

@@ -43,7 +43,7 @@ from typing import TypeVar
 
 from rollcage.cage._enter import CLONE_NEWNS, setns
 
-__all__ = ["Launcher", "launcher", "stop_launcher"]
+__all__ = ["Launcher", "launcher", "release_launcher"]
 
 logger = logging.getLogger("rollcage.cage")
 
@@ -92,7 +92,8 @@ def bind_copy(copy: int, path: str) -> None:
     _check(_libc.mount(source, os.fsencode(path), None, _MS_BIND, None), f"bind at {path}")
 
 
-_Job = tuple[Callable[[], object], Sequence[tuple[int, str]], "concurrent.futures.Future[object]"]
+_Job = tuple["Callable[[], object] | None", Sequence[tuple[int, str]], "concurrent.futures.Future[object]"]
+"""(what starts the process, or ``None`` to let go of the namespaces; its binds; its answer)."""
 
 
 class _Plain:
@@ -105,7 +106,9 @@ _PLAIN = _Plain()
 class Launcher:
     """The process's launcher thread and its base namespace (see the module's docstring).
 
-    Made by :func:`launcher`; :meth:`run` is safe from any thread.
+    Made by :func:`launcher`; :meth:`run` and :meth:`release` are safe from any thread. The
+    thread never ends before the process (only :meth:`close` ends it): bubblewrap's
+    ``--die-with-parent`` watches the thread that started it, not the process.
     """
 
     def __init__(self) -> None:
@@ -114,39 +117,40 @@ class Launcher:
         """Why launches go the plain way (``None`` while they need not)."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._base: int | None = None
-        self._seen: tuple[str, ...] | None = None
+        # The thread's alone, made at its first launch and let go by release(): the host's mount
+        # namespace and table (through /proc/self: the main thread's, which never changes namespace)
+        # and the base.
         self._host_ns: int | None = None
         self._host_table: int | None = None
+        self._base: int | None = None
+        self._seen: tuple[str, ...] | None = None
         if os.geteuid() != 0:
             self.plain_reason = "not root: only root makes mount namespaces for its launches"
             return
-        try:
-            # Opened here, in the caller's thread: the host's namespace and its table, for good.
-            self._host_ns = os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-            self._host_table = os.open("/proc/thread-self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            self._give_up(f"cannot open the host's mount namespace: {exc}")
-            return
-        # It must outlive what it starts: bubblewrap's --die-with-parent watches the thread that started it.
         self._thread = threading.Thread(target=self._serve, name="cage-launcher", daemon=True)
         self._thread.start()
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Stop the thread and let go of the namespaces (blocking; idempotent).
+    def release(self, timeout_s: float = 60.0) -> None:
+        """Let go of every descriptor and namespace the launcher holds (blocking).
 
-        Only once nothing it started runs any more: their parent-death signal comes
-        with the thread's end.
+        The thread stays, parked, so what it started keeps its parent; the next launch
+        makes them again. For a caller that goes on once its rollouts are over.
+        """
+        if self._thread is not None:
+            future: concurrent.futures.Future[object] = concurrent.futures.Future()
+            self._jobs.put((None, (), future))
+            future.result(timeout=timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """:meth:`release`, and end the thread: only once nothing it started runs any more (blocking).
+
+        What it started and still runs gets its parent-death signal, if it asked for one.
         """
         self.plain_reason = self.plain_reason or "closed"
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout_s)
             self._thread = None
-        for fd in (self._host_ns, self._host_table):
-            if fd is not None:
-                os.close(fd)
-        self._host_ns = self._host_table = None
 
     def run(
         self,
@@ -203,6 +207,10 @@ class Launcher:
             start, binds, future = job
             if not future.set_running_or_notify_cancel():
                 continue
+            if start is None:
+                self._let_go()
+                future.set_result(None)
+                continue
             if self.plain_reason is not None:
                 future.set_result(_PLAIN)
                 continue
@@ -219,12 +227,26 @@ class Launcher:
                 future.set_exception(exc)
             finally:
                 self._leave()
-        if self._base is not None:
-            os.close(self._base)
-            self._base = None
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if self._host_ns is not None:
+            # Into the host's namespace: the base then goes with its descriptor.
+            try:
+                setns(self._host_ns, CLONE_NEWNS)
+            except OSError as exc:
+                self._give_up(f"cannot go back to the host's namespace: {exc}")
+        for fd in (self._base, self._host_ns, self._host_table):
+            if fd is not None:
+                os.close(fd)
+        self._base = self._host_ns = self._host_table = None
+        self._seen = None
 
     def _enter(self, binds: Sequence[tuple[int, str]]) -> None:
         """Into a new namespace made from a base that is up to date, with ``binds`` bound."""
+        if self._host_ns is None:
+            self._host_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            self._host_table = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
         if self._base is None or self._host_changed():
             self._make_base()
         assert self._base is not None
@@ -289,17 +311,14 @@ def launcher() -> Launcher:
         return _launcher
 
 
-def stop_launcher() -> None:
-    """Stop this process's launcher (blocking; a later launch makes one again).
+def release_launcher() -> None:
+    """Let this process's launcher go of its descriptors and namespaces (:meth:`Launcher.release`).
 
     For a caller that goes on once its rollouts are over (a controller whose run has
-    ended), so that no thread or descriptor of the run is left behind.
+    ended): nothing of the run is held; another run's launches, even in flight, are
+    not disturbed (the next one makes them again).
     """
-    global _launcher
     with _launcher_lock:
-        mine, _launcher = (
-            (_launcher if _launcher is not None and _launcher.pid == os.getpid() else None),
-            None,
-        )
+        mine = _launcher if _launcher is not None and _launcher.pid == os.getpid() else None
     if mine is not None:
-        mine.close()
+        mine.release()

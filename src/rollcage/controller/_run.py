@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from rollcage.cage import stop_launcher
+from rollcage.cage import release_launcher
 from rollcage.controller._backend import Backend
 from rollcage.controller._config import EmbeddedPolicyConfig, LocalBackendConfig, RunConfig
 from rollcage.controller._dataset import (
@@ -358,8 +358,9 @@ class Controller:
             warm = sys.modules.get("rollcage.supervisor.warm")
             if warm is not None:
                 await shielded(asyncio.to_thread(warm.stop_templates))
-            # So is the thread that started its sandboxes (rollcage.cage's launcher), once they are over.
-            await shielded(asyncio.to_thread(stop_launcher))
+            # So are the namespaces its sandboxes were started from (rollcage.cage's launcher; the thread
+            # stays, parked, for any other run of this process).
+            await shielded(asyncio.to_thread(release_launcher))
             if lock_fd is not None:
                 os.close(lock_fd)
         return self.summary()
