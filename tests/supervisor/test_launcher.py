@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from rollcage.cage import Launcher, mount_tmpfs, mount_tmpfs_with_copy, unmount
+from rollcage.cage import PYTHON, Launcher, mount_tmpfs, mount_tmpfs_with_copy, run_contained, unmount
 from rollcage.cage import _launch as launch_module
 from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
@@ -222,6 +222,11 @@ async def test_a_rollout_s_bubblewrap_starts_without_the_other_rollouts_mounts(
 
 def _outer_bwrap_mounts(root: Path) -> set[str] | None:
     """The mount points seen by this process's child running bubblewrap for the rollout at ``root``."""
+    return _bwrap_child_mounts(str(root).encode())
+
+
+def _bwrap_child_mounts(word: bytes) -> set[str] | None:
+    """The mount points seen by this process's child running bubblewrap with ``word`` in its arguments."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -232,14 +237,29 @@ def _outer_bwrap_mounts(root: Path) -> set[str] | None:
                 words = file.read().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue
-        if (
-            ppid == os.getpid()
-            and words[0].endswith(b"bwrap")
-            and any(str(root).encode() in w for w in words)
-        ):
+        ours = any(word in each for each in words)
+        if ppid == os.getpid() and words[0].endswith(b"bwrap") and ours:
             with contextlib.suppress(OSError):
                 return _points(Path(f"/proc/{name}/mountinfo").read_text())
     return None
+
+
+@requires_bwrap()
+@pytest.mark.bwrap
+async def test_a_graders_cage_starts_without_the_rollouts_mounts(tmp_path: Path, mounts: Mounter) -> None:
+    other = tmp_path / "other"
+    mounts(other, f"rollcage-{owner_tag()}")
+    grading = asyncio.ensure_future(
+        run_contained([PYTHON, "-I", "-S", "-c", "import time; time.sleep(600)"], timeout_s=600)
+    )
+    try:
+        seen = await wait_for_async(lambda: _bwrap_child_mounts(b"rollcage-cage"), what="the grader's cage")
+    finally:
+        grading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await grading
+    assert str(other) not in seen, "the grader's cage was started with a rollout's workspace mount"
+    assert _bwrap_child_mounts(b"rollcage-cage") is None, "the cancelled grader's cage is still there"
 
 
 def test_a_closed_launcher_leaves_no_thread_or_descriptor_and_starts_the_plain_way(tmp_path: Path) -> None:

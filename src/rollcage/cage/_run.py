@@ -37,6 +37,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from rollcage.cage._budget import CgroupSet, unique_name
 from rollcage.cage._bwrap import (
@@ -53,8 +54,9 @@ from rollcage.cage._bwrap import (
     system_mounts,
     which,
 )
+from rollcage.cage._launch import launcher
 from rollcage.errors import SandboxError
-from rollcage.procs import GroupTree, StopStrategy, shielded, stop_tree, wait_shared
+from rollcage.procs import ChildProcess, GroupTree, StopStrategy, shielded, stop_tree, wait_shared
 
 __all__ = ["GRADER_SYSTEM_PATHS", "PYTHON", "ContainedRun", "RunLimits", "run_contained"]
 
@@ -285,25 +287,48 @@ async def _communicate(
     cwd: str,
     pass_fds: Sequence[int] = (),
     cgroups: CgroupSet | None = None,
+    caged: bool = False,
 ) -> _Finished:
-    """Run ``command`` in a new session: feed ``stdin``, keep bounded output, kill everything at the end."""
-    proc = await asyncio.create_subprocess_exec(
-        *command,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        pass_fds=pass_fds,
-        env=dict(env),
-        cwd=cwd,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    timed_out = False
-    exited = asyncio.ensure_future(proc.wait())
+    """Run ``command`` in a new session: feed ``stdin``, keep bounded output, kill everything at the end.
+
+    ``caged``: the command is a cage's bubblewrap, started by :func:`~rollcage.cage.launcher` from a
+    mount namespace without the rollouts' mounts (its launch then costs the same at any load).
+    """
+    # Our ends of the child's standard streams, and the child's (closed here once it has them).
+    stdin_read, stdin_write = os.pipe()
+    stdout_read, stdout_write = os.pipe()
+    stderr_read, stderr_write = os.pipe()
+    ours = [os.fdopen(fd, mode, buffering=0) for fd, mode in ((stdin_write, "wb"), (stdout_read, "rb"))]
+    ours.append(os.fdopen(stderr_read, "rb", buffering=0))
     try:
+        spawn = functools.partial(
+            ChildProcess.spawn,
+            command,
+            env=env,
+            cwd=cwd,
+            stdin=stdin_read,
+            stdout=stdout_write,
+            stderr=stderr_write,
+            pass_fds=pass_fds,
+        )
+        child = launcher().run(
+            spawn, [] if caged else None, timeout_s=_LAUNCH_TIMEOUT_S, late=ChildProcess.abandon
+        )
+    except BaseException:
+        for pipe in ours:
+            pipe.close()
+        raise
+    finally:
+        for fd in (stdin_read, stdout_write, stderr_write):
+            os.close(fd)
+    timed_out = False
+    exited = asyncio.ensure_future(child.wait())
+    transports: list[asyncio.BaseTransport] = []
+    try:
+        stdin_writer, stdout, stderr = await _streams(ours, transports)
         async with asyncio.timeout(timeout_s):
             await asyncio.gather(
-                _feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), wait_shared(exited)
+                _feed(stdin_writer, stdin), out.drain(stdout), err.drain(stderr), wait_shared(exited)
             )
     except TimeoutError:
         timed_out = True
@@ -312,9 +337,39 @@ async def _communicate(
         # the whole namespace along; the cgroup catches anything that got out of the group.
         also_kill = None if cgroups is None else functools.partial(asyncio.to_thread, cgroups.kill)
         # Shielded: whatever happened, the whole cage dies and is reaped.
-        await stop_tree(GroupTree(proc.pid, exited, also_kill=also_kill), _KILL_AT_ONCE)
+        await stop_tree(GroupTree(child.pid, exited, also_kill=also_kill), _KILL_AT_ONCE)
         exited.cancel()
-    return _Finished(proc.returncode, out, err, timed_out)
+        status = child.release()
+        for transport in transports:
+            transport.close()
+        for pipe in ours:
+            pipe.close()  # one no transport took (a transport's is closed already)
+    returncode = None if status is None else status.code if status.signal is None else -status.signal
+    return _Finished(returncode, out, err, timed_out)
+
+
+_LAUNCH_TIMEOUT_S = 60.0
+"""How long a start may wait for the launcher thread (milliseconds when all is well)."""
+
+
+async def _streams(
+    ours: list[IO[bytes]], transports: list[asyncio.BaseTransport]
+) -> tuple[asyncio.StreamWriter, asyncio.StreamReader, asyncio.StreamReader]:
+    """Our ends of the child's stdin, stdout and stderr as asyncio's streams.
+
+    Their transports (which then own the pipes) are added to ``transports``.
+    """
+    loop = asyncio.get_running_loop()
+    readers = []
+    for pipe in ours[1:]:
+        reader = asyncio.StreamReader()
+        protocol = functools.partial(asyncio.StreamReaderProtocol, reader)
+        reading, _ = await loop.connect_read_pipe(protocol, pipe)
+        transports.append(reading)
+        readers.append(reader)
+    writing, flow = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, ours[0])
+    transports.append(writing)
+    return asyncio.StreamWriter(writing, flow, None, loop), readers[0], readers[1]
 
 
 async def _supervise(
@@ -336,6 +391,7 @@ async def _supervise(
         cwd="/",
         pass_fds=fds,
         cgroups=cgroups,
+        caged=True,
     )
     out, err = done.out, done.err
     started = out.kept.startswith(marker)

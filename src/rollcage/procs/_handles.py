@@ -513,6 +513,11 @@ class ChildProcess:
             return False
         return signal_group(self.pid, sig)
 
+    def abandon(self) -> None:
+        """SIGKILL the child's group and let go of it (for one started after its caller gave up)."""
+        self.signal_group(signal.SIGKILL)
+        self.release()
+
     def release(self) -> ExitStatus | None:
         """Reap the child (if it exited) and close the pidfd; after this the PID is no longer ours."""
         status = self.poll()

@@ -136,12 +136,6 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
     return killed
 
 
-def _discard(child: ChildProcess) -> None:
-    """A process started after its launch was given up: killed with its group."""
-    child.signal_group(signal.SIGKILL)
-    child.release()
-
-
 def default_worker_command(bytecode: str | None = None) -> list[str]:
     """The real worker, run by this interpreter in isolated mode (``-I``: cwd and PYTHON* ignored).
 
@@ -675,7 +669,7 @@ class _Supervision:
             # bubblewrap from a mount namespace without the other rollouts' mounts (rollcage.cage's
             # launcher): its launch then costs the same however many rollouts are in flight.
             binds = self.budgets.launch_binds() if plan.sandbox == "bwrap" and self.budgets else None
-            self.child = launcher().run(spawn, binds, timeout_s=_LAUNCH_TIMEOUT_S, late=_discard)
+            self.child = launcher().run(spawn, binds, timeout_s=_LAUNCH_TIMEOUT_S, late=ChildProcess.abandon)
             if warm is not None:
                 warm.spawned()
         except OSError as exc:
