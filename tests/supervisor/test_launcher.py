@@ -139,14 +139,19 @@ def test_the_host_s_later_mounts_reach_later_launches(
     assert launcher.plain_reason is None, launcher.plain_reason
 
 
+@pytest.mark.parametrize(
+    "refusal",
+    [OSError(errno.EINVAL, "bind: Invalid argument"), RuntimeError("anything else: Invalid argument")],
+)
 def test_a_kernel_that_refuses_the_bind_sends_launches_the_plain_way(
     tmp_path: Path,
     mounts: Mounter,
     make_launcher: Callable[[], Launcher],
     monkeypatch: pytest.MonkeyPatch,
+    refusal: Exception,
 ) -> None:
     def refused(copy: int, path: str) -> None:
-        raise OSError(errno.EINVAL, "bind at {path}: Invalid argument")
+        raise refusal
 
     monkeypatch.setattr(launch_module, "bind_copy", refused)
     other, mine = tmp_path / "other", tmp_path / "mine"
@@ -304,3 +309,16 @@ def test_a_released_launcher_holds_nothing_and_what_it_started_keeps_its_parent(
     finally:
         child.stdin.close()
         assert child.wait(timeout=60) == 0
+
+
+def test_what_goes_wrong_in_a_start_is_the_caller_s_and_the_launcher_goes_on(
+    make_launcher: Callable[[], Launcher],
+) -> None:
+    launcher = make_launcher()
+
+    def broken() -> subprocess.Popen[str]:
+        raise ValueError("not a program")
+
+    with pytest.raises(ValueError, match="not a program"):
+        launcher.run(broken, [], timeout_s=60, late=lambda late: late.kill())
+    assert _launch(launcher, "echo on", []) == "on\n" and launcher.plain_reason is None

@@ -32,6 +32,7 @@ reason is logged once.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import os
@@ -203,42 +204,43 @@ class Launcher:
             _check(_libc.unshare(_CLONE_FS), "unshare(CLONE_FS)")
         except OSError as exc:
             self._give_up(str(exc))
+        # Nothing may end this loop but close(): the thread's end would kill what it started.
         while (job := self._jobs.get()) is not None:
             start, binds, future = job
             if not future.set_running_or_notify_cancel():
                 continue
-            if start is None:
-                self._let_go()
-                future.set_result(None)
-                continue
-            if self.plain_reason is not None:
-                future.set_result(_PLAIN)
-                continue
             try:
-                self._enter(binds)
-            except OSError as exc:
-                self._give_up(f"a launch's namespace could not be made: {exc}")
-                self._leave()
-                future.set_result(_PLAIN)
-                continue
-            try:
-                future.set_result(start())
+                future.set_result(self._do(start, binds))
             except BaseException as exc:
                 future.set_exception(exc)
-            finally:
-                self._leave()
-        self._let_go()
+        with contextlib.suppress(Exception):
+            self._let_go()
+
+    def _do(self, start: Callable[[], object] | None, binds: Sequence[tuple[int, str]]) -> object:
+        """One job of the thread's: a release (``start`` is ``None``) or a launch."""
+        if start is None:
+            self._let_go()
+            return None
+        if self.plain_reason is not None:
+            return _PLAIN
+        try:
+            self._enter(binds)
+        except Exception as exc:
+            self._give_up(f"a launch's namespace could not be made: {exc}")
+            self._leave()
+            return _PLAIN
+        try:
+            return start()
+        finally:
+            self._leave()
 
     def _let_go(self) -> None:
-        if self._host_ns is not None:
-            # Into the host's namespace: the base then goes with its descriptor.
-            try:
-                setns(self._host_ns, CLONE_NEWNS)
-            except OSError as exc:
-                self._give_up(f"cannot go back to the host's namespace: {exc}")
+        # Into the host's namespace: the base then goes with its descriptor.
+        self._back_to(self._host_ns, "the host's namespace")
         for fd in (self._base, self._host_ns, self._host_table):
             if fd is not None:
-                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self._base = self._host_ns = self._host_table = None
         self._seen = None
 
@@ -257,11 +259,14 @@ class Launcher:
 
     def _leave(self) -> None:
         # Back to the base: the launch's namespace is then held by what was started alone.
-        if self._base is not None:
+        self._back_to(self._base, "the base namespace")
+
+    def _back_to(self, namespace: int | None, name: str) -> None:
+        if namespace is not None:
             try:
-                setns(self._base, CLONE_NEWNS)
+                setns(namespace, CLONE_NEWNS)
             except OSError as exc:
-                self._give_up(f"cannot go back to the base namespace: {exc}")
+                self._give_up(f"cannot go back to {name}: {exc}")
 
     def _host_changed(self) -> bool:
         assert self._host_table is not None
