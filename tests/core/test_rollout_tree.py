@@ -10,6 +10,14 @@ from rollcage.supervisor.config import TOKEN_ENV
 from tests.helpers.waiting import wait_for
 
 
+def _comm(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8") as file:
+            return file.read().strip()
+    except OSError:
+        return None
+
+
 def test_tree_of_is_the_full_scans_tree_with_its_reparented_orphans() -> None:
     ensure_subreaper()
     token = "tok-" + os.urandom(6).hex()
@@ -26,9 +34,13 @@ def test_tree_of_is_the_full_scans_tree_with_its_reparented_orphans() -> None:
     try:
 
         def settled() -> list[int] | None:
+            # Settled once both others are the sleeps themselves: before that, the subshell and setsid
+            # come and go (a tree caught then is gone by the next scan).
             tree = descendants(scan_processes(), [child.pid], marked=f"{TOKEN_ENV}={token}")
             orphans = [info.pid for info in tree if info.ppid == os.getpid() and info.pid != child.pid]
-            return [info.pid for info in tree] if len(tree) == 3 and orphans else None
+            others = [info for info in tree if info.pid != child.pid]
+            sleeping = all(info.alive and _comm(info.pid) == "sleep" for info in others)
+            return [info.pid for info in tree] if len(tree) == 3 and orphans and sleeping else None
 
         expected = wait_for(settled, timeout=60, what="the child, its child and the reparented daemon")
         found = [info.pid for info in tree_of([child.pid], marked=f"{TOKEN_ENV}={token}")]
