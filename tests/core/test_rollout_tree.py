@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
-from rollcage.procs import ChildProcess, descendants, ensure_subreaper, read_proc, scan_processes, tree_of
+import pytest
+
+from rollcage.procs import (
+    ChildProcess,
+    PidfdChild,
+    descendants,
+    ensure_subreaper,
+    read_proc,
+    scan_processes,
+    tree_of,
+)
+from rollcage.procs import _table as procs_table
 from rollcage.supervisor.config import TOKEN_ENV
 from tests.helpers.waiting import wait_for
 
@@ -61,3 +73,29 @@ def test_tree_of_is_the_full_scans_tree_with_its_reparented_orphans() -> None:
         child.signal_group(signal.SIGKILL)
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
         child.release()
+
+
+def test_a_child_held_by_its_pidfd_is_no_orphan_to_look_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A warm worker is this process's child (the template forks it so) and is held by its pidfd: whose
+    # it is is known, so no rollout's walk reads its environment (at C=64, every walk read 63 of them).
+    read: list[int] = []
+    real = procs_table.environ_has
+
+    def counting(pid: int, marked: str) -> bool:
+        read.append(pid)
+        return real(pid, marked)
+
+    monkeypatch.setattr(procs_table, "environ_has", counting)
+    stranger = subprocess.Popen(["sleep", "60"])
+    held = PidfdChild.of_child(stranger.pid)
+    assert held is not None
+    try:
+        tree_of([], marked=f"{TOKEN_ENV}=another")
+        assert stranger.pid not in read
+        held.kill()
+        wait_for(lambda: held.reap() is not None or held.reaped, what="the held child to be reaped")
+        assert stranger.pid not in procs_table.started_children
+    finally:
+        held.kill()
+        held.reap()
+        stranger.returncode = -signal.SIGKILL  # reaped through the pidfd, not by Popen

@@ -69,6 +69,8 @@ class PidfdChild:
         self.pid = pid
         """Its PID, for a :class:`ProcInfo` or a message."""
         self._fd: int | None = pidfd
+        # Known whose it is: never an orphan to look for by token (tree_of reads no environ of it).
+        started_children.add(pid)
 
     @classmethod
     def of_child(cls, pid: int) -> PidfdChild | None:
@@ -117,6 +119,7 @@ class PidfdChild:
             info = None  # not ours to reap any more (a waitpid(-1) elsewhere took it)
         os.close(self._fd)
         self._fd = None
+        started_children.discard(self.pid)
         if info is None:
             return None
         return info.si_status if info.si_code == os.CLD_EXITED else 128 + info.si_status

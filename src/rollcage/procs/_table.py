@@ -41,7 +41,9 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-# Children this process started itself (ChildProcess.spawn) and has not released: never orphans.
+# Children this process started itself (ChildProcess.spawn) or holds by the pidfd of their fork (a warm
+# worker, PidfdChild) and has not released: never orphans, so tree_of reads no environ of theirs (with
+# 64 rollouts in flight, every rollout's walk read every other rollout's worker's).
 started_children: set[int] = set()
 _executor_lock = threading.Lock()
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
