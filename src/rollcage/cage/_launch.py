@@ -16,7 +16,8 @@ there the launch's own mounts, at the same paths as on the host, from detached
 copies of them (:attr:`TmpfsVolume.launch_copy`: the same file systems), starts
 the process, and goes back to the base. Nothing on the host changes, and nothing
 about the command line: the cage sees what it would have seen, less the mounts of
-rollouts that are not its own.
+rollouts that are not its own. The supervisor starts every rollout's sandbox this
+way, and :func:`~rollcage.cage.run_contained` every grader's cage.
 
 The base follows the host: a mount made or removed there (other than rollcage's
 own tmpfs) is seen by the next launch, since the launcher polls the host's
