@@ -31,7 +31,7 @@ from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
 from rollcage.supervisor.budgets import owner_tag
 from tests.helpers.supervisor_env import requires_bwrap
-from tests.helpers.waiting import wait_for_async
+from tests.helpers.waiting import wait_for, wait_for_async
 from tests.helpers.worker_env import worker_input
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="only root mounts on the host and makes namespaces")
@@ -322,3 +322,15 @@ def test_what_goes_wrong_in_a_start_is_the_caller_s_and_the_launcher_goes_on(
     with pytest.raises(ValueError, match="not a program"):
         launcher.run(broken, [], timeout_s=60, late=lambda late: late.kill())
     assert _launch(launcher, "echo on", []) == "on\n" and launcher.plain_reason is None
+
+
+def test_an_idle_launcher_lets_go_of_its_namespaces_by_itself() -> None:
+    # Its copy of the host's mounts would keep busy a file system the host has unmounted since.
+    before = set(os.listdir("/proc/self/fd"))
+    launcher = Launcher(idle_s=0.05)
+    try:
+        _launch(launcher, "true", [])
+        wait_for(lambda: set(os.listdir("/proc/self/fd")) <= before, what="the idle launcher to let go")
+        assert _launch(launcher, "echo again", []) == "again\n" and launcher.plain_reason is None
+    finally:
+        launcher.close()

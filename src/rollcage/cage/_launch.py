@@ -45,7 +45,7 @@ from typing import TypeVar
 
 from rollcage.cage._enter import CLONE_NEWNS, setns
 
-__all__ = ["Launcher", "launcher", "release_launcher"]
+__all__ = ["IDLE_S", "Launcher", "launcher", "release_launcher"]
 
 logger = logging.getLogger("rollcage.cage")
 
@@ -56,6 +56,9 @@ _MS_BIND = 0x1000
 _MS_REC = 0x4000
 _MS_PRIVATE = 1 << 18
 _MNT_DETACH = 2
+IDLE_S = 10.0
+"""How long the launcher keeps its namespaces without a launch: a private copy of the host's mounts
+holds their file systems (an unmounted disk stays busy), so an idle one lets go of them."""
 _OURS = "rollcage-"
 """The source of every tmpfs rollcage mounts on the host (``rollcage-PID.START``)."""
 
@@ -113,8 +116,9 @@ class Launcher:
     ``--die-with-parent`` watches the thread that started it, not the process.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, idle_s: float = IDLE_S) -> None:
         self.pid = os.getpid()
+        self._idle_s = idle_s
         self.plain_reason: str | None = None
         """Why launches go the plain way (``None`` while they need not)."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -206,7 +210,15 @@ class Launcher:
         except OSError as exc:
             self._give_up(str(exc))
         # Nothing may end this loop but close(): the thread's end would kill what it started.
-        while (job := self._jobs.get()) is not None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._idle_s if self._host_ns is not None else None)
+            except queue.Empty:
+                with contextlib.suppress(Exception):
+                    self._let_go()
+                continue
+            if job is None:
+                break
             start, binds, future = job
             if not future.set_running_or_notify_cancel():
                 continue
