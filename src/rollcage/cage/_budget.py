@@ -163,9 +163,7 @@ def mount_tmpfs_with_copy(
     finally:
         os.close(context)
     try:
-        copy = _syscall(
-            _SYS_OPEN_TREE, mount, b"", _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_EMPTY_PATH, what="a copy"
-        )
+        copy = clone_mounts(mount)
         try:
             attach_mounts(mount, os.fspath(target))
         except OSError:
@@ -176,20 +174,17 @@ def mount_tmpfs_with_copy(
     return copy
 
 
-def clone_mounts(path: str) -> int:
-    """A detached copy of the mount tree at ``path``, flags and all (``open_tree``; Linux 5.2+).
+def clone_mounts(tree: str | int) -> int:
+    """A detached copy of the mount tree at a path, or of a mount's descriptor, flags and all.
+
+    (``open_tree``; Linux 5.2+.)
 
     Raises:
         OSError: The copy was refused.
     """
-    libc = _libc()
-    fd = libc.syscall(
-        _SYS_OPEN_TREE, -100, os.fsencode(path), _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE
-    )
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"cannot copy the mounts at {path}: {os.strerror(err)}")
-    return int(fd)
+    at, path, empty = (-100, os.fsencode(tree), 0) if isinstance(tree, str) else (tree, b"", _AT_EMPTY_PATH)
+    flags = _OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE | empty
+    return _syscall(_SYS_OPEN_TREE, at, path, flags, what=f"cannot copy the mounts at {tree}")
 
 
 def attach_mounts(tree: int, path: str) -> None:
@@ -199,10 +194,9 @@ def attach_mounts(tree: int, path: str) -> None:
         OSError: The directory or the attachment was refused.
     """
     os.makedirs(path, mode=0o755, exist_ok=True)
-    libc = _libc()
-    if libc.syscall(_SYS_MOVE_MOUNT, tree, b"", -100, os.fsencode(path), _MOVE_MOUNT_F_EMPTY_PATH) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"cannot mount the copied mounts at {path}: {os.strerror(err)}")
+    where = os.fsencode(path)
+    what = f"cannot mount the copied mounts at {path}"
+    _syscall(_SYS_MOVE_MOUNT, tree, b"", -100, where, _MOVE_MOUNT_F_EMPTY_PATH, what=what)
 
 
 def unmount(target: Path) -> bool:
