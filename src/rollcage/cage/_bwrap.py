@@ -405,9 +405,11 @@ def cage_argv(spec: CageSpec, *, tools: BwrapTools, as_root: bool) -> list[str]:
         "--no-new-privs",
         "--",
     ]
-    # The inner stage sees the outer's tree; its fresh /dev gets the outer's /dev/shm back.
-    shm = ["--bind", "/dev/shm", "/dev/shm"] if spec.shm is not None else []
-    inner = [tools.bwrap, *namespaces, "--bind", "/", "/", "--proc", "/proc", "--dev", "/dev", *shm]
+    # The inner stage sees the outer's tree, /dev included as the outer made it (its device nodes, its
+    # own devpts, the bounded /dev/shm): --dev-bind only leaves those nodes usable, every other mount of
+    # the tree has nodev from the outer stage already. A fresh --dev here cost every rollout another
+    # tmpfs, devpts and six binds, each of which has bubblewrap read the whole mount table again.
+    inner = [tools.bwrap, *namespaces, "--dev-bind", "/", "/", "--proc", "/proc"]
     return [*outer, *inner, *runtime, "--", *command]
 
 

@@ -153,11 +153,12 @@ def nested_prefix(cage: NestedCage) -> list[str]:
         "/tmp",
         "--proc",
         "/proc",
-        "--dev",
+        # The worker's /dev again, usable (the read-only copy above has nodev): its device nodes and
+        # its bounded /dev/shm, writable as the worker has it; the directory itself is root's, so
+        # nothing can be made in it. A fresh --dev would cost a tmpfs, a devpts and six binds more.
+        "--dev-bind",
         "/dev",
-        "--bind",
-        "/dev/shm",
-        "/dev/shm",
+        "/dev",
         "--chdir",
         cage.workspace,
         *unset,
