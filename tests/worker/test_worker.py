@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,34 @@ def test_sigterm_while_tool_runs_cancels_tool_and_stops_executor(
     assert [o["status"] for o in outputs] == ["incomplete"]
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_the_worker_waits_for_its_executor_without_a_thread_of_its_own(
+    policy: PolicyFactory, rollout: RolloutDir
+) -> None:
+    # Python 3.11's default child watcher parks a thread in waitpid() for every subprocess.
+    code = "import os, time\nopen('pid', 'w').write(str(os.getpid()))\ntime.sleep(600)"
+    server = policy({"t": [{"tool_calls": [{"name": "python", "arguments": {"code": code}}]}, {"text": "x"}]})
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
+    worker = rollout.start()
+    pid_file = rollout.root / "workspace" / "pid"
+    wait_for(lambda: pid_file.exists() and pid_file.read_text(), what="the cell to start")
+    tasks = Path(f"/proc/{worker.pid}/task")
+    waiting = [t.name for t in tasks.iterdir() if (t / "wchan").read_text().strip() == "do_wait"]
+    rollout.signal(signal.SIGTERM)
+    assert rollout.wait() == EXIT_CANCELLED
+    assert waiting == [], f"threads of the worker blocked in wait(): {waiting}"
+
+
+def test_the_workers_blocking_calls_share_the_pool_it_starts_anyway() -> None:
+    # asyncio's default executor would be a thread more, and asyncio.run starts one more to shut it down.
+    from rollcage.worker import _off_loop
+
+    async def main() -> threading.Thread:
+        return await _off_loop(threading.current_thread)
+
+    ran_on = asyncio.run(main())
+    assert ran_on.name.startswith("proc-scan"), ran_on.name
 
 
 def test_stop_file_cancels_a_running_rollout(policy: PolicyFactory, rollout: RolloutDir) -> None:

@@ -39,6 +39,7 @@ from rollcage.procs._handles import (
     read_ready,
     reap_abandoned,
     signal_group,
+    wait_for_children_by_pidfd,
     wait_readable,
 )
 from rollcage.procs._stop import GroupTree, ProcessTree, StopPhase, StopStrategy, TreeStop, stop_tree
@@ -91,6 +92,7 @@ __all__ = [
     "stop_tree",
     "subtree",
     "tree_of",
+    "wait_for_children_by_pidfd",
     "wait_readable",
     "wait_shared",
     "within",

@@ -19,6 +19,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ __all__ = [
     "reap_abandoned",
     "signal_group",
     "signal_name",
+    "wait_for_children_by_pidfd",
     "wait_readable",
 ]
 
@@ -227,6 +229,23 @@ def ensure_subreaper() -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(err)}")
         _subreaper_set = True
+
+
+def wait_for_children_by_pidfd() -> None:
+    """Have asyncio wait for this process's subprocesses through pidfds, not a thread for each.
+
+    Python 3.11's default child watcher starts a thread for every subprocess, only to wait for
+    it; 3.12 and later use pidfds by default where the kernel has them (then this does nothing),
+    as it does where the kernel has none (Linux < 5.3). For a process that is asyncio's alone
+    (the worker): the watcher is the event loop policy's, for every loop after this call.
+    """
+    if sys.version_info >= (3, 12):
+        return
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return
+    asyncio.set_child_watcher(asyncio.PidfdChildWatcher())
 
 
 def is_subreaper() -> bool:

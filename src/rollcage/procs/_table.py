@@ -50,7 +50,7 @@ _executor: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 async def in_proc_thread(fn: Callable[..., _T], *args: object) -> _T:
-    """Run blocking ``/proc`` work on a small thread pool of its own.
+    """Run blocking ``/proc`` work (and a worker's few other blocking calls) on a small pool of its own.
 
     **Cancellation:** the caller stops waiting; the call itself runs to its end.
     """
