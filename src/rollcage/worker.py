@@ -627,7 +627,8 @@ class _Session:
                 if spec.agent.mode == "codeact":
                     # Parameter names let agent code call get_weather("Oslo"), not only keywords.
                     bridged = {SUBMIT: ["answer"], **{t.name: tool_parameters(t) for t in resource_specs}}
-                cage = self._executor_cage()
+                # The repl executor starts its cage with SIGINT blocked: no sh to ignore it first.
+                cage = self._executor_cage(ignore_sigint=spec.executor.backend != "repl")
                 cells = _Cells(spec, self.paths.workspace, agent.bridge, bridged, cage)
                 stack.push_async_callback(cells.aclose)
                 agent.attach_cells(cells)
@@ -664,11 +665,12 @@ class _Session:
         elif not await self.relay.send(record, after=after):
             self.checkpoint_failures += 1
 
-    def _executor_cage(self, *, share_net: bool = False) -> list[str]:
+    def _executor_cage(self, *, share_net: bool = False, ignore_sigint: bool = True) -> list[str]:
         """The executor's cage, when the supervisor asked for one (see :mod:`rollcage.cage`).
 
         Everything only the worker may touch (its input, journal, result and the proxy
-        socket) is hidden from the executor; the workspace stays.
+        socket) is hidden from the executor; the workspace stays. ``ignore_sigint``: see
+        :meth:`rollcage.cage.NestedCage.prefix`.
         """
         from rollcage.cage import NestedCage
 
@@ -680,7 +682,7 @@ class _Session:
         cage = NestedCage.from_environment(
             workspace=str(paths.workspace), worker_paths=map(str, private), share_net=share_net
         )
-        return [] if cage is None else cage.prefix()
+        return [] if cage is None else cage.prefix(ignore_sigint=ignore_sigint)
 
     def _result(self, outcome: AgentResult | None, error: RunnerError | None) -> WorkerResult:
         if error is not None:

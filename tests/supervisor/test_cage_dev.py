@@ -68,3 +68,13 @@ async def test_the_agents_code_finds_the_devices_usable_and_dev_itself_unchangea
     assert (found["null"], found["zero"], found["urandom"], found["shm"]) == (9, "00000000", 16, 4), found
     for name in ("file", "dir", "fifo", "unlink"):
         assert found[name].startswith("refused"), (name, found)
+
+
+def test_the_repl_executors_cage_starts_bwrap_itself_and_other_callers_through_sh() -> None:
+    from rollcage.cage import NestedCage
+
+    cage = NestedCage(bwrap="/usr/bin/bwrap", workspace="/rollout/workspace", hide=("/rollout",))
+    # The repl executor starts its cage with SIGINT blocked (rollcage.tools._repl): nothing to ignore it.
+    assert cage.prefix(ignore_sigint=False)[0] == "/usr/bin/bwrap"
+    assert cage.prefix(ignore_sigint=False) == cage.prefix()[4:]
+    assert cage.prefix()[:3] == ["/bin/sh", "-c", 'trap "" INT; exec "$@"']

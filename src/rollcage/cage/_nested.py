@@ -34,8 +34,13 @@ the worker, trusted code); every cage that holds agent code has
 
 Interrupting a cell sends SIGINT to the executor's process group, which also
 holds the nested bwrap's monitor: killed by SIGINT, it would take the executor
-down with it. The monitor is therefore started with SIGINT ignored (an ignored
-signal stays ignored across ``exec``); the executor sets its own handler.
+down with it. So the monitor never takes SIGINT: by default the prefix starts it
+through ``sh`` with SIGINT ignored (an ignored signal stays ignored across
+``exec``), and the executor sets its own handler. A caller that starts the
+prefix with SIGINT *blocked* instead (a blocked signal stays blocked across
+``exec``, and is only held pending) asks for the prefix without ``sh``
+(``ignore_sigint=False``), a process start less, and its program unblocks SIGINT
+once its handler is in place: the ``repl`` executor does (:mod:`rollcage.tools._repl`).
 """
 
 from __future__ import annotations
@@ -104,9 +109,14 @@ class NestedCage:
             raise SandboxError(f"cannot hide the worker's files from the executor: {worker_paths!r} are in /")
         return cls(bwrap=bwrap, workspace=os.path.abspath(workspace), hide=tuple(hide), share_net=share_net)
 
-    def prefix(self) -> list[str]:
-        """The argv prefix that runs a command in the executor's cage (working directory: the workspace)."""
-        return nested_prefix(self)
+    def prefix(self, *, ignore_sigint: bool = True) -> list[str]:
+        """The argv prefix that runs a command in the executor's cage (working directory: the workspace).
+
+        Args:
+            ignore_sigint: Start bwrap through ``sh`` with SIGINT ignored; ``False`` for a caller that
+                starts the prefix with SIGINT blocked (see the module docstring).
+        """
+        return nested_prefix(self, ignore_sigint=ignore_sigint)
 
 
 # jupyter_client's parent-PID watch: in the cage the kernel's parent is the namespace's init (PID 1),
@@ -114,7 +124,7 @@ class NestedCage:
 _UNSET = ("JPY_PARENT_PID",)
 
 
-def nested_prefix(cage: NestedCage) -> list[str]:
+def nested_prefix(cage: NestedCage, *, ignore_sigint: bool = True) -> list[str]:
     """The command-line prefix for ``cage`` (see :class:`NestedCage`; pure)."""
     hides: list[str] = []
     sealed: list[str] = []
@@ -125,11 +135,9 @@ def nested_prefix(cage: NestedCage) -> list[str]:
     unset: list[str] = []
     for name in _UNSET:
         unset += ["--unsetenv", name]
+    wrapper = ["/bin/sh", "-c", _IGNORE_SIGINT, "rollcage-executor"] if ignore_sigint else []
     return [
-        "/bin/sh",
-        "-c",
-        _IGNORE_SIGINT,
-        "rollcage-executor",
+        *wrapper,
         cage.bwrap,
         "--unshare-user",
         "--disable-userns",

@@ -33,7 +33,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Unpack
 
@@ -185,6 +185,16 @@ class _StreamSink(asyncio.Protocol):
         self._kept = bytearray()
         self._dropped = 0
         return kept, dropped
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread for the block (what a process started meanwhile inherits)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _factory(sink: _StreamSink) -> Callable[[], _StreamSink]:
@@ -348,22 +358,28 @@ class ReplExecutor(Executor):
                 pipe = os.fdopen(fd, "rb", buffering=0)
                 transport, _ = await loop.connect_read_pipe(_factory(sink), pipe)
                 self._transports.append(transport)
-            return await asyncio.create_subprocess_exec(
-                *self._prefix,
-                self._python,
-                "-I",
-                "-u",
-                "-c",
-                _BOOT,
-                str(child_sock.fileno()),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out_w,
-                stderr=err_w,
-                pass_fds=(child_sock.fileno(),),
-                cwd=self._cwd,
-                env=self._env,
-                start_new_session=True,
-            )
+            # Started with SIGINT blocked (held pending, never lost; the child unblocks it once its
+            # handler is set): an interrupt is SIGINT to the whole group, which holds a cage's bwrap
+            # monitor too, and a blocked signal is what stays so across exec without a shell
+            # to ignore it first (rollcage.cage._nested). Meanwhile this process's other threads
+            # take a SIGINT sent to it, and the loop handles it as ever.
+            with _sigint_blocked():
+                return await asyncio.create_subprocess_exec(
+                    *self._prefix,
+                    self._python,
+                    "-I",
+                    "-u",
+                    "-c",
+                    _BOOT,
+                    str(child_sock.fileno()),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out_w,
+                    stderr=err_w,
+                    pass_fds=(child_sock.fileno(),),
+                    cwd=self._cwd,
+                    env=self._env,
+                    start_new_session=True,
+                )
         except OSError as exc:
             raise ExecutorError(
                 f"cannot start the Python executor ({self._python} in {self._cwd}): {exc}"

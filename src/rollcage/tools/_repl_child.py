@@ -421,6 +421,8 @@ def main(argv: list[str]) -> int:
     os.set_inheritable(fd, False)
     channel = _Channel(fd)
     _signal.signal(_signal.SIGINT, _on_sigint)
+    # The parent may start this process with SIGINT blocked (rollcage.tools._repl): taken from here on.
+    _signal.pthread_sigmask(_signal.SIG_UNBLOCK, [_signal.SIGINT])
     init = channel.recv()
     if init is None or init.get("op") != "init":
         return 2
