@@ -7,7 +7,8 @@ measurements take them apart:
 1. **Launch chain** — the sandbox's command line as ``BwrapLauncher`` builds it, cut
    after each stage and ended by ``true`` (then by ``python -I -B -c pass``): outer
    bwrap (mount + PID namespace, as root), ``setpriv`` (drop to uid 65534), inner bwrap
-   (user, PID, network, IPC, UTS, cgroup namespaces), ``prlimit``, the interpreter.
+   (user, PID, network, IPC, UTS, cgroup namespaces), ``prlimit``, the interpreter, and the
+   executor's nested cage the worker makes inside (bwrap started as the ``repl`` executor starts it).
    Each cut runs ``--runs`` times, interleaved; CPU is the cgroup's ``cpuacct.usage``
    (exact; ``RUSAGE_CHILDREN`` misses processes auto-reaped by a dying PID namespace).
    A stage's cost is the difference between consecutive cuts.
@@ -123,6 +124,7 @@ def _scratch_layout(base: Path) -> Any:
 
 def chain_stages(base: Path) -> list[tuple[str, list[str]]]:
     """The launch chain cut after each stage: (label, argv), cheapest first."""
+    from rollcage.cage import NestedCage
     from rollcage.supervisor.config import BwrapSandbox
     from rollcage.supervisor.sandbox import BwrapLauncher, worker_environment
 
@@ -150,9 +152,15 @@ def chain_stages(base: Path) -> list[tuple[str, list[str]]]:
         ]
     else:
         stages.append(("bwrap (all namespaces) -> true", [*argv[:at_prlimit], true]))
+    # The repl executor's own cage, made by the worker inside its cage (as the worker starts it).
+    cage = NestedCage(bwrap=tools.bwrap, workspace="/rollout/workspace", hide=("/rollout",))
     stages += [
         ("  + prlimit -> true", [*argv[:at_worker], true]),
         ("  + python -I -B -c pass (the whole chain)", argv[:at_worker] + interpreter),
+        (
+            "  + the executor's nested cage -> python -I -B -c pass",
+            argv[:at_worker] + cage.prefix(ignore_sigint=False) + interpreter,
+        ),
     ]
     return stages
 
