@@ -118,15 +118,21 @@ def test_sigterm_while_model_hangs_publishes_cancelled_result_without_response(
     _no_temp_files(rollout)
 
 
-def test_sigterm_while_tool_runs_cancels_tool_and_stops_executor(
-    policy: PolicyFactory, rollout: RolloutDir
-) -> None:
+def _start_with_a_sleeping_cell(policy: PolicyFactory, rollout: RolloutDir) -> tuple[int, int]:
+    """Start the worker on a cell that sleeps; once the cell runs: (the worker's PID, the cell's)."""
     code = "import os, time\nopen('pid', 'w').write(str(os.getpid()))\ntime.sleep(600)"
     server = policy({"t": [{"tool_calls": [{"name": "python", "arguments": {"code": code}}]}, {"text": "x"}]})
     rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
-    rollout.start()
+    worker = rollout.start()
     pid_file = rollout.root / "workspace" / "pid"
-    pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), what="the cell to start"))
+    cell = wait_for(lambda: pid_file.exists() and pid_file.read_text(), what="the cell to start")
+    return worker.pid, int(cell)
+
+
+def test_sigterm_while_tool_runs_cancels_tool_and_stops_executor(
+    policy: PolicyFactory, rollout: RolloutDir
+) -> None:
+    _, pid = _start_with_a_sleeping_cell(policy, rollout)
     rollout.signal(signal.SIGTERM)
     assert rollout.wait() == EXIT_CANCELLED
     result = rollout.result_model()
@@ -144,13 +150,8 @@ def test_the_worker_waits_for_its_executor_without_a_thread_of_its_own(
     policy: PolicyFactory, rollout: RolloutDir
 ) -> None:
     # Python 3.11's default child watcher parks a thread in waitpid() for every subprocess.
-    code = "import os, time\nopen('pid', 'w').write(str(os.getpid()))\ntime.sleep(600)"
-    server = policy({"t": [{"tool_calls": [{"name": "python", "arguments": {"code": code}}]}, {"text": "x"}]})
-    rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
-    worker = rollout.start()
-    pid_file = rollout.root / "workspace" / "pid"
-    wait_for(lambda: pid_file.exists() and pid_file.read_text(), what="the cell to start")
-    tasks = Path(f"/proc/{worker.pid}/task")
+    worker, _ = _start_with_a_sleeping_cell(policy, rollout)
+    tasks = Path(f"/proc/{worker}/task")
     waiting = [t.name for t in tasks.iterdir() if (t / "wchan").read_text().strip() == "do_wait"]
     rollout.signal(signal.SIGTERM)
     assert rollout.wait() == EXIT_CANCELLED
