@@ -61,3 +61,22 @@ async def test_the_poller_ends_with_the_last_watch_and_a_new_one_starts_it_again
         assert poller.task is not None and not poller.task.done()
         (tmp_path / "c").touch()
         await asyncio.wait_for(seen.wait(), 10)
+
+
+async def test_a_caller_that_just_looked_is_not_looked_for_again_before_the_first_period(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A supervision looks for its stop file itself first, then watches it to its end in one watch.
+    hops: list[str] = []
+    real = asyncio.to_thread
+
+    async def counted(fn: object, /, *args: object) -> object:
+        hops.append(getattr(fn, "__name__", "?"))
+        return await real(fn, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    stop = tmp_path / "stop"
+    async with watch_stop_file(stop, period_s=3600, just_looked=True) as seen:
+        assert hops == [] and not seen.is_set()
+    async with watch_stop_file(stop, period_s=3600) as seen:
+        assert hops == ["exists"] and not seen.is_set()

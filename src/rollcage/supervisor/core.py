@@ -282,6 +282,8 @@ class _Supervision:
         self.budget_task: asyncio.Task[None] | None = None
         self.start_task: asyncio.Task[None] | None = None
         self.turn: asyncio.Semaphore | None = None
+        self._stop_seen: asyncio.Event | None = None
+        """Set once the stop file is seen: run's one watch of it, from its first look to its end."""
         """The start-up slot this rollout holds (see pacing.py), until its worker has started up."""
         self.budget_exceeded: tuple[str, str] | None = None
         """The budget the policy exceeded first: its name and the reason in words."""
@@ -444,6 +446,17 @@ class _Supervision:
                 "rollout %s: stop asked for before the start; the worker is not started", self.rollout_id
             )
             return
+        # One watch of the stop file from here to the end (the first look was _read_first's).
+        async with watch_stop_file(self.layout.stop, self.config.stop_poll_s, just_looked=True) as seen:
+            self._stop_seen = seen
+            try:
+                await self._start_and_watch()
+            finally:
+                self._stop_seen = None  # no longer looked at: a later wait makes a watch of its own
+
+    async def _start_and_watch(self) -> None:
+        """Wait for a start-up slot, prepare, launch and watch the worker (``run``'s, once it may start)."""
+        assert self.original is not None
         if self.config.start_pacing == "cpus" and not await self._wait_turn():
             return
         self.private_dir, bytecode = await asyncio.to_thread(self._make_private_dir)
@@ -782,7 +795,12 @@ class _Supervision:
 
     async def _stop_arrives(self) -> None:
         """Return once a stop is asked for: the event, or the stop file (see :mod:`.stopfiles`)."""
-        async with watch_stop_file(self.layout.stop, self.config.stop_poll_s) as seen:
+        async with contextlib.AsyncExitStack() as stack:
+            seen = self._stop_seen
+            if seen is None:  # outside run's watch
+                seen = await stack.enter_async_context(
+                    watch_stop_file(self.layout.stop, self.config.stop_poll_s)
+                )
             if self.stop_event is None:
                 await seen.wait()
             else:

@@ -8,7 +8,9 @@ changed (``bench/peers.py`` at C=256: about 6 ms of a rollout's ~135 ms of CPU).
 the loop is looked at in one thread hop per period, and a supervision waits on an
 event.
 
-A file already there when its watch begins is found at once, as before.
+A file already there when its watch begins is found at once, as before, unless the
+caller has just looked for it itself (a supervision watches its file from its first look
+to its end, in one watch).
 """
 
 from __future__ import annotations
@@ -57,13 +59,18 @@ _pollers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Poller] = weakre
 
 
 @contextlib.asynccontextmanager
-async def watch_stop_file(path: Path, period_s: float) -> AsyncIterator[asyncio.Event]:
+async def watch_stop_file(
+    path: Path, period_s: float, *, just_looked: bool = False
+) -> AsyncIterator[asyncio.Event]:
     """An event set once ``path`` exists, looked at now and then every ``period_s`` (or sooner).
+
+    ``just_looked``: the caller has just found no file there itself, so the watch does not look
+    again before its first period (a thread hop saved).
 
     **Cancellation:** the watch ends with the block, whatever ends it.
     """
     watch = _Watch(path, period_s)
-    if await asyncio.to_thread(os.path.exists, path):
+    if not just_looked and await asyncio.to_thread(os.path.exists, path):
         watch.seen.set()
     with poller_for(_pollers, _Poller).watching(watch):
         yield watch.seen
