@@ -558,9 +558,10 @@ class _CaptureFile:
     def size(self) -> int:
         return self._size if self._cursor is None else self._cursor.good_size
 
-    async def open(self) -> None:
+    def open(self) -> None:
+        """Open (or create) the capture file for appending (blocking)."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = await asyncio.to_thread(retry_on_emfile, os.open, self._path, flags, 0o600)
+        fd = retry_on_emfile(os.open, self._path, flags, 0o600)
         self._cursor = AppendCursor(fd, os.fstat(fd).st_size)
 
     def _write(self, exchange: _Exchange) -> dict[str, Any]:
@@ -732,7 +733,8 @@ class EgressProxy(AsyncClosing):
             raise RuntimeError(f"the egress proxy is {self._state}; it can be started only once")
         self._state = "open"
         try:
-            await self._capture.open()
+            # The capture file and the socket in one thread hop (each hop costs more than these calls).
+            self._listener = await asyncio.to_thread(self._open_files)
             pools = _upstream_pools()
             for route in self.routes:
                 timeout = httpx.Timeout(
@@ -753,7 +755,6 @@ class EgressProxy(AsyncClosing):
                 )
                 # The sandbox's cookies are its own: no jar of the proxy's adds or keeps any.
                 self._senders[route.prefix] = DirectSend(client, transport)
-            self._listener = await asyncio.to_thread(retry_on_emfile, self._listen)
             connection_budget().join()
             self._joined = True
             self._acceptor = asyncio.create_task(self._accept_loop())
@@ -763,6 +764,11 @@ class EgressProxy(AsyncClosing):
                 raise SupervisorError(f"cannot start the egress proxy on {self.socket_path}: {exc}") from exc
             raise
         return self
+
+    def _open_files(self) -> socket.socket:
+        """Open the capture file, then the listening socket (blocking)."""
+        self._capture.open()
+        return retry_on_emfile(self._listen)
 
     def _listen(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
