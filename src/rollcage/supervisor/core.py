@@ -282,9 +282,9 @@ class _Supervision:
         self.budget_task: asyncio.Task[None] | None = None
         self.start_task: asyncio.Task[None] | None = None
         self.turn: asyncio.Semaphore | None = None
+        """The start-up slot this rollout holds (see pacing.py), until its worker has started up."""
         self._stop_seen: asyncio.Event | None = None
         """Set once the stop file is seen: run's one watch of it, from its first look to its end."""
-        """The start-up slot this rollout holds (see pacing.py), until its worker has started up."""
         self.budget_exceeded: tuple[str, str] | None = None
         """The budget the policy exceeded first: its name and the reason in words."""
         self._over_budget = asyncio.Event()
