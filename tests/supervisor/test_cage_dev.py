@@ -18,7 +18,7 @@ import pytest
 
 from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
-from tests.helpers.supervisor_env import processes_with_token, requires_bwrap
+from tests.helpers.supervisor_env import make_rollout, processes_with_token, requires_bwrap
 from tests.helpers.waiting import wait_for_async
 from tests.helpers.worker_env import worker_input
 
@@ -107,11 +107,8 @@ async def test_the_agents_code_finds_the_devices_usable_and_dev_itself_unchangea
 async def test_in_the_workers_cage_only_devs_own_nodes_allow_devices(tmp_path: Path, start: str) -> None:
     # The inner stage binds the outer's tree with --dev-bind: every mount but /dev's nodes must
     # already be nodev, or the worker could open a device node planted anywhere else.
-    root = tmp_path / "r"
-    root.mkdir()
-    (root / "workspace").mkdir()
     with PolicyServer({"tasks": {"t": [{"text": "never"}]}}, port=0, faults=["call=1:kind=hang"]) as server:
-        (root / "input.json").write_text(json.dumps(worker_input(model_url=server.base_url, task_id="t")))
+        root = make_rollout(tmp_path, "r", model_url=server.base_url)
         stop = asyncio.Event()
         config = SupervisorConfig(deadline_s=120, sandbox=BwrapSandbox(worker_start=start))
         task = asyncio.ensure_future(supervise(root, config, stop=stop))
