@@ -452,7 +452,7 @@ class _Supervision:
             try:
                 await self._start_and_watch()
             finally:
-                self._stop_seen = None  # no longer looked at: a later wait makes a watch of its own
+                self._stop_seen = None  # no longer looked at
 
     async def _start_and_watch(self) -> None:
         """Wait for a start-up slot, prepare, launch and watch the worker (``run``'s, once it may start)."""
@@ -794,17 +794,13 @@ class _Supervision:
             self._over_budget.set()
 
     async def _stop_arrives(self) -> None:
-        """Return once a stop is asked for: the event, or the stop file (see :mod:`.stopfiles`)."""
-        async with contextlib.AsyncExitStack() as stack:
-            seen = self._stop_seen
-            if seen is None:  # outside run's watch
-                seen = await stack.enter_async_context(
-                    watch_stop_file(self.layout.stop, self.config.stop_poll_s)
-                )
-            if self.stop_event is None:
-                await seen.wait()
-            else:
-                await first_of(seen.wait(), self.stop_event.wait())
+        """Return once a stop is asked for: the event, or the stop file (run's watch, :mod:`.stopfiles`)."""
+        seen = self._stop_seen
+        assert seen is not None, "waited for a stop outside run's watch of the stop file"
+        if self.stop_event is None:
+            await seen.wait()
+        else:
+            await first_of(seen.wait(), self.stop_event.wait())
 
     def hurry(self) -> None:
         """A second cancellation: skip what is left of the grace period."""
