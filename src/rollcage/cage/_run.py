@@ -344,8 +344,7 @@ async def _communicate(
             transport.close()
         for pipe in ours:
             pipe.close()  # one no transport took (a transport's is closed already)
-    returncode = None if status is None else status.code if status.signal is None else -status.signal
-    return _Finished(returncode, out, err, timed_out)
+    return _Finished(None if status is None else status.returncode, out, err, timed_out)
 
 
 _LAUNCH_TIMEOUT_S = 60.0

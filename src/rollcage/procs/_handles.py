@@ -269,6 +269,11 @@ class ExitStatus:
         """``'SIGKILL'`` etc., or ``None``."""
         return None if self.signal is None else signal_name(self.signal)
 
+    @property
+    def returncode(self) -> int | None:
+        """As ``subprocess`` says it: the exit code, or minus the signal; ``None`` if the status was lost."""
+        return self.code if self.signal is None else -self.signal
+
 
 def _status_from_siginfo(info: os.waitid_result) -> ExitStatus:
     if info.si_code == os.CLD_EXITED:
@@ -548,7 +553,7 @@ class ChildProcess:
                 with contextlib.suppress(ChildProcessError):
                     os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG)
                 # Tell Popen the child is gone, so it never waits on a PID that may be someone else's.
-                self._popen.returncode = status.code if status.code is not None else -(status.signal or 0)
+                self._popen.returncode = 0 if status.returncode is None else status.returncode
             os.close(self._pidfd)
             self._pidfd = None
             started_children.discard(self.pid)
