@@ -37,12 +37,17 @@ def _heard(reports: _Reports) -> bool:
 
 
 def _holder(start: object) -> subprocess.Popen[bytes]:
-    """A stand-in for bwrap's holder: announces itself on the start's socket, marked ``ROLE=holder``."""
+    """A stand-in for bwrap's holder: announces itself on the start's socket, marked ``ROLE=holder``.
+
+    It stays the one process that announced itself, reading with the shell's own ``read`` as the
+    real holder does: an ``exec`` after the announcement raced the start's check of its
+    environment (empty while the exec replaces it).
+    """
     from rollcage.supervisor.warm import WarmStart
 
     assert isinstance(start, WarmStart)
     return subprocess.Popen(
-        ["/bin/sh", "-c", "printf r; exec cat >/dev/null"],
+        ["/bin/sh", "-c", "printf r; while IFS= read -r _; do :; done"],
         stdin=start.holder_stdin,
         stdout=start.holder_stdout,
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "ROLE": "holder"},
