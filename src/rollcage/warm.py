@@ -144,6 +144,8 @@ def template_main(argv: list[str]) -> int:
     from rollcage.worker import warm_up
 
     warm_up()
+    # Taken before the freeze, so that it is shared with every fork as the rest of the heap is.
+    modules = frozenset(sys.modules)
     gc.collect()
     gc.freeze()
     # Where each worker is born is set for one fork at a time, and set back after.
@@ -157,7 +159,7 @@ def template_main(argv: list[str]) -> int:
         if not message:
             return 0
         if len(fds) == REQUEST_FDS:
-            _start(message, fds, home=home, listening=fd)
+            _start(message, fds, home=home, listening=fd, modules=modules)
         for received in fds:
             os.close(received)
 
@@ -181,7 +183,7 @@ def _say(fd: int, text: str) -> None:
         os.write(fd, text.encode(errors="replace"))
 
 
-def _start(message: bytes, fds: list[int], *, home: int, listening: int) -> None:
+def _start(message: bytes, fds: list[int], *, home: int, listening: int, modules: frozenset[str]) -> None:
     """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
     holder, report, log = fds
     try:
@@ -197,7 +199,7 @@ def _start(message: bytes, fds: list[int], *, home: int, listening: int) -> None
         return
     if pid == 0:
         os.close(listening)
-        _enter(message, holder=holder, report=report, log=log)
+        _enter(message, holder=holder, report=report, log=log, modules=modules)
     _go_home(home, log)
     # The supervisor reaps the worker by this pidfd: until it does, the zombie holds the sandbox's PID
     # namespace (and so bwrap) open. It reads this message before it lets go of the socket.
@@ -215,7 +217,7 @@ def _go_home(home: int, log: int) -> None:
         os._exit(1)
 
 
-def _enter(message: bytes, *, holder: int, report: int, log: int) -> NoReturn:
+def _enter(message: bytes, *, holder: int, report: int, log: int, modules: frozenset[str]) -> NoReturn:
     """The worker, born in the cage's PID namespace: move into its cgroups, join the cage, report, run."""
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -238,7 +240,7 @@ def _enter(message: bytes, *, holder: int, report: int, log: int) -> NoReturn:
         os._exit(1)
     # The supervisor measures the tmpfs through these roots, whoever outlives whom.
     _report(report, "ok", roots)
-    _become_worker(request, log=log)
+    _become_worker(request, log=log, modules=modules)
 
 
 class _MountRefused(OSError):
@@ -281,7 +283,7 @@ def _mount(mount: dict[str, Any]) -> int:
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
-def _become_worker(request: WarmRequest, *, log: int) -> NoReturn:
+def _become_worker(request: WarmRequest, *, log: int, modules: frozenset[str]) -> NoReturn:
     """The worker, in its cage: become what a cold start runs, then run it."""
     out = log
     try:
@@ -307,4 +309,4 @@ def _become_worker(request: WarmRequest, *, log: int) -> NoReturn:
         os._exit(125)
     from rollcage.worker import run_worker
 
-    run_worker(request.argv)
+    run_worker(request.argv, forked_from=modules)
