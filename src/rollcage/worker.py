@@ -128,8 +128,8 @@ def warm_up() -> int:
     """Import and build, once, what every worker would otherwise import and build itself; how many models.
 
     For a template whose forks run :func:`run_worker` (:mod:`rollcage.warm`): the
-    lazy imports, the plain-HTTP transport (:func:`rollcage.model.http.transport_for`)
-    and httpx's cookie handling, the command-line parser, and every
+    lazy imports, the plain-HTTP transport (:func:`rollcage.model.http.transport_for`),
+    one exchange through h11 in memory, httpx's cookie handling, the command-line parser, and every
     pydantic model of rollcage that defers its build to its first use (validators
     and serializers, and pydantic's one look for plugins). Nothing is opened,
     started or connected.
@@ -144,9 +144,10 @@ def warm_up() -> int:
 
     for name in WARM_MODULES:
         importlib.import_module(name)
-    from rollcage.model.http import transport_for
+    from rollcage.model.http import exchange_in_memory, transport_for
 
     transport_for("http://warm-up", uds=None)  # builds nothing but objects; never connects
+    exchange_in_memory()  # h11's first exchange builds what every later one reuses
     from rollcage.tools import prepare_repl
 
     prepare_repl()  # the executor's code, compiled once for every worker

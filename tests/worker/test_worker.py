@@ -379,6 +379,32 @@ def test_malformed_tool_arguments_end_as_invalid_policy_output(
     )
 
 
+def test_after_the_templates_warm_up_a_first_http_exchange_costs_what_any_later_one_does() -> None:
+    # What h11 builds on first use (typing's unions it casts events to) is built by the template once,
+    # not again by every worker it forks: counted in Python calls, the first exchange is a steady one.
+    probe = (
+        "import sys\n"
+        "from rollcage.worker import warm_up\n"
+        "from rollcage.model.http import exchange_in_memory\n"
+        "warm_up()\n"
+        "def calls():\n"
+        "    n = 0\n"
+        "    def count(frame, event, arg):\n"
+        "        nonlocal n\n"
+        "        n += event == 'call'\n"
+        "    sys.setprofile(count)\n"
+        "    exchange_in_memory()\n"
+        "    sys.setprofile(None)\n"
+        "    return n\n"
+        "print(calls(), calls())"
+    )
+    counted = subprocess.run(
+        [sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    first, later = map(int, counted.split())
+    assert first == later > 0, counted
+
+
 def test_the_templates_warm_up_carries_nothing_its_workers_do_not_run_into_its_forks() -> None:
     # A warm template's heap is copied (its page tables, then the pages written) into every worker:
     # no command-line code, and no httpcore or anyio (plain HTTP to the proxy goes through h11 alone).

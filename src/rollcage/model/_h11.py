@@ -35,13 +35,30 @@ from typing import Any
 import h11
 import httpx
 
-__all__ = ["H11Transport"]
+__all__ = ["H11Transport", "exchange_in_memory"]
 
 _READ_BYTES = 64 * 1024
 _MAX_IDLE = 8
 """Idle connections kept per address by default (a worker has one call in flight; a harness a few)."""
 _TCP_QUICKACK = getattr(socket, "TCP_QUICKACK", 12)
 """Linux's ``TCP_QUICKACK`` (Python names it on Linux only; 12 is its value there)."""
+
+
+def exchange_in_memory() -> None:
+    """One whole HTTP/1.1 exchange through an ``h11`` client connection, without a socket.
+
+    h11 builds what it first needs (the ``typing`` unions it casts each event to, among them) the
+    first time it runs, and keeps it: a warm template runs this once so that no worker it forks
+    builds them again (~0.3 ms of each worker's CPU).
+    """
+    client = h11.Connection(h11.CLIENT)
+    head = h11.Request(method="POST", target="/", headers=[("Host", "warm-up"), ("Content-Length", "2")])
+    for event in (head, h11.Data(data=b"{}"), h11.EndOfMessage()):
+        client.send(event)
+    client.receive_data(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+    while not isinstance(client.next_event(), h11.EndOfMessage):
+        pass
+    client.start_next_cycle()
 
 
 def _timeout(timeouts: dict[str, Any], name: str) -> float | None:

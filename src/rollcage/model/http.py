@@ -14,7 +14,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["HOP_BY_HOP", "DirectSend", "H11Transport", "hop_by_hop", "httpx", "transport_for"]
+__all__ = [
+    "HOP_BY_HOP",
+    "DirectSend",
+    "H11Transport",
+    "exchange_in_memory",
+    "hop_by_hop",
+    "httpx",
+    "transport_for",
+]
 
 _blocked = (
     [] if "httpx" in sys.modules else [n for n in ("click", "rich", "pygments") if n not in sys.modules]
@@ -28,7 +36,7 @@ finally:
         if _name in sys.modules and sys.modules[_name] is None:
             del sys.modules[_name]
 
-from rollcage.model._h11 import H11Transport  # noqa: E402 - after httpx, imported without its CLI
+from rollcage.model._h11 import H11Transport, exchange_in_memory  # noqa: E402 - after httpx, without its CLI
 
 
 def transport_for(base_url: str, *, uds: str | None, retries: int = 0) -> httpx.AsyncBaseTransport:
