@@ -379,14 +379,19 @@ def test_malformed_tool_arguments_end_as_invalid_policy_output(
     )
 
 
+def _after_warm_up(probe: str) -> str:
+    """What ``probe`` prints, run in a fresh interpreter after the template's warm-up."""
+    script = f"import sys\nfrom rollcage.worker import warm_up\nwarm_up()\n{probe}"
+    return subprocess.run(
+        [sys.executable, "-I", "-c", script], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+
+
 def test_after_the_templates_warm_up_a_first_http_exchange_costs_what_any_later_one_does() -> None:
     # What h11 builds on first use (typing's unions it casts events to) is built by the template once,
     # not again by every worker it forks: counted in Python calls, the first exchange is a steady one.
-    probe = (
-        "import sys\n"
-        "from rollcage.worker import warm_up\n"
+    counted = _after_warm_up(
         "from rollcage.model.http import exchange_in_memory\n"
-        "warm_up()\n"
         "def calls():\n"
         "    n = 0\n"
         "    def count(frame, event, arg):\n"
@@ -398,9 +403,6 @@ def test_after_the_templates_warm_up_a_first_http_exchange_costs_what_any_later_
         "    return n\n"
         "print(calls(), calls())"
     )
-    counted = subprocess.run(
-        [sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=True, timeout=120
-    ).stdout
     first, later = map(int, counted.split())
     assert first == later > 0, counted
 
@@ -408,15 +410,9 @@ def test_after_the_templates_warm_up_a_first_http_exchange_costs_what_any_later_
 def test_the_templates_warm_up_carries_nothing_its_workers_do_not_run_into_its_forks() -> None:
     # A warm template's heap is copied (its page tables, then the pages written) into every worker:
     # no command-line code, and no httpcore or anyio (plain HTTP to the proxy goes through h11 alone).
-    probe = (
-        "import sys\n"
-        "from rollcage.worker import warm_up\n"
-        "warm_up()\n"
+    loaded = _after_warm_up(
         "heavy = {'rich', 'click', 'pygments', 'typer', 'yaml', 'starlette', 'uvicorn'}\n"
         "heavy |= {'httpcore', 'anyio'}\n"
         "print(sorted(heavy & {name.split('.')[0] for name in sys.modules}))"
     )
-    loaded = subprocess.run(
-        [sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=True, timeout=120
-    ).stdout
     assert loaded.strip() == "[]"
