@@ -186,22 +186,25 @@ def test_each_unsafe_value_is_refused_naming_its_field(change: dict[str, Any], f
 # --------------------------------------------------------------------------- through the real command
 
 
-def _hostile_inputs(base: Path) -> dict[str, tuple[Path, str]]:
-    """Name -> (INPUT path, words the fatal message must contain)."""
-    made: dict[str, tuple[Path, str]] = {}
+def _hostile_inputs(base: Path) -> dict[str, tuple[Path, tuple[str, ...]]]:
+    """Name -> (INPUT path, words of which the fatal message must contain one)."""
+    made: dict[str, tuple[Path, tuple[str, ...]]] = {}
 
-    def write(name: str, data: bytes, expect: str) -> None:
+    def write(name: str, data: bytes, *expect: str) -> None:
         path = base / f"{name}.json"
         path.write_bytes(data)
         made[name] = (path, expect)
 
     fifo = base / "fifo.json"
     os.mkfifo(fifo)
-    made["fifo"] = (fifo, "not a regular file (a FIFO)")
-    made["device"] = (Path("/dev/zero"), "not a regular file (a character device)")
-    made["directory"] = (base, "not a regular file (a directory)")
+    made["fifo"] = (fifo, ("not a regular file (a FIFO)",))
+    made["device"] = (Path("/dev/zero"), ("not a regular file (a character device)",))
+    made["directory"] = (base, ("not a regular file (a directory)",))
     good = json.dumps(BASE)
-    write("deep", good[:-1].encode() + b', "x": ' + b"[" * 1000 + b"]" * 1000 + b"}", "not valid JSON")
+    # pydantic-core's parser refuses it on Python 3.11 (its recursion limit), and parses it on 3.12,
+    # where rollcage's own depth check names the field.
+    deep = good[:-1].encode() + b', "x": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    write("deep", deep, "not valid JSON", "field 'x[0][0]")
     write("surrogate", good.replace('"r-1"', '"\\udfff"').encode(), "field 'rollout_id'")
     write(
         "infinity",
@@ -246,6 +249,6 @@ def test_hostile_input_files_exit_2_with_a_fatal_result_and_no_traceback(tmp_pat
             continue
         result = WorkerResult.model_validate_json((out / "result.json").read_bytes())
         assert result.error is not None and result.error.kind == "fatal", name
-        assert expect in result.error.message, (name, result.error.message)
+        assert any(words in result.error.message for words in expect), (name, result.error.message)
         assert [line for line in text.splitlines() if " ERROR " in line] != [], name
     assert failures == []
