@@ -41,6 +41,7 @@ import socket
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from http.client import HTTPConnection
 from typing import Any
 from urllib.parse import urlsplit
@@ -259,6 +260,24 @@ def probe(args: list[str], workspace: str) -> dict[str, Any]:
     return findings
 
 
+def publish_inventory(workspace: str) -> None:
+    """Write ``inventory.json`` into the workspace: each entry found there (links as links), in order."""
+    found: dict[str, str] = {}
+    for directory, dirs, files in os.walk(workspace):
+        for name in sorted([*dirs, *files]):
+            path = os.path.join(directory, name)
+            rel = os.path.relpath(path, workspace)
+            if os.path.islink(path):
+                found[rel] = "link:" + os.readlink(path)
+            elif os.path.isdir(path):
+                found[rel] = "dir"
+            else:
+                with open(path, encoding="utf-8", errors="replace") as file:
+                    found[rel] = "file:" + file.read()
+    with open(os.path.join(workspace, "inventory.json"), "w") as file:
+        json.dump(found, file, sort_keys=True)
+
+
 def acted(checkpoint: str) -> None:
     """Journal one model response: what follows is the policy's doing."""
     journal_append(checkpoint, 2, {"kind": "model_call", "at": 2, "model_call": {"status": "completed"}})
@@ -275,6 +294,10 @@ def fill(path: str, mib: int) -> None:
         pass
 
 
+_THEN_OK: dict[str, Callable[[str], None]] = {"ok": lambda _: None, "inventory": publish_inventory}
+"""Modes that do one thing in the workspace, then publish an ordinary result."""
+
+
 def main(argv: list[str]) -> int:
     mode, extra = argv[0], argv[1:-4]
     input_path, result_path = argv[-4], argv[-3]
@@ -285,7 +308,8 @@ def main(argv: list[str]) -> int:
     journal_append(checkpoint, 1, {"kind": "start", "at": 1, "rollout_id": spec["rollout_id"]})
     ok = result(spec, calls=[], error=None)
 
-    if mode == "ok":
+    if mode in _THEN_OK:
+        _THEN_OK[mode](workspace)
         publish(result_path, ok)
         return 0
     if mode == "first-action":

@@ -28,9 +28,14 @@ GONE = "1.999999999"
 
 @pytest.fixture
 def temp_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """The temporary directory the code under test uses: this test's alone (short: a socket goes in it)."""
+    """The temporary directory the code under test uses: this test's alone (short: a socket goes in it).
+
+    Asked for in the environment, as a user would: the private directories go there, not to the
+    memory file system (``test_staging`` covers that choice).
+    """
     directory = Path(tempfile.mkdtemp(prefix="rc-"))
     monkeypatch.setattr(tempfile, "tempdir", str(directory))
+    monkeypatch.setenv("TMPDIR", str(directory))
     try:
         yield directory
     finally:

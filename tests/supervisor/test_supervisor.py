@@ -317,8 +317,9 @@ async def test_the_deadline_signal_does_not_wait_for_a_blocked_thread_pool(tmp_p
         await wait_file(root / "workspace" / "started")
         # More blocked calls than the default executor has threads: nothing else runs there.
         blockers = [loop.run_in_executor(None, release.wait, 60) for _ in range(64)]
-        # The hang worker publishes its cancelled result when SIGTERM arrives.
-        await wait_file(root / ".sandbox" / "root" / "result.json", within_s=20)
+        # The hang worker publishes its cancelled result when SIGTERM arrives, in its staged /rollout.
+        private = Path(json.loads((root / ".sandbox" / "budgets.json").read_text())["private_dir"])
+        await wait_file(private / "root" / "result.json", within_s=20)
     finally:
         release.set()
     await asyncio.gather(*blockers)

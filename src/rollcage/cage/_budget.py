@@ -861,7 +861,7 @@ class CopyReport:
 
 
 def copy_tree(
-    source: Path,
+    source: Path | int,
     dest: Path,
     *,
     max_bytes: int,
@@ -879,7 +879,8 @@ def copy_tree(
     never leads outside.
 
     Args:
-        source: A directory whose content may be hostile.
+        source: A directory whose content may be hostile, or an open descriptor of one (the
+            caller's, left open): a directory something is mounted over stays readable so.
         dest: An existing directory of the caller's (normally empty).
         max_bytes: Bound on the bytes written.
         max_inodes: Bound on the entries made.
@@ -889,7 +890,8 @@ def copy_tree(
     links: dict[tuple[int, int], str] = {}
     inodes = 0
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECTORY
-    stack: list[tuple[int, str, str]] = [(os.open(source, flags), str(dest), "")]
+    first = os.dup(source) if isinstance(source, int) else os.open(source, flags)
+    stack: list[tuple[int, str, str]] = [(first, str(dest), "")]
     try:
         while stack:
             src_dir, dst_dir, prefix = stack.pop()

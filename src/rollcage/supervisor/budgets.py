@@ -58,7 +58,14 @@ from rollcage.protocol import BudgetName, BudgetUse, RolloutUsage
 from rollcage.supervisor.config import BwrapSandbox
 from rollcage.supervisor.sandbox import RolloutLayout, Scratch
 
-__all__ = ["RolloutBudgets", "owner_tag", "release_leftovers", "sweep_orphans"]
+__all__ = [
+    "MEMORY_DIR",
+    "RolloutBudgets",
+    "owner_tag",
+    "private_parent",
+    "release_leftovers",
+    "sweep_orphans",
+]
 
 logger = logging.getLogger("rollcage.supervisor")
 
@@ -83,6 +90,57 @@ def _owner_gone(name: str) -> bool:
         return False
     info = read_proc(pid)
     return info is None or info.starttime != start
+
+
+MEMORY_DIR = "/dev/shm"
+"""Where private directories go when it is a memory file system with room (:func:`private_parent`)."""
+
+_MEMORY_ROOM_BYTES = 1 << 30
+_TEMP_VARIABLES = ("TMPDIR", "TEMP", "TMP")
+_tmpfs_seen: dict[str, bool] = {}
+
+
+def private_parent() -> str:
+    """The directory supervisors make their private directories in (blocking: a ``statvfs``).
+
+    A private directory stages the worker's view (its input, ``/rollout`` and the mount points
+    bubblewrap makes there), the proxy socket and the bounded file systems' mount points: a dozen
+    entries made and removed per rollout. On the disk that is the rollout directory's file system's
+    work too, and on ext4 without a journal each freed inode makes every later creation in its
+    group scan past it for a minute or more. So: :data:`MEMORY_DIR` when it is a tmpfs with at
+    least 1 GiB free (a container's 64 MiB ``/dev/shm`` is not) and no temporary directory is asked
+    for in the environment (``TMPDIR``, ``TEMP``, ``TMP``: the user's choice wins); otherwise the
+    temporary directory. What is staged there is small (JSON, a socket, empty mount points) but for
+    a worker's ``result.json``, which the sandbox's memory budget counts as it is written.
+    """
+    if any(os.environ.get(name) for name in _TEMP_VARIABLES):
+        return tempfile.gettempdir()
+    memory = MEMORY_DIR
+    if memory not in _tmpfs_seen:
+        _tmpfs_seen[memory] = _is_tmpfs(memory)
+    if _tmpfs_seen[memory]:
+        with contextlib.suppress(OSError):
+            room = os.statvfs(memory)
+            roomy = room.f_bavail * room.f_frsize >= _MEMORY_ROOM_BYTES
+            if roomy and os.access(memory, os.W_OK | os.X_OK):
+                return memory
+    return tempfile.gettempdir()
+
+
+def _is_tmpfs(path: str) -> bool:
+    """``path`` is the mount point of a tmpfs in this process's mount table."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return False
+    wanted, found = path.encode(), False
+    for line in lines:
+        left, _, right = line.partition(b" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) > 4 and fields[4] == wanted:
+            found = tail[:1] == [b"tmpfs"]  # the last mount on a path is the one seen there
+    return found
 
 
 def _size(value: int) -> str:
@@ -179,18 +237,18 @@ class RolloutBudgets:
         return self.config.disk_budgets == "auto" and os.geteuid() == 0
 
     def _mounts(self, *, in_cage: bool) -> Scratch | None:
+        # The workspace as the controller prepared it stays readable under the bounded file system
+        # mounted over it, through this descriptor: copied in from there, never set aside first.
+        prepared = os.open(self.layout.workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            return self._mount_over(prepared, in_cage=in_cage)
+        finally:
+            os.close(prepared)
+
+    def _mount_over(self, prepared: int, *, in_cage: bool) -> Scratch | None:
         config = self.config
         owner = self.owner or (os.getuid(), os.getgid())
         base = self.private_dir / "fs"
-        # The workspace as the controller prepared it, set aside: the bounded file system goes over it.
-        initial = self.private_dir / "workspace-initial"
-        initial.mkdir(mode=0o700)
-        copy_tree(
-            self.layout.workspace,
-            initial,
-            max_bytes=config.workspace_bytes,
-            max_inodes=config.workspace_inodes,
-        )
         # The workspace is mounted at R/workspace itself, so the host sees the agent's files where they
         # always are; /tmp and /dev/shm under the supervisor's own directory.
         bounded = [("workspace", self.layout.workspace, config.workspace_bytes, config.workspace_inodes)]
@@ -217,19 +275,17 @@ class RolloutBudgets:
             self._unmount()
             self.volumes = []
             self.workspace_mount = None
-            shutil.rmtree(initial, ignore_errors=True)
             return None
         workspace = self.workspace_mount = mounted[0]
         for volume in mounted[1:]:
             os.chmod(volume.path, 0o1777)
         report = copy_tree(
-            initial,
+            prepared,
             workspace.path,
             max_bytes=config.workspace_bytes,
             max_inodes=config.workspace_inodes,
             owner=self.owner,
         )
-        shutil.rmtree(initial, ignore_errors=True)
         if report.skipped:
             logger.warning("workspace files over the budget were not copied in: %s", report.skipped)
         if in_cage:
@@ -559,17 +615,19 @@ def _release(record: dict[str, object], layout: RolloutLayout) -> None:
 def _remove_private_dir(private: Path) -> None:
     """A supervisor's private directory, once what it held is released: only what is known, only if empty.
 
-    Its record and a proxy socket are unlinked, and ``workspace-initial`` (a copy of the workspace
-    as the controller prepared it, whose original stays on the disk) is removed; the mount points in
-    ``fs``, ``fs`` and the directory itself are removed with ``rmdir``: a mount point still in use, or
-    anything else found there, keeps them.
+    Its record, a proxy socket and the worker's staged input are unlinked; the worker's ``/rollout``
+    (``root``: what an interrupted worker wrote is not evidence, ``R`` keeps that) and
+    ``workspace-initial`` (a copy of the prepared workspace an earlier version set aside; the original
+    stays on the disk) are removed; the mount points in ``fs``, ``fs`` and the directory itself are
+    removed with ``rmdir``: a mount point still in use, or anything else found there, keeps them.
     """
-    for name in (_PRIVATE_RECORD, "proxy.sock"):
+    for name in (_PRIVATE_RECORD, "proxy.sock", "input.json"):
         with contextlib.suppress(OSError):
             (private / name).unlink()
-    initial = private / "workspace-initial"
-    if initial.is_dir() and not initial.is_symlink() and not os.path.ismount(initial):
-        shutil.rmtree(initial, ignore_errors=True)
+    for name in ("root", "workspace-initial"):
+        tree = private / name
+        if tree.is_dir() and not tree.is_symlink() and not os.path.ismount(tree):
+            shutil.rmtree(tree, ignore_errors=True)
     with contextlib.suppress(OSError):
         for point in (private / "fs").iterdir():
             with contextlib.suppress(OSError):
@@ -627,27 +685,32 @@ def sweep_orphans() -> None:
 
 
 def _orphan_private_dirs() -> list[Path]:
-    """This user's private directories (``rollcage-ROLLOUT-PID.START-*``, temporary directory), maker gone."""
+    """This user's private directories (``rollcage-ROLLOUT-PID.START-*``) whose maker is gone.
+
+    Looked for wherever :func:`private_parent` puts them: the memory file system and the
+    temporary directory (the choice depends on free room and ``TMPDIR`` at each start).
+    """
     owners: dict[str, bool] = {}
     found = []
-    try:
-        with os.scandir(tempfile.gettempdir()) as entries:
-            for entry in entries:
-                match = _OWNED.search(entry.name) if entry.name.startswith("rollcage-") else None
-                if match is None:
-                    continue
-                owner = f"{match.group(1)}.{match.group(2)}"
-                if owner not in owners:
-                    owners[owner] = _owner_gone(entry.name)
-                with contextlib.suppress(OSError):
-                    if (
-                        owners[owner]
-                        and entry.is_dir(follow_symlinks=False)
-                        and entry.stat(follow_symlinks=False).st_uid == os.geteuid()
-                    ):
-                        found.append(Path(entry.path))
-    except OSError:
-        return found
+    for parent in dict.fromkeys([MEMORY_DIR, tempfile.gettempdir()]):
+        try:
+            with os.scandir(parent) as entries:
+                for entry in entries:
+                    match = _OWNED.search(entry.name) if entry.name.startswith("rollcage-") else None
+                    if match is None:
+                        continue
+                    owner = f"{match.group(1)}.{match.group(2)}"
+                    if owner not in owners:
+                        owners[owner] = _owner_gone(entry.name)
+                    with contextlib.suppress(OSError):
+                        if (
+                            owners[owner]
+                            and entry.is_dir(follow_symlinks=False)
+                            and entry.stat(follow_symlinks=False).st_uid == os.geteuid()
+                        ):
+                            found.append(Path(entry.path))
+        except OSError:
+            continue
     return found
 
 

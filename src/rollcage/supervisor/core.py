@@ -45,7 +45,7 @@ import orjson
 from pydantic import ValidationError
 
 from rollcage.cage import launcher
-from rollcage.durable import fsync_directory, publish_json, read_journal, sweep_temp_artifacts
+from rollcage.durable import publish_bytes, publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
 from rollcage.harness import GRACE_ENV, RELAY_FD_ENV, CaptureJournal
 from rollcage.procs import (
@@ -71,7 +71,13 @@ from rollcage.protocol import (
     describe_validation_error,
 )
 from rollcage.supervisor.budgetpolls import watch_budget
-from rollcage.supervisor.budgets import RolloutBudgets, owner_tag, release_leftovers, sweep_orphans
+from rollcage.supervisor.budgets import (
+    RolloutBudgets,
+    owner_tag,
+    private_parent,
+    release_leftovers,
+    sweep_orphans,
+)
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
@@ -373,7 +379,7 @@ class _Supervision:
         private = None
         if self.config.proxy is not None or self.launcher.kind == "bwrap":
             name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:48]
-            private = tempfile.mkdtemp(prefix=f"rollcage-{name}-{owner_tag()}-")
+            private = tempfile.mkdtemp(prefix=f"rollcage-{name}-{owner_tag()}-", dir=private_parent())
         return private, bytecode
 
     def _prepare_budgets(self, budgets: RolloutBudgets, in_cage: bool) -> Scratch:
@@ -460,9 +466,14 @@ class _Supervision:
         if self.config.start_pacing == "cpus" and not await self._wait_turn():
             return
         self.private_dir, bytecode = await asyncio.to_thread(self._make_private_dir)
-        if self.config.proxy is not None:
-            assert self.private_dir is not None
-            self.layout = RolloutLayout(self.layout.root, Path(self.private_dir) / "proxy.sock")
+        if self.private_dir is not None:
+            private = Path(self.private_dir)
+            self.layout = RolloutLayout(
+                self.layout.root,
+                private / "proxy.sock" if self.config.proxy is not None else None,
+                # The worker's view beside the proxy socket: made and removed off the rollout's disk.
+                view=private if self.launcher.kind == "bwrap" else None,
+            )
         env = worker_environment(
             allow=self.config.env_allow, extra=self.config.env, sandbox=self.launcher.kind
         )
@@ -901,6 +912,14 @@ class _Supervision:
             present, result, problem = self._collect_result(self.plan)
             self.result = result
             swept = sum(map(sweep_temp_artifacts, {self.plan.result_dir, layout.root}))
+        if layout.view is not None:
+            # The worker's view, staged in the private directory (which goes with it, once the proxy
+            # socket and the budgets' record are gone: after a killed supervisor, by a later sweep).
+            with contextlib.suppress(OSError):
+                layout.worker_input.unlink()
+            shutil.rmtree(layout.worker_root, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                layout.view.rmdir()
         if self.stop_cause is None and os.path.exists(layout.stop) and self.child is not None:
             # The worker saw the stop file itself (it polls it too) and exited before we acted.
             self.stop_requested = True
@@ -986,20 +1005,23 @@ class _Supervision:
             return False, None, None
         if not stat.S_ISREG(info.st_mode):
             return True, None, "result.json is not a regular file (a link or special file is never followed)"
-        if source != self.layout.result:
-            os.replace(source, self.layout.result)
-            fsync_directory(self.layout.root)
         try:
-            fd = retry_on_emfile(os.open, self.layout.result, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = retry_on_emfile(os.open, source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             with os.fdopen(fd, "rb") as file:
                 # Check the size first: read(n) allocates n bytes up front, whatever the file holds.
                 if os.fstat(file.fileno()).st_size > _MAX_RESULT_BYTES:
-                    return True, None, f"result.json is over {_MAX_RESULT_BYTES} bytes"
+                    return True, None, f"result.json is over {_MAX_RESULT_BYTES} bytes (not kept)"
                 data = file.read()
         except OSError as exc:
             return True, None, f"cannot read result.json: {exc}"
         if len(data) > _MAX_RESULT_BYTES:
-            return True, None, f"result.json is over {_MAX_RESULT_BYTES} bytes"
+            return True, None, f"result.json is over {_MAX_RESULT_BYTES} bytes (not kept)"
+        if source != self.layout.result:
+            # Copied, byte for byte, from the staged view (another file system, as a rule) into R.
+            try:
+                publish_bytes(self.layout.result, data, mode=0o644)
+            except RollcageError as exc:
+                return True, None, f"result.json could not be kept: {exc}"
         try:
             result = WorkerResult.model_validate_json(data)
         except ValidationError as exc:

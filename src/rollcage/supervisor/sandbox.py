@@ -7,13 +7,16 @@ Layout of one rollout under bubblewrap
 ======================================
 
 On the host, the rollout directory ``R`` keeps DESIGN.md's names. The worker
-sees a different, smaller tree; ``R/.sandbox/`` is the supervisor's staging area
-and is removed when the rollout ends::
+sees a different, smaller tree, staged in the supervisor's private directory
+(``<private>``, on a memory file system where there is one: see
+:func:`rollcage.supervisor.budgets.private_parent`); ``R/.sandbox/`` holds what a
+later run needs to clean up after a killed supervisor (the token, the budgets'
+record). Both are removed when the rollout ends::
 
     host                               sandbox                     worker may
     R/input.json                       (not visible)               -          the controller's original
-    R/.sandbox/input.json              /rollout/input.json         read       rewritten: endpoints -> proxy
-    R/.sandbox/root/                   /rollout/                   write      where result.json is published
+    <private>/input.json               /rollout/input.json         read       rewritten: endpoints -> proxy
+    <private>/root/                    /rollout/                   write      where result.json is published
     R/checkpoint.jsonl                 /rollout/checkpoint.jsonl   append     live evidence, in place
     R/resume.jsonl (when resuming)     /rollout/resume.jsonl       read       an earlier attempt's journal
     R/workspace/ (a bounded tmpfs      /rollout/workspace/         write      the agent's working directory
@@ -22,13 +25,13 @@ and is removed when the rollout ends::
                                                                               mounts them in the cage)
     <private>/proxy.sock               /run/rollcage/proxy.sock    connect    the egress proxy
     R/worker.log                       (stdout and stderr)         write      through the inherited fd only
-    R/result.json                      (not visible)               -          moved from R/.sandbox/root/
+    R/result.json                      (not visible)               -          copied from <private>/root/
     R/model_capture.jsonl, R/receipt.json   (not visible)          -          supervisor only
 
 ``/rollout`` itself is a writable directory because ``result.json`` is published
 atomically (temporary file, ``rename``), which needs a writable directory; but
 that directory is a staging area, not ``R``: nothing written there reaches the
-rollout directory except ``result.json``, which the supervisor moves into ``R``
+rollout directory except ``result.json``, which the supervisor copies into ``R``
 after the worker is gone (only if it is a regular file, never through a link).
 ``input.json`` and ``checkpoint.jsonl`` are mount points inside it, so they
 cannot be replaced or renamed. The worker's defaults (checkpoint, stop file and
@@ -121,10 +124,13 @@ class RolloutLayout:
     Attributes:
         root: The rollout directory ``R``.
         proxy_socket: The egress proxy's socket on the host; ``None`` without a proxy.
+        view: Where the worker's view (its ``input.json`` and ``/rollout``) is staged: the
+            supervisor's private directory; ``None``: the staging area in ``R``.
     """
 
     root: Path
     proxy_socket: Path | None = None
+    view: Path | None = None
 
     @property
     def input(self) -> Path:
@@ -144,12 +150,12 @@ class RolloutLayout:
     @property
     def worker_input(self) -> Path:
         """The input as rewritten for the worker's view."""
-        return self.staging / "input.json"
+        return (self.view or self.staging) / "input.json"
 
     @property
     def worker_root(self) -> Path:
         """The writable directory mounted as ``/rollout`` (bwrap only)."""
-        return self.staging / "root"
+        return (self.view or self.staging) / "root"
 
     @property
     def workspace(self) -> Path:

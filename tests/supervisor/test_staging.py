@@ -1,0 +1,155 @@
+"""Where a rollout's files are made: its artifacts on the rollout directory's disk, the rest off it.
+
+A rollout under bubblewrap stages the worker's view (the rewritten ``input.json``, the
+``/rollout`` directory and the mount points bubblewrap makes in it) and the proxy socket
+in the supervisor's private directory, on a memory file system where there is one with
+room (``budgets.private_parent``). The rollout directory gets its artifacts and, while it
+runs, only ``.sandbox/token`` and ``.sandbox/budgets.json``: what a later run needs after
+a killed supervisor. Files made and removed there per rollout are work for its disk (on
+ext4 without a journal, each freed inode slows every later creation near it for a minute).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollcage.policy import PolicyServer
+from rollcage.supervisor import BwrapSandbox, SupervisorConfig, budgets, supervise
+from tests.helpers.supervisor_env import config, fake, make_rollout, requires_bwrap
+from tests.helpers.waiting import wait_for_async
+
+ARTIFACTS = {
+    "input.json",
+    "checkpoint.jsonl",
+    "model_capture.jsonl",
+    "worker.log",
+    "result.json",
+    "receipt.json",
+}
+"""What a rollout leaves in its directory besides ``workspace/`` (DESIGN.md's names)."""
+
+
+@pytest.fixture
+def memory_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment asks for no temporary directory: the private directories' default place applies."""
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _on_memory_fs() -> bool:
+    return budgets.private_parent() == budgets.MEMORY_DIR
+
+
+@requires_bwrap()
+@pytest.mark.bwrap
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start", ["warm", "cold"])
+async def test_the_workers_view_is_staged_off_the_rollout_directory(
+    tmp_path: Path, memory_choice: None, start: str
+) -> None:
+    with PolicyServer({"tasks": {"t": [{"text": "never"}]}}, port=0, faults=["call=1:kind=hang"]) as server:
+        root = make_rollout(tmp_path, model_url=server.base_url)
+        stop = asyncio.Event()
+        settings = SupervisorConfig(deadline_s=120, grace_s=10, sandbox=BwrapSandbox(worker_start=start))  # type: ignore[arg-type]
+        task = asyncio.ensure_future(supervise(root, settings, stop=stop))
+        try:
+            await wait_for_async(lambda: server.faults_injected, what="the worker's first model call")
+            # While the worker runs: in R, only the crash-recovery anchor besides the artifacts.
+            assert sorted(os.listdir(root / ".sandbox")) == ["budgets.json", "token"]
+            private = Path(json.loads((root / ".sandbox" / "budgets.json").read_text())["private_dir"])
+            assert private.parent == Path(budgets.private_parent())
+            assert {"input.json", "root", "proxy.sock"} <= set(os.listdir(private))
+            # bubblewrap's mount points for /rollout's files are made in the staged view, not in R.
+            assert {"input.json", "checkpoint.jsonl", "workspace"} <= set(os.listdir(private / "root"))
+            if _on_memory_fs():
+                assert os.stat(private).st_dev != os.stat(root).st_dev
+        finally:
+            stop.set()
+            receipt = await task
+    assert receipt.outcome == "cancelled" and receipt.result_valid, receipt.outcome_reason
+    # The result was copied out of the staged view; the view and the private directory are gone.
+    assert json.loads((root / "result.json").read_text())["error"]["kind"] == "cancelled"
+    assert set(os.listdir(root)) == ARTIFACTS | {"workspace"}
+    assert private.name not in os.listdir(private.parent)
+
+
+@requires_bwrap()
+@pytest.mark.bwrap
+@pytest.mark.timeout(60)
+async def test_the_prepared_workspace_is_what_the_worker_finds_under_its_bounded_file_system(
+    tmp_path: Path,
+) -> None:
+    root = make_rollout(tmp_path)
+    (root / "workspace" / "task.txt").write_text("the task")
+    (root / "workspace" / "sub").mkdir()
+    (root / "workspace" / "sub" / "data.csv").write_text("a,b\n")
+    (root / "workspace" / "host-file").symlink_to("/etc/hostname")
+    receipt = await supervise(root, config("bwrap", *fake("inventory")))
+    assert receipt.outcome == "completed", receipt.outcome_reason
+    seen = json.loads((root / "workspace" / "inventory.json").read_text())
+    # Copied in (a link stays a link, never the host file it names), nothing else beside it.
+    assert seen == {
+        "host-file": "link:/etc/hostname",
+        "sub": "dir",
+        "sub/data.csv": "file:a,b\n",
+        "task.txt": "file:the task",
+    }
+    mechanism = {use.budget: use.mechanism for use in receipt.budgets}["workspace_bytes"]
+    assert mechanism == ("tmpfs" if os.geteuid() == 0 else "poll")
+    # And back on the disk at the end, with what the worker wrote.
+    assert (root / "workspace" / "task.txt").read_text() == "the task"
+    assert os.readlink(root / "workspace" / "host-file") == "/etc/hostname"
+
+
+@pytest.fixture
+def mount_point() -> Iterator[Path]:
+    """An empty directory to mount a tmpfs on (root only), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where = Path(tempfile.mkdtemp(prefix="rc-mem-"))
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], stderr=subprocess.DEVNULL, check=False)
+        where.rmdir()
+
+
+def test_private_directories_go_to_a_roomy_memory_fs_unless_the_user_chose(
+    mount_point: Path, memory_choice: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(budgets, "MEMORY_DIR", str(mount_point))
+    temp = tempfile.gettempdir()
+    # Not a memory file system (a directory on the disk): the temporary directory.
+    assert budgets.private_parent() == temp
+    # A tmpfs with too little room (a container's /dev/shm): the temporary directory.
+    monkeypatch.setattr(budgets, "_tmpfs_seen", {})
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "rc-small", str(mount_point)], check=True)
+    assert budgets.private_parent() == temp
+    # Room enough (a tmpfs's size is a bound, nothing is taken): there.
+    subprocess.run(["mount", "-o", "remount,size=2g", str(mount_point)], check=True)
+    assert budgets.private_parent() == str(mount_point)
+    # A temporary directory asked for in the environment wins.
+    monkeypatch.setenv("TMPDIR", temp)
+    assert budgets.private_parent() == temp
+
+
+def test_a_gone_supervisors_private_directory_on_the_memory_fs_is_swept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(budgets, "MEMORY_DIR", str(tmp_path))
+    private = tmp_path / "rollcage-r1-1.999999999-abc123"
+    (private / "root" / "workspace").mkdir(parents=True)
+    (private / "root" / "result.json").write_text("{}")
+    (private / "input.json").write_text("{}")
+    (private / "rollout.json").write_text(json.dumps({"private_dir": str(private)}))
+    monkeypatch.setattr(budgets, "_swept", False)  # once per process: this test's sweep is a new one
+    budgets.sweep_orphans()
+    assert not private.exists()
