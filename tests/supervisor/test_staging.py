@@ -7,6 +7,8 @@ room (``budgets.private_parent``). The rollout directory gets its artifacts and,
 runs, only ``.sandbox/token`` and ``.sandbox/budgets.json``: what a later run needs after
 a killed supervisor. Files made and removed there per rollout are work for its disk (on
 ext4 without a journal, each freed inode slows every later creation near it for a minute).
+And few: a prepared workspace is copied into its bounded file system once, from under the
+mount, and back at the end into the same directory, writing only what the agent changed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from rollcage.cage import copy_tree
 from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, budgets, supervise
 from tests.helpers.supervisor_env import config, fake, make_rollout, requires_bwrap
@@ -92,6 +95,7 @@ async def test_the_prepared_workspace_is_what_the_worker_finds_under_its_bounded
     (root / "workspace" / "sub").mkdir()
     (root / "workspace" / "sub" / "data.csv").write_text("a,b\n")
     (root / "workspace" / "host-file").symlink_to("/etc/hostname")
+    inodes = {name: os.stat(root / "workspace" / name).st_ino for name in ("task.txt", "sub/data.csv")}
     receipt = await supervise(root, config("bwrap", *fake("inventory")))
     assert receipt.outcome == "completed", receipt.outcome_reason
     seen = json.loads((root / "workspace" / "inventory.json").read_text())
@@ -104,9 +108,82 @@ async def test_the_prepared_workspace_is_what_the_worker_finds_under_its_bounded
     }
     mechanism = {use.budget: use.mechanism for use in receipt.budgets}["workspace_bytes"]
     assert mechanism == ("tmpfs" if os.geteuid() == 0 else "poll")
-    # And back on the disk at the end, with what the worker wrote.
+    # And back on the disk at the end, with what the worker wrote; what it left alone is the file
+    # the controller prepared, not a copy of it.
     assert (root / "workspace" / "task.txt").read_text() == "the task"
     assert os.readlink(root / "workspace" / "host-file") == "/etc/hostname"
+    if mechanism == "tmpfs":
+        assert {name: os.stat(root / "workspace" / name).st_ino for name in inodes} == inodes
+
+
+def _tree(top: Path) -> dict[str, str]:
+    """Each entry under ``top``: kind, mode bits and content (links as links)."""
+    found = {}
+    for path in sorted(top.rglob("*")):
+        rel, info = str(path.relative_to(top)), path.lstat()
+        if path.is_symlink():
+            found[rel] = "link " + os.readlink(path)
+        elif path.is_dir():
+            found[rel] = f"dir {info.st_mode & 0o7777:o}"
+        else:
+            found[rel] = f"file {info.st_mode & 0o7777:o} {path.read_text()}"
+    return found
+
+
+def test_a_tree_copied_back_over_its_original_writes_only_what_changed(tmp_path: Path) -> None:
+    original, source, fresh = tmp_path / "original", tmp_path / "source", tmp_path / "fresh"
+    for top in (original, source, fresh):
+        top.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("shared")
+    for name, text in [("same.txt", "a"), ("changed.txt", "old"), ("gone.txt", "x"), ("kind", "file")]:
+        (original / name).write_text(text)
+    (original / "gone-dir").mkdir()
+    (original / "gone-dir" / "f").write_text("f")
+    (original / "link").symlink_to("/etc/passwd")
+    os.link(outside, original / "shared.txt")  # another name of a file outside: never written through
+    # What the agent left: one file as it was, others changed, added, replaced by another kind.
+    (source / "same.txt").write_text("a")
+    (source / "changed.txt").write_text("new, longer")
+    (source / "kind").mkdir()
+    (source / "kind" / "inner").write_text("i")
+    (source / "link").symlink_to("/etc/hostname")
+    (source / "shared.txt").write_text("mine")
+    (source / "suid").write_text("s")
+    (source / "suid").chmod(0o4755)
+    (source / "h1").write_text("h")
+    os.link(source / "h1", source / "h2")
+    os.mkfifo(source / "fifo")
+    kept, rewritten = (os.stat(original / name).st_ino for name in ("same.txt", "changed.txt"))
+    into = os.open(original, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        report = copy_tree(source, into, max_bytes=1 << 20, max_inodes=100)
+    finally:
+        os.close(into)
+    copy_tree(source, fresh, max_bytes=1 << 20, max_inodes=100)
+    # The same tree as a copy into an empty directory...
+    assert _tree(original) == _tree(fresh)
+    assert any("fifo" in skipped for skipped in report.skipped)
+    # ...made with what was there: the unchanged file kept, the changed one rewritten in place.
+    assert os.stat(original / "same.txt").st_ino == kept
+    assert os.stat(original / "changed.txt").st_ino == rewritten
+    assert outside.read_text() == "shared" and (original / "shared.txt").read_text() == "mine"
+    assert os.stat(original / "h1").st_ino == os.stat(original / "h2").st_ino
+
+
+def test_a_tree_copied_back_keeps_to_its_bounds_and_leaves_nothing_stale(tmp_path: Path) -> None:
+    original, source = tmp_path / "original", tmp_path / "source"
+    original.mkdir()
+    source.mkdir()
+    (original / "big.bin").write_bytes(b"x" * 10)
+    (source / "big.bin").write_bytes(b"y" * 5000)  # grew past the bound: not kept in its old form either
+    (source / "small.txt").write_text("s")
+    report = copy_tree(source, original, max_bytes=4096, max_inodes=100)
+    assert sorted(os.listdir(original)) == ["small.txt"]
+    assert any(skipped.startswith("big.bin") for skipped in report.skipped)
+    (source / "more").mkdir()
+    report = copy_tree(source, original, max_bytes=1 << 20, max_inodes=2)
+    assert len(os.listdir(original)) == 2 and any("entries" in skipped for skipped in report.skipped)
 
 
 @pytest.fixture

@@ -50,6 +50,7 @@ import functools
 import logging
 import os
 import secrets
+import shutil
 import signal
 import stat
 import time
@@ -862,13 +863,13 @@ class CopyReport:
 
 def copy_tree(
     source: Path | int,
-    dest: Path,
+    dest: Path | int,
     *,
     max_bytes: int,
     max_inodes: int,
     owner: tuple[int, int] | None = None,
 ) -> CopyReport:
-    """Copy the tree ``source`` into the existing directory ``dest``, never following a link (blocking).
+    """Make the directory ``dest`` hold a copy of the tree ``source``, never following a link (blocking).
 
     Regular files, directories and symbolic links (as links) are copied; anything
     else is skipped. Hard links stay hard links (a thousand names of one file cost
@@ -878,88 +879,178 @@ def copy_tree(
     The source is read through directory descriptors, so a link planted in it
     never leads outside.
 
+    ``dest`` is normally empty. What it holds already is made to match the source, as
+    if it had been: an entry the source lacks (or leaves out) is removed, one of another
+    kind replaced, a link with another target made again, a regular file with other
+    bytes rewritten in place (a new file where its inode has other names: never written
+    through), and a file with the same bytes or a link with the same target kept as it
+    is. Copying a tree back over the one it was copied from writes only what changed.
+
     Args:
         source: A directory whose content may be hostile, or an open descriptor of one (the
             caller's, left open): a directory something is mounted over stays readable so.
-        dest: An existing directory of the caller's (normally empty).
-        max_bytes: Bound on the bytes written.
-        max_inodes: Bound on the entries made.
-        owner: ``(uid, gid)`` to give every entry made; ``None``: the caller's.
+        dest: A directory of the caller's, or an open descriptor of one (left open).
+        max_bytes: Bound on the bytes the copy holds.
+        max_inodes: Bound on the entries it holds.
+        owner: ``(uid, gid)`` to give every entry; ``None``: the caller's.
     """
     report = CopyReport()
     links: dict[tuple[int, int], str] = {}
     inodes = 0
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECTORY
-    first = os.dup(source) if isinstance(source, int) else os.open(source, flags)
-    stack: list[tuple[int, str, str]] = [(first, str(dest), "")]
+    stack: list[tuple[int, int, str]] = []
+    top = os.dup(dest) if isinstance(dest, int) else os.open(dest, flags)
     try:
+        first = os.dup(source) if isinstance(source, int) else os.open(source, flags)
+        stack.append((first, os.dup(top), ""))
         while stack:
             src_dir, dst_dir, prefix = stack.pop()
             try:
                 with os.scandir(src_dir) as scan:
                     names = sorted(entry.name for entry in scan)
+                with os.scandir(dst_dir) as scan:
+                    present = {entry.name for entry in scan}
+                for name in present.difference(names):
+                    _remove_entry(dst_dir, name, os.stat(name, dir_fd=dst_dir, follow_symlinks=False))
                 for name in names:
                     rel = f"{prefix}{name}"
-                    target = os.path.join(dst_dir, name)
+                    have = os.stat(name, dir_fd=dst_dir, follow_symlinks=False) if name in present else None
                     if inodes >= max_inodes:
                         report.skip(rel, f"over the bound of {max_inodes} entries")
+                        _remove_entry(dst_dir, name, have)
                         continue
                     try:
                         info = os.stat(name, dir_fd=src_dir, follow_symlinks=False)
                     except OSError as exc:
                         report.skip(rel, str(exc))
+                        _remove_entry(dst_dir, name, have)
                         continue
                     mode = stat.S_IMODE(info.st_mode) & 0o777
                     if stat.S_ISDIR(info.st_mode):
-                        os.mkdir(target, 0o700)
+                        if have is not None and not stat.S_ISDIR(have.st_mode):
+                            _remove_entry(dst_dir, name, have)
+                            have = None
+                        if have is None:
+                            os.mkdir(name, 0o700, dir_fd=dst_dir)
                         inodes += 1
-                        stack.append((os.open(name, flags, dir_fd=src_dir), target, f"{rel}/"))
-                        os.chmod(target, mode | 0o700)
+                        below = os.open(name, flags, dir_fd=src_dir)
+                        try:
+                            into = os.open(name, flags, dir_fd=dst_dir)
+                        except BaseException:
+                            os.close(below)
+                            raise
+                        stack.append((below, into, f"{rel}/"))
+                        os.fchmod(into, mode | 0o700)
                     elif stat.S_ISLNK(info.st_mode):
-                        os.symlink(os.readlink(name, dir_fd=src_dir), target)
+                        target = os.readlink(name, dir_fd=src_dir)
+                        if have is not None and not (
+                            stat.S_ISLNK(have.st_mode) and os.readlink(name, dir_fd=dst_dir) == target
+                        ):
+                            _remove_entry(dst_dir, name, have)
+                            have = None
+                        if have is None:
+                            os.symlink(target, name, dir_fd=dst_dir)
                         inodes += 1
                     elif stat.S_ISREG(info.st_mode):
                         key = (info.st_dev, info.st_ino)
                         if key in links:
-                            os.link(links[key], target, follow_symlinks=False)
+                            _remove_entry(dst_dir, name, have)
+                            os.link(links[key], name, dst_dir_fd=dst_dir, follow_symlinks=False)
                             continue
                         if report.bytes + info.st_size > max_bytes:
                             report.skip(rel, f"{info.st_size} bytes would pass the bound of {max_bytes}")
+                            _remove_entry(dst_dir, name, have)
                             continue
-                        report.bytes += _copy_file(src_dir, name, target, mode, info.st_size)
+                        report.bytes += _copy_file(src_dir, dst_dir, name, have, mode, info.st_size)
                         report.files += 1
                         inodes += 1
                         if info.st_nlink > 1:
-                            links[key] = target
+                            # Named through the top descriptor: the destination may be under a mount.
+                            links[key] = f"/proc/self/fd/{top}/{rel}"
                     else:
                         report.skip(rel, "not a regular file, directory or link")
+                        _remove_entry(dst_dir, name, have)
                         continue
                     if owner is not None:
-                        os.chown(target, *owner, follow_symlinks=False)
+                        os.chown(name, *owner, dir_fd=dst_dir, follow_symlinks=False)
             finally:
                 os.close(src_dir)
+                os.close(dst_dir)
     finally:
-        for src_dir, _, _ in stack:
+        for src_dir, dst_dir, _ in stack:
             os.close(src_dir)
+            os.close(dst_dir)
+        os.close(top)
     return report
 
 
-def _copy_file(src_dir: int, name: str, target: str, mode: int, size: int) -> int:
+def _remove_entry(directory: int, name: str, info: os.stat_result | None) -> None:
+    """Remove ``name`` (whose ``lstat`` is ``info``; ``None``: there is none) in ``directory``.
+
+    A directory goes with its content, never through a link.
+    """
+    if info is None:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(name, dir_fd=directory)
+    else:
+        os.unlink(name, dir_fd=directory)
+
+
+def _copy_file(
+    src_dir: int, dst_dir: int, name: str, have: os.stat_result | None, mode: int, size: int
+) -> int:
+    """Copy the regular file ``name`` (at most ``size`` bytes); the bytes the copy holds.
+
+    A regular file already there with the same bytes is kept; with others it is rewritten in place
+    unless its inode has other names (then it is replaced, so that nothing is written through).
+    """
     src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=src_dir)
     try:
-        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        if have is not None and stat.S_ISREG(have.st_mode) and have.st_nlink == 1:
+            dst = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dst_dir)
+            try:
+                if have.st_size == size and _same_bytes(src, dst, size):
+                    if stat.S_IMODE(have.st_mode) != mode:
+                        os.fchmod(dst, mode)
+                    return size
+                os.lseek(src, 0, os.SEEK_SET)
+                os.ftruncate(dst, 0)
+                os.lseek(dst, 0, os.SEEK_SET)
+                return _write_copy(src, dst, mode, size)
+            finally:
+                os.close(dst)
+        _remove_entry(dst_dir, name, have)
+        create = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        dst = os.open(name, create, 0o600, dir_fd=dst_dir)
         try:
-            copied = 0
-            # At most the size seen: a file that grows meanwhile (a survivor) cannot pass the bound.
-            while copied < size and (chunk := os.read(src, min(1 << 20, size - copied))):
-                os.write(dst, chunk)
-                copied += len(chunk)
-            os.fchmod(dst, mode)
-            return copied
+            return _write_copy(src, dst, mode, size)
         finally:
             os.close(dst)
     finally:
         os.close(src)
+
+
+def _write_copy(src: int, dst: int, mode: int, size: int) -> int:
+    copied = 0
+    # At most the size seen: a file that grows meanwhile (a survivor) cannot pass the bound.
+    while copied < size and (chunk := os.read(src, min(1 << 20, size - copied))):
+        os.write(dst, chunk)
+        copied += len(chunk)
+    os.fchmod(dst, mode)
+    return copied
+
+
+def _same_bytes(first: int, second: int, size: int) -> bool:
+    """The two files' first ``size`` bytes are equal, and ``second`` holds no more."""
+    seen = 0
+    while seen < size:
+        want = min(1 << 20, size - seen)
+        chunk = os.read(first, want)
+        if not chunk or chunk != os.read(second, len(chunk)):
+            return False
+        seen += len(chunk)
+    return not os.read(second, 1)
 
 
 def unique_name(prefix: str) -> str:

@@ -183,6 +183,7 @@ class RolloutBudgets:
         self.breach: tuple[BudgetName, str] | None = None
         self.copy_problem: str | None = None
         self._sandbox_root: str | None = None
+        self._prepared: int | None = None
         self._memory_peak: int | None = None
         self._processes_peak: int | None = None
         self._cpu_ns: int | None = None
@@ -241,9 +242,15 @@ class RolloutBudgets:
         # mounted over it, through this descriptor: copied in from there, never set aside first.
         prepared = os.open(self.layout.workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            return self._mount_over(prepared, in_cage=in_cage)
-        finally:
+            scratch = self._mount_over(prepared, in_cage=in_cage)
+        except BaseException:
             os.close(prepared)
+            raise
+        if scratch is None:
+            os.close(prepared)
+        else:
+            self._prepared = prepared  # the agent's files go back into it at the end (_copy_out)
+        return scratch
 
     def _mount_over(self, prepared: int, *, in_cage: bool) -> Scratch | None:
         config = self.config
@@ -442,6 +449,9 @@ class RolloutBudgets:
             self._check(final=True)
         if self.workspace_mount is not None:
             self._copy_out(self.workspace_mount)
+        if self._prepared is not None:
+            os.close(self._prepared)
+            self._prepared = None
         self._unmount()
         for volume in self.volumes:
             volume.close()
@@ -461,20 +471,39 @@ class RolloutBudgets:
 
     def _copy_out(self, volume: TmpfsVolume) -> None:
         config = self.config
+        prepared, self._prepared = self._prepared, None
         try:
-            skipped = _settle_workspace(
-                volume.path,
-                self.layout.staging,
-                max_bytes=config.workspace_bytes,
-                max_inodes=config.workspace_inodes,
-                owner=self.owner,
-            )
+            if prepared is None:
+                skipped = _settle_workspace(
+                    volume.path,
+                    self.layout.staging,
+                    max_bytes=config.workspace_bytes,
+                    max_inodes=config.workspace_inodes,
+                    owner=self.owner,
+                )
+            else:
+                # Into the prepared workspace under the mount, which stays until the copy is whole (a
+                # killed supervisor's sweep copies it again, _settle_workspace): what the agent left
+                # unchanged stays as it is on the disk, only what it changed is written.
+                report = copy_tree(
+                    volume.path,
+                    prepared,
+                    max_bytes=config.workspace_bytes,
+                    max_inodes=config.workspace_inodes,
+                    owner=self.owner,
+                )
+                if self.owner is not None:
+                    os.fchown(prepared, *self.owner)
+                unmount(volume.path)
+                skipped = report.skipped
         except OSError as exc:
             self.copy_problem = f"the workspace could not be copied back: {exc}"
             logger.error("rollout %s: %s", self.layout.root.name, self.copy_problem)
             return
         finally:
             volume.mounted = False
+            if prepared is not None:
+                os.close(prepared)
         if skipped:
             self.copy_problem = "not copied back: " + "; ".join(skipped)
 
