@@ -26,6 +26,7 @@ import pytest
 from rollcage.cage import copy_tree
 from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, budgets, supervise
+from rollcage.supervisor.sandbox import RolloutLayout
 from tests.helpers.supervisor_env import config, fake, make_rollout, requires_bwrap
 from tests.helpers.waiting import wait_for_async
 
@@ -230,3 +231,35 @@ def test_a_gone_supervisors_private_directory_on_the_memory_fs_is_swept(
     monkeypatch.setattr(budgets, "_swept", False)  # once per process: this test's sweep is a new one
     budgets.sweep_orphans()
     assert not private.exists()
+
+
+def test_a_copy_back_cut_short_is_redone_from_the_mount_by_the_next_run(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    root = make_rollout(tmp_path)
+    workspace = root / "workspace"
+    for name in ("kept.txt", "changed.txt", "deleted.txt"):
+        (workspace / name).write_text("prepared")
+    under = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "rc-test-ws", str(workspace)], check=True)
+    try:
+        # What the agent left in its bounded workspace.
+        (workspace / "kept.txt").write_text("prepared")
+        (workspace / "changed.txt").write_text("the agent's")
+        (workspace / "new.txt").write_text("the agent's")
+        # The supervisor was killed one entry into copying it back into the prepared workspace.
+        copy_tree(workspace, under, max_bytes=1 << 20, max_inodes=1)
+        (root / ".sandbox").mkdir()
+        record = {"mounts": [str(workspace)], "workspace_bounds": [1 << 20, 100], "owner": None}
+        (root / ".sandbox" / "budgets.json").write_text(json.dumps(record))
+        budgets.release_leftovers(RolloutLayout(root))
+        released = not os.path.ismount(workspace)
+    finally:
+        os.close(under)
+        subprocess.run(["umount", "-l", str(workspace)], stderr=subprocess.DEVNULL, check=False)
+    assert released, "the mount was left"
+    assert {path.name: path.read_text() for path in workspace.iterdir()} == {
+        "changed.txt": "the agent's",
+        "kept.txt": "prepared",
+        "new.txt": "the agent's",
+    }
