@@ -241,6 +241,17 @@ async def test_a_pidfd_child_is_awaited_reaped_and_reported_as_a_shell_would() -
     assert codes == [3, 128 + signal.SIGKILL]
 
 
+async def test_how_a_pidfd_child_ended_is_seen_without_reaping_it() -> None:
+    child = _held_child("import signal; signal.pause()")
+    assert child.exited() is None, "seen as ended while it runs"
+    child.kill()
+    await asyncio.wait_for(child.wait(), 30)
+    assert child.exited() == 128 + signal.SIGKILL
+    # Looked at, not reaped: its zombie (and so its PID) is still this process's to reap.
+    assert not child.reaped and not reaped(child.pid)
+    assert child.reap() == 128 + signal.SIGKILL and reaped(child.pid)
+
+
 async def test_an_abandoned_child_is_killed_and_reaped_by_a_later_sweep() -> None:
     child = _held_child("import signal; signal.pause()")
     handle = child.handle()

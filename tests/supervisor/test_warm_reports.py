@@ -160,3 +160,51 @@ async def test_a_start_whose_worker_fails_before_its_template_names_it_still_rea
         start.close()
         holder.kill()
         await asyncio.to_thread(holder.wait)
+
+
+async def test_a_start_whose_worker_died_without_a_word_says_how_it_died() -> None:
+    """A worker killed before it reported (its cgroup killed, its PID namespace ended): the failure
+    says so, and the start still reaps it."""
+    from rollcage.supervisor import warm
+    from rollcage.warm import WarmRequest
+
+    start = warm.WarmStart()
+    holder = _holder(start)
+    start.spawned()
+    forked: list[int] = []
+
+    class Template(warm.Template):
+        """Forks a 'worker' that is killed before it says anything, and names it once it is dead."""
+
+        async def send(self, request: WarmRequest, fds: Sequence[int]) -> None:
+            with socket.socket(fileno=os.dup(fds[1])) as channel:
+                forked.append(_dying_worker(channel))
+                pidfd = os.pidfd_open(forked[0])
+                await wait_for_async(lambda: _exited(pidfd), what="the worker's death")
+                socket.send_fds(channel, [f"pid {forked[0]}".encode()], [pidfd])
+                os.close(pidfd)
+
+    try:
+        request = WarmRequest(argv=[], env={}, cwd="/", uid=0, gid=0)
+        worker = await start.start(Template(None), request, log_fd=2, marked="ROLE=holder", timeout_s=30)
+        assert worker is None
+        words = "no report (its worker was killed by SIGKILL before it spoke)"
+        assert start.failure == f"the warm start failed: {words}"
+        await asyncio.wait_for(start.relay(), 30)
+        assert reaped(forked[0])
+    finally:
+        start.close()
+        holder.kill()
+        await asyncio.to_thread(holder.wait)
+
+
+def _dying_worker(channel: socket.socket) -> int:
+    """A child holding its copy of ``channel`` (as a real worker) that is SIGKILLed before a word; its PID."""
+    os.set_inheritable(channel.fileno(), True)
+    code = "import os; os.kill(os.getpid(), 9)"
+    return os.posix_spawn(sys.executable, [sys.executable, "-c", code], dict(os.environ))
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` (a child) has exited, leaving it unreaped."""
+    return os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None

@@ -60,6 +60,11 @@ def signal_name(number: int) -> str:
         return f"SIG{number}"
 
 
+def _shell_code(info: os.waitid_result) -> int:
+    """A ``waitid`` result as a shell reports it: the exit code, or 128 + N for signal N."""
+    return info.si_status if info.si_code == os.CLD_EXITED else 128 + info.si_status
+
+
 class PidfdChild:
     """A child of this process known by the pidfd the kernel made at its fork (``CLONE_PIDFD``).
 
@@ -122,9 +127,17 @@ class PidfdChild:
         os.close(self._fd)
         self._fd = None
         started_children.discard(self.pid)
-        if info is None:
+        return None if info is None else _shell_code(info)
+
+    def exited(self) -> int | None:
+        """Its exit code as :meth:`reap` reports it if it has exited, without reaping it; else ``None``."""
+        if self._fd is None:
             return None
-        return info.si_status if info.si_code == os.CLD_EXITED else 128 + info.si_status
+        try:
+            info = os.waitid(os.P_PIDFD, self._fd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except OSError:
+            return None
+        return None if info is None else _shell_code(info)
 
     @property
     def reaped(self) -> bool:

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -312,6 +313,19 @@ def _settle_leftovers() -> None:
     reap_abandoned()
 
 
+def _silence(worker: PidfdChild | None) -> str:
+    """Why a start heard nothing from its worker, as far as this process can tell (for its failure)."""
+    if worker is None:
+        return "the template named no worker"
+    code = worker.exited()
+    if code is None:
+        return "its worker was still running"
+    if code > 128:
+        with contextlib.suppress(ValueError):
+            return f"its worker was killed by {signal.Signals(code - 128).name} before it spoke"
+    return f"its worker exited with {code} before it spoke"
+
+
 class WarmStart:
     """One rollout's warm start: the pipes bwrap's holder, the template and the worker speak on.
 
@@ -382,7 +396,7 @@ class WarmStart:
         if reports.verdict != b"ok" or reports.worker is None:
             words = (reports.verdict or b"").decode(errors="replace").partition(" ")[2]
             self.mount_refused = words.startswith("mount: ")
-            words = words.removeprefix("mount: ") or "no report"
+            words = words.removeprefix("mount: ") or f"no report ({_silence(reports.worker)})"
             self.failure = self.failure or f"the warm start failed: {words}"
             return None
         return reports.worker.handle()
