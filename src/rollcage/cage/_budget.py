@@ -1007,11 +1007,15 @@ def _copy_file(
     """
     src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=src_dir)
     try:
-        if have is not None and stat.S_ISREG(have.st_mode) and have.st_nlink == 1:
-            dst = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dst_dir)
+        alone = have if have is not None and stat.S_ISREG(have.st_mode) and have.st_nlink == 1 else None
+        dst = -1
+        if alone is not None:
+            with contextlib.suppress(PermissionError):  # a read-only file, without root: replaced
+                dst = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dst_dir)
+        if alone is not None and dst >= 0:
             try:
-                if have.st_size == size and _same_bytes(src, dst, size):
-                    if stat.S_IMODE(have.st_mode) != mode:
+                if alone.st_size == size and _same_bytes(src, dst, size):
+                    if stat.S_IMODE(alone.st_mode) != mode:
                         os.fchmod(dst, mode)
                     return size
                 os.lseek(src, 0, os.SEEK_SET)
