@@ -902,7 +902,12 @@ def copy_tree(
     top = os.dup(dest) if isinstance(dest, int) else os.open(dest, flags)
     try:
         first = os.dup(source) if isinstance(source, int) else os.open(source, flags)
-        stack.append((first, os.dup(top), ""))
+        try:
+            into = os.dup(top)
+        except BaseException:
+            os.close(first)
+            raise
+        stack.append((first, into, ""))
         while stack:
             src_dir, dst_dir, prefix = stack.pop()
             try:
