@@ -39,6 +39,7 @@ from rollcage.procs._handles import (
     read_ready,
     reap_abandoned,
     signal_group,
+    signal_name,
     wait_for_children_by_pidfd,
     wait_readable,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "scan_processes",
     "shielded",
     "signal_group",
+    "signal_name",
     "stop_tree",
     "subtree",
     "tree_of",

@@ -64,6 +64,7 @@ __all__ = [
     "owner_tag",
     "private_parent",
     "release_leftovers",
+    "remove_staged_view",
     "sweep_orphans",
 ]
 
@@ -641,6 +642,20 @@ def _release(record: dict[str, object], layout: RolloutLayout) -> None:
         _remove_private_dir(Path(private))
 
 
+def remove_staged_view(layout: RolloutLayout) -> None:
+    """Remove the worker's view staged in ``layout.view`` (its input and ``/rollout``), if there is one.
+
+    What the worker wrote there is not evidence (``R`` keeps that); never through a link or a mount.
+    """
+    if layout.view is None:
+        return
+    with contextlib.suppress(OSError):
+        layout.worker_input.unlink()
+    root = layout.worker_root
+    if root.is_dir() and not root.is_symlink() and not os.path.ismount(root):
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _remove_private_dir(private: Path) -> None:
     """A supervisor's private directory, once what it held is released: only what is known, only if empty.
 
@@ -650,13 +665,13 @@ def _remove_private_dir(private: Path) -> None:
     stays on the disk) are removed; the mount points in ``fs``, ``fs`` and the directory itself are
     removed with ``rmdir``: a mount point still in use, or anything else found there, keeps them.
     """
-    for name in (_PRIVATE_RECORD, "proxy.sock", "input.json"):
+    for name in (_PRIVATE_RECORD, "proxy.sock"):
         with contextlib.suppress(OSError):
             (private / name).unlink()
-    for name in ("root", "workspace-initial"):
-        tree = private / name
-        if tree.is_dir() and not tree.is_symlink() and not os.path.ismount(tree):
-            shutil.rmtree(tree, ignore_errors=True)
+    remove_staged_view(RolloutLayout(private, view=private))
+    initial = private / "workspace-initial"
+    if initial.is_dir() and not initial.is_symlink() and not os.path.ismount(initial):
+        shutil.rmtree(initial, ignore_errors=True)
     with contextlib.suppress(OSError):
         for point in (private / "fs").iterdir():
             with contextlib.suppress(OSError):

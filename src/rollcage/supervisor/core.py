@@ -76,6 +76,7 @@ from rollcage.supervisor.budgets import (
     owner_tag,
     private_parent,
     release_leftovers,
+    remove_staged_view,
     sweep_orphans,
 )
 from rollcage.supervisor.bytecode import worker_bytecode
@@ -913,11 +914,9 @@ class _Supervision:
             self.result = result
             swept = sum(map(sweep_temp_artifacts, {self.plan.result_dir, layout.root}))
         if layout.view is not None:
-            # The worker's view, staged in the private directory (which goes with it, once the proxy
-            # socket and the budgets' record are gone: after a killed supervisor, by a later sweep).
-            with contextlib.suppress(OSError):
-                layout.worker_input.unlink()
-            shutil.rmtree(layout.worker_root, ignore_errors=True)
+            # The private directory goes with its staged view, once the proxy socket and the budgets'
+            # record are gone too (after a killed supervisor: by a later sweep).
+            remove_staged_view(layout)
             with contextlib.suppress(OSError):
                 layout.view.rmdir()
         if self.stop_cause is None and os.path.exists(layout.stop) and self.child is not None:

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -39,6 +38,7 @@ from rollcage.procs import (
     environ_has,
     read_proc,
     reap_abandoned,
+    signal_name,
     wait_readable,
     within,
 )
@@ -321,8 +321,7 @@ def _silence(worker: PidfdChild | None) -> str:
     if code is None:
         return "its worker was still running"
     if code > 128:
-        with contextlib.suppress(ValueError):
-            return f"its worker was killed by {signal.Signals(code - 128).name} before it spoke"
+        return f"its worker was killed by {signal_name(code - 128)} before it spoke"
     return f"its worker exited with {code} before it spoke"
 
 
