@@ -50,6 +50,13 @@ machine, compare the two systems only where the load was alike.
     .venv/bin/python bench/peers.py --quick              # instant and c64 with fewer tasks, ~2 min
                                                          # (start-up weighs more than in a full run)
     .venv/bin/python bench/peers.py --scenario c256 --system rollcage
+    .venv/bin/python bench/peers.py --rounds 3           # each scenario 3 times, the systems in turn
+
+With ``--rounds K`` each scenario runs K times, the two systems back to back in each round
+and the first of one round the last of the next; the ratios and targets are taken from the
+rounds pooled (sums of CPU, tasks and wall; the worst peak PSS and first result), and the CPU
+ratio is also printed round by round: on a machine whose neighbours come and go, one round's
+ratio moves by more than the difference being measured.
 """
 
 from __future__ import annotations
@@ -113,6 +120,8 @@ class Run:
     tasks: int
     concurrency: int
     latency_s: float
+    round_index: int = 1
+    """Which round of ``--rounds`` this was; 0 for the rounds pooled (:func:`pooled`)."""
     wall_s: float = 0.0
     cpu_s: float = 0.0
     """The tree's CPU: cpuacct where available, else rusage."""
@@ -143,6 +152,42 @@ class Run:
     @property
     def pss_per_rollout_mb(self) -> float:
         return self.peak_pss_mb / self.concurrency
+
+
+def pooled(runs: list[Run]) -> Run:
+    """Rounds of one system and scenario as one run: their sums, and their worst peaks and first result.
+
+    CPU per rollout and throughput are then the rounds' totals over their tasks and walls, so a
+    round on a busier machine weighs as much as its tasks, no more.
+    """
+    first = runs[0]
+    firsts = [r.first_result_s for r in runs]
+    mains = [r.main_cpu_s for r in runs]
+    return Run(
+        first.system,
+        first.scenario,
+        sum(r.tasks for r in runs),
+        first.concurrency,
+        first.latency_s,
+        round_index=0,
+        wall_s=sum(r.wall_s for r in runs),
+        cpu_s=sum(r.cpu_s for r in runs),
+        rusage_cpu_s=sum(r.rusage_cpu_s for r in runs),
+        main_cpu_s=None if None in mains else sum(m for m in mains if m is not None),
+        peak_pss_mb=max(r.peak_pss_mb for r in runs),
+        peak_processes=max(r.peak_processes for r in runs),
+        pss_samples=sum(r.pss_samples for r in runs),
+        first_result_s=None if None in firsts else max(f for f in firsts if f is not None),
+        finished=sum(r.finished for r in runs),
+        correct=sum(r.correct for r in runs),
+        infra_failures=sum(r.infra_failures for r in runs),
+        server_cpu_s=sum(r.server_cpu_s for r in runs),
+        model_requests=sum(r.model_requests for r in runs),
+        exit_code=max((r.exit_code for r in runs if r.exit_code is not None), default=None),
+        load_before=first.load_before,
+        load_after=runs[-1].load_after,
+        notes=[note for r in runs for note in r.notes],
+    )
 
 
 # ----------------------------------------------------------------------------- the meter
@@ -518,6 +563,7 @@ def print_table(runs: list[Run], alone: dict[tuple[str, float], float | None]) -
     """Every run, one row each."""
     columns = [
         ("scenario", 9),
+        ("round", 5),
         ("system", 13),
         ("N", 4),
         ("C", 4),
@@ -542,6 +588,7 @@ def print_table(runs: list[Run], alone: dict[tuple[str, float], float | None]) -
         rusage_ms = 1000 * r.rusage_cpu_s / r.tasks
         cells = [
             r.scenario,
+            r.round_index or "all",
             r.system,
             r.tasks,
             r.concurrency,
@@ -567,10 +614,17 @@ def print_table(runs: list[Run], alone: dict[tuple[str, float], float | None]) -
 
 
 def print_ratios_and_targets(runs: list[Run], alone: dict[tuple[str, float], float | None]) -> None:
-    """rollcage / Inspect per scenario, then issue 16's targets and whether each is met."""
-    by = {(r.system, r.scenario): r for r in runs}
+    """rollcage / Inspect per scenario (rounds pooled), then issue 16's targets and whether each is met."""
+    rounds: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        rounds.setdefault((r.system, r.scenario), []).append(r)
+    by = {key: group[0] if len(group) == 1 else pooled(group) for key, group in rounds.items()}
     scenarios = [s for s in SCENARIOS if ("rollcage", s) in by]
-    print("\nrollcage / Inspect AI (same run):")
+    several = any(len(group) > 1 for group in rounds.values())
+    if several:
+        print("\npooled over the rounds (sums; the worst peak and first result):")
+        print_table(list(by.values()), alone)
+    print(f"\nrollcage / Inspect AI (same run{', rounds pooled' if several else ''}):")
     print(f"{'scenario':>9}  {'throughput':>10}  {'CPU/rollout':>11}  {'peak PSS':>8}  {'first result':>12}")
     for s in scenarios:
         rc, ins = by[("rollcage", s)], by.get(("inspect", s))
@@ -586,6 +640,18 @@ def print_ratios_and_targets(runs: list[Run], alone: dict[tuple[str, float], flo
             f"{s:>9}  "
             + "  ".join(f"{_fmt(c, '.2f') + 'x':>{w}}" for c, w in zip(cells, (10, 11, 8, 12), strict=True))
         )
+    if several:
+        # Each round ran both systems back to back (alternating which went first), so a round's
+        # ratio compares the two under the same neighbours; their spread is the run's noise.
+        print("\nCPU per rollout, rollcage / Inspect AI, round by round:")
+        for s in scenarios:
+            pairs = zip(rounds[("rollcage", s)], rounds.get(("inspect", s), []), strict=False)
+            ratios = [_ratio(a.cpu_ms_per_rollout, b.cpu_ms_per_rollout) for a, b in pairs]
+            known = [x for x in ratios if x is not None]
+            if known:
+                under = sum(x <= 1.0 for x in known)
+                spread = f"   (min {min(known):.2f}x, max {max(known):.2f}x, {under}/{len(known)} <= 1)"
+                print(f"{s:>9}  " + "  ".join(f"{_fmt(x, '.2f')}x" for x in ratios) + spread)
 
     print("\nissue 16 targets (rollcage):")
     rows: list[tuple[str, str, bool | None]] = []
@@ -678,12 +744,21 @@ def main() -> None:
     )
     parser.add_argument("--tasks", type=int, help="override N of every scenario")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each scenario this many times, the systems in turn (the first of one round is the last of"
+        " the next), and pool the rounds; default 1",
+    )
+    parser.add_argument(
         "--alone-runs", type=int, default=3, help="runs of one task alone (median; default 3)"
     )
     parser.add_argument("--sample-interval", type=float, default=0.5, help="PSS sampling period, s")
     parser.add_argument("--json", type=Path, help="also write every run's numbers here")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     if not ROLLCAGE.exists():
         raise SystemExit(f"{ROLLCAGE} is missing: run `make test` (or create .venv) first")
@@ -727,21 +802,28 @@ def main() -> None:
                     alone[(system, scenario.latency_s)] = _alone(
                         system, scenario.latency_s, alone_runs, common
                     )
-                run = run_once(
-                    system,
-                    key,
-                    tasks=tasks,
-                    concurrency=scenario.concurrency,
-                    latency_s=scenario.latency_s,
-                    **common,
-                )
-                runs.append(run)
-                print(
-                    f"  {system} {key}: {run.tasks} tasks in {run.wall_s:.1f} s ({run.throughput:.2f}/s), "
-                    f"{run.cpu_ms_per_rollout:.0f} ms CPU/rollout, peak PSS {run.peak_pss_mb:.0f} MB, "
-                    f"infra failures {run.infra_failures}, load {run.load_before} -> {run.load_after}",
-                    flush=True,
-                )
+            for index in range(1, args.rounds + 1):
+                # Alternating who goes first (ABBA), so a drift in the machine's load over a scenario
+                # falls on both systems alike.
+                for system in systems if index % 2 else systems[::-1]:
+                    run = run_once(
+                        system,
+                        key,
+                        tasks=tasks,
+                        concurrency=scenario.concurrency,
+                        latency_s=scenario.latency_s,
+                        **common,
+                    )
+                    run.round_index = index
+                    runs.append(run)
+                    label = f" round {index}" if args.rounds > 1 else ""
+                    print(
+                        f"  {system} {key}{label}: {run.tasks} tasks in {run.wall_s:.1f} s "
+                        f"({run.throughput:.2f}/s), "
+                        f"{run.cpu_ms_per_rollout:.0f} ms CPU/rollout, peak PSS {run.peak_pss_mb:.0f} MB, "
+                        f"infra failures {run.infra_failures}, load {run.load_before} -> {run.load_after}",
+                        flush=True,
+                    )
     finally:
         if args.keep:
             print(f"runs kept in {work}")
