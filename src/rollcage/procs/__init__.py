@@ -27,6 +27,7 @@ Stopping a child the way the executors do::
 
 from rollcage.procs._cancel import AsyncClosing, first_of, shielded, wait_shared, within
 from rollcage.procs._handles import (
+    CREDENTIALS_SPACE,
     ChildProcess,
     ExitStatus,
     PidfdChild,
@@ -40,6 +41,7 @@ from rollcage.procs._handles import (
     reap_abandoned,
     signal_group,
     signal_name,
+    unpack_ancillary,
     wait_for_children_by_pidfd,
     wait_readable,
 )
@@ -60,6 +62,7 @@ from rollcage.procs._table import (
 )
 
 __all__ = [
+    "CREDENTIALS_SPACE",
     "AsyncClosing",
     "ChildProcess",
     "ExitStatus",
@@ -94,6 +97,7 @@ __all__ = [
     "stop_tree",
     "subtree",
     "tree_of",
+    "unpack_ancillary",
     "wait_for_children_by_pidfd",
     "wait_readable",
     "wait_shared",

@@ -12,12 +12,15 @@ Everything here acts on *verified* processes only:
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import errno
 import os
 import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -28,6 +31,7 @@ from rollcage.procs._cancel import first_of
 from rollcage.procs._table import ProcInfo, read_proc, started_children
 
 __all__ = [
+    "CREDENTIALS_SPACE",
     "ChildProcess",
     "ExitStatus",
     "PidHandle",
@@ -41,6 +45,7 @@ __all__ = [
     "reap_abandoned",
     "signal_group",
     "signal_name",
+    "unpack_ancillary",
     "wait_for_children_by_pidfd",
     "wait_readable",
 ]
@@ -292,6 +297,23 @@ def _status_from_siginfo(info: os.waitid_result) -> ExitStatus:
     if info.si_code == os.CLD_EXITED:
         return ExitStatus(code=info.si_status, signal=None)
     return ExitStatus(code=None, signal=info.si_status)
+
+
+_UCRED = struct.Struct("iII")
+CREDENTIALS_SPACE = socket.CMSG_SPACE(_UCRED.size)
+"""Ancillary room for one ``SCM_CREDENTIALS`` (the sender's PID, uid and gid; ``SO_PASSCRED`` on)."""
+
+
+def unpack_ancillary(ancillary: list[tuple[int, int, bytes]]) -> tuple[list[int], int]:
+    """(descriptors, sender's PID in this namespace, 0 if unknown) of a message's ancillary data."""
+    fds: list[int] = []
+    sender = 0
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += array.array("i", payload[: len(payload) - len(payload) % 4])
+        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            sender = _UCRED.unpack(payload[: _UCRED.size])[0]
+    return fds, sender
 
 
 async def wait_readable(fd: int) -> None:

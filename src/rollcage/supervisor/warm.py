@@ -19,13 +19,11 @@ template; the worker is named by a pidfd the kernel made at its fork
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import logging
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -33,12 +31,14 @@ from collections.abc import Callable, Sequence
 
 from rollcage.errors import SupervisorError
 from rollcage.procs import (
+    CREDENTIALS_SPACE,
     PidfdChild,
     PidHandle,
     environ_has,
     read_proc,
     reap_abandoned,
     signal_name,
+    unpack_ancillary,
     wait_readable,
     within,
 )
@@ -48,7 +48,6 @@ __all__ = ["Template", "WarmStart", "cage_mounts", "refuse_cage_mounts", "stop_t
 
 logger = logging.getLogger("rollcage.supervisor")
 
-_UCRED = struct.Struct("iII")
 _REPORT_MAX = 4096
 _MAX_ROOTS = 4
 
@@ -248,7 +247,7 @@ class _Reports:
                 return
             except OSError:
                 data, ancillary = b"", []
-            fds, sender = _unpack(ancillary)
+            fds, sender = unpack_ancillary(ancillary)
             if not data and not fds:
                 self.ended = True
                 return
@@ -274,19 +273,7 @@ class _Reports:
         self.roots = []
 
 
-_ANCILLARY = socket.CMSG_SPACE(_MAX_ROOTS * 4) + socket.CMSG_SPACE(_UCRED.size)
-
-
-def _unpack(ancillary: list[tuple[int, int, bytes]]) -> tuple[list[int], int]:
-    """(descriptors, sender's PID in this namespace, 0 if unknown) of a message's ancillary data."""
-    fds: list[int] = []
-    sender = 0
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds += array.array("i", payload[: len(payload) - len(payload) % 4])
-        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-            sender = _UCRED.unpack(payload[: _UCRED.size])[0]
-    return fds, sender
+_ANCILLARY = socket.CMSG_SPACE(_MAX_ROOTS * 4) + CREDENTIALS_SPACE
 
 
 _unsettled: list[_Reports] = []
@@ -469,9 +456,9 @@ class WarmStart:
         while True:
             await wait_readable(fd)
             try:
-                data, ancillary, _, _ = self._ready.recvmsg(16, socket.CMSG_SPACE(_UCRED.size))
+                data, ancillary, _, _ = self._ready.recvmsg(16, CREDENTIALS_SPACE)
             except BlockingIOError:
                 continue
             if not data:
                 return None
-            return _unpack(ancillary)[1] or None
+            return unpack_ancillary(ancillary)[1] or None
