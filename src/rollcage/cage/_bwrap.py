@@ -128,13 +128,17 @@ class Limits:
         """``prlimit`` options for these limits."""
         return [f"{flag}={value}" for flag, _, value in self._set()]
 
+    def rlimits(self) -> list[tuple[int, int]]:
+        """``(RLIMIT_*, value)`` of each limit that is set (soft and hard alike)."""
+        return [(which, value) for _, which, value in self._set()]
+
     def apply(self) -> None:
         """Set these limits on this process, as ``prlimit`` would before the command (soft = hard).
 
         Raises:
             OSError: A limit could not be set (above a hard limit this process cannot raise).
         """
-        for _, which, value in self._set():
+        for which, value in self.rlimits():
             resource.setrlimit(which, (value, value))
 
 
