@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rollcage.cage import (
+    CAGE_ENV,
     JOIN,
     MOUNT_NS,
     PID_NS,
@@ -76,6 +77,7 @@ from rollcage.cage import (
     setns,
     show_process,
 )
+from rollcage.tools import ExecutorTemplateLink, adopt_executor_template
 
 __all__ = ["MAX_REQUEST_BYTES", "REQUEST_FDS", "WarmRequest", "template_main"]
 
@@ -183,9 +185,14 @@ def _say(fd: int, text: str) -> None:
         os.write(fd, text.encode(errors="replace"))
 
 
+_executors = ExecutorTemplateLink()
+"""The executor template beside this one (started with the first worker that can use it)."""
+
+
 def _start(message: bytes, fds: list[int], *, home: int, listening: int, modules: frozenset[str]) -> None:
     """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
     holder, report, log = fds
+    channel = _link(message)
     try:
         setns(holder, PID_NS)
     except OSError as exc:
@@ -199,12 +206,32 @@ def _start(message: bytes, fds: list[int], *, home: int, listening: int, modules
         return
     if pid == 0:
         os.close(listening)
-        _enter(message, holder=holder, report=report, log=log, modules=modules)
+        _enter(message, holder=holder, report=report, log=log, modules=modules, channel=channel)
+    if channel >= 0:
+        os.close(channel)
     _go_home(home, log)
     # The supervisor reaps the worker by this pidfd: until it does, the zombie holds the sandbox's PID
     # namespace (and so bwrap) open. It reads this message before it lets go of the socket.
     _report(report, f"pid {pid}", [pidfd])
     os.close(pidfd)
+
+
+def _link(message: bytes) -> int:
+    """The worker's socket to the executor template, if its executors can be forked there; else -1."""
+    try:
+        request = WarmRequest.decode(message)
+    except (TypeError, ValueError):
+        return -1  # the worker says why it cannot start
+    if CAGE_ENV not in request.env or request.env[CAGE_ENV] == "none":
+        return -1  # no executor's cage to fork into
+    return _executors.attach(
+        uid=request.uid,
+        gid=request.gid,
+        limits=Limits(**request.limits),
+        umask=request.umask,
+        cgroups=request.cgroups,
+        env=request.env,
+    )
 
 
 def _go_home(home: int, log: int) -> None:
@@ -217,7 +244,9 @@ def _go_home(home: int, log: int) -> None:
         os._exit(1)
 
 
-def _enter(message: bytes, *, holder: int, report: int, log: int, modules: frozenset[str]) -> NoReturn:
+def _enter(
+    message: bytes, *, holder: int, report: int, log: int, modules: frozenset[str], channel: int
+) -> NoReturn:
     """The worker, born in the cage's PID namespace: move into its cgroups, join the cage, report, run."""
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -240,7 +269,7 @@ def _enter(message: bytes, *, holder: int, report: int, log: int, modules: froze
         os._exit(1)
     # The supervisor measures the tmpfs through these roots, whoever outlives whom.
     _report(report, "ok", roots)
-    _become_worker(request, log=log, modules=modules)
+    _become_worker(request, log=log, modules=modules, channel=channel)
 
 
 class _MountRefused(OSError):
@@ -283,7 +312,7 @@ def _mount(mount: dict[str, Any]) -> int:
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
-def _become_worker(request: WarmRequest, *, log: int, modules: frozenset[str]) -> NoReturn:
+def _become_worker(request: WarmRequest, *, log: int, modules: frozenset[str], channel: int) -> NoReturn:
     """The worker, in its cage: become what a cold start runs, then run it."""
     out = log
     try:
@@ -298,7 +327,13 @@ def _become_worker(request: WarmRequest, *, log: int, modules: frozenset[str]) -
         os.dup2(log, 1)
         os.dup2(log, 2)
         out = 2
-        os.closerange(3, 1 << 20)
+        if channel >= 0:
+            # Kept: the worker's socket to the executor template (see rollcage.tools._forked).
+            os.closerange(3, channel)
+            os.closerange(channel + 1, 1 << 20)
+            adopt_executor_template(channel)
+        else:
+            os.closerange(3, 1 << 20)
         os.chdir(request.cwd)
         os.setsid()
         os.environ.clear()

@@ -164,6 +164,7 @@ async def _running_worker(mode: str, root: Path) -> tuple[dict[str, Any], dict[s
                 if other != pid
             }
             seen["pid"] = pid
+            seen["fd_links"] = {fd: os.readlink(f"/proc/{pid}/fd/{fd}") for fd in seen["fds"]}
         finally:
             stop.set()
             receipt = await task
@@ -183,9 +184,13 @@ async def test_a_warm_worker_is_what_a_cold_start_runs(tmp_path: Path) -> None:
         assert warm_receipt[key] == cold_receipt[key], key
     assert warm_receipt["exit_signal"] == "SIGTERM"
 
-    # The same process, seen from the host.
-    for key in ("status", "pid_depth", "environ", "args", "limits", "cgroups", "cwd", "root_is_host", "fds"):
+    # The same process, seen from the host; but for one descriptor more: the warm worker's socket to
+    # the executor template, which forks its executors (rollcage.tools._forked).
+    for key in ("status", "pid_depth", "environ", "args", "limits", "cgroups", "cwd", "root_is_host"):
         assert warm[key] == cold[key], key
+    extra = sorted(set(warm["fds"]) - set(cold["fds"]))
+    assert set(cold["fds"]) <= set(warm["fds"]) and len(extra) == 1, (warm["fds"], cold["fds"])
+    assert warm["fd_links"][extra[0]].startswith("socket:")
     assert warm["status"]["CapEff"] == warm["status"]["CapBnd"] == "0000000000000000"
     assert warm["status"]["NoNewPrivs"] == "1"
     assert warm["pid_depth"] == 3 and not warm["root_is_host"]

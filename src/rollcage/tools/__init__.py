@@ -19,6 +19,8 @@ from rollcage.tools._executor import (
     bound_middle,
     make_executor,
 )
+from rollcage.tools._forked import TemplateLink as ExecutorTemplateLink
+from rollcage.tools._forked import adopt as adopt_executor_template
 from rollcage.tools._resources import ResourceTools, cookie_header, parse_set_cookie, tool_parameters
 
 __all__ = [
@@ -27,8 +29,10 @@ __all__ = [
     "CellStatus",
     "Executor",
     "ExecutorState",
+    "ExecutorTemplateLink",
     "ResourceTools",
     "ToolBridge",
+    "adopt_executor_template",
     "bound_middle",
     "cookie_header",
     "make_executor",

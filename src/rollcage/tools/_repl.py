@@ -18,6 +18,10 @@ of ~18). The parent compiles it once (or reads it from the bytecode cache the
 worker imports from, :mod:`rollcage.supervisor.bytecode`) and sends the code
 object as the first frame; the child's command line (:data:`_BOOT`) only reads
 that frame and runs it as its ``__main__``, as the script ran before.
+
+In its own cage (a warm worker's), the child is not started but forked into that cage by
+the executor template (:mod:`rollcage.tools._forked`), which runs the same boot program:
+a fresh interpreter's start is most of what a started child costs.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ from rollcage.tools._executor import (
     fail_future,
     mark_dropped,
 )
+from rollcage.tools._forked import ForkedExecutor
+from rollcage.tools._forked import start as start_forked
 
 if TYPE_CHECKING:
     from rollcage.protocol import ExecutorSettings
@@ -279,7 +285,7 @@ class ReplExecutor(Executor):
     def __init__(self, settings: ExecutorSettings, **options: Unpack[ExecutorOptions]) -> None:
         super().__init__(settings, **options)
         self._python = sys.executable
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: asyncio.subprocess.Process | ForkedExecutor | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._exit_task: asyncio.Task[int] | None = None
@@ -349,7 +355,7 @@ class ReplExecutor(Executor):
 
     async def _spawn(
         self, child_sock: socket.socket, out_sink: _StreamSink, err_sink: _StreamSink
-    ) -> asyncio.subprocess.Process:
+    ) -> asyncio.subprocess.Process | ForkedExecutor:
         loop = asyncio.get_running_loop()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -358,20 +364,32 @@ class ReplExecutor(Executor):
                 pipe = os.fdopen(fd, "rb", buffering=0)
                 transport, _ = await loop.connect_read_pipe(_factory(sink), pipe)
                 self._transports.append(transport)
+            argv = [self._python, "-I", "-u", "-c", _BOOT, str(child_sock.fileno())]
             # Started with SIGINT blocked (held pending, never lost; the child unblocks it once its
             # handler is set): an interrupt is SIGINT to the whole group, which holds a cage's bwrap
             # monitor too, and a blocked signal is what stays so across exec without a shell
             # to ignore it first (rollcage.cage._nested). Meanwhile this process's other threads
             # take a SIGINT sent to it, and the loop handles it as ever.
             with _sigint_blocked():
+                if self._prefix:
+                    # Forked into its cage by the executor template where there is one: a fresh
+                    # interpreter's start is most of what a started executor costs.
+                    async with asyncio.timeout(self._start_timeout_s):
+                        forked = await start_forked(
+                            self._prefix,
+                            cwd=str(self._cwd),
+                            env=self._env,
+                            boot=_BOOT,
+                            argv=argv,
+                            control=child_sock.fileno(),
+                            stdout=out_w,
+                            stderr=err_w,
+                        )
+                    if forked is not None:
+                        return forked
                 return await asyncio.create_subprocess_exec(
                     *self._prefix,
-                    self._python,
-                    "-I",
-                    "-u",
-                    "-c",
-                    _BOOT,
-                    str(child_sock.fileno()),
+                    *argv,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out_w,
                     stderr=err_w,
@@ -389,7 +407,7 @@ class ReplExecutor(Executor):
             os.close(out_w)
             os.close(err_w)
 
-    async def _watch_exit(self, proc: asyncio.subprocess.Process) -> int:
+    async def _watch_exit(self, proc: asyncio.subprocess.Process | ForkedExecutor) -> int:
         returncode = await proc.wait()
         reason = describe_exit(returncode)
         if self._current is not None:

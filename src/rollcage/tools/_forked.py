@@ -1,0 +1,375 @@
+"""Executors forked by the executor template (:mod:`rollcage.tools._executor_template`) instead of started.
+
+Two sides:
+
+* in the warm worker template (:mod:`rollcage.warm`), :class:`TemplateLink` starts the executor
+  template beside it (once, lazily) and, for each warm worker, hands the executor template
+  the rollout's ids, limits and ``cgroup.procs`` files with one end of a socket pair; the
+  worker is forked holding the other end (:func:`adopt`);
+* in the worker, :func:`start` makes the executor's cage as before (the nested bubblewrap of
+  :mod:`rollcage.cage._nested`) but around a holder (``sh``, a process start of a few hundred
+  microseconds), asks for the executor through that socket, and returns a
+  :class:`ForkedExecutor` that looks as the started process did (``pid``, ``returncode``,
+  ``wait()``). Where nothing can be forked (no template, a cold start, an environment that
+  differs in what an interpreter reads at start-up, a template that died), it returns
+  ``None`` and the executor is started as before.
+
+Where the executor stands, compared with a started one: the same namespaces (it joins the
+holder's: the nested cage's user, mount, PID, network, IPC, UTS and cgroup namespaces), the
+same uid, no capability, ``no_new_privs``, the worker's limits, umask and cgroups, its own
+session, SIGINT held until its handler is set, the same environment, working directory and
+command line (``/proc/PID/cmdline`` and ``environ`` restated). Its parent is the executor
+template (outside the cage: ``getppid()`` is 0 there instead of bubblewrap's init), and every
+executor of one template has the template's string-hash seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from rollcage.cage import Limits
+from rollcage.procs import (
+    CREDENTIALS_SPACE,
+    PidfdChild,
+    PidHandle,
+    ProcInfo,
+    read_proc,
+    shielded,
+    signal_group,
+    unpack_ancillary,
+    wait_readable,
+    wait_shared,
+)
+
+__all__ = ["ForkedExecutor", "TemplateLink", "adopt", "start"]
+
+log = logging.getLogger(__name__)
+
+PROGRAM = Path(__file__).with_name("_executor_template.py")
+"""The executor template's program, run by path (it imports nothing of ``rollcage``)."""
+STARTUP_ENV = ("HOME", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONUSERBASE", "TZ")
+"""What an interpreter reads from its environment once, at start-up: the executor template starts with the
+first worker's (the program refuses a request that differs in these or in any it was started with)."""
+HOLDER = (
+    "printf r; exec >/dev/null; exec 3<&0; "
+    'while :; do read _ <&3 & wait "$!"; [ "$?" -lt 128 ] && exit 0; done'
+)
+"""The nested cage's payload while the executor is forked into it, as its PID 1 (``--as-pid-1``): says
+it is there (one byte, whose sender's PID the worker learns), then waits for the end of its stdin (the
+worker's) with a background ``read``, which a killed ``read`` does not end. As PID 1 no signal from
+inside the cage reaches it (agent code that kills every process it sees kills only itself), and
+``wait`` reaps every orphan the cells leave, as bubblewrap's own init would."""
+HOLDER_NAME = "rollcage-executor-cage"
+"""The holder's ``$0``: how the worker knows it from another process that took its PID."""
+_EXIT_WAIT_S = 1.0
+"""How long the exit code is waited for once the executor is gone (the template sends it at once)."""
+
+
+class TemplateLink:
+    """The warm worker template's side: the executor template, started with the first worker's start-up
+    environment (see :data:`STARTUP_ENV`)."""
+
+    def __init__(self) -> None:
+        self._control: socket.socket | None = None
+        self._process: PidfdChild | None = None
+
+    def attach(
+        self,
+        *,
+        uid: int,
+        gid: int,
+        limits: Limits,
+        umask: int,
+        cgroups: Sequence[str],
+        env: Mapping[str, str],
+    ) -> int:
+        """A socket for the worker about to be forked (its descriptor, the caller's to close), or -1.
+
+        -1 where the executor template cannot be started or reached: the worker starts its
+        executors itself.
+        """
+        control = self._ensure(env)
+        if control is None:
+            return -1
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        opened: list[int] = []
+        try:
+            for path in cgroups:
+                opened.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+            meta = {"uid": uid, "gid": gid, "umask": umask, "limits": limits.rlimits()}
+            meta["cgroups"] = len(opened)
+            data = json.dumps(meta).encode()
+            socket.send_fds(control, [data], [theirs.fileno(), *opened], socket.MSG_DONTWAIT)
+        except OSError as exc:
+            log.warning("cannot reach the executor template (%s): this worker starts its executors", exc)
+            ours.close()
+            self.stop()
+            return -1
+        finally:
+            theirs.close()
+            for fd in opened:
+                os.close(fd)
+        return ours.detach()
+
+    def _ensure(self, env: Mapping[str, str]) -> socket.socket | None:
+        if self._control is not None and self._process is not None and self._process.exited() is None:
+            return self._control
+        self.stop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-I", "-u", str(PROGRAM), str(theirs.fileno()), str(os.getpid())]
+        environment = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        environment.update({name: env[name] for name in STARTUP_ENV if name in env})
+        try:
+            theirs.set_inheritable(True)
+            pid = os.posix_spawn(sys.executable, argv, environment)
+        except OSError as exc:
+            log.warning("cannot start the executor template: %s", exc)
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        self._process = PidfdChild.of_child(pid)
+        if self._process is None:
+            ours.close()
+            return None
+        self._control = ours
+        return ours
+
+    def stop(self) -> None:
+        """Stop the executor template (its executors live on; a later :meth:`attach` starts another)."""
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if self._process is not None:
+            self._process.kill()
+            self._process.reap()
+            self._process = None
+
+
+_channel: socket.socket | None = None
+
+
+def adopt(fd: int) -> None:
+    """In a forked worker: ``fd`` is its socket to the executor template (:meth:`TemplateLink.attach`)."""
+    global _channel
+    _channel = socket.socket(fileno=fd)
+    _channel.setblocking(False)
+
+
+class ForkedExecutor:
+    """A forked executor, as the worker sees it: what it needs of an ``asyncio.subprocess.Process``.
+
+    It ends with its cage: once it has exited, the holder (and so the nested PID namespace,
+    with whatever the cells left in it) is killed.
+    """
+
+    def __init__(
+        self, pid: int, pidfd: int, holder: asyncio.subprocess.Process, channel: socket.socket
+    ) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd = pidfd
+        self._holder = holder
+        self._channel = channel
+        self._ended: asyncio.Future[int] | None = None
+
+    async def wait(self) -> int:
+        """Wait for the executor's exit, then its cage's; its exit code (as ``Process.wait``).
+
+        **Cancellation:** only the wait is abandoned.
+        """
+        if self._ended is None:
+            self._ended = asyncio.ensure_future(self._end())
+        return await wait_shared(self._ended)
+
+    async def _end(self) -> int:
+        try:
+            await wait_readable(self._pidfd)
+            code = await _exit_code(self._channel)
+        finally:
+            os.close(self._pidfd)
+            await _end_holder(self._holder)
+        if code is None:
+            log.warning("the executor template did not say how executor %d ended", self.pid)
+            code = 255
+        self.returncode = code
+        return code
+
+
+async def _exit_code(channel: socket.socket) -> int | None:
+    with contextlib.suppress(TimeoutError, OSError, ValueError):
+        async with asyncio.timeout(_EXIT_WAIT_S):
+            while True:
+                message = await _receive(channel)
+                if not message:
+                    return None
+                if message.startswith(b"exit "):
+                    return int(message[5:])
+    return None
+
+
+async def _receive(channel: socket.socket) -> bytes:
+    data, _, _ = await _receive_fds(channel, 0)
+    return data
+
+
+async def _receive_fds(
+    channel: socket.socket, fds: int, *, credentials: bool = False
+) -> tuple[bytes, list[int], int]:
+    """One message: its bytes, the descriptors that came with it (at most ``fds``) and its sender's PID."""
+    room = (socket.CMSG_SPACE(4 * fds) if fds else 0) + (CREDENTIALS_SPACE if credentials else 0)
+    while True:
+        await wait_readable(channel.fileno())
+        try:
+            data, ancillary, _, _ = channel.recvmsg(4096, room)
+        except BlockingIOError:
+            continue
+        received, sender = unpack_ancillary(ancillary)
+        return data, received, sender
+
+
+async def _end_holder(holder: asyncio.subprocess.Process) -> None:
+    # Its group: bubblewrap's monitor, the cage's init and the holder; with the init goes whatever a
+    # cell left running in the cage's PID namespace.
+    if holder.returncode is None:
+        signal_group(holder.pid, signal.SIGKILL)
+    await holder.wait()
+
+
+async def start(
+    prefix: Sequence[str],
+    *,
+    cwd: str,
+    env: Mapping[str, str],
+    boot: str,
+    argv: Sequence[str],
+    control: int,
+    stdout: int,
+    stderr: int,
+) -> ForkedExecutor | None:
+    """Make the executor's cage around a holder and have the executor forked into it; ``None``: start it.
+
+    Args:
+        prefix: The nested cage's command line (:meth:`rollcage.cage.NestedCage.prefix`, without ``sh``).
+        cwd: The executor's working directory.
+        env: Its environment.
+        boot: Its ``-c`` program.
+        argv: The command line it shows (that of a started executor).
+        control: Its control socket; ``stdout``, ``stderr``: its output pipes (the holder's stderr too,
+            where bubblewrap says why a cage could not be made).
+
+    The caller holds SIGINT blocked (as for a started executor) and bounds the wait.
+
+    **Cancellation:** the holder is killed and reaped (shielded) before ``CancelledError`` propagates.
+    """
+    channel = _channel
+    if channel is None or channel.fileno() < 0 or not prefix or not prefix[0].endswith("bwrap"):
+        return None
+    ready, theirs = socket.socketpair()
+    ready.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    try:
+        holder = await asyncio.create_subprocess_exec(
+            prefix[0],
+            "--as-pid-1",
+            *prefix[1:],
+            "/bin/sh",
+            "-c",
+            HOLDER,
+            HOLDER_NAME,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=theirs.fileno(),
+            stderr=stderr,
+            cwd=cwd,
+            env=dict(env),
+            start_new_session=True,
+        )
+    finally:
+        theirs.close()
+    forked: ForkedExecutor | None = None
+    try:
+        ready.setblocking(False)
+        word, _, sender = await _receive_fds(ready, 0, credentials=True)
+        if word != b"r" or sender <= 0:
+            return None  # the cage was not made: its holder's exit and bubblewrap's words say why
+        forked = await _ask(channel, holder, sender, cwd, env, boot, argv, (control, stdout, stderr))
+        return forked
+    finally:
+        ready.close()
+        if forked is None:
+            await shielded(_end_holder(holder))
+
+
+async def _ask(
+    channel: socket.socket,
+    holder: asyncio.subprocess.Process,
+    sender: int,
+    cwd: str,
+    env: Mapping[str, str],
+    boot: str,
+    argv: Sequence[str],
+    fds: tuple[int, int, int],
+) -> ForkedExecutor | None:
+    global _channel
+    info = read_proc(sender)
+    # The process that said it is there, still: the holder (a PID reused meanwhile is refused).
+    handle = None if info is None else PidHandle.open_checked(info, lambda pid: _is_holder(pid, info))
+    if handle is None:
+        return None
+    request = {"cwd": cwd, "env": dict(env), "boot": boot, "argv": list(argv)}
+    try:
+        socket.send_fds(channel, [json.dumps(request).encode()], [handle.fd, *fds], socket.MSG_DONTWAIT)
+        while True:
+            word, received, _ = await _receive_fds(channel, 1)
+            if not word.startswith(b"exit "):  # a previous executor's, if its end was not awaited
+                break
+            for fd in received:
+                os.close(fd)
+    except OSError as exc:
+        log.warning("the executor template cannot be reached (%s): executors are started from here on", exc)
+        _channel = None
+        return None
+    finally:
+        handle.close()
+    if word != b"pid" or len(received) != 1:
+        for fd in received:
+            os.close(fd)
+        if not word:
+            _channel = None
+        why = word.decode(errors="replace") or "it is gone"
+        log.info("the executor template did not fork an executor (%s): one is started", why)
+        return None
+    executor = received[0]
+    pid = _pid_of(executor)
+    if pid <= 0:
+        os.close(executor)
+        return None
+    return ForkedExecutor(pid, executor, holder, channel)
+
+
+def _is_holder(pid: int, info: ProcInfo) -> bool:
+    now = read_proc(pid)
+    if now is None or now.starttime != info.starttime:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return HOLDER_NAME.encode() in file.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _pid_of(pidfd: int) -> int:
+    """The PID, in this process's namespace, of the process ``pidfd`` names (0: not known here)."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as info:
+            return next(int(line.split()[1]) for line in info if line.startswith(b"Pid:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
