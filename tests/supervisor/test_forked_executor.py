@@ -29,7 +29,7 @@ from tests.helpers.worker_env import worker_input
 pytestmark = [requires_bwrap(), pytest.mark.bwrap]
 
 FACTS = r"""
-import json, os, sys, time
+import json, os, signal, subprocess, sys, time
 status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
 mask = os.umask(0); os.umask(mask)
 names = ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
@@ -51,6 +51,10 @@ print("FACTS" + json.dumps({
     "leads": [os.getpgrp() == os.getpid(), os.getsid(0) == os.getpid()],
     "tz": list(time.tzname),
     "own_memory": os.access("/proc/self/mem", os.R_OK),
+    "signals": {int(n): getattr(signal.getsignal(n), "__name__", str(signal.getsignal(n)))
+                for n in signal.valid_signals() if n not in (signal.SIGKILL, signal.SIGSTOP)},
+    "wakeup_fd": signal.set_wakeup_fd(-1),
+    "child": subprocess.run(["true"]).returncode,
     "site": [__import__("site").USER_BASE, __import__("site").USER_SITE, __import__("site").ENABLE_USER_SITE],
     "cmdline": [w.decode() for w in open("/proc/self/cmdline", "rb").read().split(b"\0")[1:5]],
     "token": os.environ.get("ROLLCAGE_SUPERVISION_TOKEN"),
@@ -87,7 +91,7 @@ def _prepare(root: Path, model_url: str) -> None:
 
 
 def _facts(output: str) -> dict[str, Any]:
-    assert "FACTS" in output, output
+    assert "FACTS" in output and "Exception ignored" not in output, output
     facts: dict[str, Any] = json.loads(output.split("FACTS", 1)[1].strip().splitlines()[0])
     return facts
 

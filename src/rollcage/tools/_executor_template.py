@@ -61,6 +61,7 @@ _STARTUP_ENV = ("HOME", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONUSERBASE", "TZ")
 """Variables an interpreter reads once, at start-up: the stdio and file system encodings, ``time.tzname``,
 ``site.USER_BASE`` (without ``HOME``, ``site`` even imports ``pwd`` to find it)."""
 _STARTED_WITH = {name: value for name, value in os.environ.items() if name != "PATH"}
+"""This process's own start-up environment (``PATH`` only finds the interpreter, named in full)."""
 _LIMITS = {
     getattr(resource, name): resource.getrlimit(getattr(resource, name))
     for name in dir(resource)
@@ -68,7 +69,7 @@ _LIMITS = {
 }
 """The limits this process started with, the warm template's (and so a worker's, but for the ones the
 rollout sets): each executor starts from them, whatever this process raised for itself."""
-"""This process's own start-up environment (``PATH`` only finds the interpreter, named in full)."""
+
 __all__ = ["main"]
 
 _PR_SET_DUMPABLE = 4
@@ -143,6 +144,9 @@ def _become_executor(meta: dict[str, Any], request: dict[str, Any], fds: list[in
         for which, value in meta["limits"]:
             resource.setrlimit(which, (value, value))
         os.umask(meta["umask"])
+        # SIGCHLD as a started executor has it: the template's handler and wake-up are not its own.
+        _signal.set_wakeup_fd(-1)
+        _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
         _, control, out, err = fds
         os.setsid()
         null = os.open("/dev/null", os.O_RDONLY)
