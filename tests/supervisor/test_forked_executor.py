@@ -42,6 +42,7 @@ print("FACTS" + json.dumps({
     "modules": sorted(sys.modules),
     "main": sorted(vars(sys.modules["__main__"])),
     "argv": sys.argv[:1],
+    "path": [sys.executable, sys.prefix, *sys.path],
     "flags": str(sys.flags),
     "fds": len(os.listdir("/proc/self/fd")),
     "cwd": os.getcwd(),
