@@ -70,6 +70,8 @@ inside the cage reaches it (agent code that kills every process it sees kills on
 ``wait`` reaps every orphan the cells leave, as bubblewrap's own init would."""
 HOLDER_NAME = "rollcage-executor-cage"
 """The holder's ``$0``: how the worker knows it from another process that took its PID."""
+_REAP_WAIT_S = 10.0
+"""How long the executor's cage is waited for once it is killed (the kernel takes it at once)."""
 _EXIT_WAIT_S = 1.0
 """How long the exit code is waited for once the executor is gone (the template sends it at once)."""
 
@@ -238,11 +240,15 @@ async def _receive_fds(
 
 
 async def _end_holder(holder: asyncio.subprocess.Process) -> None:
-    # Its group: bubblewrap's monitor, the cage's init and the holder; with the init goes whatever a
-    # cell left running in the cage's PID namespace.
+    # Its group: bubblewrap's monitor and the holder, the cage's PID 1 (its `read` beside it); with
+    # PID 1 goes whatever a cell left running in the cage's PID namespace.
     if holder.returncode is None:
         signal_group(holder.pid, signal.SIGKILL)
-    await holder.wait()
+    try:
+        async with asyncio.timeout(_REAP_WAIT_S):
+            await holder.wait()
+    except TimeoutError:
+        log.error("the executor's cage (bwrap %d) outlived SIGKILL for %g s", holder.pid, _REAP_WAIT_S)
 
 
 async def start(
