@@ -193,27 +193,35 @@ def _start(message: bytes, fds: list[int], *, home: int, listening: int, modules
     """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
     holder, report, log = fds
     channel = _link(message)
-    try:
-        setns(holder, PID_NS)
-    except OSError as exc:
-        _report(report, f"unforked cannot enter the sandbox's PID namespace: {exc}")
-        return
-    try:
-        pid, pidfd = clone_sibling()
-    except OSError as exc:
-        _go_home(home, log)
-        _report(report, f"unforked cannot fork the worker: {exc}")
-        return
+    pid, pidfd = _fork_into(holder, home=home, log=log, report=report)
     if pid == 0:
         os.close(listening)
         _enter(message, holder=holder, report=report, log=log, modules=modules, channel=channel)
     if channel >= 0:
+        # The worker's copy is its own (with it gone, or never forked, the executor template sees the end).
         os.close(channel)
+    if pid < 0:
+        return
     _go_home(home, log)
     # The supervisor reaps the worker by this pidfd: until it does, the zombie holds the sandbox's PID
     # namespace (and so bwrap) open. It reads this message before it lets go of the socket.
     _report(report, f"pid {pid}", [pidfd])
     os.close(pidfd)
+
+
+def _fork_into(holder: int, *, home: int, log: int, report: int) -> tuple[int, int]:
+    """``clone_sibling`` born in the holder's PID namespace: ``(pid, pidfd)``, or ``(-1, -1)`` reported."""
+    try:
+        setns(holder, PID_NS)
+    except OSError as exc:
+        _report(report, f"unforked cannot enter the sandbox's PID namespace: {exc}")
+        return -1, -1
+    try:
+        return clone_sibling()
+    except OSError as exc:
+        _go_home(home, log)
+        _report(report, f"unforked cannot fork the worker: {exc}")
+        return -1, -1
 
 
 def _link(message: bytes) -> int:
