@@ -70,6 +70,8 @@ inside the cage reaches it (agent code that kills every process it sees kills on
 ``wait`` reaps every orphan the cells leave, as bubblewrap's own init would."""
 HOLDER_NAME = "rollcage-executor-cage"
 """The holder's ``$0``: how the worker knows it from another process that took its PID."""
+MAX_STARTS = 8
+"""Executor templates one warm template starts at most (one that dies is started again, up to this)."""
 _REAP_WAIT_S = 10.0
 """How long the executor's cage is waited for once it is killed (the kernel takes it at once)."""
 _EXIT_WAIT_S = 1.0
@@ -83,6 +85,7 @@ class TemplateLink:
     def __init__(self) -> None:
         self._control: socket.socket | None = None
         self._process: PidfdChild | None = None
+        self._starts = 0
 
     def attach(
         self,
@@ -126,6 +129,11 @@ class TemplateLink:
         if self._control is not None and self._process is not None and self._process.exited() is None:
             return self._control
         self.stop()
+        if self._starts >= MAX_STARTS:
+            return None  # one that keeps dying would cost every worker an interpreter's start, and more
+        self._starts += 1
+        if self._starts == MAX_STARTS:
+            log.warning("executor template: start %d, the last; then workers start executors", MAX_STARTS)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [sys.executable, "-I", "-u", str(PROGRAM), str(theirs.fileno()), str(os.getpid())]
         environment = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
