@@ -60,8 +60,26 @@ _signal: Any = sys.modules["_signal"]
 _STARTUP_ENV = ("HOME", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONUSERBASE", "TZ")
 """Variables an interpreter reads once, at start-up: the stdio and file system encodings, ``time.tzname``,
 ``site.USER_BASE`` (without ``HOME``, ``site`` even imports ``pwd`` to find it)."""
-_STARTED_WITH = {name: value for name, value in os.environ.items() if name != "PATH"}
+
+
+def _initial_environment() -> dict[str, str]:
+    """The environment this process was started with, as the kernel keeps it (``/proc/self/environ``).
+
+    Not ``os.environ``: the interpreter may have added to that at start-up (PEP 538's
+    ``LC_CTYPE=C.UTF-8``, in the C locale), and a started executor adds the same.
+    """
+    with open("/proc/self/environ", "rb") as file:
+        entries = file.read().split(b"\0")
+    pairs = (entry.partition(b"=") for entry in entries if b"=" in entry)
+    return {os.fsdecode(name): os.fsdecode(value) for name, _, value in pairs}
+
+
+_INITIAL = _initial_environment()
+_STARTED_WITH = {name: value for name, value in _INITIAL.items() if name != "PATH"}
 """This process's own start-up environment (``PATH`` only finds the interpreter, named in full)."""
+_ADDED_AT_START = {name: value for name, value in os.environ.items() if _INITIAL.get(name) != value}
+"""What the interpreter set in its own environment at start-up: an executor started with the same
+start-up environment would have set it too."""
 _LIMITS = {
     getattr(resource, name): resource.getrlimit(getattr(resource, name))
     for name in dir(resource)
@@ -164,6 +182,7 @@ def _become_executor(meta: dict[str, Any], request: dict[str, Any], fds: list[in
         os._exit(125)
     os.environ.clear()
     os.environ.update(request["env"])
+    os.environ.update(_ADDED_AT_START)
     sys.argv = ["-c", "3"]
     sys.orig_argv = argv
     main = type(sys)("__main__")

@@ -1,0 +1,115 @@
+"""The executor template's program (``rollcage/tools/_executor_template.py``) against hostile requests.
+
+A real template process, served by this test as the warm template would serve it, and asked
+by a socket as a worker would ask: every malformed or refused request gets a ``refused``
+answer saying why (and the worker then starts its executor itself); a registration whose
+descriptors do not add up closes the worker's socket. No cage is needed for any of this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from rollcage.procs import PidfdChild
+from rollcage.tools import _forked
+
+BOOT = "import os\nos._exit(0)\n"
+
+
+@pytest.fixture
+def template() -> Iterator[socket.socket]:
+    """A live executor template and its control socket (closed, and the template reaped, after)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    theirs.set_inheritable(True)
+    argv = [sys.executable, "-I", "-u", str(_forked.PROGRAM), str(theirs.fileno()), str(os.getpid())]
+    pid = os.posix_spawn(sys.executable, argv, {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TZ": "UTC"})
+    theirs.close()
+    child = PidfdChild.of_child(pid)
+    assert child is not None
+    try:
+        yield ours
+    finally:
+        ours.close()
+        child.kill()
+        child.reap()
+
+
+def _worker(control: socket.socket, *, cgroups: int = 0, sent: int | None = None) -> socket.socket:
+    """Register a worker as the warm template does; its end of the socket (with a 10 s timeout)."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    files = [os.open("/dev/null", os.O_WRONLY) for _ in range(cgroups if sent is None else sent)]
+    meta = {"uid": 65534, "gid": 65534, "umask": 0o022, "limits": [], "cgroups": cgroups}
+    socket.send_fds(control, [json.dumps(meta).encode()], [theirs.fileno(), *files])
+    theirs.close()
+    for fd in files:
+        os.close(fd)
+    mine.settimeout(10)
+    return mine
+
+
+def _ask(worker: socket.socket, message: bytes, fds: int = 4) -> bytes:
+    files = [os.open("/dev/null", os.O_RDONLY) for _ in range(fds)]
+    try:
+        socket.send_fds(worker, [message], files)
+    finally:
+        for fd in files:
+            os.close(fd)
+    answer, received, _, _ = socket.recv_fds(worker, 4096, 4)
+    for fd in received:
+        os.close(fd)
+    return answer
+
+
+def _request(**changes: object) -> bytes:
+    request: dict[str, object] = {"cwd": "/", "env": {"TZ": "UTC"}, "boot": BOOT, "argv": ["python", "3"]}
+    request.update(changes)
+    return json.dumps(request).encode()
+
+
+@pytest.mark.parametrize(
+    ("message", "fds", "answer"),
+    [
+        (b"\x80not json at all", 4, b"refused malformed request"),
+        (b"[1, 2, 3]", 4, b"refused malformed request"),
+        (_request(), 1, b"refused malformed request"),
+        (_request(env={"TZ": 3}), 4, b"refused malformed environment"),
+        (_request(env=["TZ"]), 4, b"refused malformed environment"),
+        (_request(cwd=None), 4, b"refused malformed request"),
+        (_request(argv="python"), 4, b"refused malformed command line"),
+        (_request(env={"TZ": "Europe/Paris"}), 4, b"refused TZ differs from the template's"),
+        (_request(env={"TZ": "UTC", "LANG": "C.UTF-8"}), 4, b"refused LANG differs from the template's"),
+    ],
+)
+def test_a_malformed_or_different_request_is_refused_and_says_why(
+    template: socket.socket, message: bytes, fds: int, answer: bytes
+) -> None:
+    worker = _worker(template)
+    assert _ask(worker, message, fds) == answer
+    # The template goes on serving the same worker.
+    assert _ask(worker, b"{}", 4) == b"refused malformed environment"
+
+
+def test_a_holder_that_is_not_a_process_cannot_be_joined(template: socket.socket) -> None:
+    # /dev/null where the holder's pidfd should be: the fork that would join it says why.
+    answer = _ask(_worker(template), _request())
+    assert answer.startswith(b"refused cannot join the cage: OSError"), answer
+
+
+def test_a_registration_whose_descriptors_were_lost_closes_the_workers_socket(
+    template: socket.socket,
+) -> None:
+    # Without every cgroup an executor would escape its rollout's budgets: the worker is told nothing
+    # but an end of file, and starts its executors itself.
+    worker = _worker(template, cgroups=3, sent=1)
+    socket.send_fds(worker, [_request()], [])
+    try:
+        answer = worker.recv(4096)
+    except ConnectionResetError:  # closed with the request unread
+        answer = b""
+    assert answer == b""
