@@ -53,10 +53,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import locale
 import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -224,6 +226,40 @@ def _fork_into(holder: int, *, home: int, log: int, report: int) -> tuple[int, i
         return -1, -1
 
 
+_COERCION_TARGETS = ("C.UTF-8", "C.utf8", "UTF-8")
+"""The locales a starting interpreter tries in place of the C locale, in its order (PEP 538)."""
+
+
+def _coerced_locale(env: Mapping[str, str]) -> dict[str, str]:
+    """What an interpreter started with ``env`` adds to its own environment: ``LC_CTYPE``, or nothing.
+
+    Started in the C (or POSIX) locale and without ``LC_ALL``, an interpreter moves to a UTF-8 one
+    and says so in its environment (PEP 538), which every process it starts then inherits: a
+    cold worker's executor and tools see ``LC_CTYPE=C.UTF-8``. A forked worker did not start, so
+    it takes what that start would have added.
+    """
+    if env.get("LC_ALL"):
+        return {}
+    name = env.get("LC_CTYPE") or env.get("LANG") or "C"
+    before = locale.setlocale(locale.LC_CTYPE)
+    try:
+        if name not in ("C", "POSIX"):
+            try:
+                locale.setlocale(locale.LC_CTYPE, name)
+                return {}
+            except locale.Error:
+                pass  # not installed: the C library stays in C, and so does the interpreter
+        for target in _COERCION_TARGETS:
+            try:
+                locale.setlocale(locale.LC_CTYPE, target)
+            except locale.Error:
+                continue
+            return {"LC_CTYPE": target}
+        return {}
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)
+
+
 def _link(message: bytes) -> int:
     """The worker's socket to the executor template, if its executors can be forked there; else -1."""
     try:
@@ -238,7 +274,7 @@ def _link(message: bytes) -> int:
         limits=Limits(**request.limits),
         umask=request.umask,
         cgroups=request.cgroups,
-        env=request.env,
+        env={**request.env, **_coerced_locale(request.env)},
     )
 
 
@@ -346,6 +382,7 @@ def _become_worker(request: WarmRequest, *, log: int, modules: frozenset[str], c
         os.setsid()
         os.environ.clear()
         os.environ.update(request.env)
+        os.environ.update(_coerced_locale(request.env))
         sys.argv = ["rollcage", "worker", *request.argv]
     except BaseException as exc:
         _say(out, f"rollcage: the warm worker could not take its cage's place: {exc}\n")

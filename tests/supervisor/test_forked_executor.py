@@ -70,13 +70,20 @@ def _call(code: str) -> dict[str, Any]:
 
 
 async def _rollout(
-    root: Path, cells: list[str], *, start: str = "warm", env: dict[str, str] | None = None
+    root: Path,
+    cells: list[str],
+    *,
+    start: str = "warm",
+    env: dict[str, str] | None = None,
+    env_allow: list[str] | None = None,
 ) -> list[str]:
     """A real rollout that runs ``cells`` one model turn each; what each cell printed, as the model saw it."""
     turns: list[dict[str, Any]] = [{"tool_calls": [_call(code)]} for code in cells]
     with PolicyServer({"tasks": {"t": [*turns, {"text": "done"}]}}, port=0, keep_bodies=True) as server:
         _prepare(root, server.base_url)
         config = SupervisorConfig(deadline_s=120, sandbox=BwrapSandbox(worker_start=start), env=env or {})
+        if env_allow is not None:
+            config = config.model_copy(update={"env_allow": env_allow})
         receipt = await supervise(root, config)
         requests = [entry.body or {} for entry in server.request_log]
     assert receipt.outcome == "completed", (receipt.outcome_reason, (root / "worker.log").read_text()[-3000:])
@@ -97,9 +104,14 @@ def _facts(output: str) -> dict[str, Any]:
     return facts
 
 
-async def test_a_forked_executor_is_what_a_started_one_is(tmp_path: Path) -> None:
-    forked = _facts((await _rollout(tmp_path / "warm", [FACTS]))[0])
-    started = _facts((await _rollout(tmp_path / "cold", [FACTS], start="cold"))[0])
+@pytest.mark.parametrize("locale", ["as the host's", "none"])
+async def test_a_forked_executor_is_what_a_started_one_is(tmp_path: Path, locale: str) -> None:
+    # With no locale at all a started interpreter coerces the C locale to UTF-8 and says so in its
+    # environment (PEP 538's LC_CTYPE); a forked one must too.
+    allow = None if locale != "none" else ["ROLLCAGE_LOG_LEVEL"]
+    stop_templates()  # the executor template starts with this test's first worker's environment
+    forked = _facts((await _rollout(tmp_path / "warm", [FACTS], env_allow=allow))[0])
+    started = _facts((await _rollout(tmp_path / "cold", [FACTS], start="cold", env_allow=allow))[0])
     # Forked: its parent, the executor template, is outside its PID namespace; started: bwrap's init.
     assert (forked.pop("ppid"), started.pop("ppid")) == (0, 1)
     assert forked.pop("token") != started.pop("token")
