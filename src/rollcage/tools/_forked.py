@@ -351,12 +351,19 @@ async def _ask(
         log.warning("the executor template cannot be reached (%s): executors are started from here on", exc)
         _channel = None
         return None
+    except BaseException:
+        # Cancelled (the start's time ran out) with the answer still to come: a later start would
+        # take it for its own. This worker asks no more.
+        _channel = None
+        raise
     finally:
         handle.close()
     if word != b"pid" or len(received) != 1:
         for fd in received:
             os.close(fd)
-        if not word:
+        if not word or b"differs from the template's" in word:
+            # Gone, or this worker's environment will differ every time: a cage made for nothing
+            # before each started executor would cost more than the fork saves.
             _channel = None
         why = word.decode(errors="replace") or "it is gone"
         log.info("the executor template did not fork an executor (%s): one is started", why)
