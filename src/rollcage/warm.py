@@ -194,11 +194,18 @@ _executors = ExecutorTemplateLink()
 def _start(message: bytes, fds: list[int], *, home: int, listening: int, modules: frozenset[str]) -> None:
     """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
     holder, report, log = fds
-    channel = _link(message)
+    # Decoded once, here: the worker is forked with it (a malformed one is the worker's to report).
+    request: WarmRequest | Exception
+    try:
+        request = WarmRequest.decode(message)
+    except (TypeError, ValueError) as exc:
+        request = exc
+    env = _worker_environment(request) if isinstance(request, WarmRequest) else {}
+    channel = _link(request, env) if isinstance(request, WarmRequest) else -1
     pid, pidfd = _fork_into(holder, home=home, log=log, report=report)
     if pid == 0:
         os.close(listening)
-        _enter(message, holder=holder, report=report, log=log, modules=modules, channel=channel)
+        _enter(request, env, holder=holder, report=report, log=log, modules=modules, channel=channel)
     if channel >= 0:
         # The worker's copy is its own (with it gone, or never forked, the executor template sees the end).
         os.close(channel)
@@ -260,13 +267,12 @@ def _coerced_locale(env: Mapping[str, str]) -> dict[str, str]:
         locale.setlocale(locale.LC_CTYPE, before)
 
 
-def _link(message: bytes) -> int:
-    """The worker's socket to the executor template, if its executors can be forked there; else -1."""
-    try:
-        request = WarmRequest.decode(message)
-    except (TypeError, ValueError):
-        return -1  # the worker says why it cannot start
-    if CAGE_ENV not in request.env or request.env[CAGE_ENV] == "none":
+def _link(request: WarmRequest, env: dict[str, str]) -> int:
+    """The worker's socket to the executor template, if its executors can be forked there; else -1.
+
+    ``env`` is the worker's environment (:func:`_worker_environment`), its executors' too.
+    """
+    if request.env.get(CAGE_ENV, "none") == "none":
         return -1  # no executor's cage to fork into
     return _executors.attach(
         uid=request.uid,
@@ -274,8 +280,13 @@ def _link(message: bytes) -> int:
         limits=Limits(**request.limits),
         umask=request.umask,
         cgroups=request.cgroups,
-        env={**request.env, **_coerced_locale(request.env)},
+        env=env,
     )
+
+
+def _worker_environment(request: WarmRequest) -> dict[str, str]:
+    """The environment the worker runs with: the request's, and what a cold worker's start adds to it."""
+    return {**request.env, **_coerced_locale(request.env)}
 
 
 def _go_home(home: int, log: int) -> None:
@@ -289,12 +300,20 @@ def _go_home(home: int, log: int) -> None:
 
 
 def _enter(
-    message: bytes, *, holder: int, report: int, log: int, modules: frozenset[str], channel: int
+    request: WarmRequest | Exception,
+    env: dict[str, str],
+    *,
+    holder: int,
+    report: int,
+    log: int,
+    modules: frozenset[str],
+    channel: int,
 ) -> NoReturn:
     """The worker, born in the cage's PID namespace: move into its cgroups, join the cage, report, run."""
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        request = WarmRequest.decode(message)
+        if isinstance(request, Exception):
+            raise request
         for path in request.cgroups:
             procs = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
             try:
@@ -313,7 +332,7 @@ def _enter(
         os._exit(1)
     # The supervisor measures the tmpfs through these roots, whoever outlives whom.
     _report(report, "ok", roots)
-    _become_worker(request, log=log, modules=modules, channel=channel)
+    _become_worker(request, env, log=log, modules=modules, channel=channel)
 
 
 class _MountRefused(OSError):
@@ -356,7 +375,9 @@ def _mount(mount: dict[str, Any]) -> int:
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
-def _become_worker(request: WarmRequest, *, log: int, modules: frozenset[str], channel: int) -> NoReturn:
+def _become_worker(
+    request: WarmRequest, env: dict[str, str], *, log: int, modules: frozenset[str], channel: int
+) -> NoReturn:
     """The worker, in its cage: become what a cold start runs, then run it."""
     out = log
     try:
@@ -381,8 +402,7 @@ def _become_worker(request: WarmRequest, *, log: int, modules: frozenset[str], c
         os.chdir(request.cwd)
         os.setsid()
         os.environ.clear()
-        os.environ.update(request.env)
-        os.environ.update(_coerced_locale(request.env))
+        os.environ.update(env)
         sys.argv = ["rollcage", "worker", *request.argv]
     except BaseException as exc:
         _say(out, f"rollcage: the warm worker could not take its cage's place: {exc}\n")
