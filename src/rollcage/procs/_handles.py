@@ -43,6 +43,7 @@ __all__ = [
     "is_subreaper",
     "pid_exists",
     "reap_abandoned",
+    "receive_message",
     "signal_group",
     "signal_name",
     "unpack_ancillary",
@@ -314,6 +315,26 @@ def unpack_ancillary(ancillary: list[tuple[int, int, bytes]]) -> tuple[list[int]
         elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
             sender = _UCRED.unpack(payload[: _UCRED.size])[0]
     return fds, sender
+
+
+async def receive_message(
+    sock: socket.socket, size: int, *, fds: int = 0, credentials: bool = False
+) -> tuple[bytes, list[int], int]:
+    """One message of a non-blocking socket, once it comes: its bytes (``b""``: end of file), the
+    descriptors with it (room for ``fds``), and its sender's PID here (``credentials``: ``SO_PASSCRED``
+    set on ``sock``; else 0).
+
+    **Cancellation:** nothing is read.
+    """
+    room = (socket.CMSG_SPACE(4 * fds) if fds else 0) + (CREDENTIALS_SPACE if credentials else 0)
+    while True:
+        await wait_readable(sock.fileno())
+        try:
+            data, ancillary, _, _ = sock.recvmsg(size, room)
+        except BlockingIOError:
+            continue
+        received, sender = unpack_ancillary(ancillary)
+        return data, received, sender
 
 
 async def wait_readable(fd: int) -> None:

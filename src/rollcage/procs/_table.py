@@ -26,6 +26,7 @@ from typing import TypeVar
 
 __all__ = [
     "ProcInfo",
+    "argv_has",
     "command_name",
     "descendants",
     "environ_has",
@@ -33,6 +34,7 @@ __all__ = [
     "is_running",
     "live_members",
     "ns_pids",
+    "pidfd_pid",
     "read_proc",
     "scan_processes",
     "subtree",
@@ -215,6 +217,24 @@ def ns_pids(pid: int) -> tuple[int, ...]:
     except (OSError, ValueError):
         pass
     return ()
+
+
+def argv_has(pid: int, word: str) -> bool:
+    """Whether the process's command line holds ``word`` as one of its words exactly."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return word.encode() in file.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def pidfd_pid(pidfd: int) -> int:
+    """The PID, in this process's PID namespace, of the process ``pidfd`` names (0: not seen from here)."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as info:
+            return next(int(line.split()[1]) for line in info if line.startswith(b"Pid:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
 
 
 def environ_has(pid: int, entry: str) -> bool:

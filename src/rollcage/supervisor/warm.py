@@ -37,6 +37,7 @@ from rollcage.procs import (
     environ_has,
     read_proc,
     reap_abandoned,
+    receive_message,
     signal_name,
     unpack_ancillary,
     wait_readable,
@@ -452,13 +453,5 @@ class WarmStart:
 
     async def _holder_pid(self) -> int | None:
         """The PID of the process that wrote the holder's byte; ``None`` if the holder never came."""
-        fd = self._ready.fileno()
-        while True:
-            await wait_readable(fd)
-            try:
-                data, ancillary, _, _ = self._ready.recvmsg(16, CREDENTIALS_SPACE)
-            except BlockingIOError:
-                continue
-            if not data:
-                return None
-            return unpack_ancillary(ancillary)[1] or None
+        data, _, sender = await receive_message(self._ready, 16, credentials=True)
+        return (sender or None) if data else None

@@ -38,14 +38,15 @@ from pathlib import Path
 
 from rollcage.cage import Limits
 from rollcage.procs import (
-    CREDENTIALS_SPACE,
     PidfdChild,
     PidHandle,
     ProcInfo,
+    argv_has,
+    pidfd_pid,
     read_proc,
+    receive_message,
     shielded,
     signal_group,
-    unpack_ancillary,
     wait_readable,
     wait_shared,
 )
@@ -219,32 +220,12 @@ async def _exit_code(channel: socket.socket) -> int | None:
     with contextlib.suppress(TimeoutError, OSError, ValueError):
         async with asyncio.timeout(_EXIT_WAIT_S):
             while True:
-                message = await _receive(channel)
+                message, _, _ = await receive_message(channel, 4096)
                 if not message:
                     return None
                 if message.startswith(b"exit "):
                     return int(message[5:])
     return None
-
-
-async def _receive(channel: socket.socket) -> bytes:
-    data, _, _ = await _receive_fds(channel, 0)
-    return data
-
-
-async def _receive_fds(
-    channel: socket.socket, fds: int, *, credentials: bool = False
-) -> tuple[bytes, list[int], int]:
-    """One message: its bytes, the descriptors that came with it (at most ``fds``) and its sender's PID."""
-    room = (socket.CMSG_SPACE(4 * fds) if fds else 0) + (CREDENTIALS_SPACE if credentials else 0)
-    while True:
-        await wait_readable(channel.fileno())
-        try:
-            data, ancillary, _, _ = channel.recvmsg(4096, room)
-        except BlockingIOError:
-            continue
-        received, sender = unpack_ancillary(ancillary)
-        return data, received, sender
 
 
 async def _end_holder(holder: asyncio.subprocess.Process) -> None:
@@ -311,7 +292,7 @@ async def start(
     forked: ForkedExecutor | None = None
     try:
         ready.setblocking(False)
-        word, _, sender = await _receive_fds(ready, 0, credentials=True)
+        word, _, sender = await receive_message(ready, 16, credentials=True)
         if word != b"r" or sender <= 0:
             return None  # the cage was not made: its holder's exit and bubblewrap's words say why
         forked = await _ask(channel, holder, sender, cwd, env, boot, argv, (control, stdout, stderr))
@@ -342,7 +323,7 @@ async def _ask(
     try:
         socket.send_fds(channel, [json.dumps(request).encode()], [handle.fd, *fds], socket.MSG_DONTWAIT)
         while True:
-            word, received, _ = await _receive_fds(channel, 1)
+            word, received, _ = await receive_message(channel, 4096, fds=1)
             if not word.startswith(b"exit "):  # a previous executor's, if its end was not awaited
                 break
             for fd in received:
@@ -369,7 +350,7 @@ async def _ask(
         log.info("the executor template did not fork an executor (%s): one is started", why)
         return None
     executor = received[0]
-    pid = _pid_of(executor)
+    pid = pidfd_pid(executor)
     if pid <= 0:
         os.close(executor)
         return None
@@ -378,19 +359,4 @@ async def _ask(
 
 def _is_holder(pid: int, info: ProcInfo) -> bool:
     now = read_proc(pid)
-    if now is None or now.starttime != info.starttime:
-        return False
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as file:
-            return HOLDER_NAME.encode() in file.read().split(b"\0")
-    except OSError:
-        return False
-
-
-def _pid_of(pidfd: int) -> int:
-    """The PID, in this process's namespace, of the process ``pidfd`` names (0: not known here)."""
-    try:
-        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as info:
-            return next(int(line.split()[1]) for line in info if line.startswith(b"Pid:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return 0
+    return now is not None and now.starttime == info.starttime and argv_has(pid, HOLDER_NAME)
