@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import sys
 from collections.abc import Mapping
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "JOIN",
     "PID_NS",
     "PR_SET_PDEATHSIG",
+    "clone_child",
     "clone_sibling",
     "drop_privileges",
     "prctl",
@@ -121,6 +123,9 @@ def setns(fd: int, flags: int) -> None:
 
 
 CLONE_PIDFD = 0x00001000
+_SIGCHLD: int = sys.modules["_signal"].SIGCHLD
+"""``signal.SIGCHLD`` from the built-in module every interpreter loads at start-up: the executor template
+(which loads this file by path) does not import ``signal``."""
 CLONE_PARENT = 0x00008000
 _SYS_CLONE3 = 435  # the same number on every architecture (Linux 5.3's unified table)
 
@@ -146,9 +151,28 @@ def clone_sibling() -> tuple[int, int]:
     Raises:
         OSError: The kernel refused (before Linux 5.3: ``ENOSYS``).
     """
-    pidfd = ctypes.c_int(-1)
     # exit_signal stays 0: with CLONE_PARENT the kernel takes this process's own.
-    args = _CloneArgs(flags=CLONE_PARENT | CLONE_PIDFD, pidfd=ctypes.addressof(pidfd))
+    return _clone3(CLONE_PARENT | CLONE_PIDFD, 0)
+
+
+def clone_child() -> tuple[int, int]:
+    """Fork this process, as ``os.fork`` does, with a pidfd of the child (``clone3`` with ``CLONE_PIDFD``).
+
+    The child is born where this process's next child would be; its exit is this process's to
+    reap (``SIGCHLD``). Single-threaded callers only (as ``fork``).
+
+    Returns:
+        ``(pid, pidfd)`` in the caller (the pidfd is the caller's to close); ``(0, -1)`` in the child.
+
+    Raises:
+        OSError: The kernel refused (before Linux 5.3: ``ENOSYS``).
+    """
+    return _clone3(CLONE_PIDFD, _SIGCHLD)
+
+
+def _clone3(flags: int, exit_signal: int) -> tuple[int, int]:
+    pidfd = ctypes.c_int(-1)
+    args = _CloneArgs(flags=flags, pidfd=ctypes.addressof(pidfd), exit_signal=exit_signal)
     ctypes.pythonapi.PyOS_BeforeFork()
     pid = _python.syscall(ctypes.c_long(_SYS_CLONE3), ctypes.byref(args), ctypes.c_long(ctypes.sizeof(args)))
     if pid == 0:

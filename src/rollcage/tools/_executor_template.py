@@ -25,9 +25,13 @@ Protocol (``SOCK_SEQPACKET``, one message each, JSON):
   or ``b"refused WHY"`` (the worker then starts one as before); later ``b"exit CODE"`` (as
   ``os.waitstatus_to_exitcode``) once it is reaped.
 
-A worker's request is read by a fork of this process, never by the process itself: its heap,
-which every executor inherits, holds no rollout's environment, paths or words (only
-descriptors and PIDs), so agent code reading its own memory finds nothing of another rollout.
+A worker's request is read by the executor itself, never by this process: the template takes
+one byte of it and its descriptors (``MSG_PEEK``), joins the holder's PID namespace for one fork,
+and the fork, born there, reads the request, joins the rest of the cage and becomes the executor.
+So the heap every executor inherits holds no rollout's environment, paths or words (only
+descriptors and PIDs), and agent code reading its own memory finds nothing of another rollout.
+One fork per executor: a fork that read the request and forked the executor in turn cost a
+rollout ~4 ms of CPU more (its page faults, its exit).
 
 The values that set up an interpreter at its start (the locale's, the time zone's) are this
 process's own: a request whose environment differs in them is refused, so every executor is
@@ -42,6 +46,7 @@ import sys
 # Before anything else: the modules a fresh ``python -I -u`` has; each executor forgets the rest.
 _FRESH = frozenset(sys.modules) - {"__future__"}
 
+import array  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -128,21 +133,18 @@ def _refusal(request: object, fds: list[int]) -> str | None:
     return None
 
 
-def _join(cgroups: list[int], holder: int) -> tuple[int, int]:
-    """In a fork of this process: join the rollout's cgroups and the holder's namespaces, fork the executor.
+def _join(cgroups: list[int], holder: int) -> None:
+    """In the executor, born in the holder's PID namespace: join the rollout's cgroups and the cage.
 
-    The executor is born in the holder's PID namespace as this process's parent's child (the
-    template reaps it); it takes on the rest itself (:func:`_become_executor`), as a warm worker
-    does. Returns its PID and a pidfd of it (``(0, -1)`` in it).
+    It takes on the rest itself (:func:`_become_executor`), as a warm worker does.
     """
+    # As a started executor is born: SIGINT held until its handler is in place (rollcage.tools._repl).
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, [_signal.SIGINT])
     for procs in cgroups:
         os.write(procs, b"0")  # this process
     os.setgroups([])
+    # The PID namespace is already this process's own: joined again, it is the one its children are born in.
     enter.setns(holder, enter.JOIN)
-    # As a started executor is born: SIGINT held until its handler is in place (rollcage.tools._repl).
-    _signal.pthread_sigmask(_signal.SIG_BLOCK, [_signal.SIGINT])
-    pid, pidfd = enter.clone_sibling()
-    return int(pid), int(pidfd)
 
 
 def _become_executor(meta: dict[str, Any], request: dict[str, Any], fds: list[int]) -> None:
@@ -194,13 +196,19 @@ def _become_executor(meta: dict[str, Any], request: dict[str, Any], fds: list[in
     os._exit(0)
 
 
-def _serve_one(worker: socket.socket, rollout: tuple[dict[str, Any], list[int]], word: int) -> None:
-    """In a fork of this process: read one request of ``worker``, answer it, say on ``word`` what came of it.
+def _serve_one(
+    worker: socket.socket, rollout: tuple[dict[str, Any], list[int]], word: int, unjoinable: str | None
+) -> None:
+    """In a fork of this process, born in the holder's PID namespace: read one request, become its executor.
 
-    The executor's PID (this process's parent's child: the template reaps it and tells the
-    worker its exit code), or nothing. Parsed here, not in the template: nothing of a rollout
-    enters the heap every executor inherits; and as JSON, which malformed or hostile bytes
-    cannot turn into anything but an error (``marshal`` makes no such promise).
+    Says ``ok`` on ``word`` once it stands in the cage (the template then hands the worker a
+    pidfd of it, reaps it and tells the worker its exit code), or answers the worker itself
+    and returns: the request's fault first, then ``unjoinable`` (why the template could not
+    join the holder's PID namespace for this fork, which was then born outside it).
+
+    Parsed here, not in the template: nothing of a rollout enters the heap every executor
+    inherits; and as JSON, which malformed or hostile bytes cannot turn into anything
+    but an error (``marshal`` makes no such promise).
     """
     meta, cgroups = rollout
     try:
@@ -212,19 +220,33 @@ def _serve_one(worker: socket.socket, rollout: tuple[dict[str, Any], list[int]],
     except ValueError:
         request = None
     why = "malformed request" if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) else _refusal(request, fds)
-    if why is not None:
+    if why is not None or unjoinable is not None:
+        why = why or unjoinable
         _send(worker, f"refused {why}".encode())
         return
     try:
-        pid, pidfd = _join(cgroups, fds[0])
+        _join(cgroups, fds[0])
     except BaseException as exc:
         _send(worker, f"refused cannot join the cage: {type(exc).__name__}: {exc}"[:1000].encode())
         return
-    if pid == 0:
-        os.close(word)
-        _become_executor(meta, request, fds)
-    os.write(word, str(pid).encode())  # first: the template must know it before it can be reaped
-    _send(worker, b"pid", [pidfd])
+    os.write(word, b"ok")
+    os.close(word)
+    _become_executor(meta, request, fds)
+
+
+def _peek(sock: socket.socket) -> tuple[bytes, list[int], int]:
+    """The first byte of the next message and its descriptors, the message left where it is (``MSG_PEEK``).
+
+    The kernel gives a peek copies of the descriptors. ``socket.recv_fds`` drops its ``flags`` before
+    Python 3.12, so ``recvmsg`` here.
+    """
+    size = WORKER_FDS * array.array("i").itemsize
+    data, ancillary, flags, _ = sock.recvmsg(1, socket.CMSG_LEN(size), socket.MSG_PEEK)
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), flags
 
 
 def _send(sock: socket.socket, data: bytes, fds: list[int] | None = None) -> None:
@@ -242,6 +264,8 @@ class _Template:
         self.selector = selectors.DefaultSelector()
         self.executors: dict[int, socket.socket] = {}
         """Each live executor's PID (this process's child) -> its worker's socket."""
+        self.home = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        """This process's own PID namespace: its children are born there but for one fork at a time."""
         # SIGCHLD wakes the loop (a handler must be set for the wake-up to be written).
         self.wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -281,36 +305,89 @@ class _Template:
 
     def _start(self, worker: socket.socket, rollout: tuple[dict[str, Any], list[int]]) -> None:
         try:
-            # One byte, peeked: whether the worker is gone, without reading its request here.
-            gone = not worker.recv(1, socket.MSG_PEEK)
+            # One byte and the descriptors, peeked: whether the worker is gone, and the holder whose
+            # PID namespace the executor is born in, without reading the request here.
+            peeked, fds, flags = _peek(worker)
         except BlockingIOError:
             return
         except OSError:
-            gone = True
-        if gone:
-            self.selector.unregister(worker)
-            worker.close()
-            for fd in rollout[1]:
+            peeked, fds, flags = b"", [], 0
+        try:
+            if not peeked:
+                self._drop(worker, rollout)
+                return
+            if flags & socket.MSG_CTRUNC or len(fds) != WORKER_FDS:
+                self._refuse(worker, "malformed request")
+                return
+            self._fork(worker, rollout, fds[0])
+        finally:
+            for fd in fds:
                 os.close(fd)
-            return
+
+    def _fork(self, worker: socket.socket, rollout: tuple[dict[str, Any], list[int]], holder: int) -> None:
+        """Fork the executor into ``holder``'s PID namespace; it reads its request (:func:`_serve_one`)."""
+        # Not joinable: forked here all the same, to read the request and say what is wrong with it first.
+        unjoinable: str | None = None
+        try:
+            enter.setns(holder, enter.PID_NS)
+        except OSError as exc:
+            unjoinable = f"cannot join the cage: OSError: {exc}"
         word_r, word_w = os.pipe()
-        child = os.fork()
+        try:
+            child, pidfd = enter.clone_child()
+        except OSError as exc:
+            os.close(word_r)
+            os.close(word_w)
+            self._go_home()
+            self._refuse(worker, f"cannot fork the executor: {exc}")
+            return
         if child == 0:
             try:
                 os.close(word_r)
-                _serve_one(worker, rollout, word_w)
+                _serve_one(worker, rollout, word_w, unjoinable)
             finally:
                 os._exit(0)
+        if unjoinable is None:
+            self._go_home()
         os.close(word_w)
         word = b""
         try:
-            while chunk := os.read(word_r, 64):
+            # Until it stands in the cage (not until it exits: it goes on making itself the executor).
+            while len(word) < 2 and (chunk := os.read(word_r, 2 - len(word))):
                 word += chunk
-            if word.isdigit():
-                self.executors[int(word)] = worker  # before any reaping: it may be gone already
         finally:
             os.close(word_r)
-            self._reap(until=child)
+        try:
+            if word != b"ok":
+                self._reap(until=child)  # it answered the worker itself
+                return
+            self.executors[child] = worker  # before any reaping: it may be gone already
+            _send(worker, b"pid", [pidfd])
+        finally:
+            os.close(pidfd)
+
+    def _go_home(self) -> None:
+        """Have this process's next children born in its own PID namespace again; exit if they cannot be."""
+        try:
+            enter.setns(self.home, enter.PID_NS)
+        except OSError:
+            # They would be born in a cage: the warm template starts a new executor template instead.
+            os._exit(1)
+
+    def _refuse(self, worker: socket.socket, why: str) -> None:
+        """Take the request off the socket unread (one byte of it, the rest cut) and tell the worker why."""
+        with contextlib.suppress(OSError):
+            _, fds, _, _ = socket.recv_fds(worker, 1, WORKER_FDS)
+            for fd in fds:
+                os.close(fd)
+        _send(worker, f"refused {why}"[:1000].encode())
+
+    def _drop(self, worker: socket.socket, rollout: tuple[dict[str, Any], list[int]]) -> None:
+        """Forget a worker that is gone: its socket and its cgroups' files."""
+        self.selector.unregister(worker)
+        worker.close()
+        for fd in rollout[1]:
+            os.close(fd)
 
     def _reap(self, until: int = 0) -> None:
         """Reap every child that has exited (waiting for ``until`` first); say how each executor ended."""
