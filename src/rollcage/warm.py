@@ -59,7 +59,7 @@ import signal
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -125,7 +125,8 @@ class WarmRequest:
 
     def encode(self) -> bytes:
         """The request as the template reads it."""
-        return json.dumps(asdict(self)).encode()
+        # Its fields hold JSON values only: no deep copy of them (dataclasses.asdict) to encode them.
+        return json.dumps({name: getattr(self, name) for name in self.__dataclass_fields__}).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> WarmRequest:

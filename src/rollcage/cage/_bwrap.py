@@ -225,13 +225,19 @@ def python_paths() -> list[str]:
     Covers a virtual environment (``sys.prefix``), the interpreter it was made
     from (``sys.base_prefix``) and, for an editable install, the source tree the
     ``rollcage`` package is imported from (its ``src`` directory, never the
-    checkout around it). Paths inside another entry are dropped.
+    checkout around it). Paths inside another entry are dropped. Worked out once per
+    process (they are the process's own; every rollout's launch asks).
     """
+    return list(_python_paths())
+
+
+@functools.cache
+def _python_paths() -> tuple[str, ...]:
     package = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # .../src/rollcage
     candidates = [sys.prefix, sys.exec_prefix, *interpreter_paths()]
     candidates.append(os.path.dirname(package))
     candidates.append(os.path.dirname(sys.executable))
-    return outermost(os.path.abspath(path) for path in candidates)
+    return tuple(outermost(os.path.abspath(path) for path in candidates))
 
 
 def interpreter_paths() -> list[str]:

@@ -355,7 +355,8 @@ def _cage_mount(volume: CageTmpfs, owner: tuple[int, int] | None) -> dict[str, A
 
 
 def _within(path: str, place: str) -> bool:
-    return os.path.commonpath([os.path.abspath(path), place]) == place
+    path = os.path.abspath(path)
+    return path == place or path.startswith(place.rstrip("/") + "/")
 
 
 def _umask() -> int:
