@@ -455,15 +455,30 @@ class CheckpointJournal(AsyncClosing):
     in its middle. A failed write is cut off the same way before the next one,
     so appends work again once the disk recovers.
 
+    ``inline=True`` writes and syncs on the caller's thread instead, one record at
+    a time: for a caller with nothing else to do while its record goes to disk (a
+    worker waits for each boundary before it goes on). It spares each append two
+    thread hand-overs (~0.35 ms of CPU on a 2-core VM, more than the write and the
+    sync) and the process a thread; in exchange the event loop waits for the disk,
+    and a disk that hangs is waited for, not given up on after ``timeout_s``. The
+    file, its lines and every failure's handling are the same.
+
     Args:
         path: The journal file; created if missing. A symlink is refused.
         mode: Exact permission bits of the file, whatever the umask.
         timeout_s: The longest any single wait (opening, one append, closing)
-            lasts before it gives up with :class:`DurableWriteError`.
+            lasts before it gives up with :class:`DurableWriteError` (the writer
+            thread's; an inline journal does not wait on anything but the disk).
+        inline: Write on the caller's thread (see above), not on a writer thread.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, mode: int = 0o600, timeout_s: float = _DEFAULT_TIMEOUT_S
+        self,
+        path: str | os.PathLike[str],
+        *,
+        mode: int = 0o600,
+        timeout_s: float = _DEFAULT_TIMEOUT_S,
+        inline: bool = False,
     ) -> None:
         _check_mode(mode)
         if not timeout_s > 0:
@@ -478,6 +493,8 @@ class CheckpointJournal(AsyncClosing):
         self._stopped: asyncio.Future[None] | None = None
         self._seq = 0  # written by the writer thread only
         self._failures = 0  # written by the event loop only
+        self._inline = inline
+        self._file: AppendCursor | None = None  # an inline journal's, while it is open
 
     @property
     def path(self) -> str:
@@ -513,8 +530,13 @@ class CheckpointJournal(AsyncClosing):
         if self._state is not JournalState.UNOPENED:
             raise RuntimeError(f"journal {self._path} is {self._state.value}; it can be opened only once")
         loop = asyncio.get_running_loop()
-        opened: asyncio.Future[None] = loop.create_future()
         self._loop = loop
+        if self._inline:
+            self._state = JournalState.CLOSED  # until the file is open
+            self._file = AppendCursor(*self._open_file())
+            self._state = JournalState.OPEN
+            return self
+        opened: asyncio.Future[None] = loop.create_future()
         self._stopped = loop.create_future()
         self._state = JournalState.OPEN
         self._thread = threading.Thread(
@@ -574,6 +596,12 @@ class CheckpointJournal(AsyncClosing):
             payload = orjson.dumps(record)
         except orjson.JSONEncodeError as exc:
             raise TypeError(f"journal record is not JSON-serialisable: {exc}") from exc
+        if self._file is not None:
+            [outcome] = self._commit(self._file, [payload])
+            if isinstance(outcome, BaseException):
+                self._failures += 1
+                raise outcome
+            return outcome
         future: asyncio.Future[int] = loop.create_future()
         self._queue.put(_Append(payload, future))
         try:
@@ -608,6 +636,11 @@ class CheckpointJournal(AsyncClosing):
         if self._state is JournalState.CLOSED:
             return
         self._state = JournalState.CLOSED
+        if self._file is not None:
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):
+                os.close(file.fd)
+            return
         self._queue.put(_STOP)
         assert self._stopped is not None  # set whenever the state is OPEN
         try:
@@ -685,7 +718,9 @@ class CheckpointJournal(AsyncClosing):
         while not stopping:
             batch, stopping = self._next_batch()
             if batch:
-                _call_soon(loop, _settle_appends, self._commit(file, batch))
+                outcomes = self._commit(file, [entry.payload for entry in batch])
+                settled = [(entry.future, outcome) for entry, outcome in zip(batch, outcomes, strict=True)]
+                _call_soon(loop, _settle_appends, settled)
 
     def _next_batch(self) -> tuple[list[_Append], bool]:
         """Wait for work, then take everything queued with it: this is the group commit."""
@@ -702,18 +737,18 @@ class CheckpointJournal(AsyncClosing):
             except queue.Empty:
                 return batch, stopping
 
-    def _commit(self, file: AppendCursor, batch: list[_Append]) -> list[_Outcome]:
-        """Write and sync one batch; the outcome of each append in it."""
+    def _commit(self, file: AppendCursor, batch: list[bytes]) -> list[int | BaseException]:
+        """Write and sync one batch of serialised records; each one's ``seq``, or the batch's error."""
         seq = self._seq
         try:
-            data = b"".join(_frame(seq + i, entry.payload) for i, entry in enumerate(batch, start=1))
+            data = b"".join(_frame(seq + i, payload) for i, payload in enumerate(batch, start=1))
             # A failed batch is cut off again: the next batch reuses these seqs.
             file.append(data)
         except Exception as exc:
             message = f"journal {self._path}: appending {len(batch)} record(s) failed"
-            return [(entry.future, _write_error(message, exc)) for entry in batch]
+            return [_write_error(message, exc) for _ in batch]
         self._seq = seq + len(batch)
-        return [(entry.future, seq + i) for i, entry in enumerate(batch, start=1)]
+        return list(range(seq + 1, seq + len(batch) + 1))
 
 
 @dataclass(slots=True)

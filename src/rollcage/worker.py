@@ -539,7 +539,9 @@ class _Session:
     async def _open_journal(self) -> None:
         if not self.spec.checkpoint.enabled:
             return
-        journal = CheckpointJournal(self.paths.checkpoint)
+        # Inline: the rollout waits for each boundary before it goes on, so a writer thread would only
+        # add two hand-overs an append (durable.CheckpointJournal).
+        journal = CheckpointJournal(self.paths.checkpoint, inline=True)
         try:
             await journal.__aenter__()
         except RollcageError as exc:

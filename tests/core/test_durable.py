@@ -318,14 +318,17 @@ def test_concurrent_publishes_from_processes_leave_one_complete_value(tmp_path: 
 # --------------------------------------------------------------------------- journal format and reader
 
 
-async def test_append_assigns_consecutive_seq_in_the_documented_line_format(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["writer-thread", "inline"])
+async def test_append_assigns_consecutive_seq_in_the_documented_line_format(
+    inline: bool, tmp_path: Path
+) -> None:
     path = tmp_path / "checkpoint.jsonl"
     records: list[dict[str, Any]] = [
         {"kind": "start", "at": 1.5},
         {},
         {"kind": "tool_call", "output": "é\n" * 3},
     ]
-    async with CheckpointJournal(path) as journal:
+    async with CheckpointJournal(path, inline=inline) as journal:
         seqs = [await journal.append(record) for record in records]
         assert journal.seq == 3
     assert seqs == [1, 2, 3]
@@ -338,12 +341,38 @@ def test_read_journal_of_missing_file_is_empty(tmp_path: Path) -> None:
     assert read_journal(tmp_path / "absent.jsonl") == []
 
 
-async def test_reopened_journal_continues_seq(tmp_path: Path) -> None:
+async def test_an_inline_journal_writes_and_syncs_on_the_callers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the worker buys with inline=True: no writer thread, no hand-over; the line is on disk
+    # (synced, by this thread) when append returns.
+    synced_on: list[int] = []
+    real = os.fdatasync
+
+    def recording(fd: int) -> None:
+        synced_on.append(threading.get_ident())
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", recording)
+    threads = threading.active_count()
     path = tmp_path / "checkpoint.jsonl"
-    async with CheckpointJournal(path) as journal:
+    async with CheckpointJournal(path, inline=True) as journal:
+        assert threading.active_count() == threads
+        assert await journal.append({"n": 1}) == 1
+        assert synced_on == [threading.get_ident()]
+        assert journal_lines(path) == [line_for(1, {"n": 1})]
+    assert journal.state is JournalState.CLOSED
+    with pytest.raises(RuntimeError, match="closed"):
+        await journal.append({"n": 2})
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["writer-thread", "inline"])
+async def test_reopened_journal_continues_seq(inline: bool, tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.jsonl"
+    async with CheckpointJournal(path, inline=inline) as journal:
         await journal.append({"n": 1})
         await journal.append({"n": 2})
-    async with CheckpointJournal(path) as journal:
+    async with CheckpointJournal(path, inline=inline) as journal:
         assert journal.seq == 2
         assert await journal.append({"n": 3}) == 3
     assert [r["seq"] for r in read_journal(path)] == [1, 2, 3]
@@ -394,12 +423,13 @@ def test_seq_gap_is_corruption(tmp_path: Path) -> None:
         read_journal(path)
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["writer-thread", "inline"])
 async def test_reopening_cuts_off_a_torn_tail_before_appending(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    inline: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "checkpoint.jsonl"
     write_lines(path, line_for(1, {"n": 1}), line_for(2, {"n": 2, "pad": "x" * 500})[:300])
-    async with CheckpointJournal(path) as journal:
+    async with CheckpointJournal(path, inline=inline) as journal:
         assert journal.seq == 1
         assert await journal.append({"n": 2}) == 2
     caplog.clear()
@@ -409,10 +439,11 @@ async def test_reopening_cuts_off_a_torn_tail_before_appending(
     assert journal_lines(path) == [line_for(1, {"n": 1}), line_for(2, {"n": 2})]
 
 
-async def test_opening_a_journal_corrupt_in_the_middle_raises(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["writer-thread", "inline"])
+async def test_opening_a_journal_corrupt_in_the_middle_raises(inline: bool, tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.jsonl"
     write_lines(path, line_for(1, {}), b"garbage\n", line_for(3, {}))
-    journal = CheckpointJournal(path)
+    journal = CheckpointJournal(path, inline=inline)
     with pytest.raises(JournalCorruptError, match="line 2"):
         await journal.__aenter__()
     assert journal.state is JournalState.CLOSED
@@ -548,13 +579,14 @@ async def test_event_loop_keeps_running_while_fdatasync_is_slow(
         assert await append == 1
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["writer-thread", "inline"])
 async def test_failing_fdatasync_raises_and_later_appends_succeed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    inline: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "checkpoint.jsonl"
     real = os.fdatasync
     error = OSError(errno.EIO, "Input/output error")
-    async with CheckpointJournal(path) as journal:
+    async with CheckpointJournal(path, inline=inline) as journal:
         assert await journal.append({"n": 1}) == 1
         monkeypatch.setattr(os, "fdatasync", failing_for(tmp_path, real, error))
         with pytest.raises(DurableWriteError, match=r"checkpoint\.jsonl") as caught:
@@ -571,8 +603,9 @@ async def test_failing_fdatasync_raises_and_later_appends_succeed(
     assert journal_lines(path) == [line_for(1, {"n": 1}), line_for(2, {"n": 2})]
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["writer-thread", "inline"])
 async def test_partially_written_batch_is_cut_off_before_the_next_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    inline: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "checkpoint.jsonl"
     real_pwrite = os.pwrite
@@ -586,7 +619,7 @@ async def test_partially_written_batch_is_cut_off_before_the_next_write(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwrite(fd, data, offset)
 
-    async with CheckpointJournal(path) as journal:
+    async with CheckpointJournal(path, inline=inline) as journal:
         await journal.append({"n": 1})
         monkeypatch.setattr(os, "pwrite", short_then_enospc)
         with pytest.raises(DurableWriteError) as caught:
@@ -597,7 +630,10 @@ async def test_partially_written_batch_is_cut_off_before_the_next_write(
     assert journal_lines(path) == [line_for(i, {"n": i}) for i in (1, 2, 3)]
 
 
-async def test_append_writes_only_its_own_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["writer-thread", "inline"])
+async def test_append_writes_only_its_own_line(
+    inline: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "checkpoint.jsonl"
     written: list[int] = []
     real_pwrite = os.pwrite
@@ -606,7 +642,7 @@ async def test_append_writes_only_its_own_line(tmp_path: Path, monkeypatch: pyte
         written.append(len(data))
         return real_pwrite(fd, data, offset)
 
-    async with CheckpointJournal(path) as journal:
+    async with CheckpointJournal(path, inline=inline) as journal:
         for i in range(50):
             await journal.append({"n": i, "pad": "x" * 4096})
         monkeypatch.setattr(os, "pwrite", counting_pwrite)
