@@ -48,7 +48,13 @@ from rollcage.checkpoint import CallCompactor
 from rollcage.durable import CheckpointJournal, publish_json, read_bounded
 from rollcage.errors import ConfigError, ResumeRefusedError, RollcageError
 from rollcage.filewatch import wait_for_file
-from rollcage.procs import in_proc_thread, shielded, wait_for_children_by_pidfd, wait_shared
+from rollcage.procs import (
+    in_proc_thread,
+    run_blocking_inline,
+    shielded,
+    wait_for_children_by_pidfd,
+    wait_shared,
+)
 from rollcage.protocol import (
     SCHEMA_VERSION,
     BoundaryRecord,
@@ -250,6 +256,7 @@ def worker_main(argv: list[str]) -> int:
         resume=args.resume_journal or base / "resume.jsonl",
     )
     wait_for_children_by_pidfd()  # the executor's, a harness's: no thread parked in waitpid() each
+    run_blocking_inline()  # the rollout waits for each such call: a thread hop would cost it more
     return asyncio.run(_amain(paths))
 
 
@@ -257,11 +264,11 @@ _T = TypeVar("_T")
 
 
 async def _off_loop(fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
-    """Run one of the worker's blocking calls (a file published with fsync, a directory made) off the loop.
+    """Run one of the worker's blocking calls (a file published with fsync, a directory made).
 
-    On rollcage.procs' small pool, which the executor's stop starts anyway, rather than asyncio's
-    default executor: that would be a thread more, and one more at ``asyncio.run``'s end to shut it
-    down (a thread costs a rollout's worker ~0.3 ms of CPU).
+    Through rollcage.procs (:func:`~rollcage.procs.in_proc_thread`), which :func:`worker_main` has
+    run them on the loop's own thread (:func:`~rollcage.procs.run_blocking_inline`): the rollout
+    waits for each, and a thread hop costs more CPU than the call (a thread's start ~0.3 ms more).
     """
     return await in_proc_thread(functools.partial(fn, *args, **kwargs))
 

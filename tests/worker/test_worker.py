@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 import pytest
 
 from rollcage import load_checkpoint
+from rollcage.durable import read_journal
 from rollcage.environments.calc_weather import create_app
 from rollcage.policy import PolicyServer
 from rollcage.worker import EXIT_CANCELLED, EXIT_INVALID_INPUT, EXIT_OK, EXIT_STOPPED_BEFORE_START
@@ -158,15 +157,27 @@ def test_the_worker_waits_for_its_executor_without_a_thread_of_its_own(
     assert waiting == [], f"threads of the worker blocked in wait(): {waiting}"
 
 
-def test_the_workers_blocking_calls_share_the_pool_it_starts_anyway() -> None:
-    # asyncio's default executor would be a thread more, and asyncio.run starts one more to shut it down.
-    from rollcage.worker import _off_loop
-
-    async def main() -> threading.Thread:
-        return await _off_loop(threading.current_thread)
-
-    ran_on = asyncio.run(main())
-    assert ran_on.name.startswith("proc-scan"), ran_on.name
+def test_the_worker_runs_its_rollout_on_one_thread(policy: PolicyFactory, rollout: RolloutDir) -> None:
+    # The rollout waits for each boundary and each blocking call (the executor's sweep, the result
+    # published): a thread hop for each cost it more CPU than the call, so the journal writes inline
+    # and rollcage.procs runs them on the loop's thread. By the time the second cell runs, the worker
+    # has journaled its boundaries and swept the first cell's dead executor.
+    sleep = "import os, time\nopen('pid', 'w').write(str(os.getpid()))\ntime.sleep(600)"
+    cells = ["import os\nos._exit(3)", sleep]
+    turns: list[dict[str, Any]] = [
+        {"tool_calls": [{"name": "python", "arguments": {"code": c}}]} for c in cells
+    ]
+    server = policy({"t": [*turns, {"text": "x"}]})
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
+    worker = rollout.start().pid
+    pid_file = rollout.root / "workspace" / "pid"
+    wait_for(lambda: pid_file.exists() and pid_file.read_text(), what="the second cell to start")
+    threads = sorted(int(t.name) for t in Path(f"/proc/{worker}/task").iterdir())
+    rollout.signal(signal.SIGTERM)
+    assert rollout.wait() == EXIT_CANCELLED
+    assert threads == [worker], f"the worker runs {len(threads)} threads"
+    kinds = [r["kind"] for r in read_journal(rollout.root / "checkpoint.jsonl")]
+    assert kinds[:4] == ["start", "turn_start", "model_call", "tool_call"], kinds
 
 
 def test_stop_file_cancels_a_running_rollout(policy: PolicyFactory, rollout: RolloutDir) -> None:
