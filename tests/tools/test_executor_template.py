@@ -13,11 +13,13 @@ import os
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from rollcage.procs import PidfdChild
 from rollcage.tools import _forked
+from tests.helpers.waiting import wait_for
 
 BOOT = "import os\nos._exit(0)\n"
 
@@ -78,6 +80,7 @@ def _request(**changes: object) -> bytes:
         (b"\x80not json at all", 4, b"refused malformed request"),
         (b"[1, 2, 3]", 4, b"refused malformed request"),
         (_request(), 1, b"refused malformed request"),
+        (_request(), 9, b"refused malformed request"),  # more than the template peeks at
         (_request(env={"TZ": 3}), 4, b"refused malformed environment"),
         (_request(env=["TZ"]), 4, b"refused malformed environment"),
         (_request(cwd=None), 4, b"refused malformed request"),
@@ -113,3 +116,43 @@ def test_a_registration_whose_descriptors_were_lost_closes_the_workers_socket(
     except ConnectionResetError:  # closed with the request unread
         answer = b""
     assert answer == b""
+
+
+def _template_pid() -> int:
+    """The executor template this test started (a child of this process)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as file:
+                ppid = int(file.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as file:
+                words = file.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and any(word.endswith(b"_executor_template.py") for word in words):
+            return int(name)
+    raise AssertionError("no executor template among this process's children")
+
+
+def _idle_descriptors(pid: int) -> list[str]:
+    """The template's descriptors once it is idle: back in its wait for work, with no child left."""
+
+    def idle() -> list[str] | None:
+        waiting = Path(f"/proc/{pid}/wchan").read_text() == "do_epoll_wait"
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return sorted(os.listdir(f"/proc/{pid}/fd")) if waiting and not children else None
+
+    return wait_for(idle, timeout=30, what="the executor template to be idle")
+
+
+def test_refused_requests_leave_the_template_no_descriptor_and_no_child(template: socket.socket) -> None:
+    # The template peeks at each request's descriptors (copies of them), and forks a child to read
+    # one it cannot join: whatever the request, it keeps neither.
+    worker = _worker(template)
+    assert _ask(worker, b"{}", 4) == b"refused malformed environment"  # the template is up and serving
+    pid = _template_pid()
+    before = _idle_descriptors(pid)
+    for message, fds in [(b"[]", 4), (_request(), 9), (_request(), 1), (_request(), 4), (b"\x80", 4)] * 4:
+        assert _ask(worker, message, fds).startswith(b"refused "), (message, fds)
+    assert _idle_descriptors(pid) == before
