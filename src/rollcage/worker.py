@@ -39,9 +39,8 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rollcage.agent import SUBMIT, Agent, AgentResult
 from rollcage.checkpoint import CallCompactor
@@ -49,7 +48,6 @@ from rollcage.durable import CheckpointJournal, publish_json, read_bounded
 from rollcage.errors import ConfigError, ResumeRefusedError, RollcageError
 from rollcage.filewatch import wait_for_file
 from rollcage.procs import (
-    in_proc_thread,
     run_blocking_inline,
     shielded,
     wait_for_children_by_pidfd,
@@ -256,21 +254,11 @@ def worker_main(argv: list[str]) -> int:
         resume=args.resume_journal or base / "resume.jsonl",
     )
     wait_for_children_by_pidfd()  # the executor's, a harness's: no thread parked in waitpid() each
-    run_blocking_inline()  # the rollout waits for each such call: a thread hop would cost it more
+    # Its blocking calls (the result published with fsync, the workspace made, its executor's /proc
+    # sweep through rollcage.procs) run on the loop's thread: the rollout waits for each of them, and a
+    # thread hop would cost it more CPU than the call (a thread's start ~0.3 ms more).
+    run_blocking_inline()
     return asyncio.run(_amain(paths))
-
-
-_T = TypeVar("_T")
-
-
-async def _off_loop(fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
-    """Run one of the worker's blocking calls (a file published with fsync, a directory made).
-
-    Through rollcage.procs (:func:`~rollcage.procs.in_proc_thread`), which :func:`worker_main` has
-    run them on the loop's own thread (:func:`~rollcage.procs.run_blocking_inline`): the rollout
-    waits for each, and a thread hop costs more CPU than the call (a thread's start ~0.3 ms more).
-    """
-    return await in_proc_thread(functools.partial(fn, *args, **kwargs))
 
 
 class _Paths:
@@ -441,7 +429,7 @@ class _Session:
             self._refuse_resume("a harness rollout is not resumed: a harness cannot replay recorded answers")
             return
         try:
-            self.replay_plan = await _off_loop(load_replay, self.paths.resume, request.previous_rollout_id)
+            self.replay_plan = load_replay(self.paths.resume, request.previous_rollout_id)
         except ResumeRefusedError as exc:
             self._refuse_resume(str(exc))
         except Exception as exc:  # evidence from a sandbox: whatever is wrong with it, start fresh
@@ -486,7 +474,7 @@ class _Session:
                     kind="fatal", type=type(exc).__name__, message=f"unexpected failure: {exc}"
                 )
             result = self._result(outcome, error)
-            published = await _off_loop(_publish, self.paths.result, result, mode=self.spec.result_mode)
+            published = _publish(self.paths.result, result, mode=self.spec.result_mode)
             if not published:
                 return EXIT_ERROR
             if error is None:
@@ -605,7 +593,7 @@ class _Session:
             # Evidence from a sandbox that the checks let through and the loop could not follow.
             self._refuse_resume(f"replay failed: {type(exc).__name__}: {exc}")
         # The replayed cells' effects on the workspace go with them; the executor went with its stack.
-        await _off_loop(_empty_workspace, self.paths.workspace)
+        _empty_workspace(self.paths.workspace)
         return await self._play(None)
 
     async def _play(self, replay: Replay | None) -> AgentResult:
@@ -662,7 +650,7 @@ class _Session:
         """A nooa or command harness's episode (see :mod:`rollcage.harness`)."""
         from rollcage.harness import HarnessRunner
 
-        await _off_loop(self.paths.workspace.mkdir, parents=True, exist_ok=True)
+        self.paths.workspace.mkdir(parents=True, exist_ok=True)
         runner = HarnessRunner(
             self.spec,
             workspace=self.paths.workspace,

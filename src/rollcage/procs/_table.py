@@ -239,8 +239,13 @@ def ns_pids(pid: int) -> tuple[int, ...]:
 
 def argv_has(pid: int, word: str) -> bool:
     """Whether the process's command line holds ``word`` as one of its words exactly."""
+    return _holds(pid, "cmdline", word)
+
+
+def _holds(pid: int, name: str, word: str) -> bool:
+    """Whether ``/proc/PID/NAME`` (NUL-separated: ``cmdline``, ``environ``) holds ``word`` exactly."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as file:
+        with open(f"/proc/{pid}/{name}", "rb") as file:
             return word.encode() in file.read().split(b"\0")
     except OSError:
         return False
@@ -257,11 +262,7 @@ def pidfd_pid(pidfd: int) -> int:
 
 def environ_has(pid: int, entry: str) -> bool:
     """Whether the process's environment holds ``entry`` (``NAME=value``) exactly."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as file:
-            return entry.encode() in file.read().split(b"\0")
-    except OSError:
-        return False
+    return _holds(pid, "environ", entry)
 
 
 def descendants(

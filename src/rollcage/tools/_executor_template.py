@@ -238,7 +238,8 @@ def _peek(sock: socket.socket) -> tuple[bytes, list[int], int]:
     """The first byte of the next message and its descriptors, the message left where it is (``MSG_PEEK``).
 
     The kernel gives a peek copies of the descriptors. ``socket.recv_fds`` drops its ``flags`` before
-    Python 3.12, so ``recvmsg`` here.
+    Python 3.12, so ``recvmsg`` here, unpacked as ``rollcage.procs.unpack_ancillary`` does (this
+    program imports nothing of ``rollcage``).
     """
     size = WORKER_FDS * array.array("i").itemsize
     data, ancillary, flags, _ = sock.recvmsg(1, socket.CMSG_LEN(size), socket.MSG_PEEK)
