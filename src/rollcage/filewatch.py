@@ -3,10 +3,10 @@
 The worker watches its rollout's ``stop`` file for the whole rollout (a
 supervisor that cannot signal it asks it to stop that way). Polling it every
 0.1 s cost far more than the ``stat`` suggests: each wake-up of an idle
-interpreter (event loop turn, timer, cold caches) was ~0.3 ms of CPU on a 2-core
-VM, so a rollout waiting 3.5 s on its model paid ~11 ms for 35 looks, about a
-tenth of all the CPU a warm rollout costs. An inotify watch on the file's
-directory costs nothing until something is created or moved into it.
+interpreter (event loop turn, timer, cold caches) costs CPU, and a rollout waiting
+seconds on its model paid for dozens of looks, a noticeable share of all the CPU a
+warm rollout costs (measured: docs/benchmarks/index.md). An inotify watch on the
+file's directory costs nothing until something is created or moved into it.
 
 inotify is not always there: the instances are counted per user across user
 namespaces (``fs.inotify.max_user_instances``, 128 by default, shared by every

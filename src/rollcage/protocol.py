@@ -138,7 +138,7 @@ RESERVED_REQUEST_FIELDS = frozenset(
 the tools, streaming, the typed sampling settings, and ``n`` (rollcage reads one choice)."""
 
 Outcome = Literal["completed", "agent_error", "timeout", "cancelled", "infra_failure"]
-"""How one attempt ended, as classified by the supervisor (see DESIGN.md's outcome table)."""
+"""How one attempt ended, as classified by the supervisor (see docs/reference/outcomes.md)."""
 
 TerminationReason = Literal[
     "completed", "max_policy_calls", "max_tool_calls", "invalid_policy_output", "cancelled", "error"

@@ -1,7 +1,7 @@
 """The warm template: one pre-imported interpreter that forks each rollout's worker into its cage.
 
 A cold start pays a fresh interpreter and the worker's imports (pydantic, the
-models, httpx, asyncio: about 250 ms of CPU) in every rollout. The template
+models, httpx, asyncio: most of a cold rollout's CPU) in every rollout. The template
 pays them once: ``python -I -B -m rollcage template FD PARENT`` imports the
 worker, freezes its heap (``gc.freeze()``, so children do not dirty the shared
 pages by collecting them) and then only waits on its socket. It runs no thread

@@ -5,8 +5,8 @@ start its ``/tmp`` and ``/dev/shm``) mounted on the host, where a killed
 supervisor's successor finds it and keeps the agent's files. But every outer
 bubblewrap starts by copying its caller's whole mount table and reads
 ``/proc/self/mountinfo`` once per bind, so a launch costs more the more rollouts
-are in flight elsewhere (``bench/mounts.py``: the launch chain 14 ms of CPU with
-none, 18 with 64, 22 with 256).
+are in flight elsewhere (``bench/mounts.py`` measures it; the figures are on the
+benchmarks page, docs/benchmarks/index.md).
 
 How: one thread of the process, the launcher, keeps the *base*: a private copy of
 the host's mount namespace with every rollcage tmpfs (source ``rollcage-...``)

@@ -302,7 +302,7 @@ def prepare_rollout(
 
 
 def may_grade(outcome: Outcome, *, grade_timeouts: bool) -> bool:
-    """Whether an outcome allows grading (DESIGN.md's table; timeouts only when asked)."""
+    """Whether an outcome allows grading (docs/reference/outcomes.md; timeouts only when asked)."""
     return outcome in ("completed", "agent_error") or (outcome == "timeout" and grade_timeouts)
 
 

@@ -6,10 +6,9 @@ model server (over TCP; most often plain HTTP to a local inference server).
 httpx's own transport runs each request through httpcore's pool and anyio's
 streams (per request: a pool scan that asks every idle connection
 ``is_readable``, an anyio attribute table built with ``getpeername``, a task
-group per read). Measured against a local server: 650 µs of the client's CPU a
-request with httpx's transport, 330 with this one, httpx's client above both; a
-worker's CPU per rollout fell from ~32 to ~27 ms with it. It keeps what a
-plain-HTTP call needs and nothing more (HTTPS stays httpx's):
+group per read). This transport halves the client's CPU a request against a
+local server (measured: docs/benchmarks/index.md). It keeps what a plain-HTTP
+call needs and nothing more (HTTPS stays httpx's):
 
 * h11 (httpx's own HTTP/1.1 parser): the same parsing, framing and checks (a
   malformed answer is a ``RemoteProtocolError``);

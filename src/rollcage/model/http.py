@@ -2,8 +2,8 @@
 that runs in the worker (the model client here, the resource tools in ``rollcage.tools``).
 
 ``httpx/__init__`` imports its CLI (click, rich, pygments) whenever those are
-installed, as they are for rollcage's own CLI: about 30 ms and 6 MB in every
-worker process, for code the worker never runs. Marking those packages
+installed, as they are for rollcage's own CLI: CPU and memory in every worker
+process (``bench/imports.py``), for code the worker never runs. Marking those packages
 unimportable for the duration of this one import makes httpx fall back to its
 stub ``main``; the marks are removed at once, so a later ``import rich`` works as
 usual. Where httpx was already imported, this is a plain import.

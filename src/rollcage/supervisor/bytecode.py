@@ -3,7 +3,7 @@
 The worker runs ``python -I -B`` and its environment sets ``PYTHONDONTWRITEBYTECODE=1``,
 so a rollout never writes bytecode (the sandbox could not keep it anyway). With an
 editable install nothing else compiles ``src/rollcage`` either, so every rollout used to
-compile the package from source (~40-60 ms of CPU each, ``bench/profile.py``).
+compile the package from source (a large share of its CPU, ``bench/profile.py``).
 
 Instead the supervisor compiles, once, everything the worker imports (its modules,
 the whole packages they belong to, so lazy imports are covered, and the standard

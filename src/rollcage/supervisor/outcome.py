@@ -1,6 +1,6 @@
 """The outcome of one attempt, from the evidence the supervisor gathered: one pure function.
 
-The rules, in order (DESIGN.md's outcome table; the first that applies wins):
+The rules, in order (the outcome table of docs/reference/outcomes.md; the first that applies wins):
 
 1. the worker could not be run under supervision (bad ``input.json``, the
    worker could not be started, the supervisor itself failed) → ``infra_failure``;

@@ -6,7 +6,8 @@ sandbox, limits) is :mod:`rollcage.cage`'s; this module lays one rollout out in 
 Layout of one rollout under bubblewrap
 ======================================
 
-On the host, the rollout directory ``R`` keeps DESIGN.md's names. The worker
+On the host, the rollout directory ``R`` keeps its documented names
+(docs/reference/artifacts.md). The worker
 sees a different, smaller tree, staged in the supervisor's private directory
 (``<private>``, on a memory file system where there is one: see
 :func:`rollcage.supervisor.budgets.private_parent`); ``R/.sandbox/`` holds what a
@@ -54,7 +55,7 @@ Without bubblewrap
 ==================
 
 ``NoSandboxLauncher`` runs the worker directly on the host, in ``R`` itself
-(result, checkpoint, stop file and workspace at their DESIGN.md places), with the
+(result, checkpoint, stop file and workspace at their documented places), with the
 allow-listed environment and ``PR_SET_PDEATHSIG`` (via ``setpriv``) so it dies
 with the supervisor. Agent code is not contained; every launch logs a warning.
 """

@@ -4,7 +4,7 @@ A rollout is stopped by its ``stop`` file as well as by its stop event. Each
 supervision used to poll its own file from a thread every ``stop_poll_s``: at
 C=256 every rollout is supervised from the start (most of them wait for a start-up
 slot), so that was over a thousand thread hops a second to learn that nothing had
-changed (``bench/peers.py`` at C=256: about 6 ms of a rollout's ~135 ms of CPU). Now every file of
+changed (a measurable share of a rollout's CPU at C=256: docs/benchmarks/index.md). Now every file of
 the loop is looked at in one thread hop per period, and a supervision waits on an
 event.
 

@@ -7,8 +7,8 @@ never imports ``rollcage`` (its heap is every executor's, and holds no rollout's
 the requests below); the system calls that join a cage are :mod:`rollcage.cage._enter`'s,
 loaded from that file alone.
 
-Why: a started executor spends ~10-20 ms of CPU (more under load) building an interpreter
-that is the same for every rollout; a fork of this one costs a fraction of that. The cage is
+Why: a started executor spends CPU building an interpreter that is the same for every
+rollout; a fork of this one costs a fraction of that (docs/benchmarks/index.md). The cage is
 unchanged: the worker still makes it with the nested bubblewrap
 (:mod:`rollcage.cage._nested`), around a holder instead of the interpreter, and a fork of
 this process joins the holder's namespaces there, as a warm worker joins its sandbox's.
@@ -30,8 +30,8 @@ one byte of it and its descriptors (``MSG_PEEK``), joins the holder's PID namesp
 and the fork, born there, reads the request, joins the rest of the cage and becomes the executor.
 So the heap every executor inherits holds no rollout's environment, paths or words (only
 descriptors and PIDs), and agent code reading its own memory finds nothing of another rollout.
-One fork per executor: a fork that read the request and forked the executor in turn cost a
-rollout ~4 ms of CPU more (its page faults, its exit).
+One fork per executor: a fork that read the request and forked the executor in turn cost
+every rollout one more process's page faults and exit.
 
 The values that set up an interpreter at its start (the locale's, the time zone's) are this
 process's own: a request whose environment differs in them is refused, so every executor is

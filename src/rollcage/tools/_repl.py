@@ -13,8 +13,8 @@ The parent hands the child its pipes' write ends directly (rather than
 a grandchild still holds a pipe open.
 
 The child is not run as a script: Python never caches a script's bytecode, and
-compiling ``_repl_child.py`` was a third of every executor's start (~6 ms of CPU
-of ~18). The parent compiles it once (or reads it from the bytecode cache the
+compiling ``_repl_child.py`` was a third of every executor's start. The parent
+compiles it once (or reads it from the bytecode cache the
 worker imports from, :mod:`rollcage.supervisor.bytecode`) and sends the code
 object as the first frame; the child's command line (:data:`_BOOT`) only reads
 that frame and runs it as its ``__main__``, as the script ran before.
