@@ -8,14 +8,14 @@ STAMP := $(VENV)/.installed
 # pytest-xdist workers: most tests wait on processes and sockets, so more workers than cores pays.
 TEST_WORKERS ?= 3
 
-.PHONY: run test test-under-load lint typecheck unit bench bytecode clean system-run system-test
+.PHONY: run test test-under-load lint typecheck unit docs bench bytecode clean system-run system-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,ray]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray,docs]'
 	touch $(STAMP)
 
 system-run:
@@ -43,11 +43,17 @@ typecheck: $(STAMP)
 unit: system-test $(STAMP)
 	ROLLCAGE_TEST_NO_SKIPS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
-test: lint typecheck unit
+# The documentation site, into site/: --strict turns a broken link, a missing page or an API
+# reference that does not resolve into a failure. The CLI, configuration and schema reference
+# pages are generated from the code while it builds (scripts/docs_hooks.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+test: lint typecheck docs unit
 
 # The whole suite beside a busy loop on every core (HOGS_PER_CORE=2 for more): it must pass.
 test-under-load: system-test $(STAMP)
 	scripts/with-cpu-hog $(MAKE) --no-print-directory test
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
