@@ -61,7 +61,7 @@ def _walk(command: Any, name: str) -> list[tuple[str, Any]]:
     if not subcommands:
         return [(name, command)]
     found: list[tuple[str, Any]] = []
-    for sub in sorted(subcommands):
+    for sub in subcommands:  # in the order the verbs are registered: run first
         found.extend(_walk(subcommands[sub], f"{name} {sub}"))
     return found
 
