@@ -167,6 +167,17 @@ def test_argv_as_a_user_is_one_stage() -> None:
     assert "/usr/bin/setpriv" not in _argv(as_root=True, run_as_uid=None, run_as_gid=None)
 
 
+def test_argv_as_a_user_seals_the_root_and_dev_once_the_tree_is_built() -> None:
+    # One stage: the root, /run and /dev are tmpfs owned by the user the cage's uid maps to. Left
+    # writable, a cell filled /dev with 1.5 GiB and 20,000 files and no budget saw it (issue 36).
+    argv = _argv(as_root=False)
+    runtime = argv.index("--chdir")
+    assert argv[runtime - 4 : runtime] == ["--remount-ro", "/dev", "--remount-ro", "/"]
+    building = argv[: runtime - 4]
+    assert "--dev" in building and "/dev/shm" in building and "--proc" in building
+    assert "--remount-ro" not in building
+
+
 def test_argv_sets_every_configured_limit_before_the_worker() -> None:
     argv = _argv(as_root=False, address_space_bytes=1 << 30, max_processes=64, cpu_seconds=60, open_files=256)
     prlimit = argv.index("/usr/bin/prlimit")
