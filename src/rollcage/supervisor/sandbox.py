@@ -41,8 +41,10 @@ Also visible, read-only at their host paths: the system directories
 (``/usr``, ``/etc``, ...), the Python environment (``sys.prefix``,
 ``sys.base_prefix``) and the directory the ``rollcage`` package is imported
 from (mounted over the private ``/tmp`` if they live there). ``/proc`` shows only
-the sandbox's processes; ``/dev`` is minimal. The network namespace has only a
-loopback interface with nothing listening.
+the sandbox's processes; ``/dev`` is minimal. Nothing else is writable: the root,
+``/dev`` and the directories made for the tree are read-only (root-owned as root,
+remounted read-only without root). The network namespace has only a loopback
+interface with nothing listening.
 
 The agent's code does not see all of this: the worker runs its executor in a
 cage of its own (:mod:`rollcage.cage`, ``executor_cage``) where ``/rollout`` and
