@@ -52,6 +52,7 @@ from rollcage.supervisor import (
     classify_outcome,
     supervise,
 )
+from rollcage.supervisor.budgetplan import planned_mechanisms
 from rollcage.supervisor.sandbox import BwrapTools, bwrap_argv
 from rollcage.tools import make_executor
 from tests.helpers.supervisor_env import (
@@ -582,6 +583,14 @@ def test_every_budget_is_in_the_receipt_with_its_mechanism(probe: dict[str, Any]
     assert [use.budget for use in receipt.budgets] == list(typing.get_args(BudgetName))
     assert all(use.mechanism != "none" and not use.exceeded for use in receipt.budgets)
     assert receipt.budget_exceeded is None
+
+
+@_bwrap
+def test_the_mechanisms_planned_before_the_run_are_the_receipts(probe: dict[str, Any]) -> None:
+    # What a run names as weak at its start (and refuses under require_budgets) is what a rollout gets.
+    receipt: SupervisorReceipt = probe["receipt"]
+    config = BwrapSandbox()
+    assert {use.budget: use.mechanism for use in receipt.budgets} == planned_mechanisms(config)
 
 
 def test_budget_breach_is_the_policys_fault_only_after_it_acted() -> None:

@@ -289,7 +289,7 @@ def detect_cgroups() -> CgroupSupport:
                 if controller in options and controller in own and controller not in v1:
                     v1[controller] = _join(point, root, own[controller])
     found: dict[str, tuple[Literal["cgroup2", "cgroup1"], Path]] = {}
-    for parent in _v2_candidates(v2, top):
+    for parent in _v2_candidates(v2, top, euid=os.geteuid()):
         controllers = _v2_controllers(parent)
         if controllers:
             for controller in controllers:
@@ -308,7 +308,7 @@ def detect_cgroups() -> CgroupSupport:
     return support
 
 
-def _v2_candidates(own: Path | None, top: Path | None) -> Iterator[Path]:
+def _v2_candidates(own: Path | None, top: Path | None, *, euid: int) -> Iterator[Path]:
     """Where a cage's v2 cgroups may go: this process's cgroup, then, without root, its delegated ancestors.
 
     A cgroup with processes in it cannot give its children controllers (v2's "no internal
@@ -320,7 +320,6 @@ def _v2_candidates(own: Path | None, top: Path | None) -> Iterator[Path]:
     """
     if own is None or top is None:
         return
-    euid = os.geteuid()
     here = own
     while True:
         yield here
