@@ -28,7 +28,16 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["TEST_USER", "UnprivilegedUser", "delegated_cgroups", "make_test_user", "run_as", "user_dir"]
+__all__ = [
+    "TEST_USER",
+    "UnprivilegedUser",
+    "can_delegate",
+    "chown_tree",
+    "delegated_cgroups",
+    "make_test_user",
+    "run_as",
+    "user_dir",
+]
 
 TEST_USER = "rollcage-test"
 REPO = Path(__file__).resolve().parents[2]
@@ -100,6 +109,14 @@ _DELEGATED_FILES = ("cgroup.procs", "cgroup.subtree_control", "cgroup.threads", 
 """What systemd hands to the user with a delegated cgroup (``tasks``: cgroup v1's)."""
 
 
+def can_delegate() -> bool:
+    """Whether this machine gives root memory and pids cgroups to delegate (:func:`delegated_cgroups`)."""
+    from rollcage.cage import detect_cgroups
+
+    support = detect_cgroups()
+    return support.memory is not None and support.pids is not None
+
+
 @contextlib.contextmanager
 def delegated_cgroups(user: UnprivilegedUser) -> Iterator[list[str]]:
     """A cgroup subtree delegated to the user, as systemd delegates ``user@UID.service``.
@@ -111,9 +128,9 @@ def delegated_cgroups(user: UnprivilegedUser) -> Iterator[list[str]]:
     """
     from rollcage.cage import detect_cgroups, kill_cgroup, remove_cgroup
 
-    support = detect_cgroups()
-    if support.memory is None or support.pids is None:
+    if not can_delegate():
         pytest.skip("optional: this machine gives root no memory and pids cgroups to delegate")
+    support = detect_cgroups()
     made: list[Path] = []
     procs: list[str] = []
     try:
