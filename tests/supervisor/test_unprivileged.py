@@ -118,7 +118,8 @@ def test_without_delegation_the_run_names_each_weak_budget_in_one_warning_at_its
     assert "tmp_bytes (" not in warned and "shm_bytes (" not in warned, warned
     assert "--require-budgets" in warned, warned
     # At the start: before the rollout's result is reported.
-    assert done.stdout.index("WEAK BUDGETS") < done.stdout.index("completed"), done.stdout[-6000:]
+    folded = " ".join(done.stdout.split())
+    assert folded.index("WEAK BUDGETS") < folded.index("completed"), done.stdout[-6000:]
 
 
 def test_without_delegation_require_budgets_refuses_before_anything_runs(

@@ -75,8 +75,10 @@ def weak_budgets(mechanisms: dict[BudgetName, BudgetMechanism], config: BwrapSan
             why = f"RLIMIT_NPROC only, no pids cgroup{off}: a breach is not seen"
         elif config.disk_budgets == "poll":
             why = f"polled every {config.budget_poll_s:g} s (--disk-budgets poll)"
-        else:
+        elif os.geteuid() != 0:
             why = f"polled every {config.budget_poll_s:g} s: no bounded tmpfs without root"
+        else:
+            why = f"polled every {config.budget_poll_s:g} s: its bounded tmpfs could not be mounted"
         words.append(f"{budget} ({why})")
     return words
 
@@ -102,7 +104,7 @@ def check_budgets(config: BwrapSandbox) -> list[str]:
     if config.require_budgets:
         raise SandboxError(
             f"--require-budgets: {len(weak)} budget(s) cannot be enforced as a hard bound here: {listed}. "
-            f"{_HOW_TO[0].upper()}{_HOW_TO[1:]}; or run without --require-budgets"
+            f"Where: {_HOW_TO}; or run without --require-budgets"
         )
     line = (
         f"WEAK BUDGETS: {len(weak)} sandbox budget(s) are not hard bounds here: {listed}. "
