@@ -10,7 +10,7 @@ pytest-xdist the first worker to need the run makes it and the others read it (a
 file under a lock: ``xdist_group`` does not keep a module on one worker here).
 
 To check that a probe can fail, disable its defence and watch it go red, e.g.
-``ROLLCAGE_ESCAPE_WEAKEN=executor_cage=shared,cgroups=off pytest tests/supervisor/test_escape.py``
+``ROLLCAGE_ESCAPE_WEAKEN=executor_cage=shared pytest tests/supervisor/test_escape.py``
 (fields of :class:`rollcage.supervisor.BwrapSandbox`).
 """
 
@@ -29,16 +29,17 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import yaml
 
-from rollcage.cage import detect_cgroups
 from rollcage.controller import Controller, RunConfig
 from rollcage.durable import read_journal
-from rollcage.protocol import RolloutRecord
+from rollcage.errors import ConfigError
+from rollcage.protocol import BudgetName, RolloutRecord
 from rollcage.supervisor import BwrapSandbox
+from rollcage.supervisor.budgetplan import WEAK_MECHANISMS
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.waiting import processes_mentioning
 
@@ -266,6 +267,33 @@ PROBES: dict[str, Probe] = {
             SUBMIT,
         ]
     ),
+    "writable-places": Probe(
+        [
+            FINDINGS
+            + textwrap.dedent("""\
+            import os
+            # Every mount point, its parent, and the directories a cage's tree is made of.
+            places = {"/", "/run", "/run/rollcage", "/rollout", "/dev", "/var/tmp", "/home", "/etc", "/usr"}
+            for line in open("/proc/self/mountinfo"):
+                point = line.split()[4]
+                places.update({point, os.path.dirname(point)})
+            writable = []
+            for place in sorted(places):
+                if place.startswith(("/proc", "/sys")) or not os.path.isdir(place):
+                    continue
+                made = os.path.join(place, ".rollcage-probe")
+                try:
+                    os.mkdir(made)
+                except OSError:
+                    continue
+                os.rmdir(made)
+                writable.append(place)
+            findings["writable"] = writable
+            """)
+            + SAVE,
+            SUBMIT,
+        ]
+    ),
     # ------------------------------------------------------------------ budgets
     "fork-bomb": Probe(
         [
@@ -437,6 +465,8 @@ class EscapeRun:
     token: str
     mounts_before: set[str]
     mounts_after: set[str]
+    refused: str | None
+    """What the same run said when its budgets were required (``require_budgets``); ``None``: it ran."""
 
     def record(self, probe: str) -> RolloutRecord:
         assert probe in self.records, f"probe {probe}: no record (the run lost it)"
@@ -454,6 +484,7 @@ class EscapeRun:
                 "token": self.token,
                 "mounts_before": sorted(self.mounts_before),
                 "mounts_after": sorted(self.mounts_after),
+                "refused": self.refused,
             }
         )
 
@@ -570,6 +601,7 @@ def _run_escape(base: Path) -> EscapeRun:
             bwrap=BwrapSandbox(**{**BUDGETS, **_weakened()}),
         )
         asyncio.run(Controller(config).run())
+        refused = _required(base, dataset, config.bwrap)
         lines = (config.out / "rollouts.jsonl").read_bytes().splitlines()
         records = {r.task_id: r for r in (RolloutRecord.model_validate_json(line) for line in lines)}
         return EscapeRun(
@@ -582,6 +614,7 @@ def _run_escape(base: Path) -> EscapeRun:
             token=token,
             mounts_before=mounts_before,
             mounts_after=_mounts(base),
+            refused=refused,
         )
     finally:
         del os.environ[SECRET_VAR]
@@ -590,6 +623,27 @@ def _run_escape(base: Path) -> EscapeRun:
         for leftover in (host_file, Path("/var/tmp") / token):
             if leftover.exists():  # only if the grader's cage failed: leave no litter
                 leftover.unlink()
+
+
+def _required(base: Path, dataset: Path, bwrap: BwrapSandbox) -> str | None:
+    """The run's refusal when its budgets are required; ``None`` if it ran (one victim row, then)."""
+    victim = next(line for line in dataset.read_text().splitlines() if json.loads(line)["id"] == "victim")
+    required = dataset.with_name("required.jsonl")  # beside the policy script
+    required.write_text(victim + "\n")
+    config = RunConfig(
+        dataset=required,
+        out=base / "required",
+        deadline_s=60,
+        grace_s=2,
+        max_infra_retries=0,
+        bwrap=bwrap.model_copy(update={"require_budgets": True}),
+    )
+    try:
+        asyncio.run(Controller(config).run())
+    except ConfigError as exc:
+        assert not (base / "required" / "rollouts.jsonl").exists(), "refused, but after a rollout was run"
+        return str(exc)
+    return None
 
 
 # --------------------------------------------------------------------------- checks, one per probe
@@ -605,8 +659,14 @@ def _budget(run: EscapeRun, probe: str, budget: str) -> None:
     record = run.record(probe)
     receipt = record.receipt
     mechanisms = {use.budget: use.mechanism for use in receipt.budgets}
-    if mechanisms.get(budget) == "rlimit" and not _cgroups_here(budget):
-        pytest.skip(f"optional: probe {probe}: this machine allows no cgroup for {budget} (rlimit only)")
+    if mechanisms.get(budget) in WEAK_MECHANISMS:
+        # Not a hard bound here (a per-process rlimit, a poll: the receipt says which). Then the run
+        # must refuse up front when its budgets are required, naming this one.
+        assert run.refused is not None and f"{budget} (" in run.refused, (
+            f"probe {probe}: {budget} is only {mechanisms[budget]} here, yet require_budgets did not "
+            f"refuse for it: {run.refused!r}"
+        )
+        return
     assert record.outcome == "agent_error", (
         f"probe {probe}: {record.outcome}: {record.receipt.outcome_reason}"
     )
@@ -616,11 +676,6 @@ def _budget(run: EscapeRun, probe: str, budget: str) -> None:
     assert budget in record.receipt.outcome_reason, f"probe {probe}: the reason does not name {budget}"
     assert receipt.cleanup_confirmed, f"probe {probe}: something of the sandbox survived"
     assert record.reward == 0.0, f"probe {probe}: going over a budget must earn 0, not {record.reward}"
-
-
-def _cgroups_here(budget: str) -> bool:
-    support = detect_cgroups()
-    return (support.memory if budget == "memory_bytes" else support.pids) is not None
 
 
 def _no_worker(probe: str, cmdlines: list[str]) -> None:
@@ -701,8 +756,16 @@ def check_memory(run: EscapeRun) -> None:
     _budget(run, "memory", "memory_bytes")
 
 
+def _held(run: EscapeRun, probe: str, budget: str) -> bool:
+    """The budget is a hard bound in this run (otherwise :func:`_budget` checked the refusal)."""
+    uses = {use.budget: use.mechanism for use in run.record(probe).receipt.budgets}
+    return uses.get(budget) not in WEAK_MECHANISMS
+
+
 def check_disk_fill(run: EscapeRun) -> None:
     _budget(run, "disk-fill", "workspace_bytes")
+    if not _held(run, "disk-fill", "workspace_bytes"):
+        return
     fill = Path(run.record("disk-fill").rollout_dir) / "workspace" / "fill.bin"
     assert fill.exists(), "probe disk-fill: the workspace was not kept as evidence"
     assert fill.stat().st_size <= BUDGETS["workspace_bytes"], (
@@ -712,6 +775,8 @@ def check_disk_fill(run: EscapeRun) -> None:
 
 def check_inode_fill(run: EscapeRun) -> None:
     _budget(run, "inode-fill", "workspace_inodes")
+    if not _held(run, "inode-fill", "workspace_inodes"):
+        return
     made = len(list((Path(run.record("inode-fill").rollout_dir) / "workspace" / "many").iterdir()))
     assert 0 < made <= BUDGETS["workspace_inodes"], f"probe inode-fill: {made} files on the host"
 
@@ -760,6 +825,34 @@ def check_victims(run: EscapeRun) -> None:
         assert run.record(probe).receipt.budget_exceeded is None, f"probe {probe}: a victim hit a budget"
     grader = run.record("grader-victim")
     assert grader.reward == 1.0, f"probe grader-victim: the grader's cage broke honest code: {grader.grader}"
+
+
+def check_writable_places(run: EscapeRun) -> None:
+    # Every place the agent's code can write has a budget; everything else is read-only (as an
+    # unprivileged user, /dev, / and /run were writable tmpfs with no bound: issue 36). Directories
+    # inside a budgeted place (mount points of host paths under /tmp) count as that place.
+    budgeted = ("/rollout/workspace", "/tmp", "/dev/shm")
+    writable = set(run.findings("writable-places")["writable"])
+    outside = sorted(p for p in writable if not any(p == b or p.startswith(b + "/") for b in budgeted))
+    assert outside == [], f"probe writable-places: writable without a budget: {outside}"
+    assert set(budgeted) <= writable, f"probe writable-places: {sorted(writable)}"
+    _completed(run, "writable-places")
+
+
+def check_require_budgets(run: EscapeRun) -> None:
+    # The refusal names exactly the budgets that were weak in the run, each of them.
+    weak = {
+        use.budget
+        for record in run.records.values()
+        for use in record.receipt.budgets
+        if use.mechanism in WEAK_MECHANISMS and use.limit is not None
+    }
+    if not weak:
+        assert run.refused is None, f"require_budgets refused although every budget held: {run.refused}"
+        return
+    assert run.refused is not None, f"require_budgets ran although {sorted(weak)} were weak"
+    named = {budget for budget in get_args(BudgetName) if f"{budget} (" in run.refused}
+    assert named == weak, f"require_budgets named {sorted(named)}, the receipts {sorted(weak)}"
 
 
 def check_nothing_left(run: EscapeRun) -> None:

@@ -52,6 +52,7 @@ from rollcage.supervisor import (
     classify_outcome,
     supervise,
 )
+from rollcage.supervisor.budgetplan import planned_mechanisms
 from rollcage.supervisor.sandbox import BwrapTools, bwrap_argv
 from rollcage.tools import make_executor
 from tests.helpers.supervisor_env import (
@@ -165,6 +166,17 @@ def test_argv_as_a_user_is_one_stage() -> None:
     argv = _argv(as_root=False)
     assert "/usr/bin/setpriv" not in argv and argv.count("/usr/bin/bwrap") == 1
     assert "/usr/bin/setpriv" not in _argv(as_root=True, run_as_uid=None, run_as_gid=None)
+
+
+def test_argv_as_a_user_seals_the_root_and_dev_once_the_tree_is_built() -> None:
+    # One stage: the root, /run and /dev are tmpfs owned by the user the cage's uid maps to. Left
+    # writable, a cell filled /dev with 1.5 GiB and 20,000 files and no budget saw it (issue 36).
+    argv = _argv(as_root=False)
+    runtime = argv.index("--chdir")
+    assert argv[runtime - 4 : runtime] == ["--remount-ro", "/dev", "--remount-ro", "/"]
+    building = argv[: runtime - 4]
+    assert "--dev" in building and "/dev/shm" in building and "--proc" in building
+    assert "--remount-ro" not in building
 
 
 def test_argv_sets_every_configured_limit_before_the_worker() -> None:
@@ -571,6 +583,14 @@ def test_every_budget_is_in_the_receipt_with_its_mechanism(probe: dict[str, Any]
     assert [use.budget for use in receipt.budgets] == list(typing.get_args(BudgetName))
     assert all(use.mechanism != "none" and not use.exceeded for use in receipt.budgets)
     assert receipt.budget_exceeded is None
+
+
+@_bwrap
+def test_the_mechanisms_planned_before_the_run_are_the_receipts(probe: dict[str, Any]) -> None:
+    # What a run names as weak at its start (and refuses under require_budgets) is what a rollout gets.
+    receipt: SupervisorReceipt = probe["receipt"]
+    config = BwrapSandbox()
+    assert {use.budget: use.mechanism for use in receipt.budgets} == planned_mechanisms(config)
 
 
 def test_budget_breach_is_the_policys_fault_only_after_it_acted() -> None:

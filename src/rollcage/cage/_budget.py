@@ -9,7 +9,11 @@ once per process, what this machine allows:
 
 * **cgroup v2** with the ``memory`` and ``pids`` controllers delegated to this
   process's cgroup: one child cgroup per cage (``memory.max``, ``memory.swap.max``
-  0, ``memory.oom.group`` 1, ``pids.max``);
+  0, ``memory.oom.group`` 1, ``pids.max``). Without root, the nearest ancestor
+  this uid owns whose children get the controllers will do (a delegated subtree:
+  systemd's ``user@UID.service``, a ``Delegate=yes`` scope's parent): the cages
+  go beside this process's own cgroup, which cannot have children with
+  controllers while it holds processes;
 * **cgroup v1** ``memory`` and ``pids`` hierarchies writable here (root, or a
   delegated subtree): one child cgroup per cage in each (``memory.limit_in_bytes``
   and ``memory.memsw.limit_in_bytes``, ``pids.max``);
@@ -275,32 +279,75 @@ def detect_cgroups() -> CgroupSupport:
     """What this machine lets this process do with cgroups (once per process; blocking)."""
     own = _own_cgroups()
     v2: Path | None = None
+    top: Path | None = None
     v1: dict[str, Path] = {}
     for root, point, fstype, options in _mountinfo():
         if fstype == "cgroup2" and "" in own and v2 is None:
-            v2 = _join(point, root, own[""])
+            v2, top = _join(point, root, own[""]), Path(point)
         elif fstype == "cgroup":
             for controller in ("memory", "pids", "cpuacct"):
                 if controller in options and controller in own and controller not in v1:
                     v1[controller] = _join(point, root, own[controller])
     found: dict[str, tuple[Literal["cgroup2", "cgroup1"], Path]] = {}
-    if v2 is not None and _writable_dir(v2):
-        try:
-            available = set((v2 / "cgroup.controllers").read_text().split())
-            delegated = set((v2 / "cgroup.subtree_control").read_text().split())
-        except OSError:
-            available, delegated = set(), set()
-        for controller in ("memory", "pids"):
-            if controller in delegated or (controller in available and _enable(v2, controller)):
-                found[controller] = ("cgroup2", v2)
-        # Every v2 cgroup counts its CPU time (cpu.stat), with or without the cpu controller.
-        found["cpuacct"] = ("cgroup2", v2)
+    for parent in _v2_candidates(v2, top, euid=os.geteuid()):
+        controllers = _v2_controllers(parent)
+        if controllers:
+            for controller in controllers:
+                found[controller] = ("cgroup2", parent)
+            # Every v2 cgroup counts its CPU time (cpu.stat), with or without the cpu controller.
+            found["cpuacct"] = ("cgroup2", parent)
+            break
+    else:
+        if v2 is not None and _writable_dir(v2):
+            found["cpuacct"] = ("cgroup2", v2)
     for controller, path in v1.items():
         if controller not in found and _writable_dir(path):
             found[controller] = ("cgroup1", path)
     support = CgroupSupport(memory=found.get("memory"), pids=found.get("pids"), cpu=found.get("cpuacct"))
     logger.debug("cgroups for the sandbox: memory %s, pids %s", support.memory, support.pids)
     return support
+
+
+def _v2_candidates(own: Path | None, top: Path | None, *, euid: int) -> Iterator[Path]:
+    """Where a cage's v2 cgroups may go: this process's cgroup, then, without root, its delegated ancestors.
+
+    A cgroup with processes in it cannot give its children controllers (v2's "no internal
+    processes" rule), so a process in a delegated leaf (``systemd-run --user --scope -p
+    Delegate=yes``, a session of ``user@UID.service``) makes its cages beside itself, in the
+    nearest ancestor it owns. Only up through cgroups this uid owns (the delegation: systemd
+    hands the subtree's directories and ``cgroup.procs`` to the user), and never for root,
+    whose every ancestor is writable but not its to use.
+    """
+    if own is None or top is None:
+        return
+    here = own
+    while True:
+        yield here
+        if euid == 0 or here == top or not here.is_relative_to(top):
+            return
+        here = here.parent
+        try:
+            owned = here.stat().st_uid == euid and (here / "cgroup.procs").stat().st_uid == euid
+        except OSError:
+            return
+        if not owned:
+            return
+
+
+def _v2_controllers(parent: Path) -> list[str]:
+    """The controllers (``memory``, ``pids``) that a child of ``parent`` made by this process gets."""
+    if not _writable_dir(parent) or not os.access(parent / "cgroup.procs", os.W_OK):
+        return []
+    try:
+        available = set((parent / "cgroup.controllers").read_text().split())
+        delegated = set((parent / "cgroup.subtree_control").read_text().split())
+    except OSError:
+        return []
+    return [
+        controller
+        for controller in ("memory", "pids")
+        if controller in delegated or (controller in available and _enable(parent, controller))
+    ]
 
 
 def _enable(v2: Path, controller: str) -> bool:

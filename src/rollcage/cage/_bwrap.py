@@ -18,7 +18,9 @@ builds the file tree, then drops to an unprivileged host uid (``setpriv``) and
 runs the inner ``bwrap``, which creates the user, PID, network, IPC, UTS and
 cgroup namespaces over that tree. Code in the cage is never host root, the
 process limit holds, and the outer stage's PID namespace takes everything along
-when its init dies. A caller that is not root needs one stage.
+when its init dies. A caller that is not root needs one stage; its cage's root and
+``/dev`` (tmpfs owned by the caller's uid, which the cage's uid maps to) are then
+remounted read-only, as the outer stage's root-owned ones are to the cage's uid.
 """
 
 from __future__ import annotations
@@ -377,8 +379,13 @@ def cage_argv(spec: CageSpec, *, tools: BwrapTools, as_root: bool) -> list[str]:
 
     two_stage = as_root and spec.run_as is not None
     if not two_stage:
+        # One stage, unprivileged: the root, the directories made for the tree (/run, parents of
+        # binds) and /dev are tmpfs this uid owns, unbounded. Read-only once built, as the
+        # two-stage launch's (root's) are to the cage's uid: only the binds and tmpfs asked for
+        # stay writable (the remounts are not recursive).
         proc_dev = ["--proc", "/proc", "--dev", "/dev", *_shm_args(spec.shm)]
-        return [tools.bwrap, *status, *namespaces, *tree.args, *proc_dev, *runtime, "--", *command]
+        sealed = ["--remount-ro", "/dev", "--remount-ro", "/"]
+        return [tools.bwrap, *status, *namespaces, *tree.args, *proc_dev, *sealed, *runtime, "--", *command]
     assert spec.run_as is not None
     if tools.setpriv is None:
         raise SandboxError("setpriv (util-linux) is needed to drop root for the sandbox, and was not found")

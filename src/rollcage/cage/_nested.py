@@ -162,8 +162,9 @@ def nested_prefix(cage: NestedCage, *, ignore_sigint: bool = True) -> list[str]:
         "--proc",
         "/proc",
         # The worker's /dev again, usable (the read-only copy above has nodev): its device nodes and
-        # its bounded /dev/shm, writable as the worker has it; the directory itself is root's, so
-        # nothing can be made in it. A fresh --dev would cost a tmpfs, a devpts and six binds more.
+        # its bounded /dev/shm, writable as the worker has it; the directory itself is read-only (root's
+        # as root, remounted read-only without root: rollcage.cage._bwrap), so nothing can be made in
+        # it. A fresh --dev would cost a tmpfs, a devpts and six binds more.
         "--dev-bind",
         "/dev",
         "/dev",

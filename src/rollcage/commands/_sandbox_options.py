@@ -130,6 +130,15 @@ DiskBudgets = Annotated[
         rich_help_panel=_PANEL,
     ),
 ]
+RequireBudgets = Annotated[
+    bool | None,
+    typer.Option(
+        "--require-budgets",
+        help="Refuse to run (exit 2) when a budget cannot be a hard bound here (no cgroup, only a poll).",
+        rich_help_panel=_PANEL,
+        show_default=False,
+    ),
+]
 ExecutorCage = Annotated[
     ExecutorCageChoice | None,
     typer.Option(
@@ -160,6 +169,7 @@ BUDGET_FLAGS = (
     "shm_inodes",
     "cgroups",
     "disk_budgets",
+    "require_budgets",
     "executor_cage",
     "worker_start",
 )

@@ -22,6 +22,7 @@ from rollcage.commands._sandbox_options import (
     ExecutorCage,
     MaxProcesses,
     MemoryBudget,
+    RequireBudgets,
     ShmBudget,
     ShmInodes,
     TmpBudget,
@@ -130,6 +131,7 @@ def command(
     shm_inodes: ShmInodes = None,
     cgroups: Cgroups = None,
     disk_budgets: DiskBudgets = None,
+    require_budgets: RequireBudgets = None,
     executor_cage: ExecutorCage = None,
     worker_start: WorkerStart = None,
     backend: Annotated[

@@ -21,6 +21,7 @@ from rollcage.commands._sandbox_options import (
     ExecutorCage,
     MaxProcesses,
     MemoryBudget,
+    RequireBudgets,
     ShmBudget,
     ShmInodes,
     TmpBudget,
@@ -87,6 +88,7 @@ def command(
     shm_inodes: ShmInodes = None,
     cgroups: Cgroups = None,
     disk_budgets: DiskBudgets = None,
+    require_budgets: RequireBudgets = None,
     executor_cage: ExecutorCage = None,
     worker_start: WorkerStart = None,
 ) -> None:

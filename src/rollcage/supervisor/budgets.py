@@ -53,8 +53,10 @@ from rollcage.cage import (
     remove_cgroup,
     unmount,
 )
+from rollcage.errors import SandboxError
 from rollcage.procs import read_proc
 from rollcage.protocol import BudgetName, BudgetUse, RolloutUsage
+from rollcage.supervisor.budgetplan import weak_budgets
 from rollcage.supervisor.config import BwrapSandbox
 from rollcage.supervisor.sandbox import RolloutLayout, Scratch
 
@@ -233,6 +235,15 @@ class RolloutBudgets:
                 shm=Tmpfs("/dev/shm", config.shm_bytes),
             )
         self._record()
+        if config.require_budgets:
+            # What was planned at the start (budgetplan) may still fail here: a mount or a cgroup refused.
+            made = {use.budget: use.mechanism for use in self.report() if use.limit is not None}
+            weak = weak_budgets(made, config)
+            if weak:
+                raise SandboxError(
+                    f"--require-budgets: this rollout's budgets could not all be made hard bounds: "
+                    f"{'; '.join(weak)}"
+                )
         return scratch
 
     def _can_mount(self) -> bool:

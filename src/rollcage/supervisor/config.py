@@ -129,6 +129,15 @@ class BwrapSandbox(_Config):
             "hard bound); poll: bubblewrap's size-bounded tmpfs and a poll (the only way without root)."
         ),
     )
+    require_budgets: bool = Field(
+        default=False,
+        description=(
+            "Refuse to run (a SandboxError before anything starts) when a budget asked for cannot be a hard "
+            "bound here: memory_bytes or max_processes without a cgroup (a per-process rlimit only), or a "
+            "disk budget that is only polled (no bounded tmpfs without root). False: such budgets are "
+            "named in one warning when the run starts, and in every receipt."
+        ),
+    )
     executor_cage: Literal["bwrap", "shared"] = Field(
         default="bwrap",
         description=(

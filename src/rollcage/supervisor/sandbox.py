@@ -42,8 +42,10 @@ Also visible, read-only at their host paths: the system directories
 (``/usr``, ``/etc``, ...), the Python environment (``sys.prefix``,
 ``sys.base_prefix``) and the directory the ``rollcage`` package is imported
 from (mounted over the private ``/tmp`` if they live there). ``/proc`` shows only
-the sandbox's processes; ``/dev`` is minimal. The network namespace has only a
-loopback interface with nothing listening.
+the sandbox's processes; ``/dev`` is minimal. Nothing else is writable: the root,
+``/dev`` and the directories made for the tree are read-only (root-owned as root,
+remounted read-only without root). The network namespace has only a loopback
+interface with nothing listening.
 
 The agent's code does not see all of this: the worker runs its executor in a
 cage of its own (:mod:`rollcage.cage`, ``executor_cage``) where ``/rollout`` and
@@ -89,6 +91,7 @@ from rollcage.cage import (
     system_mounts,
     which,
 )
+from rollcage.supervisor.budgetplan import check_budgets
 from rollcage.supervisor.config import BwrapSandbox, NoSandbox
 from rollcage.warm import WarmRequest
 
@@ -396,23 +399,29 @@ class BwrapLauncher:
     def check(self) -> BwrapTools:
         """Find bwrap, prlimit and setpriv, and try a trivial sandbox once per process (blocking).
 
+        A budget that cannot be a hard bound here is named in one warning per process, or, with
+        ``require_budgets``, refused (:func:`~rollcage.supervisor.budgetplan.check_budgets`).
+
         Raises:
             SandboxError: bubblewrap, prlimit or setpriv is missing, or bubblewrap cannot create
                 the namespaces here (nor, with ``executor_cage`` bwrap, a cage inside the cage), or
                 its self-check did not finish in time (a busy machine, not a refusal: it is tried
-                again next time); the message says which, and how to proceed.
+                again next time), or ``require_budgets`` is set and a budget would be weak; the
+                message says which, and how to proceed.
         """
         if self._tools is not None:
             return self._tools
         run_as: tuple[int, int] | None = None
         if os.geteuid() == 0 and self.config.run_as_uid is not None and self.config.run_as_gid is not None:
             run_as = (self.config.run_as_uid, self.config.run_as_gid)
-        self._tools = find_tools(
+        tools = find_tools(
             bwrap_path=self.config.bwrap_path,
             run_as=run_as,
             nested=self.config.executor_cage == "bwrap",
         )
-        return self._tools
+        check_budgets(self.config)
+        self._tools = tools
+        return tools
 
     @property
     def owner(self) -> tuple[int, int] | None:
