@@ -616,7 +616,11 @@ class _Session:
             resources = None
             if resource_specs:
                 resources = ResourceTools(
-                    spec.resources, resource_specs, rollout_id=spec.rollout_id, cookies=resource_cookies
+                    spec.resources,
+                    resource_specs,
+                    rollout_id=spec.rollout_id,
+                    cookies=resource_cookies,
+                    timeout_s=spec.agent.tool_timeout_s,
                 )
                 await stack.enter_async_context(resources)
             cells: _Cells | None = None

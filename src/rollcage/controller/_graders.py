@@ -356,12 +356,20 @@ async def verify_remote(
     """
     import httpx
 
+    from rollcage.errors import HeaderValueError
+    from rollcage.headers import cookie_header, header_value
+
     detail: dict[str, Any] = {"name": "verify"}
-    headers = {"content-type": "application/json"}
-    if token:
-        headers["authorization"] = f"Bearer {token}"
-    if cookies:
-        headers["cookie"] = cookie_header(cookies)
+    headers = [(b"content-type", b"application/json")]
+    try:
+        if token:
+            bearer = header_value(f"Bearer {token}", what="the environment's token")
+            headers.append((b"authorization", bearer))
+        if cookies:
+            # The cookies come back in the sandbox's result: nothing guarantees they can be sent.
+            headers.append((b"cookie", cookie_header(cookies)))
+    except HeaderValueError as exc:
+        return GradeResult(None, detail, f"verify was not asked: {exc}")
     own = client is None
     http = client if client is not None else httpx.AsyncClient(trust_env=False, follow_redirects=False)
     try:
@@ -400,11 +408,6 @@ async def read_bounded(response: httpx.Response, limit: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def cookie_header(cookies: dict[str, str]) -> str:
-    """The ``Cookie`` header value for ``cookies``."""
-    return "; ".join(f"{name}={value}" for name, value in cookies.items())
 
 
 def parse_verify_answer(status: int, body: bytes, sent: frozenset[str] = frozenset()) -> GradeResult:
