@@ -117,7 +117,7 @@ def _header_text_problem(text: str) -> str | None:
 
 
 def _name(ch: str) -> str:
-    return f"U+{ord(ch):04X} ({unicodedata.name(ch, 'unnamed')})"
+    return f"U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')})"
 
 
 # --------------------------------------------------------------------------- cookies

@@ -447,7 +447,16 @@ def parse_verify_answer(status: int, body: bytes, sent: frozenset[str] = frozens
         )
     extra = answer.get("detail")
     if isinstance(extra, dict):
-        detail.update({k: v for k, v in extra.items() if k != "name"})
+        extra = {k: v for k, v in extra.items() if k != "name"}
+        size = len(orjson.dumps(extra))
+        if size <= _DETAIL_LIMIT:
+            detail.update(extra)
+        else:
+            # The record is one line of rollouts.jsonl: an environment's essay stays in its own logs.
+            detail["detail_cut"] = (
+                f"the answer's detail was {size} bytes of JSON, over {_DETAIL_LIMIT}: left out "
+                f"(its keys: {', '.join(k[:80] for k in sorted(extra)[:50])})"
+            )
     others = {k: v for k, v in answer.items() if k not in _ANSWER_KEYS and k not in detail and k not in sent}
     if others:
         dumped = orjson.dumps(others)
