@@ -117,7 +117,8 @@ def _header_text_problem(text: str) -> str | None:
 
 
 def _name(ch: str) -> str:
-    return f"U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')})"
+    fallback = "a lone surrogate" if unicodedata.category(ch) == "Cs" else "a control character"
+    return f"U+{ord(ch):04X} ({unicodedata.name(ch, fallback)})"
 
 
 # --------------------------------------------------------------------------- cookies
