@@ -455,14 +455,25 @@ def _check_worker_input(row: DatasetRow, tools: tuple[ToolSpec, ...], env: Envir
         tools=list(tools),
         resources=resources,
     )
-    data = built.model_dump_json().encode()
-    if len(data) + _INPUT_MARGIN > MAX_INPUT_BYTES:
+    size = len(built.model_dump_json())
+    if size + _INPUT_MARGIN > MAX_INPUT_BYTES:
         raise ConfigError(
-            f"the row's input.json would be {len(data) / 2**20:.1f} MiB; the worker reads at most "
+            f"the row's input.json would be {size / 2**20:.1f} MiB; the worker reads at most "
             f"{MAX_INPUT_BYTES // 2**20} MiB (less {_INPUT_MARGIN // 2**20} MiB for what the run adds): "
             "make the input smaller"
         )
-    WorkerInput.model_validate_json(data)
+    if built.model.sampling.extra_body:
+        # The worker reads the settings as plain JSON, which WorkerInput's checks walk (controller-only
+        # keys, depth); built from models, they were not walked above. Of the settings, only
+        # extra_body holds free-form keys (every other field is typed, unknown fields refused).
+        WorkerInput.model_validate(
+            {
+                "rollout_id": "check",
+                "task_id": row.id,
+                "input": "",
+                "model": built.model.model_dump(mode="json"),
+            }
+        )
 
 
 def _open(path: Path) -> BinaryIO:
