@@ -49,6 +49,7 @@ ROWS: dict[str, tuple[str, str]] = {
     "tool-huge": ("tool-huge", "infra_failure"),
     "odd-headers": ("odd headers %41", "completed"),
     "verify-big-detail": ("verify-big-detail", "completed"),
+    "tool-slow": ("tool-slow", "infra_failure"),
 }
 
 
@@ -89,6 +90,8 @@ def test_odd_cookies_and_headers_never_crash_a_run_nor_count_against_the_policy(
                 "tools": [{"type": "resource", "name": "probe"}],
                 "grader": {"type": "verify"},
                 "verifier": {"mode": mode},
+                # A resource call is bounded by the agent's tool timeout, not only its endpoint's 30 s.
+                "agent": {"tool_timeout_s": 2.0 if mode == "tool-slow" else 30.0},
             }
             for mode, (task_id, _) in ROWS.items()
         ]
@@ -117,6 +120,8 @@ def test_odd_cookies_and_headers_never_crash_a_run_nor_count_against_the_policy(
     reasons = {mode: final[task_id].receipt.outcome_reason or "" for mode, (task_id, _) in ROWS.items()}
     assert "cannot be kept" in reasons["seed-bad-name"] and "seed_session" in reasons["seed-bad-name"]
     assert "cannot be kept" in reasons["seed-too-many"]
+    assert "cannot be sent back" in reasons["tool-bad-name"] and "cannot be sent back" in reasons["tool-huge"]
+    assert "within 2 s (the agent's tool_timeout_s" in reasons["tool-slow"]
     # Kept cookies went back to /verify byte for byte, whatever their charset.
     sent = b"\n".join(c or b"" for c in env.cookies["verify"])
     assert "lat=café".encode() in sent and b"lat=caf\xe9" in sent and "t=日本".encode() in sent

@@ -18,11 +18,13 @@ Modes (what the answer carries besides the mode cookie):
 * ``tool-huge``: the tool's answer sets a 5000-byte cookie;
 * ``odd-headers``: answers carry ``X-Odd`` with high octets and a nameless ``Set-Cookie``;
 * ``verify-big-detail``: ``/verify`` answers a 2 MB ``detail``;
+* ``tool-slow``: the tool answers after ``SLOW_TOOL_S`` (far beyond a short ``tool_timeout_s``);
 * anything else: plain answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,7 +37,9 @@ from starlette.routing import Route
 
 from rollcage.controller._servers import AppServer
 
-__all__ = ["HostileEnvironment", "serve_hostile"]
+__all__ = ["SLOW_TOOL_S", "HostileEnvironment", "serve_hostile"]
+
+SLOW_TOOL_S = 8.0
 
 
 def _mode_of(request: Request) -> str:
@@ -102,6 +106,8 @@ class HostileEnvironment:
         async def probe(request: Request) -> Response:
             self.cookies.setdefault("probe", []).append(_raw_cookie(request))
             mode = _mode_of(request)
+            if mode == "tool-slow":
+                await asyncio.sleep(SLOW_TOOL_S)
             return answer({"ok": True, "mode": mode}, _TOOL_COOKIES.get(mode, []), mode)
 
         async def verify(request: Request) -> Response:
