@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rollcage.controller._dataset as dataset_module
 from rollcage.controller._dataset import InvalidRow, Task, iter_dataset, open_dataset, validate_value
@@ -250,3 +253,22 @@ def test_rollcage_run_on_a_fifo_without_a_writer_exits_2_with_a_reason(tmp_path:
     assert done.returncode == 2
     assert "no program opened for writing" in done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    name=st.text(max_size=70)
+    | st.sampled_from(["../../etc/passwd", "verify", "close_session", "a/b", "get weather", "ok_name-1"]),
+    format=st.sampled_from(["rollcage", "nemo-gym"]),
+)
+def test_a_tool_name_is_refused_per_row_or_is_safe_as_an_endpoint_path(name: str, format: str) -> None:
+    if format == "nemo-gym":
+        row: dict[str, Any] = _nemo(tools=[{"type": "function", "name": name}])
+    else:
+        row = {"id": "t", "input": "hi", "environment": ENV, "tools": [{"type": "resource", "name": name}]}
+    result = validate_value(8, row, format=format, environment=ENV)  # type: ignore[arg-type]
+    if isinstance(result, InvalidRow):
+        assert result.line == 8 and ("tool" in result.reason or "name" in result.reason)
+        return
+    (tool,) = result.tools
+    assert re.fullmatch(r"[A-Za-z0-9_-]{1,64}", tool.name) and tool.name not in ("verify", "seed_session")
