@@ -20,7 +20,7 @@ Three kinds of value, three rules:
   whatever its charset. Control characters (but the tab) and anything beyond
   U+00FF cannot be sent, and are refused.
 * **Cookies** (:func:`cookie_header`, :func:`update_cookies`): a ``Set-Cookie``
-  is read from the raw header bytes; its name must be a token-like word and its
+  is read from the raw header bytes; its name must be visible octets without ``,;=`` and its
   value header text without ``;``; a jar holds at most ``MAX_COOKIES`` cookies of
   at most ``MAX_COOKIE_BYTES`` each. What :func:`update_cookies` keeps,
   :func:`cookie_header` can always send.
@@ -69,8 +69,9 @@ _MAX_HEADER_BYTES = 64 * 1024
 
 _HEADER_TEXT = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 """What a header value may hold (RFC 9110 5.5: visible ASCII, space, tab, obs-text)."""
-_COOKIE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-"""A cookie name: an HTTP token (RFC 9110 5.6.2), which RFC 6265 asks for."""
+_COOKIE_NAME = re.compile(r"[\x21-\x2b\x2d-\x3a\x3c\x3e-\x7e\x80-\xff]+")
+"""A cookie name: visible octets but ``,``, ``;`` and ``=`` (RFC 6265 asks for a token; servers set
+``arr[0]`` and the like, which go back as they came)."""
 _ID_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 _REFUSED_CATEGORIES = frozenset({"Cc", "Cs", "Zl", "Zp"})
 """Control characters (NUL, newline, DEL...), lone surrogates, line and paragraph separators."""
@@ -146,7 +147,10 @@ def cookie_problem(name: str, value: str) -> str | None:
     """Why the cookie ``name=value`` cannot be kept and sent back in a ``Cookie`` header; ``None``: it can."""
     if not _COOKIE_NAME.fullmatch(name):
         shown = name[:60].encode("unicode_escape").decode("ascii")
-        return f"its name {shown!r} is not an HTTP token (letters, digits and !#$%&'*+-.^_`|~)"
+        return (
+            f"its name {shown!r} is empty or holds a space, a control character, ',', ';', '=' or a "
+            "character beyond ISO-8859-1"
+        )
     if len(name) + len(value) > MAX_COOKIE_BYTES:
         return f"it is {len(name) + len(value)} bytes long, over {MAX_COOKIE_BYTES}"
     if ";" in value:

@@ -153,6 +153,11 @@ def test_a_row_id_is_refused_with_its_line_or_is_a_safe_directory_name(tmp_path:
 # --------------------------------------------------------------------------- the clients
 
 
+def _raw_cookie(request: httpx.Request) -> bytes | None:
+    """The request's Cookie header as its octets (httpx's str view guesses a charset)."""
+    return next((value for name, value in request.headers.raw if name.lower() == b"cookie"), None)
+
+
 def _completion() -> dict[str, Any]:
     return {
         "id": "c",
@@ -211,7 +216,7 @@ def test_a_tool_answers_cookies_are_kept_and_sent_back_or_the_environment_is_at_
 
     def handler(request: httpx.Request) -> httpx.Response:
         on_the_wire(list(request.headers.raw))
-        sent.append(request.headers.get("cookie", "").encode("latin-1") or None)
+        sent.append(_raw_cookie(request))
         raw = [
             (b"set-cookie", name.encode("utf-8", "surrogatepass") + b"=" + v) for name, v in next(script, [])
         ]
@@ -250,7 +255,7 @@ def test_seed_cookies_become_a_session_or_the_environments_infra_failure(
         if request.url.path == "/seed_session":
             raw = [(b"set-cookie", n.encode("utf-8", "surrogatepass") + b"=" + v) for n, v in cookies]
             return httpx.Response(200, headers=raw, content=b"{}")
-        verify_cookie.append(request.headers.get("cookie", "").encode("latin-1") or None)
+        verify_cookie.append(_raw_cookie(request))
         return httpx.Response(200, json={"reward": 1.0})
 
     async def go() -> None:
