@@ -30,6 +30,7 @@ publishes as ``RunnerError.kind`` (``transient`` for the infrastructure's,
     │   ├── ControllerOnlyFieldError                 controller state aimed at the sandbox
     │   └── ViewerError                              show/report given a path that is no rollout
     ├── JournalCorruptError (ValueError)             a checkpoint journal is damaged mid-file [fatal]
+    ├── HeaderValueError (ValueError)                a value cannot be sent in an HTTP header [fatal]
     ├── ResumeRefusedError                           an earlier journal cannot be resumed: start fresh [fatal]
     ├── ModelError                                   the model endpoint (both kinds above)
     └── ToolError                                    a tool or the Python executor          [fatal]
@@ -57,6 +58,7 @@ __all__ = [
     "FatalModelError",
     "HarnessError",
     "HarnessUnavailableError",
+    "HeaderValueError",
     "InfrastructureError",
     "JournalCorruptError",
     "ModelError",
@@ -121,6 +123,14 @@ class DurableWriteError(InfrastructureError, OSError):
 
 class JournalCorruptError(RollcageError, ValueError):
     """A checkpoint journal has a damaged line that is not its torn last line."""
+
+
+class HeaderValueError(RollcageError, ValueError):
+    """A value someone else supplied (a cookie, an id, a credential) cannot be sent in an HTTP header.
+
+    Raised by :mod:`rollcage.headers` before any HTTP library sees the value; whoever meets it
+    says whose fault it is (an environment's cookie: the environment's, as infrastructure).
+    """
 
 
 class ResumeRefusedError(RollcageError):

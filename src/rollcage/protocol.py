@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 from rollcage.errors import ControllerOnlyFieldError, ErrorKind
 
 __all__ = [
+    "MAX_INPUT_BYTES",
     "MAX_JSON_DEPTH",
     "RESERVED_REQUEST_FIELDS",
     "SCHEMA_VERSION",
@@ -105,6 +106,10 @@ Far beyond any real input or response (a Responses item with a JSON Schema nests
 below the limits of the parsers and serialisers downstream (pydantic: about 200, orjson's writer: 255),
 so a value that was accepted can always be written back into a journal line or a result.
 """
+
+MAX_INPUT_BYTES = 64 * 1024 * 1024
+"""The largest input.json the worker reads; a larger one is invalid input (a task's input is text, not a
+data set). A dataset row whose input.json would be larger is refused when the dataset is validated."""
 
 _DAY_S = 86_400.0
 _EXTRA_BODY_KEYS = 32
@@ -223,8 +228,8 @@ class RunnerError(_Frozen):
 class SamplingParams(_Model):
     """Sampling parameters sent with every model request; ``None`` means "the server's default"."""
 
-    temperature: float | None = Field(default=None, description="Sampling temperature.")
-    top_p: float | None = Field(default=None, description="Nucleus sampling mass.")
+    temperature: float | None = Field(default=None, ge=0, description="Sampling temperature (0 or more).")
+    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass, in (0, 1].")
     max_output_tokens: int | None = Field(
         default=None,
         ge=1,
@@ -616,7 +621,7 @@ def _controller_only_paths(data: Any) -> list[str]:
     if not isinstance(data, dict):
         return []
     found: list[str] = []
-    stack: list[tuple[str, Any, Any]] = [
+    stack: list[tuple[str, str | None, Any]] = [
         (str(key), key, value)
         for key, value in data.items()
         # model-visible text and tool schemas may mention such words legitimately
@@ -628,6 +633,9 @@ def _controller_only_paths(data: Any) -> list[str]:
             found.append(path)
         if isinstance(value, dict):
             stack.extend((f"{path}.{name}", name, child) for name, child in value.items())
+        elif isinstance(value, list):
+            # A list holds no key of its own: its items are looked into under their index.
+            stack.extend((f"{path}[{index}]", None, child) for index, child in enumerate(value))
     return found
 
 

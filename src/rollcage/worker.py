@@ -54,6 +54,7 @@ from rollcage.procs import (
     wait_shared,
 )
 from rollcage.protocol import (
+    MAX_INPUT_BYTES,
     SCHEMA_VERSION,
     BoundaryRecord,
     PythonToolSpec,
@@ -99,8 +100,6 @@ STOP_POLL_S = 1.0
 A supervisor that watches the file itself (rollcage's does, every 0.2 s) stops the worker with SIGTERM
 at once; this look serves the launchers that cannot signal."""
 EXECUTOR_CLOSE_TIMEOUT_S = 10.0
-MAX_INPUT_BYTES = 64 * 1024 * 1024
-"""The largest input.json read; a larger one is invalid input (a task's input is text, not a data set)."""
 _ID_MAX_CHARS = 512
 
 log = logging.getLogger("rollcage.worker")
@@ -616,7 +615,11 @@ class _Session:
             resources = None
             if resource_specs:
                 resources = ResourceTools(
-                    spec.resources, resource_specs, rollout_id=spec.rollout_id, cookies=resource_cookies
+                    spec.resources,
+                    resource_specs,
+                    rollout_id=spec.rollout_id,
+                    cookies=resource_cookies,
+                    timeout_s=spec.agent.tool_timeout_s,
                 )
                 await stack.enter_async_context(resources)
             cells: _Cells | None = None

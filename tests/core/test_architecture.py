@@ -34,6 +34,7 @@ SRC = REPO / "src" / "rollcage"
 
 LAYERS: tuple[str, ...] = (
     "errors",  # the one exception hierarchy
+    "headers",  # values others supply, made into HTTP header bytes
     "procs",  # process lifecycle and the cancellation dialect
     "protocol",  # the artifacts' shapes
     "durable",  # atomic publication, the journal

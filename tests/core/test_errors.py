@@ -17,6 +17,7 @@ from rollcage.errors import (
     FatalModelError,
     HarnessError,
     HarnessUnavailableError,
+    HeaderValueError,
     InfrastructureError,
     JournalCorruptError,
     ModelTimeoutError,
@@ -54,6 +55,7 @@ PUBLISHED_KIND = {
     RunFailedError: "transient",
     HarnessError: "fatal",
     HarnessUnavailableError: "transient",
+    HeaderValueError: "fatal",
 }
 
 

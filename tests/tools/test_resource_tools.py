@@ -290,3 +290,11 @@ def test_tool_parameters_follow_the_schema_order() -> None:
     schema = {"type": "object", "properties": {"city": {}, "unit": {}}}
     assert tool_parameters(ResourceToolSpec(name="w", resource="r", parameters=schema)) == ["city", "unit"]
     assert tool_parameters(ResourceToolSpec(name="w", resource="r")) == []
+
+
+async def test_the_agents_tool_timeout_bounds_a_call_below_the_endpoints(tcp_url: str) -> None:
+    endpoint = ResourceEndpoint(base_url=tcp_url, timeout_s=30.0)
+    tools = ResourceTools({"weather": endpoint}, SPECS, rollout_id=ROLLOUT_ID, cookies={}, timeout_s=0.2)
+    async with tools:
+        with pytest.raises(ResourceUnavailableError, match=r"within 0\.2 s \(the agent's tool_timeout_s"):
+            await tools.call("slow", {})

@@ -378,11 +378,19 @@ def _check_key_variable(name: str) -> None:
     """
     import os
 
-    if not os.environ.get(name):
+    from rollcage.errors import HeaderValueError
+    from rollcage.headers import header_value
+
+    value = os.environ.get(name)
+    if not value:
         raise typer.BadParameter(
             f"{name} is not set (or empty) in this environment; export it, or drop --api-key-env",
             param_hint="--api-key-env",
         )
+    try:
+        header_value(f"Bearer {value}", what=f"the key in {name}")
+    except HeaderValueError as exc:
+        raise typer.BadParameter(f"{exc}; set {name} to the key alone", param_hint="--api-key-env") from None
 
 
 def _log_through(reporter: RichReporter) -> None:

@@ -27,7 +27,11 @@ Rows written for NeMo Gym or Inspect are read as they are (``rollcage.controller
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import select
+import stat
+import tempfile
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -37,11 +41,14 @@ from typing import Annotated, Any, BinaryIO, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from rollcage.agent import SUBMIT
 from rollcage.controller._formats import DatasetFormat, detect_format_of, from_inspect, from_nemo_gym
 from rollcage.controller._graders import ExactGrader, GraderSpec, VerifyGrader, check_pattern
 from rollcage.environments import EnvironmentInfo, bundled_environments
 from rollcage.errors import ConfigError, ControllerOnlyFieldError
+from rollcage.headers import id_problem
 from rollcage.protocol import (
+    MAX_INPUT_BYTES,
     AgentSettings,
     ExecutorSettings,
     ModelEndpoint,
@@ -55,15 +62,19 @@ from rollcage.protocol import (
 )
 
 __all__ = [
+    "MAX_LINE_BYTES",
     "DatasetRow",
+    "DatasetSource",
     "EnvironmentRef",
     "InvalidRow",
     "RowModelSettings",
     "RowResourceTool",
     "Task",
     "detect_format",
+    "input_problem",
     "iter_dataset",
     "normalise_url",
+    "open_dataset",
     "tasks_from_rows",
     "url_key",
 ]
@@ -72,6 +83,21 @@ _URL = re.compile(r"^https?://[^\s/]+(/\S*)?$", re.IGNORECASE)
 _MAX_ID = 256
 _BOM = b"\xef\xbb\xbf"
 _DETECT_LINES = 100
+MAX_LINE_BYTES = MAX_INPUT_BYTES + 32 * 1024 * 1024
+"""The longest dataset line read: the worker's input bound, and room for the row's controller-only fields.
+A longer line is an invalid row (with its number) and is skipped without being held in memory."""
+_INPUT_MARGIN = 1024 * 1024
+"""What input.json may grow by after validation (real endpoint URLs, session cookies, a harness's paths)."""
+_SKIP_CHUNK = 1024 * 1024
+_WRITER_WAIT_S = 10.0
+"""How long a FIFO given as the dataset may wait for its writer before the run is refused."""
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A tool name the model can call (the OpenAI function-name rule) and safe as an endpoint path."""
+_RESERVED_TOOL_NAMES = frozenset({"seed_session", "verify", "close_session", "aggregate_metrics", SUBMIT})
+"""The environment's own endpoints (NeMo Gym's protocol) and the agent's answer: never a tool."""
+_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
+_ROLES = frozenset({"user", "system", "developer", "assistant"})
+_PART_TEXT = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 
 
 class _Row(BaseModel):
@@ -142,8 +168,23 @@ class DatasetRow(_Row):
     def _id_text(cls, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return str(value)
-        if isinstance(value, str) and not (0 < len(value) <= _MAX_ID):
-            raise ValueError(f"must be 1 to {_MAX_ID} characters")
+        if isinstance(value, str):
+            if not (0 < len(value) <= _MAX_ID):
+                raise ValueError(f"must be 1 to {_MAX_ID} characters")
+            # Printable Unicode ('café', '日本-1') runs: headers carry it percent-encoded, and a rollout
+            # directory's name is sanitised and hashed (rollout_id). What no header, log line or
+            # terminal can show faithfully is refused here, with the row's line number.
+            problem = id_problem(value)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
+
+    @field_validator("input")
+    @classmethod
+    def _sendable_input(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        problem = input_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
 
@@ -206,6 +247,76 @@ class Task:
     def id(self) -> str:
         """The task id."""
         return self.row.id
+
+
+def input_problem(value: str | list[dict[str, Any]]) -> str | None:
+    """Why a row's model-visible input could never be sent to a model; ``None`` when it can.
+
+    The items the worker sends (``rollcage.model``) to a Chat Completions or Responses endpoint:
+    ``message`` (role ``user``, ``system``, ``developer`` or ``assistant``; content a string or a
+    list of text, refusal and ``input_image`` parts), ``function_call`` (string ``call_id``,
+    ``name`` and ``arguments``), ``function_call_output`` (string ``call_id``) and ``reasoning``.
+    """
+    if isinstance(value, str):
+        return None
+    for index, item in enumerate(value):
+        where = f"input[{index}]"
+        kind = item.get("type", "message")
+        if kind not in _ITEM_TYPES:
+            return f"{where}.type: {_shown(kind)} is not an input item ({', '.join(sorted(_ITEM_TYPES))})"
+        if kind == "message":
+            problem = _message_problem(item, where)
+        elif kind == "function_call":
+            problem = next(
+                (
+                    f"{where}.{key}: must be a string, got {_shown(item.get(key))}"
+                    for key in ("call_id", "name", "arguments")
+                    if not isinstance(item.get(key, "" if key == "arguments" else None), str)
+                ),
+                None,
+            )
+        elif kind == "function_call_output":
+            problem = None if isinstance(item.get("call_id"), str) else f"{where}.call_id: must be a string"
+        else:
+            problem = None
+        if problem is not None:
+            return problem
+    return None
+
+
+def _message_problem(item: dict[str, Any], where: str) -> str | None:
+    role = item.get("role")
+    if role not in _ROLES:
+        return f"{where}.role: {_shown(role)} is not a role ({', '.join(sorted(_ROLES))})"
+    content = item.get("content", "")
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return f"{where}.content: must be a string or a list of content parts, got {_shown(content)}"
+    for index, part in enumerate(content):
+        at = f"{where}.content[{index}]"
+        if not isinstance(part, dict):
+            return f"{at}: must be an object, got {_shown(part)}"
+        kind = part.get("type")
+        field_name = _PART_TEXT.get(kind) if isinstance(kind, str) else None
+        if field_name is not None:
+            if not isinstance(part.get(field_name, ""), str):
+                return f"{at}.{field_name}: must be a string, got {_shown(part.get(field_name))}"
+        elif kind == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                return f"{at}.image_url: must be a string"
+        else:
+            known = ", ".join(sorted([*_PART_TEXT, "input_image"]))
+            return f"{at}.type: {_shown(kind)} is not a content part the model client sends ({known})"
+    return None
+
+
+def _shown(value: Any) -> str:
+    """A value for a message: short, and its type when it is not text."""
+    if isinstance(value, str):
+        return repr(value[:60])
+    kinds = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return "null" if value is None else kinds.get(type(value), f"a {type(value).__name__}")
 
 
 def normalise_url(url: str) -> str:
@@ -285,6 +396,17 @@ def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
                 )
             )
     names = [s.name for s in specs]
+    for name in names:
+        if not _TOOL_NAME.fullmatch(name):
+            raise ConfigError(
+                f"tool name {_shown(name)}: use 1 to 64 letters, digits, '_' or '-' (the name the model "
+                "calls, and the tool's endpoint path)"
+            )
+        if name in _RESERVED_TOOL_NAMES:
+            raise ConfigError(
+                f"tool name {name!r} is reserved ({', '.join(sorted(_RESERVED_TOOL_NAMES))}: the "
+                "environment's own endpoints and the agent's answer)"
+            )
     if len(set(names)) != len(names):
         raise ConfigError(f"tool names must be unique, got {names}")
     return tuple(specs)
@@ -311,20 +433,47 @@ def _grader(row: DatasetRow, env: EnvironmentRef | None) -> GraderSpec | None:
 
 
 def _check_worker_input(row: DatasetRow, tools: tuple[ToolSpec, ...], env: EnvironmentRef | None) -> None:
-    # Build the sandbox's view once now, with placeholder endpoints, so a row that
-    # could never become a valid input.json is rejected with its line number.
+    """Build the sandbox's view once now, with placeholder endpoints and the row's own model settings,
+    and read it back as the worker reads input.json, so a row that could never become a valid
+    input.json (a controller-only key nested in ``extra_body``, an input over the worker's bound) is
+    rejected with its line number instead of failing every attempt in the sandbox.
+
+    Raises:
+        ValidationError: The worker would refuse it.
+        ConfigError: It would be larger than the worker reads.
+    """
     resources = {env.key: ResourceEndpoint(base_url="http://127.0.0.1:1")} if env is not None else {}
-    WorkerInput(
+    settings = row.model.model_dump(exclude_none=True)
+    built = WorkerInput(
         rollout_id="check",
         task_id=row.id,
         input=row.input,
         instructions=row.instructions,
-        model=ModelEndpoint(base_url="http://127.0.0.1:1/v1", model="check"),
+        model=ModelEndpoint(base_url="http://127.0.0.1:1/v1", model="check", **settings),
         agent=row.agent,
         executor=row.executor,
         tools=list(tools),
         resources=resources,
     )
+    size = len(built.model_dump_json())
+    if size + _INPUT_MARGIN > MAX_INPUT_BYTES:
+        raise ConfigError(
+            f"the row's input.json would be {size / 2**20:.1f} MiB; the worker reads at most "
+            f"{MAX_INPUT_BYTES // 2**20} MiB (less {_INPUT_MARGIN // 2**20} MiB for what the run adds): "
+            "make the input smaller"
+        )
+    if built.model.sampling.extra_body:
+        # The worker reads the settings as plain JSON, which WorkerInput's checks walk (controller-only
+        # keys, depth); built from models, they were not walked above. Of the settings, only
+        # extra_body holds free-form keys (every other field is typed, unknown fields refused).
+        WorkerInput.model_validate(
+            {
+                "rollout_id": "check",
+                "task_id": row.id,
+                "input": "",
+                "model": built.model.model_dump(mode="json"),
+            }
+        )
 
 
 def _open(path: Path) -> BinaryIO:
@@ -334,19 +483,111 @@ def _open(path: Path) -> BinaryIO:
         raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
 
 
-def _lines(handle: BinaryIO) -> Iterator[tuple[int, bytes]]:
-    """Numbered non-blank lines; a UTF-8 byte order mark opening the file is not part of line 1."""
-    for number, raw in enumerate(handle, start=1):
+def _lines(handle: BinaryIO) -> Iterator[tuple[int, bytes | None]]:
+    """Numbered non-blank lines; ``None`` for a line over ``MAX_LINE_BYTES`` (skipped, never held whole).
+
+    A UTF-8 byte order mark opening the file is not part of line 1.
+    """
+    number = 0
+    while raw := handle.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            del raw
+            while (rest := handle.readline(_SKIP_CHUNK)) and not rest.endswith(b"\n"):
+                pass
+            yield number, None
+            continue
         if number == 1 and raw.startswith(_BOM):
             raw = raw[len(_BOM) :]  # some editors start a UTF-8 file with one
         if raw.strip():
             yield number, raw
 
 
+class DatasetSource:
+    """A dataset that can be read as often as the run needs: the file itself, or a copy of a pipe.
+
+    A run reads its dataset more than once (the format, a validation pass, the rows to run); a
+    pipe (``<(...)``, ``/dev/stdin``) can be read once only, so it is copied, once, to a temporary
+    file that goes with :meth:`close`.
+
+    Attributes:
+        path: A regular file to read the dataset from.
+        given: The path the user gave.
+    """
+
+    def __init__(self, path: Path, given: Path, *, spool: bool) -> None:
+        self.path = path
+        self.given = given
+        self._spool = spool
+
+    def close(self) -> None:
+        """Remove the copy of a pipe (a regular file is left alone)."""
+        if self._spool:
+            self._spool = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def open_dataset(path: Path, *, writer_wait_s: float = _WRITER_WAIT_S) -> DatasetSource:
+    """The dataset at ``path``, ready to be read several times (blocking).
+
+    A regular file is read where it is. A pipe or FIFO is read once, to its end, into a
+    temporary file; a FIFO that no program opens for writing within ``writer_wait_s`` is
+    refused rather than waited on for ever. Anything else (a directory, a terminal, a device)
+    is refused.
+
+    Raises:
+        ConfigError: It cannot be opened, is not a file or a pipe, or a FIFO's writer never came.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            return DatasetSource(path, path, spool=False)
+        if not stat.S_ISFIFO(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file or a pipe"
+            raise ConfigError(f"dataset {path} is {kind}: give a JSONL file, or a pipe of one")
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        if not poller.poll(writer_wait_s * 1000):
+            raise ConfigError(
+                f"dataset {path} is a FIFO that no program opened for writing within {writer_wait_s:g} s: "
+                "start its writer first, or give a regular file"
+            )
+        os.set_blocking(fd, True)
+        return _spool(fd, path)
+    finally:
+        os.close(fd)
+
+
+def _spool(fd: int, given: Path) -> DatasetSource:
+    handle, name = tempfile.mkstemp(prefix="rollcage-dataset-", suffix=".jsonl")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            while chunk := os.read(fd, _SKIP_CHUNK):
+                out.write(chunk)
+    except OSError as exc:
+        os.unlink(name)
+        raise ConfigError(f"cannot read dataset {given}: {exc.strerror or exc}") from exc
+    return DatasetSource(Path(name), given, spool=True)
+
+
 def validate_row(
-    line: int, raw: bytes, *, format: DatasetFormat = "rollcage", environment: str | None = None
+    line: int, raw: bytes | None, *, format: DatasetFormat = "rollcage", environment: str | None = None
 ) -> Task | InvalidRow:
-    """Parse and resolve one line (see ``iter_dataset``; duplicates are not checked here)."""
+    """Parse and resolve one line (see ``iter_dataset``; duplicates are not checked here).
+
+    ``raw`` is ``None`` for a line that was too long to read (see ``MAX_LINE_BYTES``).
+    """
+    if raw is None:
+        return InvalidRow(
+            line, f"the line is over {MAX_LINE_BYTES // 2**20} MiB, more than a row can be (it was skipped)"
+        )
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -413,6 +654,8 @@ def detect_format(path: Path) -> DatasetFormat:
         for seen, (_, raw) in enumerate(_lines(handle)):
             if seen >= _DETECT_LINES:
                 break
+            if raw is None:
+                continue
             try:
                 found = detect_format_of(orjson.loads(raw))
             except orjson.JSONDecodeError:

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from rollcage.controller._nemo_gym import CREATE_PARAMS_KEYS
 from rollcage.errors import ConfigError
+from rollcage.protocol import SamplingParams
 
 __all__ = ["FORMATS", "DatasetFormat", "detect_format_of", "from_inspect", "from_nemo_gym"]
 
@@ -92,7 +95,7 @@ def from_nemo_gym(
             "a NeMo Gym row names no environment: pass --environment URL (the resource server's base URL)"
         )
     tools = _nemo_tools(params.get("tools") or [])
-    sampling = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
+    sampling = _nemo_sampling(params)
     row: dict[str, Any] = {
         "id": _task_id(value, line),
         "input": model_input,
@@ -103,10 +106,33 @@ def from_nemo_gym(
     }
     if sampling:
         row["model"] = {"sampling": sampling}
-    if isinstance(params.get("max_tool_calls"), int) and not isinstance(params["max_tool_calls"], bool):
-        row["agent"] = {"max_tool_calls": params["max_tool_calls"]}
+    max_tool_calls = params.get("max_tool_calls")
+    if max_tool_calls is not None:
+        if isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 0:
+            raise ConfigError(
+                f"responses_create_params.max_tool_calls: must be a whole number of 0 or more, got "
+                f"{max_tool_calls!r}"[:200]
+            )
+        row["agent"] = {"max_tool_calls": max_tool_calls}
     verifier = {k: v for k, v in value.items() if k != "responses_create_params"}
     return row, verifier, params
+
+
+def _nemo_sampling(params: dict[str, Any]) -> dict[str, Any]:
+    """The row's sampling fields, checked as rollcage's ``SamplingParams`` checks them, named as written."""
+    sampling = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
+    for key, value in sampling.items():
+        # JSON's true is no temperature: pydantic would read it as 1.
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"responses_create_params.{key}: must be a number, got {value!r}"[:200])
+    try:
+        SamplingParams.model_validate(sampling)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(part) for part in error.get("loc", ()))
+        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        raise ConfigError(f"responses_create_params.{where}: {message}") from None
+    return sampling
 
 
 def _nemo_input(raw_input: Any) -> str | list[dict[str, Any]]:

@@ -356,12 +356,20 @@ async def verify_remote(
     """
     import httpx
 
+    from rollcage.errors import HeaderValueError
+    from rollcage.headers import cookie_header, header_value
+
     detail: dict[str, Any] = {"name": "verify"}
-    headers = {"content-type": "application/json"}
-    if token:
-        headers["authorization"] = f"Bearer {token}"
-    if cookies:
-        headers["cookie"] = cookie_header(cookies)
+    headers = [(b"content-type", b"application/json")]
+    try:
+        if token:
+            bearer = header_value(f"Bearer {token}", what="the environment's token")
+            headers.append((b"authorization", bearer))
+        if cookies:
+            # The cookies come back in the sandbox's result: nothing guarantees they can be sent.
+            headers.append((b"cookie", cookie_header(cookies)))
+    except HeaderValueError as exc:
+        return GradeResult(None, detail, f"verify was not asked: {exc}")
     own = client is None
     http = client if client is not None else httpx.AsyncClient(trust_env=False, follow_redirects=False)
     try:
@@ -402,11 +410,6 @@ async def read_bounded(response: httpx.Response, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def cookie_header(cookies: dict[str, str]) -> str:
-    """The ``Cookie`` header value for ``cookies``."""
-    return "; ".join(f"{name}={value}" for name, value in cookies.items())
-
-
 def parse_verify_answer(status: int, body: bytes, sent: frozenset[str] = frozenset()) -> GradeResult:
     """Read a ``/verify`` answer: NeMo Gym's ``BaseVerifyResponse`` or rollcage's ``{reward, detail}``.
 
@@ -444,7 +447,16 @@ def parse_verify_answer(status: int, body: bytes, sent: frozenset[str] = frozens
         )
     extra = answer.get("detail")
     if isinstance(extra, dict):
-        detail.update({k: v for k, v in extra.items() if k != "name"})
+        extra = {k: v for k, v in extra.items() if k != "name"}
+        size = len(orjson.dumps(extra))
+        if size <= _DETAIL_LIMIT:
+            detail.update(extra)
+        else:
+            # The record is one line of rollouts.jsonl: an environment's essay stays in its own logs.
+            detail["detail_cut"] = (
+                f"the answer's detail was {size} bytes of JSON, over {_DETAIL_LIMIT}: left out "
+                f"(its keys: {', '.join(k[:80] for k in sorted(extra)[:50])})"
+            )
     others = {k: v for k, v in answer.items() if k not in _ANSWER_KEYS and k not in detail and k not in sent}
     if others:
         dumped = orjson.dumps(others)

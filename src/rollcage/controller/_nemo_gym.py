@@ -29,8 +29,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rollcage.agent import function_tools as agent_function_tools
-from rollcage.controller._graders import cookie_header, read_bounded
-from rollcage.errors import ResourceUnavailableError
+from rollcage.controller._graders import read_bounded
+from rollcage.errors import HeaderValueError, ResourceUnavailableError
+from rollcage.headers import cookie_header, header_value, update_cookies
 from rollcage.protocol import ToolSpec, WorkerResult
 from rollcage.trajectory import project_calls
 
@@ -42,6 +43,7 @@ __all__ = [
     "close_session",
     "create_params_for",
     "function_tools",
+    "request_headers",
     "run_request",
     "seed_session",
     "to_nemo_response",
@@ -279,16 +281,28 @@ def _token_marks(result: WorkerResult, projected: int) -> dict[int, dict[str, An
 
 
 def _cookies_set(response: httpx.Response) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for header in response.headers.get_list("set-cookie"):
-        first = header.split(";", 1)[0]
-        name, sep, value = first.partition("=")
-        if sep and name.strip():
-            value = value.strip()
-            if len(value) >= 2 and value[0] == value[-1] == '"':
-                value = value[1:-1]
-            out[name.strip()] = value
-    return out
+    """The cookies an answer set; one that could never be sent back fails the whole answer.
+
+    Raises:
+        HeaderValueError: A cookie cannot be kept (see ``rollcage.headers.cookie_problem``).
+    """
+    jar: dict[str, str] = {}
+    update_cookies(jar, response.headers.raw, strict=True)
+    return jar
+
+
+def request_headers(*, token: str | None, cookies: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """The headers of a request to an environment (seed, verify, close): JSON, its token, the cookies.
+
+    Raises:
+        HeaderValueError: The token or a cookie cannot be sent (the message names it).
+    """
+    headers = [(b"content-type", b"application/json")]
+    if token:
+        headers.append((b"authorization", header_value(f"Bearer {token}", what="the environment's token")))
+    if cookies:
+        headers.append((b"cookie", cookie_header(cookies)))
+    return headers
 
 
 async def _post(
@@ -301,11 +315,7 @@ async def _post(
     cookies: Mapping[str, str],
     timeout_s: float,
 ) -> tuple[int, bytes | None, dict[str, str]]:
-    headers = {"content-type": "application/json"}
-    if token:
-        headers["authorization"] = f"Bearer {token}"
-    if cookies:
-        headers["cookie"] = cookie_header(dict(cookies))
+    headers = request_headers(token=token, cookies=cookies)
     async with asyncio.timeout(timeout_s):
         request = client.build_request(
             "POST", url.rstrip("/") + path, content=body, headers=headers, timeout=timeout_s
@@ -315,7 +325,7 @@ async def _post(
             data = await read_bounded(response, _ANSWER_LIMIT)
         finally:
             await response.aclose()
-    return response.status_code, data, _cookies_set(response)
+    return response.status_code, data, _cookies_set(response) if path == "/seed_session" else {}
 
 
 async def seed_session(
@@ -325,7 +335,8 @@ async def seed_session(
 
     Raises:
         ResourceUnavailableError: The environment could not be reached, gave no answer
-            in time, or answered anything but 2xx/404/405 (retried as infra_failure).
+            in time, answered anything but 2xx/404/405, or set a cookie that could never be
+            sent back (retried as infra_failure: the environment's fault, never the policy's).
 
     **Cancellation:** the request is abandoned and its connection closed.
     """
@@ -344,6 +355,8 @@ async def seed_session(
         raise ResourceUnavailableError(
             f"environment {url} could not be reached for /seed_session: {type(exc).__name__}: {exc}"
         ) from exc
+    except HeaderValueError as exc:
+        raise ResourceUnavailableError(f"environment {url} answered /seed_session unusably: {exc}") from exc
     if status in _NOT_OFFERED:
         return {}
     if not 200 <= status < 300:
@@ -379,6 +392,8 @@ async def close_session(
         return f"no answer within {timeout_s:g} s"
     except httpx.HTTPError as exc:
         return f"{type(exc).__name__}: {exc}"
+    except HeaderValueError as exc:
+        return str(exc)
     if status in _NOT_OFFERED or 200 <= status < 300:
         return None
     return f"HTTP {status}: {(data or b'')[:200].decode('utf-8', 'replace')}"

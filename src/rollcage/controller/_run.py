@@ -40,11 +40,13 @@ from rollcage.cage import release_launcher
 from rollcage.controller._backend import Backend
 from rollcage.controller._config import EmbeddedPolicyConfig, LocalBackendConfig, RunConfig
 from rollcage.controller._dataset import (
+    DatasetSource,
     EnvironmentRef,
     InvalidRow,
     Task,
     detect_format,
     iter_dataset,
+    open_dataset,
     tasks_from_rows,
 )
 from rollcage.controller._formats import DatasetFormat
@@ -262,6 +264,7 @@ class Controller:
         self._backend = backend
         self._sink = sink
         self._given: list[Task | InvalidRow] | None = None
+        self._dataset: DatasetSource | None = None
         if tasks is not None:
             self._given = tasks_from_rows(tasks, format=config.dataset_format, environment=config.environment)
         self._source = (
@@ -323,8 +326,11 @@ class Controller:
         self._reporter.notice(self._model_line())
         lock_fd: int | None = None
         try:
-            if self.config.dataset is not None and self.config.dataset_format == "auto":
-                self._format = await asyncio.to_thread(detect_format, self.config.dataset)
+            if self.config.dataset is not None:
+                # Read where it is, or (a pipe) copied once: every pass below reads the same rows.
+                self._dataset = await asyncio.to_thread(open_dataset, self.config.dataset)
+            if self._dataset is not None and self.config.dataset_format == "auto":
+                self._format = await asyncio.to_thread(detect_format, self._dataset.path)
                 self._reporter.notice(f"Dataset format: {self._format} (detected; --format to choose)")
             self._scan = await asyncio.to_thread(self._prescan_rows)
             for bad in self._scan.invalid:
@@ -363,6 +369,8 @@ class Controller:
             await shielded(asyncio.to_thread(release_launcher))
             if lock_fd is not None:
                 os.close(lock_fd)
+            if self._dataset is not None:
+                self._dataset.close()
         return self.summary()
 
     # ------------------------------------------------------------------ stages
@@ -428,8 +436,8 @@ class Controller:
     def _rows(self) -> Iterator[Task | InvalidRow]:
         if self._given is not None:
             return iter(self._given)
-        assert self.config.dataset is not None
-        return iter_dataset(self.config.dataset, format=self._format, environment=self.config.environment)
+        assert self._dataset is not None
+        return iter_dataset(self._dataset.path, format=self._format, environment=self.config.environment)
 
     def _policy_script(self, model: EmbeddedPolicyConfig) -> Path:
         """The embedded policy's script: the configured one, else ``policy.yaml`` beside the dataset."""

@@ -35,10 +35,10 @@ from typing import Literal, Self
 import h11
 
 from rollcage.harness._calls import WireExchange, model_call_api
+from rollcage.headers import cookie_header, parse_cookie_header, update_cookies
 from rollcage.model.http import HOP_BY_HOP, hop_by_hop, httpx, transport_for
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
-from rollcage.tools import cookie_header, parse_set_cookie
 
 __all__ = ["BUDGET_CODE", "Forwarder", "budget_refusal"]
 
@@ -385,7 +385,8 @@ class Forwarder(AsyncClosing):
         jar = self._jars.model if route.kind == "model" else self._jars.resource
         cookies = {**_cookies_of(headers), **jar}
         if cookies:
-            kept.append((b"cookie", cookie_header(cookies).encode("latin-1", "replace")))
+            # Both sides were checked on the way in (rollcage.headers): every cookie here can be sent.
+            kept.append((b"cookie", cookie_header(cookies)))
         kept.append((b"accept-encoding", b"identity"))
         return kept
 
@@ -429,7 +430,7 @@ class Forwarder(AsyncClosing):
                 status = response.status_code
                 response_from_proxy = response.headers.get("x-rollcage-proxy") == "1"
                 content_type = response.headers.get("content-type")
-                self._keep_cookies(route, response.headers.get_list("set-cookie"))
+                self._keep_cookies(route, response.headers.raw)
                 drop = hop_by_hop(list(response.headers.raw))
                 head = h11.Response(
                     status_code=status,
@@ -488,17 +489,11 @@ class Forwarder(AsyncClosing):
         await _send(writer, conn.send(h11.EndOfMessage()))
         return True
 
-    def _keep_cookies(self, route: _Route, headers: list[str]) -> None:
+    def _keep_cookies(self, route: _Route, headers: list[tuple[bytes, bytes]]) -> None:
         jar = self._jars.model if route.kind == "model" else self._jars.resource
-        for header in headers:
-            parsed = parse_set_cookie(header)
-            if parsed is None:
-                continue
-            name, value, expired = parsed
-            if expired:
-                jar.pop(name, None)
-            elif len(jar) < 64 or name in jar:
-                jar[name] = value
+        for problem in update_cookies(jar, headers, strict=False):
+            # The harness saw the answer whole; only what could never be sent back is not kept.
+            logger.warning("forwarder: %s %s", route.kind, problem)
 
     async def _answer(
         self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int, body: bytes
@@ -536,10 +531,6 @@ def _simple(status: int, text: bytes) -> bytes:
 def _cookies_of(headers: list[tuple[bytes, bytes]]) -> Mapping[str, str]:
     cookies: dict[str, str] = {}
     for name, value in headers:
-        if name.lower() != b"cookie":
-            continue
-        for pair in value.decode("latin-1").split(";"):
-            key, sep, val = pair.strip().partition("=")
-            if sep and key:
-                cookies[key] = val
+        if name.lower() == b"cookie":
+            cookies.update(parse_cookie_header(value))
     return cookies

@@ -33,12 +33,12 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from email.utils import parsedate_to_datetime
 from http.cookiejar import CookieJar, DefaultCookiePolicy
-from http.cookies import CookieError, SimpleCookie
 from typing import Any, Literal, NoReturn, Self
 
 import orjson
 
 from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
+from rollcage.headers import cookie_header, cookie_problem, encode_id, update_cookies
 from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
 from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload, without_lifted
 from rollcage.model.http import DirectSend, httpx, transport_for
@@ -78,10 +78,6 @@ _NOT_FOUND_CODE = re.compile(r"not[_ ]found|does[_ ]not[_ ]exist", re.IGNORECASE
 _ERROR_SNIPPET = 500
 _ERROR_BODY_BYTES = 64 * 1024
 """Of a non-2xx answer only this much is read: enough for any error message."""
-_MAX_COOKIES = 64
-_MAX_COOKIE_BYTES = 4096
-_COOKIE_VALUE = re.compile(r"[\x21-\x7e]*")
-"""A cookie value echoed back must be printable ASCII, or it could break the request's header."""
 _MALFORMED = (
     ValueError,
     TypeError,
@@ -213,7 +209,12 @@ class ModelClient(AsyncClosing):
         self._endpoint = endpoint
         self._rollout_id = rollout_id
         self._task_id = task_id
-        self._cookies: dict[str, str] = dict(cookies or {})
+        # Ids are any printable text (a dataset's 'café'): sent percent-encoded, reversibly.
+        self._identity = [(b"X-Rollout-Id", encode_id(rollout_id)), (b"X-Task-Id", encode_id(task_id))]
+        # Initial cookies that could never be sent are left out here, not at every request.
+        self._cookies: dict[str, str] = {
+            name: value for name, value in (cookies or {}).items() if cookie_problem(name, value) is None
+        }
         self._transport = transport
         self._state = ClientState.UNOPENED
         self._send: DirectSend | None = None
@@ -462,14 +463,14 @@ class ModelClient(AsyncClosing):
     async def _exchange(self, body: bytes) -> _Exchange:
         assert self._send is not None
         endpoint = self._endpoint
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": "text/event-stream" if endpoint.stream else "application/json",
-            "X-Rollout-Id": self._rollout_id,
-            "X-Task-Id": self._task_id,
-        }
+        headers = [
+            (b"Content-Type", b"application/json"),
+            (b"Accept", b"text/event-stream" if endpoint.stream else b"application/json"),
+            *self._identity,
+        ]
         if self._cookies:
-            headers["Cookie"] = "; ".join(f"{name}={value}" for name, value in self._cookies.items())
+            # Every cookie in the jar can be sent: the jar keeps no other (rollcage.headers).
+            headers.append((b"Cookie", cookie_header(self._cookies)))
         try:
             self._target = target = self._target or httpx.URL(self._url)
             response = await self._send("POST", target, headers=headers, content=body)
@@ -559,30 +560,10 @@ class ModelClient(AsyncClosing):
         return wait
 
     def _keep_cookies(self, response: httpx.Response) -> None:
-        for header in response.headers.get_list("set-cookie"):
-            jar = SimpleCookie()
-            try:
-                jar.load(header)
-            except CookieError:
-                logger.warning(
-                    "ignoring a malformed Set-Cookie header from the model endpoint: %r", header[:200]
-                )
-                continue
-            for name, morsel in jar.items():
-                if _expired(morsel["max-age"], morsel["expires"]):
-                    self._cookies.pop(name, None)
-                elif (
-                    len(name) + len(morsel.value) > _MAX_COOKIE_BYTES
-                    or not _COOKIE_VALUE.fullmatch(morsel.value)
-                    or (name not in self._cookies and len(self._cookies) >= _MAX_COOKIES)
-                ):
-                    # Echoing it would break the next request (a newline in a header) or grow every
-                    # request and journal line without bound; the server's word is in the capture.
-                    logger.warning(
-                        "ignoring a cookie from the model endpoint that cannot be sent back: %r", name
-                    )
-                else:
-                    self._cookies[name] = morsel.value
+        for problem in update_cookies(self._cookies, response.headers.raw, strict=False):
+            # Echoing it would break the next request (a newline in a header) or grow every
+            # request and journal line without bound; the server's word is in the capture.
+            logger.warning("ignoring a cookie from the model endpoint: %s", problem)
 
     def _fail(self, failure: _AttemptFailed, call: _Call) -> NoReturn:
         count = len(call.attempts)
@@ -807,20 +788,6 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise WireError("the answer is not a JSON object")
     return body
-
-
-def _expired(max_age: str, expires: str) -> bool:
-    if max_age:
-        try:
-            return int(max_age) <= 0
-        except ValueError:
-            return False
-    if expires:
-        try:
-            return parsedate_to_datetime(expires).timestamp() <= time.time()
-        except (TypeError, ValueError):
-            return False
-    return False
 
 
 def _jsonable(value: Any) -> Any:

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from rollcage.headers import decode_id
 from rollcage.policy._faults import CONTENT_FAULTS, WIRE_FAULTS, FaultPlan, FaultRecord, FaultRule, RequestKey
 from rollcage.policy._hostile import hostile_body, hostile_events, trickled
 from rollcage.policy._render import (
@@ -271,8 +272,9 @@ class PolicyApp:
             return _error(400, f"request body is not JSON: {exc}", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "invalid_request_error")
-        rollout_id = request.headers.get("x-rollout-id", "")
-        task_id = request.headers.get("x-task-id") or find_task_marker(body) or "*"
+        # Ids travel percent-encoded (rollcage.headers.encode_id): 'café' arrives as 'caf%C3%A9'.
+        rollout_id = decode_id(request.headers.get("x-rollout-id", ""))
+        task_id = decode_id(request.headers.get("x-task-id", "")) or find_task_marker(body) or "*"
         stream = bool(body.get("stream"))
         turn_index = count_model_turns(api, body)
         call, rollout_call = self.state.next_call(rollout_id)

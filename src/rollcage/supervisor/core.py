@@ -46,8 +46,9 @@ from pydantic import ValidationError
 
 from rollcage.cage import launcher
 from rollcage.durable import publish_bytes, publish_json, read_journal, sweep_temp_artifacts
-from rollcage.errors import ConfigError, JournalCorruptError, RollcageError, SupervisorError
+from rollcage.errors import ConfigError, HeaderValueError, JournalCorruptError, RollcageError, SupervisorError
 from rollcage.harness import GRACE_ENV, RELAY_FD_ENV, CaptureJournal
+from rollcage.headers import header_value
 from rollcage.procs import (
     ChildProcess,
     ExitStatus,
@@ -327,6 +328,7 @@ class _Supervision:
                     f"api_key_env names {self.config.api_key_env}, which is not set in the "
                     "supervisor's environment"
                 )
+            _check_credential(key, self.config.api_key_env)
         resource_keys: dict[str, str] = {}
         for name, variable in self.config.resource_api_key_envs.items():
             value = self.credential_source.get(variable)
@@ -335,6 +337,7 @@ class _Supervision:
                     f"resource_api_key_envs[{name!r}] names {variable}, which is not set in the supervisor's "
                     "environment"
                 )
+            _check_credential(value, variable)
             resource_keys[name] = value
         self.credentials = (key, resource_keys)
 
@@ -1028,6 +1031,14 @@ class _Supervision:
         if result.rollout_id not in ("", self.rollout_id):
             return True, None, f"result.json is for rollout {result.rollout_id!r}, not {self.rollout_id!r}"
         return True, result, None
+
+
+def _check_credential(value: str, variable: str) -> None:
+    """Refuse a key the egress proxy could never send (a newline, a character beyond ISO-8859-1)."""
+    try:
+        header_value(f"Bearer {value}", what=f"the key in {variable}")
+    except HeaderValueError as exc:
+        raise ConfigError(f"{exc}; set {variable} to the key alone") from None
 
 
 def _missing_harness_paths(original: WorkerInput) -> str | None:

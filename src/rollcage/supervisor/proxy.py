@@ -113,6 +113,7 @@ import orjson
 from rollcage.durable import AppendCursor
 from rollcage.errors import SupervisorError
 from rollcage.harness import budget_refusal, model_call_api
+from rollcage.headers import encode_id, header_value
 from rollcage.model.http import HOP_BY_HOP, DirectSend, H11Transport, hop_by_hop
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
@@ -673,7 +674,8 @@ class EgressProxy(AsyncClosing):
         self._rollout_id = rollout_id
         self._owner = socket_owner
         identity = {"X-Rollout-Id": rollout_id} if identity is None else identity
-        self._identity = [(k.lower().encode("latin-1"), v.encode("utf-8")) for k, v in identity.items()]
+        # Ids are any printable text: percent-encoded UTF-8, as the worker's clients send them.
+        self._identity = [(k.lower().encode("latin-1"), encode_id(v)) for k, v in identity.items()]
         self._on_budget_exceeded = on_budget_exceeded
         self._on_capture = on_capture
         self._model_call_limit = model_call_limit
@@ -1199,7 +1201,10 @@ class EgressProxy(AsyncClosing):
         headers.append((b"accept-encoding", b"identity"))
         headers += self._identity
         if route.credential is not None:
-            headers.append((b"authorization", f"Bearer {route.credential}".encode("latin-1")))
+            # Checked when the supervisor read it (Supervisor.check): it can be sent.
+            headers.append(
+                (b"authorization", header_value(f"Bearer {route.credential}", what="the credential"))
+            )
             ex.credential_added = True
         return headers
 

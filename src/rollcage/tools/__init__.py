@@ -21,7 +21,7 @@ from rollcage.tools._executor import (
 )
 from rollcage.tools._forked import TemplateLink as ExecutorTemplateLink
 from rollcage.tools._forked import adopt as adopt_executor_template
-from rollcage.tools._resources import ResourceTools, cookie_header, parse_set_cookie, tool_parameters
+from rollcage.tools._resources import ResourceTools, tool_parameters
 
 __all__ = [
     "BridgedTools",
@@ -34,9 +34,7 @@ __all__ = [
     "ToolBridge",
     "adopt_executor_template",
     "bound_middle",
-    "cookie_header",
     "make_executor",
-    "parse_set_cookie",
     "prepare_repl",
     "tool_parameters",
 ]

@@ -21,19 +21,18 @@ What the model sees and what the worker sees are kept apart:
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import enum
-import time
 from collections.abc import Mapping, Sequence
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
-from rollcage.errors import ConfigError, ResourceUnavailableError
+from rollcage.errors import ConfigError, HeaderValueError, ResourceUnavailableError
+from rollcage.headers import cookie_header, encode_id, update_cookies
 from rollcage.model.http import httpx, transport_for
 from rollcage.procs import AsyncClosing
 from rollcage.protocol import ResourceEndpoint, ResourceToolSpec, ToolStatus
 
-__all__ = ["ResourceTools", "cookie_header", "parse_set_cookie", "tool_parameters"]
+__all__ = ["ResourceTools", "tool_parameters"]
 
 _UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
 """Statuses that say "the resource is not there", not "your request was wrong"."""
@@ -80,6 +79,7 @@ class ResourceTools(AsyncClosing):
         rollout_id: str,
         cookies: Mapping[str, str],
         max_response_bytes: int = 1 << 20,
+        timeout_s: float | None = None,
     ) -> None:
         """Check the specs against the endpoints; nothing is opened yet.
 
@@ -90,6 +90,9 @@ class ResourceTools(AsyncClosing):
             cookies: Initial cookies (``WorkerInput.resource_cookies``).
             max_response_bytes: A longer response body is cut (with a visible
                 marker) while it is read, so a huge answer costs no memory.
+            timeout_s: The agent's bound on one tool call (``AgentSettings.tool_timeout_s``):
+                a call ends at the earlier of it and its endpoint's ``timeout_s``; ``None``:
+                the endpoint's alone.
 
         Raises:
             ConfigError: a tool names a resource that is not defined, or two
@@ -109,6 +112,7 @@ class ResourceTools(AsyncClosing):
         self._rollout_id = rollout_id
         self._cookies = dict(cookies)
         self._max_response_bytes = max_response_bytes
+        self._timeout_s = timeout_s
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._state = _State.UNOPENED
 
@@ -142,7 +146,7 @@ class ResourceTools(AsyncClosing):
                 base_url=endpoint.base_url,
                 transport=transport,
                 timeout=httpx.Timeout(endpoint.timeout_s),
-                headers={"X-Rollout-Id": self._rollout_id},
+                headers={"X-Rollout-Id": encode_id(self._rollout_id).decode("ascii")},
                 cookies=no_cookies,
                 follow_redirects=False,
                 trust_env=False,
@@ -175,7 +179,9 @@ class ResourceTools(AsyncClosing):
 
         Raises:
             ResourceUnavailableError: the endpoint could not be reached, did not
-                answer in full within its ``timeout_s``, or answered 502/503/504.
+                answer in full within its ``timeout_s`` (or the agent's
+                ``tool_timeout_s``, when shorter), answered 502/503/504, or set a
+                cookie that could never be sent back (the environment's fault).
             RuntimeError: the tools are not open.
 
         **Cancellation:** the request is abandoned and its connection closed;
@@ -192,11 +198,18 @@ class ResourceTools(AsyncClosing):
         endpoint = self._resources[spec.resource]
         client = self._clients[spec.resource]
         path = spec.path if spec.path is not None else f"/{name}"
-        headers = {"Cookie": cookie_header(self._cookies)} if self._cookies else None
+        timeout_s = min(endpoint.timeout_s, self._timeout_s or endpoint.timeout_s)
+        bound = "its timeout_s" if timeout_s == endpoint.timeout_s else "the agent's tool_timeout_s"
+        try:
+            headers = [(b"cookie", cookie_header(self._cookies))] if self._cookies else None
+        except HeaderValueError as exc:
+            raise ResourceUnavailableError(
+                f"resource {spec.resource!r} cannot be called for {name}: {exc}"
+            ) from exc
         try:
             # httpx's timeout bounds each phase; this bounds the whole call (a
             # resource trickling its answer byte by byte must not hold the rollout).
-            async with asyncio.timeout(endpoint.timeout_s):
+            async with asyncio.timeout(timeout_s):
                 request = client.build_request("POST", path, json=arguments, headers=headers)
                 response = await client.send(request, stream=True)
                 try:
@@ -205,14 +218,21 @@ class ResourceTools(AsyncClosing):
                     await response.aclose()
         except (httpx.TimeoutException, TimeoutError) as exc:
             raise ResourceUnavailableError(
-                f"resource {spec.resource!r} gave no answer to {name} within {endpoint.timeout_s:g} s "
-                f"({type(exc).__name__})"
+                f"resource {spec.resource!r} gave no answer to {name} within {timeout_s:g} s "
+                f"({bound}; {type(exc).__name__})"
             ) from exc
         except httpx.TransportError as exc:
             raise ResourceUnavailableError(
                 f"resource {spec.resource!r} could not be reached for {name}: {type(exc).__name__}: {exc}"
             ) from exc
-        self._update_cookies(response)
+        try:
+            update_cookies(self._cookies, response.headers.raw, strict=True)
+        except HeaderValueError as exc:
+            # A session the next call cannot carry: the environment's fault, not the policy's.
+            raise ResourceUnavailableError(
+                f"resource {spec.resource!r} answered {name} with a Set-Cookie that cannot be sent back: "
+                f"{exc}"
+            ) from exc
         text = body.decode(response.encoding or "utf-8", "replace")
         if cut:
             text += f"…[truncated {cut} bytes]…"
@@ -237,53 +257,3 @@ class ResourceTools(AsyncClosing):
                 size += min(len(chunk), room)
             cut += max(len(chunk) - max(room, 0), 0)
         return b"".join(chunks), cut
-
-    def _update_cookies(self, response: httpx.Response) -> None:
-        for header in response.headers.get_list("set-cookie"):
-            parsed = parse_set_cookie(header)
-            if parsed is None:
-                continue
-            name, value, expired = parsed
-            if expired:
-                self._cookies.pop(name, None)
-            else:
-                self._cookies[name] = value
-
-
-def cookie_header(cookies: Mapping[str, str]) -> str:
-    """A ``Cookie`` header's value for ``cookies``."""
-    return "; ".join(f"{name}={value}" for name, value in cookies.items())
-
-
-def parse_set_cookie(header: str) -> tuple[str, str, bool] | None:
-    """``(name, value, expired)`` from one ``Set-Cookie`` header; None if it has no name.
-
-    Domain and path are ignored on purpose: the protocol keeps one flat
-    ``resource_cookies`` map for the rollout, as the resources expect.
-    """
-    first, _, attributes = header.partition(";")
-    name, sep, value = first.partition("=")
-    name = name.strip()
-    if not sep or not name:
-        return None
-    value = value.strip()
-    if len(value) >= 2 and value[0] == value[-1] == '"':
-        value = value[1:-1]
-    expired = False
-    for attribute in attributes.split(";"):
-        key, _, arg = attribute.partition("=")
-        key = key.strip().lower()
-        arg = arg.strip()
-        if key == "max-age":
-            try:
-                expired = int(arg) <= 0
-            except ValueError:
-                continue
-            break  # Max-Age wins over Expires (RFC 6265 5.3)
-        if key == "expires":
-            try:
-                when = email.utils.parsedate_to_datetime(arg)
-            except (TypeError, ValueError):
-                continue
-            expired = when.timestamp() <= time.time()
-    return name, value, expired
