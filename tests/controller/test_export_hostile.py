@@ -14,7 +14,6 @@ import os
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,10 +29,14 @@ from tests.helpers.formats import AtifTrajectory
 from tests.helpers.hostile_runs import (
     DAMAGES,
     DECOY,
+    OUTPUTS,
     Done,
+    device_node,
     edit_json,
     edit_record,
     held_socket,
+    make_output,
+    short_tempdir,
     snapshot,
     verb,
 )
@@ -127,84 +130,11 @@ def test_a_damaged_or_copied_run_exports_what_it_can_and_says_what_it_left(
             AtifTrajectory.model_validate_json(path.read_bytes())
 
 
-def _device(path: Path) -> Path:
-    try:
-        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # what /dev/null is
-    except PermissionError:
-        pytest.skip("making a device node needs CAP_MKNOD")
-    return path
-
-
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
-    """A directory with a short path (a Unix socket's path is at most 107 bytes)."""
-    with tempfile.TemporaryDirectory(prefix="rc-", dir="/tmp") as name:
-        yield Path(name)
-
-
-OUTPUTS = {
-    "device": "character device",
-    "fifo": "FIFO",
-    "socket": "socket",
-    "symlink_to_a_file": "symbolic link",
-    "symlink_to_the_records": "run's own rollouts.jsonl",
-    "the_records": "run's own rollouts.jsonl",
-    "the_metrics": "run's own metrics.json",
-    "inside_a_rollout_dir": "run's own rollouts/",
-    "the_rollouts_tree": "run's own rollouts/",
-    "the_run_dir": "is or contains the run directory",
-    "a_dir_containing_the_run": "is or contains the run directory",
-    "through_a_linked_parent": "run's own rollouts.jsonl",
-    "under_a_file": "is not a directory",
-    "wrong_kind": "",  # a directory for a file, a file for a directory
-    "a_dir_of_other_files": "",  # ATIF only: never replaces a directory it did not write
-}
-
-
-def _output(case: str, format: str, run: Path, scratch: Path) -> Path:
-    """Make the hostile output ``case`` and return the path to give ``--out``."""
-    atif = format == "atif"
-    if case == "device":
-        return _device(scratch / "null")
-    if case == "fifo":
-        os.mkfifo(scratch / "fifo")
-        return scratch / "fifo"
-    if case == "symlink_to_a_file":
-        (scratch / "precious.txt").write_text("precious")
-        (scratch / "link").symlink_to(scratch / "precious.txt")
-        return scratch / "link"
-    if case == "symlink_to_the_records":
-        (scratch / "link").symlink_to(run / "rollouts.jsonl")
-        return scratch / "link"
-    if case == "the_records":
-        return run / "rollouts.jsonl"
-    if case == "the_metrics":
-        return run / "metrics.json"
-    if case == "inside_a_rollout_dir":
-        return run / "rollouts" / "calc-1-s0-t0" / ("atif" if atif else "result.json")
-    if case == "the_rollouts_tree":
-        return run / "rollouts"
-    if case == "the_run_dir":
-        return run
-    if case == "a_dir_containing_the_run":
-        return run.parent
-    if case == "through_a_linked_parent":
-        (scratch / "linked").symlink_to(run, target_is_directory=True)
-        return scratch / "linked" / "rollouts.jsonl"
-    if case == "under_a_file":
-        (scratch / "file.txt").write_text("a file")
-        return scratch / "file.txt" / "out"
-    if case == "wrong_kind":
-        if atif:
-            (scratch / "file.json").write_text("{}")
-            return scratch / "file.json"
-        (scratch / "dir").mkdir()
-        return scratch / "dir"
-    assert case == "a_dir_of_other_files"
-    (scratch / "mine").mkdir()
-    (scratch / "mine" / "notes.txt").write_text("my notes")
-    (scratch / "mine" / "data.json").write_text('{"mine": true}')
-    return scratch / "mine"
+    """A directory with a short path (for a Unix socket)."""
+    with short_tempdir() as path:
+        yield path
 
 
 @pytest.mark.timeout(120)
@@ -222,7 +152,7 @@ def test_an_output_that_is_not_a_plain_new_file_or_is_the_runs_own_is_refused_un
             done = _refused(run, scratch, target, format)
         assert "socket" in done.err
         return
-    target = _output(case, format, run, scratch)
+    target = make_output(case, directory=format == "atif", run=run, scratch=scratch)
     done = _refused(run, scratch, target, format)
     words = OUTPUTS[case] or ("not a directory" if format == "atif" else "is a directory")
     if case == "a_dir_of_other_files":
@@ -248,7 +178,7 @@ def test_the_issue_cases_end_as_one_line_on_the_real_command_line(tmp_path: Path
     """``--out`` a device node and ``--out RUN/rollouts.jsonl``, through the console script."""
     run = write_run(tmp_path / "run").path
     records = (run / "rollouts.jsonl").read_bytes()
-    for target in (_device(tmp_path / "null"), run / "rollouts.jsonl"):
+    for target in (device_node(tmp_path / "null"), run / "rollouts.jsonl"):
         done = subprocess.run(
             [
                 sys.executable,

@@ -21,6 +21,7 @@ import os
 import shutil
 import socket
 import stat
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +32,16 @@ from tests.helpers.viewer_fixtures import completed_result, receipt, write_rollo
 __all__ = [
     "DAMAGES",
     "DECOY",
+    "OUTPUTS",
     "Done",
     "Snapshot",
     "decoy_rollout",
+    "device_node",
     "edit_json",
     "edit_record",
     "held_socket",
+    "make_output",
+    "short_tempdir",
     "snapshot",
     "verb",
 ]
@@ -277,6 +282,93 @@ def _damages() -> dict[str, Callable[[Path, Path], None]]:
 
 DAMAGES = _damages()
 """Name -> function(run_dir, scratch) that spoils a run written by ``write_run``."""
+
+
+def device_node(path: Path) -> Path:
+    """A character device node at ``path`` made like ``/dev/null`` (skips the test without CAP_MKNOD)."""
+    import pytest
+
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # what /dev/null is
+    except PermissionError:
+        pytest.skip("making a device node needs CAP_MKNOD")
+    return path
+
+
+@contextlib.contextmanager
+def short_tempdir() -> Iterator[Path]:
+    """A temporary directory with a short path (a Unix socket's path is at most 107 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="rc-", dir="/tmp") as name:
+        yield Path(name)
+
+
+OUTPUTS: dict[str, str] = {  # case -> words of the refusal
+    "device": "character device",
+    "fifo": "FIFO",
+    "socket": "socket",
+    "symlink_to_a_file": "symbolic link",
+    "symlink_to_the_records": "run's own rollouts.jsonl",
+    "the_records": "run's own rollouts.jsonl",
+    "the_metrics": "run's own metrics.json",
+    "inside_a_rollout_dir": "run's own rollouts/",
+    "the_rollouts_tree": "run's own rollouts/",
+    "the_run_dir": "is or contains the run directory",
+    "a_dir_containing_the_run": "is or contains the run directory",
+    "through_a_linked_parent": "run's own rollouts.jsonl",
+    "under_a_file": "is not a directory",
+    "wrong_kind": "",  # a directory for a file, a file for a directory
+    "a_dir_of_other_files": "",  # ATIF only: never replaces a directory it did not write
+}
+
+
+def make_output(case: str, *, directory: bool, run: Path, scratch: Path) -> Path:
+    """Make the hostile output ``case`` in ``scratch`` (or name it in ``run``); the path to write to.
+
+    ``directory``: the verb writes a directory (an ATIF export), else a file. ``socket``
+    is made by ``held_socket``, not here.
+    """
+    atif = directory
+    if case == "device":
+        return device_node(scratch / "null")
+    if case == "fifo":
+        os.mkfifo(scratch / "fifo")
+        return scratch / "fifo"
+    if case == "symlink_to_a_file":
+        (scratch / "precious.txt").write_text("precious")
+        (scratch / "link").symlink_to(scratch / "precious.txt")
+        return scratch / "link"
+    if case == "symlink_to_the_records":
+        (scratch / "link").symlink_to(run / "rollouts.jsonl")
+        return scratch / "link"
+    if case == "the_records":
+        return run / "rollouts.jsonl"
+    if case == "the_metrics":
+        return run / "metrics.json"
+    if case == "inside_a_rollout_dir":
+        return run / "rollouts" / "calc-1-s0-t0" / ("atif" if atif else "result.json")
+    if case == "the_rollouts_tree":
+        return run / "rollouts"
+    if case == "the_run_dir":
+        return run
+    if case == "a_dir_containing_the_run":
+        return run.parent
+    if case == "through_a_linked_parent":
+        (scratch / "linked").symlink_to(run, target_is_directory=True)
+        return scratch / "linked" / "rollouts.jsonl"
+    if case == "under_a_file":
+        (scratch / "file.txt").write_text("a file")
+        return scratch / "file.txt" / "out"
+    if case == "wrong_kind":
+        if atif:
+            (scratch / "file.json").write_text("{}")
+            return scratch / "file.json"
+        (scratch / "dir").mkdir()
+        return scratch / "dir"
+    assert case == "a_dir_of_other_files"
+    (scratch / "mine").mkdir()
+    (scratch / "mine" / "notes.txt").write_text("my notes")
+    (scratch / "mine" / "data.json").write_text('{"mine": true}')
+    return scratch / "mine"
 
 
 @contextlib.contextmanager
