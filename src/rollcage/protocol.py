@@ -1365,17 +1365,33 @@ class RolloutRecord(_Frozen, _VersionGate):
 
     _result: WorkerResult | None = PrivateAttr(default=None)
 
-    def result(self) -> WorkerResult | None:
+    def result(self, run_dir: str | os.PathLike[str] | None = None) -> WorkerResult | None:
         """The attempt's ``WorkerResult``: its trajectory, turns and token data.
 
         The one the supervisor parsed when the attempt ended, when this process ran
-        it (``rollcage.collect`` yields such records); else ``result.json`` read from
-        ``rollout_dir`` once (blocking) and kept. ``None`` when there is no valid one.
+        it (``rollcage.collect`` yields such records); else ``result.json`` read once
+        (blocking, a regular file only) and kept. ``None`` when there is no valid one.
+
+        Args:
+            run_dir: For a record read back from a run's ``rollouts.jsonl``: that run's
+                directory. The result is then read from the run's own
+                ``rollouts/<rollout_id>/``, never from ``rollout_dir``, which a moved,
+                copied or edited run makes wrong (``rollcage.runfiles``). ``None``:
+                the record was made by this process, and ``rollout_dir`` is where it
+                laid the attempt out.
         """
         if self._result is None and self.receipt.result_valid:
+            from rollcage.durable import read_bounded
+
+            if run_dir is None:
+                directory = self.rollout_dir
+            elif self.rollout_id in ("", ".", "..") or "/" in self.rollout_id or "\0" in self.rollout_id:
+                return None  # not one file name: it cannot be a directory of the run
+            else:
+                directory = os.path.join(run_dir, "rollouts", self.rollout_id)
             try:
-                with open(os.path.join(self.rollout_dir, "result.json"), "rb") as file:
-                    self._result = WorkerResult.model_validate_json(file.read())
+                data = read_bounded(os.path.join(directory, "result.json"), limit=1 << 30)
+                self._result = WorkerResult.model_validate_json(data)
             except (OSError, ValueError):
                 return None
         return self._result

@@ -313,3 +313,25 @@ def test_any_text_in_ids_tool_names_and_outputs_exports_as_valid_json_or_is_skip
             assert all(path.parent == out for path in out.rglob("*"))  # an id never leaves the directory
     assert snapshot(run) == before
     assert _no_temporaries(base) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_record_read_back_from_a_copied_run_gives_the_copys_result_not_the_originals(
+    tmp_path: Path,
+) -> None:
+    """``RolloutRecord.result(run_dir)`` follows the same rule as export: the run's own rollouts/<id>."""
+    from rollcage.controller import load_records
+
+    run = write_run(tmp_path / "run").path
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    DAMAGES["copied_original_different"](run, scratch)
+    records: list[Any] = []
+    load_records(run / "rollouts.jsonl", records.append, repair=False)
+    first = records[0]
+    assert first.rollout_id == "calc-1-s0-t0" and "decoy" in first.rollout_dir  # names the original
+    result = first.result(run)
+    assert result is not None and result.trajectory.tool_calls[0].output == "4"  # the copy's, not DECOY
+    (run / "rollouts" / "calc-1-s1-t0" / "result.json").unlink()
+    os.mkfifo(run / "rollouts" / "calc-1-s1-t0" / "result.json")
+    assert records[1].result(run) is None
