@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from rollcage.controller import load_records
 from rollcage.durable import StagedDirectory, open_regular, publish_bytes, read_bounded
 from rollcage.errors import ConfigError, DurableWriteError
-from rollcage.export._atif import ATIF_VERSION, to_atif
+from rollcage.export._atif import to_atif
 from rollcage.export._nemo import to_nemo_gym_row
 from rollcage.protocol import RolloutRecord, WorkerInput, WorkerResult, describe_validation_error
 from rollcage.runfiles import check_output, file_name_problem, locate_rollout
@@ -43,8 +43,9 @@ ExportFormat = Literal["atif", "nemo-gym"]
 """``atif``: one ATIF v1.7 trajectory per rollout; ``nemo-gym``: NeMo Gym's rollout JSONL."""
 
 _MAX_ARTIFACT_BYTES = 1 << 30
-_ATIF_HEAD = orjson.dumps({"schema_version": ATIF_VERSION})[:-1]
-"""How every document an ATIF export writes begins: what tells an earlier export from other files."""
+_ATIF_HEAD = b'{"schema_version":"ATIF-'
+"""How every document an ATIF export writes begins (any ATIF version): what tells an earlier export from
+other files in a directory it is asked to replace."""
 
 
 @dataclass
