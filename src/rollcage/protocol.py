@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -1381,17 +1382,20 @@ class RolloutRecord(_Frozen, _VersionGate):
                 laid the attempt out.
         """
         if self._result is None and self.receipt.result_valid:
-            from rollcage.durable import read_bounded
-
             if run_dir is None:
                 directory = self.rollout_dir
             elif self.rollout_id in ("", ".", "..") or "/" in self.rollout_id or "\0" in self.rollout_id:
                 return None  # not one file name: it cannot be a directory of the run
             else:
                 directory = os.path.join(run_dir, "rollouts", self.rollout_id)
+            # A regular file only, opened without blocking (durable.open_regular's rule; this module sits
+            # below durable): a FIFO in its place must not hang the caller.
+            flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
             try:
-                data = read_bounded(os.path.join(directory, "result.json"), limit=1 << 30)
-                self._result = WorkerResult.model_validate_json(data)
+                with os.fdopen(os.open(os.path.join(directory, "result.json"), flags), "rb") as file:
+                    if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                        return None
+                    self._result = WorkerResult.model_validate_json(file.read())
             except (OSError, ValueError):
                 return None
         return self._result
