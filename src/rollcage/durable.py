@@ -29,11 +29,13 @@ import os
 import queue
 import re
 import secrets
+import shutil
 import stat
 import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import IO, Any, Final, Self
 
 import orjson
@@ -46,6 +48,7 @@ __all__ = [
     "AppendCursor",
     "CheckpointJournal",
     "JournalState",
+    "StagedDirectory",
     "fsync_directory",
     "is_temp_artifact",
     "open_regular",
@@ -245,6 +248,171 @@ def fsync_directory(directory: str | os.PathLike[str]) -> None:
             raise
     finally:
         os.close(fd)
+
+
+class StagedDirectory:
+    """Publish a whole directory of files atomically: readers see the old directory or the new one, whole.
+
+    Files are written into a temporary sibling (``.<name>.<16 hex>.tmp``, the
+    name ``is_temp_artifact`` recognises), each synced; on a clean exit from the
+    ``with`` block the sibling takes the target's place in one step (Linux's
+    ``renameat2(RENAME_EXCHANGE)`` where the target exists, then the old one is
+    removed; a plain rename where it does not). An exception in the block, or a
+    failure to publish, removes the sibling and leaves the target as it was, so
+    there is never a directory holding some of the new files, or new files mixed
+    with an earlier publication's. Leftover siblings of a killed publisher are
+    swept when the next one starts. Blocking throughout.
+
+    The caller decides whether the target may be replaced (``rollcage.runfiles.check_output``);
+    this class replaces a directory, and refuses anything else at the target.
+
+    Example::
+
+        with StagedDirectory(out) as staged:
+            for name, data in documents:
+                staged.add(name, data)
+    """
+
+    def __init__(self, target: str | os.PathLike[str], *, mode: int = 0o644, dir_mode: int = 0o755) -> None:
+        """Stage files for ``target`` (a directory; its parent must exist); ``mode`` for each file."""
+        _check_mode(mode)
+        _check_mode(dir_mode)
+        self.target = os.path.abspath(os.fspath(target))
+        self._mode = mode
+        self._dir_mode = dir_mode
+        parent, name = os.path.split(self.target)
+        self._parent = parent
+        self._prefix = f".{name[:_TEMP_STEM_MAX]}."
+        self._staging = os.path.join(parent, f"{self._prefix}{secrets.token_hex(8)}.tmp")
+        self._names: set[str] = set()
+
+    def __enter__(self) -> Self:
+        """Sweep earlier leftovers and create the staging directory.
+
+        Raises:
+            DurableWriteError: the staging directory cannot be created.
+        """
+        self._sweep()
+        try:
+            os.mkdir(self._staging, 0o700)
+        except OSError as exc:
+            raise _write_error(
+                f"cannot publish {self.target}: creating a staging directory failed", exc
+            ) from exc
+        return self
+
+    def add(self, name: str, data: bytes) -> None:
+        """Write one file of the new directory (synced). ``name`` is one plain file name, new in it.
+
+        Raises:
+            ValueError: ``name`` is not one plain file name.
+            FileExistsError: ``name`` was added already.
+            DurableWriteError: writing failed.
+        """
+        if not name or name in (".", "..") or "/" in name or "\0" in name:
+            raise ValueError(f"not a plain file name: {name!r}")
+        if name in self._names:
+            raise FileExistsError(errno.EEXIST, "added twice", name)
+        path = os.path.join(self._staging, name)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                _write_all(fd, data)
+                os.fchmod(fd, self._mode)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise _write_error(f"cannot publish {self.target}: writing {name} failed", exc) from exc
+        self._names.add(name)
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Publish the staged directory, or, after an exception, remove it and leave the target alone."""
+        if exc is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            return
+        try:
+            self._publish()
+        except BaseException:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            raise
+
+    def _publish(self) -> None:
+        step = "syncing the staging directory"
+        try:
+            os.chmod(self._staging, self._dir_mode)
+            fsync_directory(self._staging)
+            step = "putting it in place"
+            try:
+                mode: int | None = os.lstat(self.target).st_mode
+            except FileNotFoundError:
+                mode = None
+            if mode is None:
+                os.rename(self._staging, self.target)
+            elif stat.S_ISDIR(mode):
+                aside = os.path.join(self._parent, f"{self._prefix}{secrets.token_hex(8)}.tmp")
+                _exchange(self._staging, self.target, aside)  # the old directory is now at the staging name
+            else:
+                raise OSError(errno.ENOTDIR, f"exists and is a {_file_kind(mode)}, not a directory")
+        except OSError as exc:
+            raise _write_error(f"cannot publish {self.target}: {step} failed; it is untouched", exc) from exc
+        shutil.rmtree(self._staging, ignore_errors=True)  # the replaced directory, if there was one
+        try:
+            fsync_directory(self._parent)
+        except OSError as exc:
+            raise _write_error(
+                f"published {self.target}, but syncing its directory failed, so it may not survive a crash",
+                exc,
+            ) from exc
+
+    def _sweep(self) -> None:
+        """Remove staging directories a killed publisher of the same target left behind."""
+        try:
+            names = os.listdir(self._parent)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(self._prefix) and is_temp_artifact(name):
+                path = os.path.join(self._parent, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+
+
+_RENAME_EXCHANGE: Final = 2
+_AT_FDCWD: Final = -100
+
+
+def _exchange(new: str, old: str, aside: str) -> None:
+    """Swap two directories in one step; without ``renameat2`` (not Linux, old libc, a file system
+    that refuses ``RENAME_EXCHANGE``), in two renames with a moment where ``old`` is absent.
+
+    Afterwards ``new``'s content is at ``old`` and the replaced directory is at ``new``; ``aside`` is a
+    free name the two-rename fallback passes the old directory through.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        renameat2 = None
+    if renameat2 is not None:
+        renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        renameat2.restype = ctypes.c_int
+        if renameat2(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(old), _RENAME_EXCHANGE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+            raise OSError(code, os.strerror(code), old)
+    os.rename(old, aside)
+    try:
+        os.rename(new, old)
+    except OSError:
+        os.rename(aside, old)
+        raise
+    os.rename(aside, new)
 
 
 def _write_error(message: str, cause: BaseException) -> DurableWriteError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -1373,16 +1374,35 @@ class RolloutRecord(_Frozen, _VersionGate):
 
     _result: WorkerResult | None = PrivateAttr(default=None)
 
-    def result(self) -> WorkerResult | None:
+    def result(self, run_dir: str | os.PathLike[str] | None = None) -> WorkerResult | None:
         """The attempt's ``WorkerResult``: its trajectory, turns and token data.
 
         The one the supervisor parsed when the attempt ended, when this process ran
-        it (``rollcage.collect`` yields such records); else ``result.json`` read from
-        ``rollout_dir`` once (blocking) and kept. ``None`` when there is no valid one.
+        it (``rollcage.collect`` yields such records); else ``result.json`` read once
+        (blocking, a regular file only) and kept. ``None`` when there is no valid one.
+
+        Args:
+            run_dir: For a record read back from a run's ``rollouts.jsonl``: that run's
+                directory. The result is then read from the run's own
+                ``rollouts/<rollout_id>/``, never from ``rollout_dir``, which a moved,
+                copied or edited run makes wrong (``rollcage.runfiles``). ``None``:
+                the record was made by this process, and ``rollout_dir`` is where it
+                laid the attempt out.
         """
         if self._result is None and self.receipt.result_valid:
+            if run_dir is None:
+                directory = self.rollout_dir
+            elif self.rollout_id in ("", ".", "..") or "/" in self.rollout_id or "\0" in self.rollout_id:
+                return None  # not one file name: it cannot be a directory of the run
+            else:
+                directory = os.path.join(run_dir, "rollouts", self.rollout_id)
+            # A regular file only, opened without blocking (durable.open_regular's rule; this module sits
+            # below durable): a FIFO in its place must not hang the caller.
+            flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
             try:
-                with open(os.path.join(self.rollout_dir, "result.json"), "rb") as file:
+                with os.fdopen(os.open(os.path.join(directory, "result.json"), flags), "rb") as file:
+                    if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                        return None
                     self._result = WorkerResult.model_validate_json(file.read())
             except (OSError, ValueError):
                 return None

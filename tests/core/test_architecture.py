@@ -38,6 +38,7 @@ LAYERS: tuple[str, ...] = (
     "procs",  # process lifecycle and the cancellation dialect
     "protocol",  # the artifacts' shapes
     "durable",  # atomic publication, the journal
+    "runfiles",  # a run directory's own files: read inside it, never write over it
     "filewatch",  # waiting for a file to appear
     "cage",  # the containment primitive
     "model",  # the model client

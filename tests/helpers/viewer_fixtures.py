@@ -9,6 +9,7 @@ over the line without it) so the real ``load_checkpoint`` reads it.
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -554,8 +555,21 @@ def write_run(run_dir: Path, *, torn_tail: bool = True) -> RunFixture:
     return RunFixture(path=run_dir, metrics=metrics, records=records)
 
 
+def _linked(source: Path, directory: Path) -> Path:
+    """``directory`` holding hard links to ``source``'s files: a rollout directory of its own, made fast."""
+    directory.mkdir()
+    for path in source.iterdir():
+        if path.is_file():
+            os.link(path, directory / path.name)
+    return directory
+
+
 def write_large_run(run_dir: Path, count: int) -> RunMetrics:
-    """``count`` synthetic records sharing a handful of rollout directories (so writing it is fast)."""
+    """``count`` synthetic records whose rollout directories hard-link a handful of shared artifacts.
+
+    Each record has its own ``rollouts/<rollout_id>/`` (readers look nowhere else), made of
+    links so that writing the run stays fast.
+    """
     outcomes: list[Outcome] = [
         "completed",
         "completed",
@@ -582,9 +596,10 @@ def write_large_run(run_dir: Path, count: int) -> RunMetrics:
             outcome = outcomes[index % len(outcomes)]
             tally[outcome] += 1
             graded = outcome in ("completed", "agent_error")
+            rollout_id = f"task-{index // 2}-s{index % 2}-t0"
             line = {
                 **base,
-                "rollout_id": f"task-{index // 2}-s{index % 2}-t0",
+                "rollout_id": rollout_id,
                 "task_id": f"task-{index // 2}",
                 "sample": index % 2,
                 "outcome": outcome,
@@ -595,7 +610,7 @@ def write_large_run(run_dir: Path, count: int) -> RunMetrics:
                     "total_tokens": 100 + index % 977,
                     "duration_s": 1 + index % 37,
                 },
-                "rollout_dir": str(shared[index % len(shared)]),
+                "rollout_dir": str(_linked(shared[index % len(shared)], run_dir / "rollouts" / rollout_id)),
             }
             handle.write(orjson.dumps(line) + b"\n")
     metrics = RunMetrics(

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from rollcage.cli import _build_app
 from rollcage.protocol import Checkpoint, Trajectory
+from rollcage.runfiles import locate_rollout
 from rollcage.viewer import (
     PARTIAL_LABEL,
     RolloutView,
@@ -18,7 +19,7 @@ from rollcage.viewer import (
     render_run,
     render_text,
 )
-from rollcage.viewer._load import ViewerError, resolve_rollout_dir, resolve_target
+from rollcage.viewer._load import ViewerError, resolve_target
 from tests.helpers.viewer_fixtures import (
     RunFixture,
     cancelled_result,
@@ -231,7 +232,8 @@ def test_cancelled_rollout_without_a_run_says_it_has_no_reward(tmp_path: Path) -
 
 def test_a_moved_run_still_finds_its_rollout_directories(run: RunFixture) -> None:
     moved = run.records[0].model_copy(update={"rollout_dir": "/gone/away/rollouts/calc-1-s0-t0"})
-    assert resolve_rollout_dir(run.path, moved) == run.path / "rollouts" / "calc-1-s0-t0"
+    location = locate_rollout(run.path, moved)
+    assert location.directory == run.path / "rollouts" / "calc-1-s0-t0" and location.relocated
 
 
 def test_local_health_findings_use_the_controllers_check_names(tmp_path: Path) -> None:

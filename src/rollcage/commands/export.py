@@ -28,7 +28,11 @@ def command(
     ],
     out: Annotated[
         Path | None,
-        typer.Option(help="Where to write; default RUN/export/atif/ or RUN/export/nemo-gym.jsonl."),
+        typer.Option(
+            help="Where to write; default RUN/export/atif/ or RUN/export/nemo-gym.jsonl. Never a device, "
+            "FIFO, socket or symbolic link, nor the run's own files; an existing ATIF directory is replaced "
+            "whole, and only if it holds nothing but an earlier ATIF export."
+        ),
     ] = None,
 ) -> None:
     """Export each sample's final rollout as ATIF trajectories or NeMo Gym rollout JSONL."""
@@ -40,10 +44,17 @@ def command(
         report = export_run(run_dir, format.value, out)
     except ConfigError as exc:
         fail("export", str(exc))
-    except DurableWriteError as exc:
+    except (DurableWriteError, OSError) as exc:
         fail("export", str(exc), code=1)
     skipped = ", ".join(f"{count} {reason}" for reason, count in sorted(report.skipped.items()))
+    relocated = (
+        f"; {report.relocated} record(s) named a rollout directory outside this run (a moved or copied "
+        "run, or an edited record): read from the run's own rollouts/ instead"
+        if report.relocated
+        else ""
+    )
     typer.echo(
         f"wrote {report.exported} rollout(s) to {report.destination}"
         + (f"; skipped {skipped}" if skipped else "")
+        + relocated
     )

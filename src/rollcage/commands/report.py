@@ -16,17 +16,22 @@ def command(
     ],
     output: Annotated[
         Path | None,
-        typer.Option("-o", "--output", help="Where to write the report; default DIR/report.html."),
+        typer.Option(
+            "-o",
+            "--output",
+            help="Where to write the report; default DIR/report.html. Never a device, FIFO, socket or "
+            "symbolic link, nor the run's own files.",
+        ),
     ] = None,
 ) -> None:
     """Write a static HTML report of a run: summary, charts, a filterable table, every trajectory."""
     from rollcage.commands import fail
-    from rollcage.errors import ViewerError
+    from rollcage.errors import ConfigError
     from rollcage.viewer import write_report
 
     try:
         written = write_report(run_dir, output)
-    except ViewerError as exc:
+    except ConfigError as exc:
         fail("report", str(exc))
     except OSError as exc:
         fail("report", f"cannot write the report: {exc}", code=1)

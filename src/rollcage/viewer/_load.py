@@ -40,7 +40,6 @@ __all__ = [
     "load_metrics",
     "load_rollout",
     "read_checkpoint",
-    "resolve_rollout_dir",
     "resolve_target",
 ]
 
@@ -358,14 +357,6 @@ def find_record(run_dir: Path, rollout_id: str) -> RolloutRecord | None:
         if record.rollout_id == rollout_id:
             found = record
     return found
-
-
-def resolve_rollout_dir(run_dir: Path, record: RolloutRecord) -> Path:
-    """Where a record's rollout directory is now, even if the run directory was moved."""
-    recorded = Path(record.rollout_dir)
-    candidates = [recorded] if recorded.is_absolute() else [run_dir / recorded, run_dir.parent / recorded]
-    candidates.append(run_dir / "rollouts" / record.rollout_id)
-    return next((candidate for candidate in candidates if candidate.is_dir()), candidates[-1])
 
 
 def load_metrics(run_dir: Path) -> RunMetrics | None:

@@ -28,7 +28,6 @@ import base64
 import contextlib
 import hashlib
 import os
-import stat
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from typing import IO, Any
 import orjson
 
 from rollcage.protocol import RolloutRecord, RunMetrics
+from rollcage.runfiles import check_output, locate_rollout
 from rollcage.viewer._assets import REPORT_CSS, REPORT_JS
 from rollcage.viewer._digest import DEFAULT_TEXT_LIMIT, digest_rollout
 from rollcage.viewer._load import (
@@ -48,7 +48,6 @@ from rollcage.viewer._load import (
     ViewerError,
     load_metrics,
     load_rollout,
-    resolve_rollout_dir,
 )
 from rollcage.viewer._svg import bar_chart, histogram, scatter
 from rollcage.viewer._terminal import OUTCOMES
@@ -117,10 +116,12 @@ def write_report(
         progress: called with the number of rollouts written so far, every 500.
 
     Raises:
-        ViewerError: ``run_dir`` is not a run directory, or ``output`` names
-            something other than a file to (re)place: a directory, a device, a FIFO.
-            The report is published by renaming over ``output``, which would put a
-            plain file in place of a device node, so those are refused untouched.
+        ViewerError: ``run_dir`` is not a run directory.
+        ConfigError: ``output`` names something other than a file to (re)place (a
+            directory, a device, a FIFO, a socket, a symbolic link) or one of the
+            run's own files (``rollcage.runfiles.check_output``). The report is
+            published by renaming over ``output``, which would put a plain file in
+            place of a device node, so those are refused untouched.
         OSError: the report cannot be written.
     """
     if not run_dir.is_dir():
@@ -134,7 +135,7 @@ def write_report(
     if not records_path.is_file() and metrics is None and metrics_problem is None:
         raise ViewerError(f"{run_dir}: not a run directory (no {RECORDS_NAME} or metrics.json)")
     target = output if output is not None else run_dir / REPORT_NAME
-    _check_target(target)
+    check_output(target, run_dir=run_dir, kind="file", what="the report")
     target.parent.mkdir(parents=True, exist_ok=True)
 
     fd, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -148,24 +149,6 @@ def write_report(
             os.unlink(temp_name)
         raise
     return target
-
-
-def _check_target(target: Path) -> None:
-    try:
-        mode = target.stat().st_mode
-    except FileNotFoundError:
-        mode = None
-    except OSError as exc:
-        raise ViewerError(f"{target}: cannot write the report there: {exc.strerror or exc}") from exc
-    if mode is not None and stat.S_ISDIR(mode):
-        raise ViewerError(
-            f"{target} is a directory; give the report a file name, e.g. {target / REPORT_NAME}"
-        )
-    if mode is not None and not stat.S_ISREG(mode):
-        raise ViewerError(f"{target} exists and is not a regular file; the report only replaces files")
-    parent = target.parent
-    if parent.exists() and not parent.is_dir():
-        raise ViewerError(f"{parent} is not a directory; cannot write {target.name} in it")
 
 
 def _write(
@@ -194,9 +177,12 @@ def _write(
 
     rows: list[list[Any]] = []
     call_latencies: list[float] = []
+    relocated: list[str] = []
     reader = RecordReader(records_path) if records_path.is_file() else None
     for index, record in enumerate(reader or ()):
-        rows.append(_write_detail(handle, index, record, run_dir, metrics, text_limit, call_latencies))
+        rows.append(
+            _write_detail(handle, index, record, run_dir, metrics, text_limit, call_latencies, relocated)
+        )
         if progress is not None and (index + 1) % 500 == 0:
             progress(index + 1)
     handle.write("</div>\n")
@@ -215,6 +201,11 @@ def _write(
             notices.append(f"the last line of {RECORDS_NAME} is torn (a crash mid-append) and was skipped")
         if reader.invalid_lines:
             notices.append(f"{RECORDS_NAME}: damaged lines skipped: {reader.invalid_lines[:20]}")
+    if relocated:
+        notices.append(
+            f"{len(relocated)} record(s) name a rollout directory outside this run (a moved or copied run, "
+            f"or an edited record), e.g. {relocated[0]}; shown from the run's own rollouts/ instead"
+        )
     if metrics is not None and metrics.rollouts != len(rows):
         notices.append(
             f"metrics.json counts {metrics.rollouts} rollouts but {RECORDS_NAME} has {len(rows)} readable "
@@ -243,38 +234,61 @@ def _write_detail(
     metrics: RunMetrics | None,
     text_limit: int,
     call_latencies: list[float],
+    relocated: list[str],
 ) -> list[Any]:
-    """Write one rollout's detail block, note its model-call latencies, and return its compact row."""
+    """Write one rollout's detail block, note its model-call latencies, and return its compact row.
+
+    The rollout directory is the run's own ``rollouts/<rollout_id>`` (a record's
+    ``rollout_dir`` is never followed); a record that named another is noted in ``relocated``.
+    """
     findings = 0
     partial = False
-    model_calls: int | None = record.metrics.model_calls
-    tool_calls: int | None = record.metrics.tool_calls
+    latencies: list[float] = []
+    location = locate_rollout(run_dir, record)
     try:
-        view = load_rollout(resolve_rollout_dir(run_dir, record), record=record, metrics=metrics)
+        if location.directory is None:
+            raise ViewerError(location.problem or "no rollout directory")
+        if location.relocated:
+            relocated.append(record.rollout_dir)
+        view = load_rollout(location.directory, record=record, metrics=metrics)
         digest = digest_rollout(view, text_limit=text_limit)
+        # Serialised here, so a value JSON cannot carry (an integer beyond 64 bits) is this rollout's error.
+        block = embed_json(digest)
         findings, partial = len(digest.findings), digest.partial
-        call_latencies.extend(turn.latency_s for turn in digest.turns)
-        payload: Any = digest
+        latencies = [turn.latency_s for turn in digest.turns]
     except Exception as exc:  # one unreadable rollout must not cost the report of 10,000
-        payload = {"rollout_id": record.rollout_id, "viewer_error": f"{type(exc).__name__}: {exc}"}
+        block = embed_json(
+            {"rollout_id": _text(record.rollout_id), "viewer_error": _text(f"{type(exc).__name__}: {exc}")}
+        )
         findings = 1
-    handle.write(f'<script type="application/json" id="rc-d-{index}">{embed_json(payload)}</script>\n')
+    call_latencies.extend(latencies)
+    handle.write(f'<script type="application/json" id="rc-d-{index}">{block}</script>\n')
     return [
         index,
-        record.rollout_id,
-        record.task_id,
-        record.sample,
-        record.try_index,
+        _text(record.rollout_id),
+        _text(record.task_id),
+        _json_int(record.sample),
+        _json_int(record.try_index),
         record.outcome,
         record.reward,
-        record.metrics.total_tokens,
+        _json_int(record.metrics.total_tokens),
         round(record.metrics.duration_s, 3),
         record.termination_reason,
-        model_calls,
-        tool_calls,
+        _json_int(record.metrics.model_calls),
+        _json_int(record.metrics.tool_calls),
         findings,
         1 if partial else 0,
     ]
+
+
+def _json_int(value: int | None) -> int | None:
+    """``value`` if JSON (orjson) can carry it, else ``None`` (shown as unknown): an older writer's 2**70."""
+    return value if value is None or -(2**63) <= value < 2**64 else None
+
+
+def _text(value: str) -> str:
+    """``value`` with anything UTF-8 cannot encode (a lone surrogate) replaced, so it embeds as JSON."""
+    return value.encode("utf-8", "replace").decode("utf-8")
 
 
 def _fmt(value: float | int | None) -> str:

@@ -101,13 +101,15 @@ def histogram(title: str, values: Sequence[float], *, bins: int = 20, x_label: s
     if not finite:
         return _empty(title, "no values")
     low, high = min(finite), max(finite)
-    if high == low:
+    # Quarters keep the span finite even from -1.7e308 to 1.7e308 (a record's reward can be anything).
+    span = high / 4 - low / 4
+    if span == 0:
         bins, width = 1, 1.0
     else:
-        width = (high - low) / bins
+        width = span / bins * 4
     counts = [0] * bins
     for value in finite:
-        counts[min(bins - 1, int((value - low) / width))] += 1
+        counts[0 if span == 0 else min(bins - 1, int(bins * ((value / 4 - low / 4) / span)))] += 1
     top = max(counts)
     plot_w = _WIDTH - _LEFT - _RIGHT
     plot_h = _HEIGHT - _TOP - _BOTTOM
