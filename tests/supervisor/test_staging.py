@@ -27,7 +27,7 @@ from rollcage.cage import copy_tree
 from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, budgets, supervise
 from rollcage.supervisor.sandbox import RolloutLayout
-from tests.helpers.supervisor_env import config, fake, make_rollout, requires_bwrap
+from tests.helpers.supervisor_env import config, fake, gone_mount_source, make_rollout, requires_bwrap
 from tests.helpers.waiting import wait_for_async
 
 ARTIFACTS = {
@@ -241,7 +241,9 @@ def test_a_copy_back_cut_short_is_redone_from_the_mount_by_the_next_run(tmp_path
     for name in ("kept.txt", "changed.txt", "deleted.txt"):
         (workspace / name).write_text("prepared")
     under = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "rc-test-ws", str(workspace)], check=True)
+    # Named as a supervisor that is gone names its mounts: only such a mount is released.
+    source = gone_mount_source()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", source, str(workspace)], check=True)
     try:
         # What the agent left in its bounded workspace.
         (workspace / "kept.txt").write_text("prepared")
