@@ -387,7 +387,9 @@ class _Supervision:
         bytecode = worker_bytecode() if self.config.worker_command is None else None
         private = None
         if self.config.proxy is not None or self.launcher.kind == "bwrap":
-            name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:48]
+            # Short enough that the proxy socket's path in it fits sun_path (108 bytes) under /dev/shm
+            # with the longest owner tag (PID.START.PIDNS) and mkdtemp's suffix.
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:36]
             private = tempfile.mkdtemp(prefix=f"rollcage-{name}-{owner_tag()}-", dir=private_parent())
         return private, bytecode
 
