@@ -18,10 +18,11 @@ receipt's ``budgets``. Everything made is recorded in the staging area, so a
 later run can remove what a killed supervisor left (:func:`release_leftovers`).
 Every method blocks: run them in a thread.
 
-Whatever a supervisor makes carries its owner (``PID.STARTTIME`` of the supervising
-process) in its name, so that any later supervisor on the machine can tell what
-was left by one that is gone (SIGKILLed, its Ray node lost) and release it
-(:func:`sweep_orphans`, once per process).
+Whatever a supervisor makes carries its owner (``PID.STARTTIME.PIDNS`` of the supervising
+process; a mount its mount namespace too) in its name, so that any later supervisor on the
+machine can tell what was left by one that is provably gone (SIGKILLed, its Ray node lost)
+and release it (:func:`sweep_orphans`, once per process): a workspace by one owner at a
+time, never overwriting the evidence (:mod:`rollcage.supervisor.leftovers`).
 """
 
 from __future__ import annotations
