@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,9 +171,16 @@ def _in_flight_at(out: Path, rollout: str, calls: int) -> bool:
     )
 
 
-def _kill_mid_rollout_then_rerun(tmp_path: Path, server: PolicyServer, *, change_task: bool) -> Path:
+def _kill_mid_rollout_then_rerun(
+    tmp_path: Path,
+    server: PolicyServer,
+    *,
+    change_task: bool,
+    between: Callable[[Path], None] | None = None,
+) -> Path:
     """Run two tasks with ``--resume-rollouts``, SIGKILL the controller while t0's 4th model call hangs,
-    then run the same command again (after changing t0's prompt, with ``change_task``)."""
+    then run the same command again (after changing t0's prompt, with ``change_task``; after
+    ``between`` does to the output directory what it does)."""
     dataset = _dataset(tmp_path / "data", 2)
     out = tmp_path / "out"
     args = [
@@ -194,6 +201,8 @@ def _kill_mid_rollout_then_rerun(tmp_path: Path, server: PolicyServer, *, change
         rows = [json.loads(line) for line in dataset.read_text().splitlines()]
         rows[0]["input"] = "7*6?"
         dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if between is not None:
+        between(out)
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     return out
@@ -344,3 +353,52 @@ def test_a_harness_rollout_is_not_resumed(tmp_path: Path, harness: dict[str, Any
     assert link.reason is not None and "harness" in link.reason
     assert not (tmp_path / "new" / "resume.jsonl").exists()
     assert WorkerInput.model_validate_json((tmp_path / "new" / "input.json").read_bytes()).resume is None
+
+
+@pytest.mark.parametrize("server", [[f"rollout={FIRST}:call={FAILS_AT}:kind=hang"]], indirect=True)
+def test_an_attempt_killed_while_staged_again_is_passed_over_for_the_one_that_ran(
+    tmp_path: Path, server: PolicyServer
+) -> None:
+    """A run killed while staging an interrupted attempt again leaves a directory that never ran (no
+    input.json); the next run sets it aside too, and continues from the attempt before it, which ran."""
+    from rollcage.controller._unit import set_aside
+    from rollcage.supervisor import kill_leftovers
+
+    def killed_while_staging(out: Path) -> None:
+        # What a second run does before it is killed: release, set aside, stage again (not finished).
+        kill_leftovers(out / "rollouts" / FIRST)
+        assert set_aside(out / "rollouts" / FIRST, out / "interrupted") is not None
+        (out / "rollouts" / FIRST / "workspace").mkdir(parents=True)
+
+    out = _kill_mid_rollout_then_rerun(tmp_path, server, change_task=False, between=killed_while_staging)
+    resumed = {r.task_id: r for r in _records(out)}["t0"]
+    assert (resumed.rollout_id, resumed.outcome, resumed.reward) == (FIRST, "completed", 1.0)
+    link = resumed.resume
+    assert link is not None and link.resumed and link.reason is None, link
+    assert (Path(link.previous_dir) / "input.json").exists()
+    assert link.replayed_model_calls == FAILS_AT - 1
+    assert server.requests[FIRST] == FAILS_AT + CALLS - (FAILS_AT - 1)
+    # The half-prepared directory was set aside as it was, never resumed from.
+    aside = [p for p in (out / "interrupted").iterdir() if p.name.startswith(f"{FIRST}.")]
+    assert len(aside) == 2 and sum(not (p / "input.json").exists() for p in aside) == 1
+
+
+def test_an_attempt_that_never_ran_is_named_as_such_when_nothing_else_is_there(tmp_path: Path) -> None:
+    from rollcage.controller._unit import ResumeSource, lay_out
+    from rollcage.protocol import WorkerInput
+
+    unprepared = tmp_path / "interrupted" / "t0-s0-t0.20260101T000000Z"
+    (unprepared / "workspace").mkdir(parents=True)
+    worker_input = WorkerInput.model_validate(
+        {
+            "rollout_id": "t0-s0-t0",
+            "task_id": "t0",
+            "input": "6*7?",
+            "model": {"base_url": "http://x/v1", "model": "m"},
+        }
+    )
+    link = lay_out(
+        tmp_path / "new", worker_input, 0o644, ResumeSource(rollout_id="t0-s0-t0", directory=str(unprepared))
+    )
+    assert link is not None and not link.resumed and link.reason is not None
+    assert "interrupted while it was being prepared" in link.reason and "task changed" not in link.reason

@@ -26,6 +26,8 @@ Modes:
     fill PATH MIB         one model response journaled, then write MIB MiB to PATH (in the sandbox's view),
                           then completed
     fill-hang PATH MIB    as fill, then sleep; on SIGTERM publish a cancelled result and exit 143
+    tree SEED COUNT       write the tree agent_tree(SEED, COUNT) says into the workspace, then completed
+    tree-hang SEED COUNT  as tree, then sleep; on SIGTERM publish a cancelled result and exit 143
     memory-bomb MAX_MIB   allocate until refused or MAX_MIB (MiB in workspace/memory.txt); then completed
     probe                 try to escape (see _probe); findings in workspace/probe.json, then completed
     first-action FILE     write time.time() to FILE (host view) at once, then completed (benchmark)
@@ -294,6 +296,61 @@ def fill(path: str, mib: int) -> None:
         pass
 
 
+PREPARED = {"prepared-kept.txt": b"prepared, left alone", "prepared-changed.txt": b"prepared, then changed"}
+"""What the tests lay in a workspace before a ``tree`` worker (which changes one and deletes none)."""
+
+
+def agent_tree(seed: int, count: int) -> dict[str, bytes]:
+    """The workspace a ``tree`` worker leaves: the prepared files, one changed, ``count`` new ones.
+
+    Spread over directories, sized from a few bytes to tens of KiB, each naming its seed
+    and index (so a file from another rollout or a torn copy never matches).
+    """
+    tree = dict(PREPARED)
+    tree["prepared-changed.txt"] = f"changed by the agent {seed}".encode()
+    for index in range(count):
+        size = 1 + (index * 7919 + seed * 104729) % 40_000
+        line = f"{seed}:{index}:".encode()
+        tree[f"d{index % 7}/e{index % 3}/f{index}.bin"] = (line * (size // len(line) + 1))[:size]
+    tree["all-written"] = str(count).encode()  # last: the test waits for it
+    return tree
+
+
+def write_tree(workspace: str, tree: dict[str, bytes]) -> None:
+    """Write ``tree`` (relative path to bytes) into ``workspace``, in order."""
+    for name, data in tree.items():
+        path = os.path.join(workspace, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as file:
+            file.write(data)
+
+
+def first_action(extra: list[str], spec: dict[str, Any], result_path: str, workspace: str) -> int:
+    """``first-action``."""
+    with open(extra[0], "w") as file:
+        file.write(repr(STARTED))
+    publish(result_path, result(spec, calls=[], error=None))
+    return 0
+
+
+def tree_mode(hang: bool, extra: list[str], spec: dict[str, Any], result_path: str, workspace: str) -> int:
+    """``tree`` and ``tree-hang``."""
+    if hang:
+        on_sigterm_publish_cancelled(spec, result_path)
+    write_tree(workspace, agent_tree(int(extra[0]), int(extra[1])))
+    if hang:
+        time.sleep(600)
+    publish(result_path, result(spec, calls=[], error=None))
+    return 0
+
+
+_OWN_MODES: dict[str, Callable[[list[str], dict[str, Any], str, str], int]] = {
+    "first-action": first_action,
+    "tree": lambda *args: tree_mode(False, *args),
+    "tree-hang": lambda *args: tree_mode(True, *args),
+}
+"""Modes that do all of their work themselves: (extra arguments, input, result path, workspace)."""
+
 _THEN_OK: dict[str, Callable[[str], None]] = {"ok": lambda _: None, "inventory": publish_inventory}
 """Modes that do one thing in the workspace, then publish an ordinary result."""
 
@@ -312,11 +369,8 @@ def main(argv: list[str]) -> int:
         _THEN_OK[mode](workspace)
         publish(result_path, ok)
         return 0
-    if mode == "first-action":
-        with open(extra[0], "w") as file:
-            file.write(repr(STARTED))
-        publish(result_path, ok)
-        return 0
+    if mode in _OWN_MODES:
+        return _OWN_MODES[mode](extra, spec, result_path, workspace)
     if mode in ("model", "model-then-fatal"):
         call = model_call(spec)
         journal_append(checkpoint, 2, {"kind": "model_call", "at": 2})

@@ -106,3 +106,10 @@ def processes_with_token(token_prefix: str = "ROLLCAGE_SUPERVISION_TOKEN=") -> l
         if token_prefix.encode() in env and info.alive:
             found.append(info.pid)
     return found
+
+
+def gone_mount_source() -> str:
+    """A tmpfs source naming a supervisor that is gone (PID 1 never started that late), in this namespace."""
+    pidns = os.stat("/proc/thread-self/ns/pid").st_ino
+    mntns = os.stat("/proc/thread-self/ns/mnt").st_ino
+    return f"rollcage-1.999999999.{pidns}-m{mntns}"

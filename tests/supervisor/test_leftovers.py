@@ -88,3 +88,17 @@ def test_what_a_gone_supervisor_left_in_the_temporary_directory_is_swept(
     kept = ["fs", "proxy.sock", "rollout.json", "workspace-initial"]
     assert sorted(p.name for p in alive.iterdir()) == kept
     assert stranger.read_text() == "a file, not a directory"
+
+
+@requires_bwrap()
+@pytest.mark.bwrap
+async def test_a_long_rollout_id_leaves_the_proxy_socket_path_short_enough(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The private directory's name carries the rollout id and the owner tag; the socket in it must bind."""
+    monkeypatch.delenv("TMPDIR", raising=False)  # the memory file system, where the machine has one
+    name = "t" * 90 + "-s0-t12"
+    with PolicyServer({"tasks": {"t": [{"text": "done"}]}}, port=0) as server:
+        root = make_rollout(tmp_path, name, model_url=server.base_url)
+        receipt = await supervise(root, SupervisorConfig(deadline_s=120))
+    assert receipt.outcome == "completed", receipt.outcome_reason

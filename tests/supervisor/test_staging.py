@@ -27,7 +27,7 @@ from rollcage.cage import copy_tree
 from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, budgets, supervise
 from rollcage.supervisor.sandbox import RolloutLayout
-from tests.helpers.supervisor_env import config, fake, make_rollout, requires_bwrap
+from tests.helpers.supervisor_env import config, fake, gone_mount_source, make_rollout, requires_bwrap
 from tests.helpers.waiting import wait_for_async
 
 ARTIFACTS = {
@@ -241,7 +241,9 @@ def test_a_copy_back_cut_short_is_redone_from_the_mount_by_the_next_run(tmp_path
     for name in ("kept.txt", "changed.txt", "deleted.txt"):
         (workspace / name).write_text("prepared")
     under = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "rc-test-ws", str(workspace)], check=True)
+    # Named as a supervisor that is gone names its mounts: only such a mount is released.
+    source = gone_mount_source()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", source, str(workspace)], check=True)
     try:
         # What the agent left in its bounded workspace.
         (workspace / "kept.txt").write_text("prepared")
@@ -263,3 +265,62 @@ def test_a_copy_back_cut_short_is_redone_from_the_mount_by_the_next_run(tmp_path
         "kept.txt": "prepared",
         "new.txt": "the agent's",
     }
+
+
+def _tree(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): p.read_text() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        "copies of an earlier try",
+        "complete copy, mount gone",
+        "workspace set aside",
+        "replaced one left",
+        "done",
+    ],
+)
+def test_a_settle_killed_at_any_step_is_carried_on_by_the_next_one(tmp_path: Path, state: str) -> None:
+    """Whatever step a killed sweeper reached, the next one ends with the agent's files in place."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    from rollcage.supervisor.leftovers import settle_workspace
+
+    root = make_rollout(tmp_path)
+    workspace, staging = root / "workspace", root / ".sandbox"
+    (workspace / "prepared.txt").write_text("prepared")
+    agent = {"prepared.txt": "changed by the agent", "sub/new.txt": "the agent's"}
+    staging.mkdir()
+
+    def lay(directory: Path, files: dict[str, str]) -> None:
+        for name, text in files.items():
+            (directory / name).parent.mkdir(parents=True, exist_ok=True)
+            (directory / name).write_text(text)
+
+    if state == "copies of an earlier try":
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", gone_mount_source(), str(workspace)], check=True
+        )
+        lay(workspace, agent)
+        lay(staging / "workspace-partial-abc", {"prepared.txt": "torn"})
+        lay(staging / "workspace-settled", {"stale.txt": "an older copy"})
+    elif state == "complete copy, mount gone":
+        lay(staging / "workspace-settled", agent)
+    elif state == "workspace set aside":
+        workspace.rename(staging / "workspace-replaced")
+        lay(staging / "workspace-settled", agent)
+    else:
+        lay(
+            staging / "workspace-replaced", {"prepared.txt": "prepared"}
+        ) if state == "replaced one left" else None
+        (workspace / "prepared.txt").unlink()
+        lay(workspace, agent)
+    try:
+        settle_workspace(root, wait=True)
+        assert settle_workspace(root, wait=True) == "nothing"  # a second sweeper finds it done
+    finally:
+        subprocess.run(["umount", "-l", str(workspace)], stderr=subprocess.DEVNULL, check=False)
+    assert not os.path.ismount(workspace)
+    assert _tree(workspace) == agent
+    assert not [p.name for p in staging.iterdir()]

@@ -190,6 +190,19 @@ CANCELLED = RunnerError(kind="cancelled", type="CancelledError", message="SIGTER
             id="exit-0-no-result-protocol-violation",
         ),
         pytest.param(
+            OutcomeEvidence(
+                exit_code=0,
+                result_present=True,
+                result_problem="result.json could not be kept: no space left",
+                budget_exceeded="workspace_bytes: ...",
+                journal_responses=3,
+                evidence_problem="the workspace could not be copied back (the disk is full: ...)",
+            ),
+            "infra_failure",
+            "infrastructure failure after the worker ended: the workspace could not be copied back",
+            id="evidence-not-kept-is-infra-not-the-workers",
+        ),
+        pytest.param(
             OutcomeEvidence(exit_code=2, log_tail="Traceback: boom"),
             "infra_failure",
             "no result.json: the worker exited with code 2; worker.log ends with: Traceback: boom",

@@ -354,7 +354,7 @@ async def test_a_warm_cage_mounts_its_bounded_tmp_and_shm_inside_and_the_host_ho
     tmp_path: Path, shows_a_path_in_tmp: bool
 ) -> None:
     """A path the cage shows under /tmp (a Python environment there) stays shown, read-only, on top."""
-    from rollcage.supervisor.budgets import owner_tag
+    from rollcage.supervisor.leftovers import mount_source
 
     root = tmp_path / "r"
     with contextlib.ExitStack() as stack:
@@ -377,7 +377,7 @@ async def test_a_warm_cage_mounts_its_bounded_tmp_and_shm_inside_and_the_host_ho
             options = _mounts_with_options(f"/proc/{pid}/mountinfo")
             bounds = {place: os.statvfs(f"/proc/{pid}/root{place}") for place in ("/tmp", "/dev/shm")}
             still_shown = _same_file(f"/proc/{pid}/root{shown}/inside", str(shown / "inside"))
-            ours = f"rollcage-{owner_tag()}"
+            ours = mount_source()
             on_the_host = sorted(
                 point for point, _, source in _mounts("/proc/self/mountinfo") if source == ours
             )

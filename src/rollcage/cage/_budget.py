@@ -1091,7 +1091,10 @@ def _write_copy(src: int, dst: int, mode: int, size: int) -> int:
     copied = 0
     # At most the size seen: a file that grows meanwhile (a survivor) cannot pass the bound.
     while copied < size and (chunk := os.read(src, min(1 << 20, size - copied))):
-        os.write(dst, chunk)
+        view = memoryview(chunk)
+        while view:
+            # A short write (a disk that just filled up) is followed by the error, never by a gap.
+            view = view[os.write(dst, view) :]
         copied += len(chunk)
     os.fchmod(dst, mode)
     return copied

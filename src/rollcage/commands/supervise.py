@@ -127,11 +127,25 @@ def command(
     async def main() -> SupervisorReceipt:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int, frame: object) -> None:
+            loop.call_soon_threadsafe(stop.set)
+
         # SIGTERM/SIGINT to this process is an external stop: the worker gets SIGTERM, then SIGKILL
-        # after the grace period, and the receipt says "cancelled".
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        return await supervise(rollout_dir, config, stop=stop)
+        # after the grace period, and the receipt says "cancelled". Plain handlers, not the loop's:
+        # the loop's close puts the default actions back, which would end a process whose receipt
+        # is written with -15 or -2 (below, they are ignored from then on instead).
+        previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            receipt = await supervise(rollout_dir, config, stop=stop)
+        except BaseException:
+            for signum, handler in previous.items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+            raise
+        # The receipt is written: the exit code is the receipt's, whatever signal comes now.
+        for signum in previous:
+            signal.signal(signum, signal.SIG_IGN)
+        return receipt
 
     try:
         receipt = asyncio.run(main())

@@ -54,7 +54,13 @@ from rollcage.controller._ids import rollout_id
 from rollcage.controller._ledger import RunLedger
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
-from rollcage.controller._unit import Endpoints, ResumeSource, prepare_rollout, set_aside
+from rollcage.controller._unit import (
+    Endpoints,
+    ResumeSource,
+    prepare_rollout,
+    set_aside,
+    set_aside_earlier,
+)
 from rollcage.errors import ConfigError, DurableWriteError, SandboxError
 from rollcage.procs import shielded
 from rollcage.protocol import HarnessEnvironment, ModelEndpoint, RolloutRecord, RunMetrics
@@ -603,8 +609,17 @@ class Controller:
                     )
                 resume = task.row.resume
                 if resume if resume is not None else self.config.resume_rollouts:
+                    aside = await asyncio.to_thread(
+                        set_aside_earlier, prepared.rollout_id, self._out / "interrupted"
+                    )
                     source = self._resume_source(
-                        task, sample, try_index, prepared.rollout_id, moved, previous
+                        task,
+                        sample,
+                        try_index,
+                        prepared.rollout_id,
+                        [p for p in aside if p != moved],
+                        moved,
+                        previous,
                     )
                     prepared = prepared.model_copy(update={"resume_from": source})
                 record = await backend.run(prepared, stop=self.stop)
@@ -642,25 +657,31 @@ class Controller:
         sample: int,
         try_index: int,
         rollout: str,
+        aside: list[Path],
         moved: Path | None,
         previous: ResumeSource | None,
     ) -> ResumeSource | None:
         """The earlier attempt a new one continues: the one a killed run interrupted, else the last retried.
 
         An attempt interrupted by a killed controller has no record and keeps its id (its
-        directory was set aside in ``interrupted/``); an attempt this run retried after
-        ``infra_failure`` is the previous try, in this run or an earlier one.
+        directory was set aside in ``interrupted/``: ``moved`` now, ``aside`` by earlier
+        runs, latest first; a run killed while staging it again leaves one that never ran,
+        passed over for the one before); an attempt this run retried after ``infra_failure``
+        is the previous try, in this run or an earlier one.
         """
         if previous is not None:
             return previous
+        interrupted = [
+            ResumeSource(rollout_id=rollout, directory=str(path))
+            for path in [*([moved] if moved else []), *aside]
+        ]
         # Tries before this one ran in an earlier run: only infra_failure attempts are retried.
         tries = [rollout_id(task.id, sample, t) for t in range(try_index - 1, max(-1, try_index - 9), -1)]
         earlier = [ResumeSource(rollout_id=rid, directory=str(self._out / "rollouts" / rid)) for rid in tries]
-        if moved is not None:
-            return ResumeSource(rollout_id=rollout, directory=str(moved), earlier=earlier)
-        if not earlier:
+        chain = [*interrupted, *earlier]
+        if not chain:
             return None
-        return earlier[0].model_copy(update={"earlier": earlier[1:]})
+        return chain[0].model_copy(update={"earlier": chain[1:]})
 
     async def _maybe_publish(self) -> None:
         now = time.monotonic()

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Awaitable
@@ -84,6 +85,7 @@ __all__ = [
     "record_without_result",
     "run_rollout",
     "set_aside",
+    "set_aside_earlier",
 ]
 
 logger = logging.getLogger("rollcage.controller")
@@ -346,15 +348,28 @@ def lay_out(
 
 
 def _stage_first_usable(directory: Path, resume: ResumeSource, worker_input: WorkerInput) -> ResumeLink:
-    """Stage the latest earlier journal that can be resumed from; else the latest one's reason."""
+    """Stage the latest earlier journal that can be resumed from; else the latest one's reason.
+
+    An attempt a killed controller left half-prepared (no ``input.json``: it never ran) is passed
+    over, and named as such only when no attempt that ran is there to say why it was not resumed.
+    """
     first: ResumeLink | None = None
+    unprepared: ResumeLink | None = None
     for source in resume.chain():
+        if not os.path.lexists(Path(source.directory) / "input.json"):
+            unprepared = unprepared or _not_resumed(
+                source,
+                f"the earlier attempt in {source.directory} was interrupted while it was being prepared "
+                "(it has no input.json, so it never ran): there is nothing to resume from it",
+            )
+            continue
         link = _stage_resume(directory, source, worker_input)
         if link.reason is None:
             return link
         first = first or link
-    assert first is not None
-    return first
+    found = first or unprepared
+    assert found is not None
+    return found
 
 
 def _stage_resume(directory: Path, resume: ResumeSource, worker_input: WorkerInput) -> ResumeLink:
@@ -406,7 +421,8 @@ def _changed_task(previous_input: Path, worker_input: WorkerInput) -> str | None
     try:
         earlier = WorkerInput.model_validate_json(read_bounded(previous_input, limit=64 * 1024 * 1024))
     except (OSError, ValueError) as exc:
-        return f"its input.json cannot be read: {exc}"
+        # Not a changed task: an input that cannot be compared (the reason says which).
+        raise ResumeRefusedError(f"the earlier attempt's input.json cannot be read: {exc}") from exc
 
     def task(value: WorkerInput) -> dict[str, Any]:
         data = value.model_dump(mode="json", exclude=_PER_ATTEMPT)
@@ -742,6 +758,32 @@ async def _run_and_grade(
         termination_reason=result.termination_reason if result is not None else None,
         resume=link,
     ).with_result(result)
+
+
+_SET_ASIDE = re.compile(r"\.(\d{8}T\d{6}Z)(?:\.(\d+))?$")
+"""The suffix :func:`set_aside` gives a directory it moves: ``.STAMP`` or ``.STAMP.N``."""
+
+
+def set_aside_earlier(rollout: str, attic: Path) -> list[Path]:
+    """The directories of attempt ``rollout`` that killed runs set aside in ``attic``, latest first.
+
+    Blocking. Each run that found the attempt unfinished set its directory aside before staging it
+    again: a run killed while staging leaves one that never ran, and the one before it
+    holds the journal to continue from.
+    """
+    found: list[tuple[str, int, Path]] = []
+    try:
+        with os.scandir(attic) as scan:
+            entries = list(scan)
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.startswith(f"{rollout}."):
+            continue
+        match = _SET_ASIDE.fullmatch(entry.name[len(rollout) :])
+        if match is not None and entry.is_dir(follow_symlinks=False):
+            found.append((match.group(1), int(match.group(2) or 0), Path(entry.path)))
+    return [path for _, _, path in sorted(found, reverse=True)]
 
 
 def set_aside(rollout_dir: Path, attic: Path) -> Path | None:

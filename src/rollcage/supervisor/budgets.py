@@ -18,20 +18,21 @@ receipt's ``budgets``. Everything made is recorded in the staging area, so a
 later run can remove what a killed supervisor left (:func:`release_leftovers`).
 Every method blocks: run them in a thread.
 
-Whatever a supervisor makes carries its owner (``PID.STARTTIME`` of the supervising
-process) in its name, so that any later supervisor on the machine can tell what
-was left by one that is gone (SIGKILLed, its Ray node lost) and release it
-(:func:`sweep_orphans`, once per process).
+Whatever a supervisor makes carries its owner (``PID.STARTTIME.PIDNS`` of the supervising
+process; a mount its mount namespace too) in its name, so that any later supervisor on the
+machine can tell what was left by one that is provably gone (SIGKILLed, its Ray node lost)
+and release it (:func:`sweep_orphans`, once per process): a workspace by one owner at a
+time, never overwriting the evidence (:mod:`rollcage.supervisor.leftovers`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -54,13 +55,23 @@ from rollcage.cage import (
     unmount,
 )
 from rollcage.errors import SandboxError
-from rollcage.procs import read_proc
 from rollcage.protocol import BudgetName, BudgetUse, RolloutUsage
 from rollcage.supervisor.budgetplan import weak_budgets
 from rollcage.supervisor.config import BwrapSandbox
+from rollcage.supervisor.leftovers import (
+    mount_source,
+    name_owner_gone,
+    owner_tag,
+    proved_leftover,
+    rollout_lock,
+    settle_locked,
+    settle_workspace,
+    source_owner_gone,
+)
 from rollcage.supervisor.sandbox import RolloutLayout, Scratch
 
 __all__ = [
+    "BUDGETS_RECORD",
     "MEMORY_DIR",
     "RolloutBudgets",
     "owner_tag",
@@ -73,28 +84,9 @@ __all__ = [
 logger = logging.getLogger("rollcage.supervisor")
 
 _RECORD = "budgets.json"
+BUDGETS_RECORD = _RECORD
+"""The record, in the staging area, of what a supervisor made (what a later sweep releases by it)."""
 _PRIVATE_RECORD = "rollout.json"
-_OWNED = re.compile(r"^rollcage-(?:.+-)?(\d+)\.(\d+)-[^/]+$")
-"""A private directory, cgroup or mount of a supervisor: ``rollcage-[ROLLOUT-]PID.START-RANDOM``."""
-
-
-def owner_tag() -> str:
-    """``PID.STARTTIME`` of this process: with it, a later process can tell whether its maker still lives."""
-    info = read_proc(os.getpid())
-    return f"{os.getpid()}.{info.starttime if info is not None else 0}"
-
-
-def _owner_gone(name: str) -> bool:
-    match = _OWNED.search(name)
-    if match is None:
-        return False
-    pid, start = int(match.group(1)), int(match.group(2))
-    if pid == os.getpid():
-        return False
-    info = read_proc(pid)
-    return info is None or info.starttime != start
-
-
 MEMORY_DIR = "/dev/shm"
 """Where private directories go when it is a memory file system with room (:func:`private_parent`)."""
 
@@ -179,12 +171,15 @@ class RolloutBudgets:
         self.owner = owner
         self.name = name
         # The mounts' name in the mount table: whose they are, for a sweep after this process is gone.
-        self.source = f"rollcage-{owner_tag()}"
+        self.source = mount_source()
         self.cgroups = CgroupSet()
         self.volumes: list[Volume] = []
         self.workspace_mount: TmpfsVolume | None = None
         self.breach: tuple[BudgetName, str] | None = None
         self.copy_problem: str | None = None
+        self.evidence_problem: str | None = None
+        """Why the agent's workspace could not be kept on the disk (the infrastructure's failure: a disk
+        full); it then stays mounted and recorded, for a later sweep (:func:`sweep_orphans`)."""
         self._sandbox_root: str | None = None
         self._prepared: int | None = None
         self._memory_peak: int | None = None
@@ -204,6 +199,14 @@ class RolloutBudgets:
             in_cage: A warm start will mount ``/tmp`` and ``/dev/shm`` inside the cage
                 (:attr:`Scratch.in_cage`); only the workspace is mounted on the host.
         """
+        # Under the rollout's lock: a killed earlier supervisor's workspace still mounted here is its
+        # evidence, put onto the disk first (and no sweeper is settling it while this one mounts).
+        with rollout_lock(self.layout.root, wait=True) as root_fd:
+            if root_fd is not None and self._can_mount():
+                settle_locked(root_fd)
+            return self._prepare(in_cage=in_cage)
+
+    def _prepare(self, *, in_cage: bool) -> Scratch:
         config = self.config
         self.layout.staging.mkdir(mode=0o700, exist_ok=True)
         self.layout.workspace.mkdir(exist_ok=True)
@@ -486,16 +489,15 @@ class RolloutBudgets:
         prepared, self._prepared = self._prepared, None
         try:
             if prepared is None:
-                skipped = _settle_workspace(
-                    volume.path,
-                    self.layout.staging,
-                    max_bytes=config.workspace_bytes,
-                    max_inodes=config.workspace_inodes,
-                    owner=self.owner,
-                )
+                # No descriptor of the prepared workspace (the mount was made, the copy in failed): the
+                # mount's files replace it whole, as a sweep would (a complete copy, then renames).
+                with rollout_lock(self.layout.root, wait=True) as root_fd:
+                    if root_fd is not None:
+                        settle_locked(root_fd, ours=True)
+                skipped: list[str] = []
             else:
                 # Into the prepared workspace under the mount, which stays until the copy is whole (a
-                # killed supervisor's sweep copies it again, _settle_workspace): what the agent left
+                # killed supervisor's sweep copies it again, settle_workspace): what the agent left
                 # unchanged stays as it is on the disk, only what it changed is written.
                 report = copy_tree(
                     volume.path,
@@ -509,19 +511,35 @@ class RolloutBudgets:
                 unmount(volume.path)
                 skipped = report.skipped
         except OSError as exc:
-            self.copy_problem = f"the workspace could not be copied back: {exc}"
-            logger.error("rollout %s: %s", self.layout.root.name, self.copy_problem)
+            # The infrastructure's failure (a disk full, as a rule), never the worker's: the agent's files
+            # stay where they are, in the mount, which stays recorded for a later sweep to copy back.
+            cause = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "it failed"
+            self.evidence_problem = (
+                f"the agent's workspace could not be copied back onto the disk ({cause}: {exc}); it stays "
+                f"mounted at {self.layout.workspace}, and the first rollcage process started after this one "
+                "ends copies it back"
+            )
+            self.copy_problem = self.evidence_problem
+            logger.error("rollout %s: %s", self.layout.root.name, self.evidence_problem)
             return
         finally:
-            volume.mounted = False
             if prepared is not None:
                 os.close(prepared)
+        volume.mounted = False
         if skipped:
             self.copy_problem = "not copied back: " + "; ".join(skipped)
 
+    @property
+    def workspace_kept_mounted(self) -> bool:
+        """The workspace could not be copied back and stays mounted (see :attr:`evidence_problem`)."""
+        mount = self.workspace_mount
+        return mount is not None and mount.mounted and self.evidence_problem is not None
+
     def _unmount(self) -> None:
         for volume in self.volumes:
-            if isinstance(volume, TmpfsVolume):
+            if isinstance(volume, TmpfsVolume) and not (
+                volume is self.workspace_mount and self.evidence_problem is not None
+            ):
                 volume.unmount()
 
     def usage(self) -> RolloutUsage:
@@ -590,67 +608,62 @@ def _max(*values: int | None) -> int | None:
     return max(present) if present else None
 
 
-def _settle_workspace(
-    mount: Path, staging: Path, *, max_bytes: int, max_inodes: int, owner: tuple[int, int] | None
-) -> list[str]:
-    """Copy the bounded workspace mounted at ``mount`` onto the disk in its place, then unmount it.
-
-    Returns what was left out (over the bounds). Raises ``OSError`` when it cannot be done.
-    """
-    out = staging / "workspace-out"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(mode=0o700, parents=True)
-    # Owned by the sandbox's uid, as the files it wrote in place would be.
-    report = copy_tree(mount, out, max_bytes=max_bytes, max_inodes=max_inodes, owner=owner)
-    if owner is not None:
-        os.chown(out, *owner)
-    unmount(mount)
-    # What is under the mount point now is the controller's original workspace: replaced.
-    shutil.rmtree(mount)
-    os.rename(out, mount)
-    return report.skipped
-
-
 def release_leftovers(layout: RolloutLayout) -> None:
-    """Remove the mounts and cgroups a killed supervisor left for this rollout (blocking; idempotent)."""
+    """Release what a killed supervisor left for this rollout: its workspace onto the disk, mounts, cgroups.
+
+    Only what is provably a gone supervisor's is touched (see :mod:`~rollcage.supervisor.leftovers`);
+    the rollout's workspace is settled under its lock, waiting for another process settling it.
+    The record stays while anything it names is left. Blocking; idempotent; never raises.
+    """
     try:
         record = json.loads((layout.staging / _RECORD).read_text())
     except (OSError, ValueError):
-        return
-    _release(record, layout)
-    with contextlib.suppress(OSError):
-        (layout.staging / _RECORD).unlink()
-
-
-def _release(record: dict[str, object], layout: RolloutLayout) -> None:
-    mounts = record.get("mounts")
-    for mount in mounts if isinstance(mounts, list) else []:
+        record = None
+    if not isinstance(record, dict):
+        # No record (never written, or removed): a settle begun by a killed sweeper may be left.
         with contextlib.suppress(OSError):
-            if Path(str(mount)) == layout.workspace.absolute():
-                # The agent's files are evidence of the interrupted attempt: onto the disk first.
-                bounds = record.get("workspace_bounds")
-                limits = bounds if isinstance(bounds, list) and len(bounds) == 2 else [1 << 30, 65_536]
-                owner = record.get("owner")
-                _settle_workspace(
-                    layout.workspace,
-                    layout.staging,
-                    max_bytes=int(limits[0]),
-                    max_inodes=int(limits[1]),
-                    owner=(int(owner[0]), int(owner[1])) if isinstance(owner, list) and owner else None,
-                )
-            else:
-                unmount(Path(str(mount)))
+            settle_workspace(layout.root, wait=True)
+        return
+    if _release(record, layout, wait=True):
+        with contextlib.suppress(OSError):
+            (layout.staging / _RECORD).unlink()
+
+
+def _release(record: dict[str, object], layout: RolloutLayout, *, wait: bool) -> bool:
+    """Release what ``record`` names that is provably a gone supervisor's; whether nothing is left."""
+    listed = record.get("mounts")
+    mounts = [Path(m) for m in listed if isinstance(m, str)] if isinstance(listed, list) else []
+    recorded_root = record.get("rollout_dir")
+    workspaces = {layout.workspace.absolute()}
+    if isinstance(recorded_root, str):
+        workspaces.add(Path(recorded_root) / "workspace")
+    done = True
+    if any(mount in workspaces for mount in mounts) or not mounts:
+        # The agent's files are evidence of the interrupted attempt: onto the disk first, by one owner.
+        try:
+            done = settle_workspace(layout.root, wait=wait) in ("settled", "nothing")
+        except OSError as exc:
+            logger.error("cannot keep the workspace a killed supervisor left in %s: %s", layout.root, exc)
+            done = False
+        if not done:
+            return False  # the supervisor lives, or another process settles it: its record is not ours
+    for mount in mounts:
+        if mount not in workspaces and proved_leftover(mount):
+            with contextlib.suppress(OSError):
+                unmount(mount)
     cgroups = record.get("cgroups")
     for directory in cgroups if isinstance(cgroups, list) else []:
-        kill_cgroup(Path(str(directory)))
-        remove_cgroup(Path(str(directory)))
+        if name_owner_gone(Path(str(directory)).name):
+            kill_cgroup(Path(str(directory)))
+            remove_cgroup(Path(str(directory)))
     private = record.get("private_dir")
-    if isinstance(private, str) and private:
-        for mount in mounts if isinstance(mounts, list) else []:
-            if Path(str(mount)).is_relative_to(private):
+    if isinstance(private, str) and private and name_owner_gone(Path(private).name):
+        for mount in mounts:
+            if mount.is_relative_to(private):
                 with contextlib.suppress(OSError):
-                    Path(str(mount)).rmdir()
+                    mount.rmdir()
         _remove_private_dir(Path(private))
+    return not any(os.path.ismount(mount) for mount in mounts)
 
 
 def remove_staged_view(layout: RolloutLayout) -> None:
@@ -699,10 +712,11 @@ _sweep_lock = threading.Lock()
 def sweep_orphans() -> None:
     """Release what supervisors that are gone left on this machine: mounts, cgroups (once per process).
 
-    Found by name (see :func:`owner_tag`): the tmpfs mounts named ``rollcage-PID.START``
-    in the mount table and the cgroups beside this process's, whose maker no longer
-    runs. A workspace still mounted is copied onto the disk in its place first (with
-    the bounds its record names, else the defaults). Blocking; never raises.
+    Found by name (see :func:`~rollcage.supervisor.leftovers.owner_tag`): the tmpfs mounts named
+    ``rollcage-PID.START.PIDNS-mMNTNS`` in this mount namespace and the cgroups beside this
+    process's, whose maker is provably gone. A workspace still mounted is copied onto the disk
+    in its place first, by whichever sweeper holds its rollout's lock (one that finds it held
+    leaves it to the holder). Blocking; never raises.
     """
     global _swept
     with _sweep_lock:
@@ -717,11 +731,17 @@ def sweep_orphans() -> None:
                 try:
                     record = json.loads((layout.staging / _RECORD).read_text())
                 except (OSError, ValueError):
-                    record = {"mounts": [point]}
-                _release(record, layout)
-            unmount(path)  # not one if released above: a no-op then
-            logger.warning("released a mount of a supervisor that is gone: %s", point)
-        if path.parent.name == "fs":
+                    record = None
+                if not isinstance(record, dict):
+                    record = {"mounts": [point], "rollout_dir": str(path.parent)}
+                if _release(record, layout, wait=False):
+                    with contextlib.suppress(OSError):
+                        (layout.staging / _RECORD).unlink()
+                continue
+            if proved_leftover(path):
+                unmount(path)
+                logger.warning("released a mount of a supervisor that is gone: %s", point)
+        if path.parent.name == "fs" and name_owner_gone(path.parent.parent.name):
             for leftover in (path, path.parent, path.parent.parent / _PRIVATE_RECORD, path.parent.parent):
                 with contextlib.suppress(OSError):
                     leftover.unlink() if leftover.name == _PRIVATE_RECORD else leftover.rmdir()
@@ -731,7 +751,7 @@ def sweep_orphans() -> None:
             continue
         with contextlib.suppress(OSError):
             for child in found[1].iterdir():
-                if child.is_dir() and _owner_gone(child.name):
+                if child.is_dir() and name_owner_gone(child.name):
                     kill_cgroup(child)
                     remove_cgroup(child)
     # Last: a private directory's mounts and cgroups are released above, by their names.
@@ -751,12 +771,11 @@ def _orphan_private_dirs() -> list[Path]:
         try:
             with os.scandir(parent) as entries:
                 for entry in entries:
-                    match = _OWNED.search(entry.name) if entry.name.startswith("rollcage-") else None
-                    if match is None:
+                    if not entry.name.startswith("rollcage-"):
                         continue
-                    owner = f"{match.group(1)}.{match.group(2)}"
+                    owner = entry.name.rpartition("-")[0]  # the random part of the name is not the owner's
                     if owner not in owners:
-                        owners[owner] = _owner_gone(entry.name)
+                        owners[owner] = name_owner_gone(entry.name)
                     with contextlib.suppress(OSError):
                         if (
                             owners[owner]
@@ -770,9 +789,9 @@ def _orphan_private_dirs() -> list[Path]:
 
 
 def _orphan_mounts() -> list[str]:
-    """Mount points of tmpfs mounts named ``rollcage-PID.START`` whose maker is gone."""
+    """Mount points of the tmpfs mounts of this namespace named by a maker that is provably gone."""
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as file:
+        with open("/proc/thread-self/mountinfo", encoding="utf-8") as file:
             lines = file.read().splitlines()
     except OSError:
         return []
@@ -780,6 +799,6 @@ def _orphan_mounts() -> list[str]:
     for line in lines:
         left, _, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
-        if len(fields) > 4 and len(tail) > 1 and tail[0] == "tmpfs" and _owner_gone(tail[1] + "-x"):
+        if len(fields) > 4 and len(tail) > 1 and tail[0] == "tmpfs" and source_owner_gone(tail[1]):
             found.append(fields[4].replace("\\040", " "))
     return found

@@ -73,6 +73,7 @@ from rollcage.protocol import (
 )
 from rollcage.supervisor.budgetpolls import watch_budget
 from rollcage.supervisor.budgets import (
+    BUDGETS_RECORD,
     RolloutBudgets,
     owner_tag,
     private_parent,
@@ -299,6 +300,10 @@ class _Supervision:
         self.credentials: tuple[str | None, dict[str, str]] = (None, {})
         self.result: WorkerResult | None = None
         """The validated result.json, once collected."""
+        self.result_keep_problem: str | None = None
+        """Why the worker's result.json could not be kept in the rollout directory (a disk full)."""
+        self.swept_at_start = 0
+        """Temporary files a killed supervisor left in the rollout directory, removed at the start."""
         self.journal: CaptureJournal | None = None
         """A harness rollout's journal, written here from the capture (see :mod:`rollcage.harness`)."""
         self.relay_task: asyncio.Future[None] | None = None
@@ -316,6 +321,9 @@ class _Supervision:
         self.layout = RolloutLayout(root)
         if not root.is_dir():
             raise ConfigError(f"rollout directory {root} does not exist")
+        # A supervisor SIGKILLed while publishing left temporary files (``.result.json.<hex>.tmp``):
+        # evidence of nothing, removed whether or not this run goes on (only such names are touched).
+        self.swept_at_start = sweep_temp_artifacts(root)
         for used in (self.layout.receipt, self.layout.result):
             if os.path.lexists(used):
                 raise ConfigError(f"{used} already exists: each attempt needs a fresh rollout directory")
@@ -382,7 +390,9 @@ class _Supervision:
         bytecode = worker_bytecode() if self.config.worker_command is None else None
         private = None
         if self.config.proxy is not None or self.launcher.kind == "bwrap":
-            name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:48]
+            # Short enough that the proxy socket's path in it fits sun_path (108 bytes) under /dev/shm
+            # with the longest owner tag (PID.START.PIDNS) and mkdtemp's suffix.
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:36]
             private = tempfile.mkdtemp(prefix=f"rollcage-{name}-{owner_tag()}-", dir=private_parent())
         return private, bytecode
 
@@ -911,11 +921,11 @@ class _Supervision:
         """Collect the evidence, classify and publish the receipt (blocking; runs in a thread)."""
         layout = self.layout
         present, result, problem = False, None, None
-        swept = 0
+        swept = self.swept_at_start
         if self.plan is not None:
             present, result, problem = self._collect_result(self.plan)
             self.result = result
-            swept = sum(map(sweep_temp_artifacts, {self.plan.result_dir, layout.root}))
+            swept += sum(map(sweep_temp_artifacts, {self.plan.result_dir, layout.root}))
         if layout.view is not None:
             # The private directory goes with its staged view, once the proxy socket and the budgets'
             # record are gone too (after a killed supervisor: by a later sweep).
@@ -927,7 +937,7 @@ class _Supervision:
             self.stop_requested = True
             if result is None or result.error is not None:
                 self.stop_cause = "stop"
-        shutil.rmtree(layout.staging, ignore_errors=True)
+        _remove_staging(layout, keep_record=self.budgets is not None and self.budgets.workspace_kept_mounted)
         journal = _journal_summary(layout.checkpoint)
         exit_code, exit_signal = self._exit(status)
         proxy = self.proxy
@@ -944,6 +954,7 @@ class _Supervision:
             log_tail=_log_tail(layout.log) if not present else None,
             budget_exceeded=None if self.budget_exceeded is None else self.budget_exceeded[1],
             journal_responses=max(journal.responses, proxy.captured["model"] if proxy is not None else 0),
+            evidence_problem=self._evidence_problem(),
         )
         outcome, reason = classify_outcome(evidence)
         ended = time.time()
@@ -984,6 +995,14 @@ class _Supervision:
         logger.info("rollout %s: %s (%s)", self.rollout_id, outcome, reason)
         return receipt
 
+    def _evidence_problem(self) -> str | None:
+        """What of the evidence the supervisor could not keep on the disk (its own failure), in words."""
+        problems = [self.result_keep_problem]
+        if self.budgets is not None:
+            problems.append(self.budgets.evidence_problem)
+        found = [problem for problem in problems if problem is not None]
+        return "; ".join(found) if found else None
+
     def _exit(self, status: ExitStatus | None) -> tuple[int | None, str | None]:
         if status is None:
             return None, None
@@ -1023,6 +1042,10 @@ class _Supervision:
             try:
                 publish_bytes(self.layout.result, data, mode=0o644)
             except RollcageError as exc:
+                # The supervisor's own write failed (a disk full): the infrastructure's fault.
+                self.result_keep_problem = (
+                    f"the worker's result.json could not be kept in {self.layout.root}: {exc}"
+                )
                 return True, None, f"result.json could not be kept: {exc}"
         try:
             result = WorkerResult.model_validate_json(data)
@@ -1039,6 +1062,22 @@ def _check_credential(value: str, variable: str) -> None:
         header_value(f"Bearer {value}", what=f"the key in {variable}")
     except HeaderValueError as exc:
         raise ConfigError(f"{exc}; set {variable} to the key alone") from None
+
+
+def _remove_staging(layout: RolloutLayout, *, keep_record: bool) -> None:
+    """Remove the staging area; with ``keep_record``, all but the budgets' record (a mount it names stays)."""
+    if not keep_record:
+        shutil.rmtree(layout.staging, ignore_errors=True)
+        return
+    with contextlib.suppress(OSError), os.scandir(layout.staging) as entries:
+        for entry in list(entries):
+            if entry.name == BUDGETS_RECORD:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
 
 
 def _missing_harness_paths(original: WorkerInput) -> str | None:

@@ -4,6 +4,9 @@ The rules, in order (the outcome table of docs/reference/outcomes.md; the first 
 
 1. the worker could not be run under supervision (bad ``input.json``, the
    worker could not be started, the supervisor itself failed) → ``infra_failure``;
+   so too when the supervisor could not keep the evidence (the disk filled up while
+   it copied the workspace back or kept ``result.json``): the infrastructure's fault,
+   never the worker's;
 2. the rollout went over one of its **budgets** (total memory or processes,
    workspace, ``/tmp`` or ``/dev/shm`` bytes or inodes, the capture's bytes) after the policy had acted
    (a model response in the result or the journal) → ``agent_error``: the agent's
@@ -59,6 +62,9 @@ class OutcomeEvidence:
             (``"memory_bytes: ..."``); ``None``: every budget held.
         journal_responses: Model responses recorded in the checkpoint journal (the
             result may be missing when a budget ended the rollout).
+        evidence_problem: Why the supervisor could not keep the rollout's evidence on the
+            disk (the disk filled up while it copied the workspace back), in words; ``None``:
+            it kept all of it.
     """
 
     stop_cause: Literal["deadline", "stop", "budget"] | None = None
@@ -73,6 +79,7 @@ class OutcomeEvidence:
     log_tail: str | None = None
     budget_exceeded: str | None = None
     journal_responses: int = 0
+    evidence_problem: str | None = None
 
 
 def model_responses(result: WorkerResult) -> int:
@@ -109,6 +116,12 @@ def classify_outcome(evidence: OutcomeEvidence) -> tuple[Outcome, str]:
     """
     if evidence.setup_failure is not None:
         return "infra_failure", evidence.setup_failure
+    if evidence.evidence_problem is not None:
+        return (
+            "infra_failure",
+            f"infrastructure failure after the worker ended: {evidence.evidence_problem}; "
+            f"{_exit_words(evidence)}",
+        )
     if evidence.budget_exceeded is not None:
         result = evidence.result
         kept = "it published no result" if result is None else "its result is kept as evidence"
