@@ -134,9 +134,9 @@ ROWS = [
     Row("show-unknown-file", ("show", "{tmp}/a-file"), "not a file the viewer knows"),
     # report
     Row("report-missing", ("report", "{tmp}/missing"), "no such directory"),
-    Row("report-to-a-directory", ("report", "{tmp}/run", "-o", "{tmp}"), "is a directory"),
-    Row("report-to-a-fifo", ("report", "{tmp}/run", "-o", "{tmp}/fifo.yaml"), "not a regular file"),
-    Row("report-under-a-file", ("report", "{tmp}/run", "-o", "{tmp}/a-file/r.html"), "Not a directory"),
+    Row("report-to-a-directory", ("report", "{tmp}/run", "-o", "{tmp}"), "contains the run directory"),
+    Row("report-to-a-fifo", ("report", "{tmp}/run", "-o", "{tmp}/fifo.yaml"), "is a FIFO"),
+    Row("report-under-a-file", ("report", "{tmp}/run", "-o", "{tmp}/a-file/r.html"), "is not a directory"),
     # schema, worker, and the entry point itself
     Row("schema-unknown", ("schema", "Nope"), "unknown artifact"),
     Row("worker-no-arguments", ("worker",), "required"),

@@ -92,11 +92,29 @@ def test_what_a_gone_supervisor_left_in_the_temporary_directory_is_swept(
 
 @requires_bwrap()
 @pytest.mark.bwrap
+@pytest.mark.parametrize("temp_length", [0, 40, 70, 120])
 async def test_a_long_rollout_id_leaves_the_proxy_socket_path_short_enough(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, temp_length: int
 ) -> None:
-    """The private directory's name carries the rollout id and the owner tag; the socket in it must bind."""
+    """The private directory's name carries the rollout id and the owner tag; the socket in it must bind.
+
+    Under any temporary directory: a Ray node's is ``/tmp/ray-.../node/tmp``-long, and a user's may
+    be longer than a socket's path can be (0: none asked for, the memory file system).
+    """
     monkeypatch.delenv("TMPDIR", raising=False)  # the memory file system, where the machine has one
+    top = Path(tempfile.mkdtemp(prefix="rc-"))
+    try:
+        if temp_length:
+            deep = top / ("d" * max(1, temp_length - len(str(top)) - 1))
+            deep.mkdir()
+            monkeypatch.setenv("TMPDIR", str(deep))
+            monkeypatch.setattr(tempfile, "tempdir", str(deep))
+        await _supervise_a_long_rollout_id(tmp_path)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+async def _supervise_a_long_rollout_id(tmp_path: Path) -> None:
     name = "t" * 90 + "-s0-t12"
     with PolicyServer({"tasks": {"t": [{"text": "done"}]}}, port=0) as server:
         root = make_rollout(tmp_path, name, model_url=server.base_url)

@@ -767,7 +767,8 @@ def _orphan_private_dirs() -> list[Path]:
     """
     owners: dict[str, bool] = {}
     found = []
-    for parent in dict.fromkeys([MEMORY_DIR, tempfile.gettempdir()]):
+    # /tmp too: where a temporary directory too long for the proxy socket's path sends them.
+    for parent in dict.fromkeys([MEMORY_DIR, tempfile.gettempdir(), "/tmp"]):
         try:
             with os.scandir(parent) as entries:
                 for entry in entries:

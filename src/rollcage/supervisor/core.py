@@ -390,10 +390,7 @@ class _Supervision:
         bytecode = worker_bytecode() if self.config.worker_command is None else None
         private = None
         if self.config.proxy is not None or self.launcher.kind == "bwrap":
-            # Short enough that the proxy socket's path in it fits sun_path (108 bytes) under /dev/shm
-            # with the longest owner tag (PID.START.PIDNS) and mkdtemp's suffix.
-            name = re.sub(r"[^A-Za-z0-9._-]", "_", self.rollout_id)[:36]
-            private = tempfile.mkdtemp(prefix=f"rollcage-{name}-{owner_tag()}-", dir=private_parent())
+            private = tempfile.mkdtemp(**_private_dir_name(self.rollout_id, private_parent()))
         return private, bytecode
 
     def _prepare_budgets(self, budgets: RolloutBudgets, in_cage: bool) -> Scratch:
@@ -1078,6 +1075,28 @@ def _remove_staging(layout: RolloutLayout, *, keep_record: bool) -> None:
             else:
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
+
+
+_SUN_PATH_MAX = 107
+"""The longest path a Unix socket can be bound at (``sun_path`` holds 108 bytes, NUL included)."""
+
+
+def _private_dir_name(rollout_id: str, parent: str) -> dict[str, str]:
+    """``mkdtemp``'s keywords for a supervisor's private directory under ``parent``.
+
+    Named for the rollout (its mounts say whose they are, in a table of every rollout's) and
+    its owner (:func:`owner_tag`), and short enough that the proxy socket in it fits
+    ``sun_path``: the rollout's part is cut to the room a long ``TMPDIR`` (a Ray node's, say)
+    leaves, and dropped when there is none; a parent too long even for that gives way to
+    ``/tmp``, the socket being what the rollout cannot do without.
+    """
+    tag = owner_tag()
+    fixed = len("/rollcage-") + len(f"-{tag}-") + 8 + len("/proxy.sock")  # 8: mkdtemp's suffix
+    if len(os.fsencode(parent)) + fixed > _SUN_PATH_MAX:
+        parent = "/tmp"
+    room = _SUN_PATH_MAX - len(os.fsencode(parent)) - fixed - 1  # 1: the name's own "-"
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", rollout_id)[: min(36, max(room, 0))]
+    return {"prefix": f"rollcage-{name}-{tag}-" if name else f"rollcage-{tag}-", "dir": parent}
 
 
 def _missing_harness_paths(original: WorkerInput) -> str | None:
