@@ -337,3 +337,28 @@ def test_any_token_values_on_the_wire_end_in_a_classified_call_that_journals_and
         assert record.status == "completed"
         _assert_kept_values_are_valid(record.tokens)
     _journal_and_export(record, tmp_path)
+
+
+# ----------------------------------------------------------------------------- the scripted policy's family
+
+FAMILY_SCRIPT = {"tasks": {"*": [{"reasoning": "r", "text": "42"}]}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_every_bad_tokens_variant_of_the_scripted_policy_is_dropped_and_the_answer_kept(
+    api: str, stream: bool, tmp_path: Path
+) -> None:
+    from rollcage.policy import PolicyServer
+    from rollcage.policy._hostile import BAD_TOKENS
+
+    rules = [f"task=v{n}:kind=bad_tokens:variant={n}" for n in range(len(BAD_TOKENS))]
+    with PolicyServer(FAMILY_SCRIPT, faults=rules) as server:
+        endpoint = server.endpoint(api=api, stream=stream, max_retries=0, timeout_s=10.0)  # type: ignore[arg-type]
+        for n, (name, _) in enumerate(BAD_TOKENS):
+            async with ModelClient(endpoint, rollout_id=f"r{n}", task_id=f"v{n}") as client:
+                call = await client.call(USER, index=0)
+            assert call.status == "completed", name
+            assert call.output[-1]["content"][0]["text"] == "42", name
+            assert call.tokens.status != "observed" and call.tokens.note, (name, call.tokens)
+            await asyncio.to_thread(_journal_and_export, call, tmp_path)
