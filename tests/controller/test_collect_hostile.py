@@ -253,3 +253,35 @@ async def test_rewards_of_1e308_in_an_existing_log_do_not_crash_the_resumed_run(
     assert [r.task_id for r in got] == ["a"]
     metrics = collection.summary().metrics
     assert metrics.mean_reward == 1.0 and metrics.health["grader_error"].count == 2
+
+
+async def test_an_attempt_whose_machinery_raises_is_its_own_infra_failure_and_neighbours_keep_theirs(
+    tmp_path: Path,
+) -> None:
+    fake = FakeSupervisor({"a": "42", "boom": "42"})
+
+    async def supervise(rollout_dir: Path, config: Any, *, stop: asyncio.Event | None = None) -> Any:
+        if "boom" in rollout_dir.name:
+            raise KeyError("a bug in the machinery")  # nothing anticipated this kind of failure
+        return await fake(rollout_dir, config, stop=stop)
+
+    config = RunConfig(
+        out=tmp_path / "out",
+        model=ModelEndpointConfig(base_url=URL, model_name="fake"),
+        sandbox="none",
+        retry_backoff_s=0.0,
+        max_infra_retries=1,
+        concurrency=2,
+    )
+    collection = Collection(
+        config, tasks=_rows("a", "boom"), backend=LocalBackend(config.rollout_settings(), supervise=supervise)
+    )
+    got = await _all(collection)
+    assert sorted((r.task_id, r.outcome) for r in got) == [
+        ("a", "completed"),
+        ("boom", "infra_failure"),
+        ("boom", "infra_failure"),
+    ]
+    failed = next(r for r in got if r.task_id == "boom")
+    assert "KeyError" in failed.receipt.outcome_reason and failed.reward is None
+    assert len(_lines(tmp_path / "out")) == 3
