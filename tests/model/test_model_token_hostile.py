@@ -362,3 +362,10 @@ async def test_every_bad_tokens_variant_of_the_scripted_policy_is_dropped_and_th
             assert call.output[-1]["content"][0]["text"] == "42", name
             assert call.tokens.status != "observed" and call.tokens.note, (name, call.tokens)
             await asyncio.to_thread(_journal_and_export, call, tmp_path)
+
+
+def test_entries_read_only_for_what_the_arrays_did_not_give_add_no_false_note() -> None:
+    # Ids from token_ids; the entries give only the log probabilities: their odd tokens are not read.
+    payload = _chat(body=GOOD, choice={"token_ids": [7], "logprobs": _entries([f"token_id:{BIG}"], [-0.5])})
+    tokens = parse_payload("chat", payload).tokens
+    assert (tokens.status, tokens.note, tokens.generation_token_ids) == ("observed", None, [7])

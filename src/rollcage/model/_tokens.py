@@ -70,11 +70,14 @@ def read_log_probs(value: Any, where: str, notes: list[str]) -> list[float] | No
     return probs
 
 
-def read_entries(entries: Any, where: str, notes: list[str]) -> tuple[list[int] | None, list[float] | None]:
+def read_entries(
+    entries: Any, where: str, notes: list[str], *, ids: bool = True, probs: bool = True
+) -> tuple[list[int] | None, list[float] | None]:
     """Token ids and log probabilities of OpenAI-style logprob entries (``{"token", "logprob", ...}``).
 
     The ids come only from tokens written ``token_id:N`` (all of them: text tokens give no ids);
-    the log probabilities only when every entry has one.
+    the log probabilities only when every entry has one. ``ids``/``probs`` ``False``: that half is
+    taken from elsewhere, so it is neither read nor noted here.
     """
     if entries is None:
         return None, None
@@ -89,17 +92,17 @@ def read_entries(entries: Any, where: str, notes: list[str]) -> tuple[list[int] 
             return None, None
         tokens.append(entry.get("token"))
         raw_probs.append(entry.get("logprob"))
-    probs: list[float] | None = None
-    if all(prob is not None for prob in raw_probs):
-        probs = []
+    values: list[float] | None = None
+    if probs and all(prob is not None for prob in raw_probs):
+        values = []
         for position, prob in enumerate(raw_probs):
             value = _log_prob(prob)
             if isinstance(value, str):
                 notes.append(f"{where}[{position}].logprob is {value}; the log probabilities were dropped")
-                probs = None
+                values = None
                 break
-            probs.append(value)
-    return _entry_ids(tokens, where, notes), probs
+            values.append(value)
+    return (_entry_ids(tokens, where, notes) if ids else None), values
 
 
 def read_prompt_log_probs(

@@ -678,7 +678,9 @@ def _chat_tokens(body: _ChatCompletion, choice: _ChatChoice) -> CallTokens:
         notes.append(f"choices[0].logprobs is {type(logprobs).__name__}, not an object; it was dropped")
     if entries is not None and (given_ids is None or given_probs is None):
         # The entries are read only for what the arrays above did not give.
-        entry_ids, entry_probs = read_entries(entries, "choices[0].logprobs.content", notes)
+        entry_ids, entry_probs = read_entries(
+            entries, "choices[0].logprobs.content", notes, ids=given_ids is None, probs=given_probs is None
+        )
         ids = entry_ids if given_ids is None else ids
         probs = entry_probs if given_probs is None else probs
     prompt_probs = read_prompt_log_probs(body.prompt_logprobs, prompt, "prompt_logprobs", notes)
