@@ -356,7 +356,7 @@ def _harness_spec(harness: _Harness | None, command: str | None, task: _TaskVia,
 
 def _check_model_url(url: str) -> None:
     """Refuse a ``--model`` that no rollout could reach, before anything runs (as ``collect`` does)."""
-    from rollcage.controller._config import model_url_problem
+    from rollcage.controller import model_url_problem
 
     problem = model_url_problem(url)
     if problem is not None:
@@ -368,7 +368,7 @@ def _check_key_variable(name: str) -> None:
 
     Only for the local backend: with Ray the variable may be set on the nodes instead.
     """
-    from rollcage.controller._config import api_key_problem
+    from rollcage.controller import api_key_problem
 
     problem = api_key_problem(name)
     if problem is not None:
