@@ -285,3 +285,33 @@ async def test_an_attempt_whose_machinery_raises_is_its_own_infra_failure_and_ne
     failed = next(r for r in got if r.task_id == "boom")
     assert "KeyError" in failed.receipt.outcome_reason and failed.reward is None
     assert len(_lines(tmp_path / "out")) == 3
+
+
+def test_a_copy_of_a_live_runs_directory_never_kills_the_originals_processes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from rollcage.supervisor.config import TOKEN_ENV
+    from rollcage.supervisor.core import _write_token
+    from rollcage.supervisor.sandbox import RolloutLayout
+
+    original = tmp_path / "original"
+    layout = RolloutLayout(original / "rollouts" / "x-s0-t0")
+    layout.staging.mkdir(parents=True)
+    _write_token(layout, "0f" * 16)
+    # A process of the original run's rollout, alive: it carries the rollout's token.
+    live = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, TOKEN_ENV: "0f" * 16}
+    )
+    try:
+        copy = tmp_path / "copy"
+        shutil.copytree(original, copy)
+        asyncio.run(_all(_collection(copy, _rows("a"), FakeSupervisor({"a": "42"}))))
+        assert live.poll() is None, "resuming a copy killed a process of the original run"
+        # The original's own resume does reap what its killed supervisor left.
+        asyncio.run(_all(_collection(original, _rows("a"), FakeSupervisor({"a": "42"}))))
+        assert live.wait(timeout=BOUND_S) != 0
+    finally:
+        if live.poll() is None:
+            live.kill()
+            live.wait()
