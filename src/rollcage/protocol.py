@@ -28,6 +28,8 @@ from rollcage.errors import ControllerOnlyFieldError, ErrorKind
 __all__ = [
     "MAX_INPUT_BYTES",
     "MAX_JSON_DEPTH",
+    "MAX_TOKEN_COUNT",
+    "MAX_TOKEN_ID",
     "RESERVED_REQUEST_FIELDS",
     "SCHEMA_VERSION",
     "AgentSettings",
@@ -99,6 +101,13 @@ SCHEMA_VERSION: Literal[2] = 2
 rollout records carry their health; the journal's deltas and call starts.
 A reader meets any other version with an error that names both (see ``_check_version``).
 """
+
+MAX_TOKEN_ID = 2**63 - 1
+"""The largest token id an artifact holds (int64: what tokenizers and trainers store)."""
+
+MAX_TOKEN_COUNT = 2**40
+"""The largest token count a model call may report (about 10^12: no context comes near it). A run's sums
+of counts this size stay far inside the 64-bit integers JSON readers keep exactly."""
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of containers accepted in JSON that crosses a boundary (input.json, a model response).
@@ -732,6 +741,12 @@ TokenField = Literal["prompt_token_ids", "generation_token_ids", "generation_log
 TokenCoverage = Literal["complete", "partial", "unobserved"]
 """How much of something was reported: all of it, some of it, none of it."""
 
+TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
+"""A token id: an integer (never a boolean or a string) within int64, not negative."""
+
+LogProb = Annotated[float, Field(strict=True, le=0.0, allow_inf_nan=False)]
+"""A log probability: a finite number, at most 0."""
+
 _TOKEN_FIELDS: tuple[TokenField, ...] = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
@@ -743,17 +758,17 @@ class CallTokens(_Model):
     ``SamplingParams.logprobs`` and, on vLLM, ``extra_body={"return_token_ids": true}``.
     """
 
-    prompt_token_ids: list[int] | None = Field(
+    prompt_token_ids: list[TokenId] | None = Field(
         default=None,
         description="Token ids of the whole prompt the server sampled from (chat template applied).",
     )
-    generation_token_ids: list[int] | None = Field(
+    generation_token_ids: list[TokenId] | None = Field(
         default=None, description="Token ids of exactly what was sampled, in order."
     )
-    generation_log_probs: list[float] | None = Field(
+    generation_log_probs: list[LogProb] | None = Field(
         default=None, description="Log probability of each sampled token, aligned with generation_token_ids."
     )
-    prompt_log_probs: list[float | None] | None = Field(
+    prompt_log_probs: list[LogProb | None] | None = Field(
         default=None,
         description="Log probability of each prompt token given the ones before it (vLLM's prompt_logprobs; "
         "None for the first token); None: not returned.",
@@ -775,8 +790,9 @@ class CallTokens(_Model):
     )
     note: str | None = Field(
         default=None,
-        description="What was wrong with the token data the server sent and was not kept (e.g. arrays of "
-        "different lengths); None: nothing.",
+        description="What was wrong with the token data the server sent and was not kept (arrays of "
+        "different lengths, a token id that is not an int64 >= 0, a log probability that is not a finite "
+        "number <= 0: that array is dropped); None: nothing.",
     )
 
     @model_validator(mode="before")

@@ -468,9 +468,13 @@ class _Session:
                 log.error("rollout failed: %s", exc)
                 error = RunnerError(kind=exc.kind, type=type(exc).__name__, message=str(exc))
             except Exception as exc:  # the worker never exits without a result
+                # Not raised on purpose: a failure of rollcage's own machinery (serialising evidence,
+                # a bug), never the policy's doing. Transient, so it is retried and never graded.
                 log.exception("unexpected failure")
                 error = RunnerError(
-                    kind="fatal", type=type(exc).__name__, message=f"unexpected failure: {exc}"
+                    kind="transient",
+                    type=type(exc).__name__,
+                    message=f"unexpected failure inside the worker (infrastructure, not the policy's): {exc}",
                 )
             result = self._result(outcome, error)
             published = _publish(self.paths.result, result, mode=self.spec.result_mode)
@@ -571,8 +575,9 @@ class _Session:
             return
         try:
             await self.journal.append(data)
-        except RollcageError as exc:
-            # Best effort by contract: evidence is lost for this boundary, the rollout is not.
+        except (RollcageError, TypeError, ValueError) as exc:
+            # Best effort by contract: evidence is lost for this boundary, the rollout is not. A record
+            # the journal cannot serialise (TypeError) is the machinery's failure too, never the policy's.
             self.checkpoint_failures += 1
             log.error("checkpoint append failed (%d so far), continuing: %s", self.checkpoint_failures, exc)
 

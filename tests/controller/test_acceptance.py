@@ -276,6 +276,7 @@ EXPECTED_HEALTH = {
             "model_call_zero_completion_tokens",
             "model_call_runaway_generation",
             "rollout_token_count_mismatch",
+            "model_call_token_data_dropped",
         },
     ),
 }

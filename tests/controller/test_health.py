@@ -73,7 +73,7 @@ def test_a_missing_or_invalid_result_leaves_every_check_unobserved_never_healthy
     assert set(health.unobserved) == NEMO_CHECKS - {
         "task_consistently_unhealthy",
         "task_no_successful_model_calls",
-    }
+    } | {"model_call_token_data_dropped"}
     assert set(health.unobserved.values()) == {"no valid result.json"}
     assert health.successful_model_calls is None
 
@@ -96,6 +96,17 @@ def test_a_rollout_whose_calls_all_failed_has_no_agent_turn_and_failed_calls() -
     assert health.verdict == "unhealthy" and health.successful_model_calls == 0
     # Checks of answered calls cannot run: unobserved, with the reason, not passed.
     assert health.unobserved["model_call_missing_token_counts"] == "no answered model call"
+
+
+def test_token_data_the_client_dropped_makes_the_rollout_unhealthy_and_is_counted_per_call() -> None:
+    dropped = model_call(0, text="x", calls=[("c", "python", "{}")])
+    note = "choices[0].token_ids[0] is 'seven', not an integer token id; choices[0].token_ids was dropped"
+    dropped = dropped.model_copy(update={"tokens": CallTokens(generation_log_probs=[-0.5], note=note)})
+    health = rollout_health(
+        _result(dropped, model_call(1, text="done", start=1.0)), _receipt(model_calls_captured=2)
+    )
+    assert health.findings == {"model_call_token_data_dropped": 1}
+    assert health.verdict == "unhealthy"
 
 
 def test_a_rollout_the_run_cancelled_is_reported_apart_and_its_turns_unobserved() -> None:

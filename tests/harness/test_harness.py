@@ -508,7 +508,7 @@ def test_sigkill_after_k_model_calls_leaves_k_boundaries_in_the_journal(
         wait_for(lambda: len(model_lines(capture(root))) >= 3, what="three captured model calls", timeout=180)
         targets = _pids_with(marker)
         if victims == "sandbox":
-            token = (root / ".sandbox" / "token").read_text().strip()
+            token = (root / ".sandbox" / "token").read_text().splitlines()[0]
             # The worker first: one that outlived its harness by a moment (a busy machine between two
             # kills) would record the harness's death as the policy's failure.
             targets = [pid for pid in _pids_with("worker") if _has_token(pid, token)] + targets

@@ -14,8 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from rollcage.errors import TransientModelError
-from rollcage.model import ModelClient, build_request, failed_call
+from rollcage.model import ModelClient, build_request
 from rollcage.policy import PolicyServer
 from rollcage.policy._render import generation_token_ids, prompt_token_ids, reply_for, token_log_prob
 from rollcage.policy._script import PolicyScript
@@ -185,16 +184,20 @@ async def test_arrays_that_contradict_each_other_are_dropped_with_a_note_not_tru
 
 
 @pytest.mark.parametrize(
-    "choice",
+    ("choice", "field"),
     [
-        {"token_ids": ["seven"]},
-        {"logprobs": {"content": [{"token": "h", "logprob": "high"}]}},
-        {"token_ids": {}},
+        ({"token_ids": ["seven"]}, "choices[0].token_ids[0]"),
+        (
+            {"logprobs": {"content": [{"token": "h", "logprob": "high"}]}},
+            "choices[0].logprobs.content[0].logprob",
+        ),
+        ({"token_ids": {}}, "choices[0].token_ids"),
     ],
     ids=["ids-of-strings", "logprob-of-string", "ids-not-a-list"],
 )
-async def test_token_fields_of_the_wrong_type_are_a_malformed_answer(choice: dict[str, Any]) -> None:
-    with pytest.raises(TransientModelError, match="malformed") as raised:
-        await _call_with(_chat_answer(**choice))
-    record = failed_call(raised.value)
-    assert record is not None and record.attempts[0].status == "failed"
+async def test_token_fields_of_the_wrong_type_are_dropped_with_a_note_and_the_call_stands(
+    choice: dict[str, Any], field: str
+) -> None:
+    call = await _call_with(_chat_answer(**choice))
+    assert call.status == "completed" and call.tokens.status != "observed"
+    assert call.tokens.note is not None and field in call.tokens.note

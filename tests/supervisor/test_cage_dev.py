@@ -64,7 +64,7 @@ def _devices_on(mountinfo: str) -> list[str]:
 
 def _worker(root: Path) -> int | None:
     """The rollout's worker (the interpreter running ``rollcage worker`` in the cage), once it runs."""
-    token = (root / ".sandbox" / "token").read_text().strip()
+    token = (root / ".sandbox" / "token").read_text().splitlines()[0]
     for pid in processes_with_token(f"ROLLCAGE_SUPERVISION_TOKEN={token}"):
         try:
             words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

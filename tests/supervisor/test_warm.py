@@ -60,7 +60,7 @@ def _prepare(root: Path, model_url: str) -> None:
 
 def _rollout_processes(root: Path) -> dict[int, bytes]:
     """The rollout's live processes (by the token in their environment): PID -> command line."""
-    token = (root / ".sandbox" / "token").read_text().strip()
+    token = (root / ".sandbox" / "token").read_text().splitlines()[0]
     marked = f"{TOKEN}={token}".encode()
     found = {}
     for name in os.listdir("/proc"):
@@ -155,7 +155,7 @@ async def _running_worker(mode: str, root: Path) -> tuple[dict[str, Any], dict[s
         try:
             await wait_for_async(lambda: server.faults_injected, what=f"the {mode} worker's first model call")
             pid = await wait_for_async(lambda: _worker_of(root), what=f"the {mode} worker's process")
-            token = (root / ".sandbox" / "token").read_text().strip()
+            token = (root / ".sandbox" / "token").read_text().splitlines()[0]
             seen = _describe(pid, token=token)
             seen["namespaces"] = _namespaces(pid)
             seen["others"] = {

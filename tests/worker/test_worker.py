@@ -427,3 +427,78 @@ def test_the_templates_warm_up_carries_nothing_its_workers_do_not_run_into_its_f
         "print(sorted(heavy & {name.split('.')[0] for name in sys.modules}))"
     )
     assert loaded.strip() == "[]"
+
+
+# A sitecustomize the worker subprocess imports first: it breaks rollcage's own machinery the way a
+# record no serialiser can write does (orjson's TypeError for an integer beyond 64 bits).
+_SABOTAGE = """
+import os
+
+from rollcage import durable, worker
+
+_WHAT = os.environ["ROLLCAGE_TEST_SABOTAGE"]
+_append = durable.CheckpointJournal.append
+_boundary = worker._Session._boundary
+
+
+async def append(self, record):
+    if record.get("kind") == "model_call":
+        raise TypeError("journal record is not JSON-serialisable: Integer exceeds 64-bit range")
+    return await _append(self, record)
+
+
+async def boundary(self, record):
+    if record.kind == "model_call" and record.model_call.index == 1:
+        raise TypeError("Integer exceeds 64-bit range")
+    return await _boundary(self, record)
+
+
+if _WHAT == "journal":
+    durable.CheckpointJournal.append = append
+else:
+    worker._Session._boundary = boundary
+"""
+
+
+def _sabotaged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SABOTAGE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("ROLLCAGE_TEST_SABOTAGE", what)
+
+
+def test_a_boundary_the_journal_cannot_serialise_is_a_checkpoint_failure_and_the_rollout_goes_on(
+    policy: PolicyFactory, rollout: RolloutDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _sabotaged(tmp_path, monkeypatch, "journal")
+    server = policy(
+        {"t": [{"tool_calls": [{"name": "python", "arguments": {"code": "1 + 1"}}]}, {"text": "2"}]}
+    )
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
+    assert rollout.run() == EXIT_OK, rollout.log_text()
+    result = rollout.result_model()
+    assert result.error is None and result.response is not None and result.response.output_text == "2"
+    assert result.checkpoint_failures == 2  # the two model calls' boundaries; the rest are journaled
+    assert "not JSON-serialisable" in rollout.log_text() and "Traceback" not in rollout.log_text()
+    assert [r["kind"] for r in rollout.records()].count("model_call") == 0
+
+
+def test_an_unexpected_failure_inside_the_worker_is_infrastructure_never_the_policys(
+    policy: PolicyFactory, rollout: RolloutDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
+
+    _sabotaged(tmp_path, monkeypatch, "boundary")
+    server = policy(
+        {"t": [{"tool_calls": [{"name": "python", "arguments": {"code": "1 + 1"}}]}, {"text": "2"}]}
+    )
+    rollout.write_input(worker_input(model_url=server.base_url, task_id="t"))
+    assert rollout.run() != EXIT_OK
+    result = rollout.result_model()
+    # After a model response, so a fatal error would have been graded as the policy's agent_error.
+    assert result.error is not None and result.error.kind == "transient", result.error
+    assert "not the policy's" in result.error.message
+    assert len(result.trajectory.model_calls) >= 1
+    evidence = OutcomeEvidence(result_present=True, result=result, exit_code=1)
+    assert classify_outcome(evidence)[0] == "infra_failure"

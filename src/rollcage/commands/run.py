@@ -357,18 +357,12 @@ def _harness_spec(harness: _Harness | None, command: str | None, task: _TaskVia,
 
 
 def _check_model_url(url: str) -> None:
-    """Refuse a ``--model`` that no rollout could reach, before anything runs (as ``supervise`` does)."""
-    from urllib.parse import urlsplit
+    """Refuse a ``--model`` that no rollout could reach, before anything runs (as ``collect`` does)."""
+    from rollcage.controller import model_url_problem
 
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - reading it validates it
-    except ValueError as exc:
-        raise typer.BadParameter(f"{url!r} is not a URL ({exc})", param_hint="--model") from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise typer.BadParameter(
-            f"{url!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8000/v1", param_hint="--model"
-        )
+    problem = model_url_problem(url)
+    if problem is not None:
+        raise typer.BadParameter(problem, param_hint="--model")
 
 
 def _check_key_variable(name: str) -> None:
@@ -376,21 +370,11 @@ def _check_key_variable(name: str) -> None:
 
     Only for the local backend: with Ray the variable may be set on the nodes instead.
     """
-    import os
+    from rollcage.controller import api_key_problem
 
-    from rollcage.errors import HeaderValueError
-    from rollcage.headers import header_value
-
-    value = os.environ.get(name)
-    if not value:
-        raise typer.BadParameter(
-            f"{name} is not set (or empty) in this environment; export it, or drop --api-key-env",
-            param_hint="--api-key-env",
-        )
-    try:
-        header_value(f"Bearer {value}", what=f"the key in {name}")
-    except HeaderValueError as exc:
-        raise typer.BadParameter(f"{exc}; set {name} to the key alone", param_hint="--api-key-env") from None
+    problem = api_key_problem(name)
+    if problem is not None:
+        raise typer.BadParameter(problem, param_hint="--api-key-env")
 
 
 def _log_through(reporter: RichReporter) -> None:

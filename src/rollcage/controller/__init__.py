@@ -19,6 +19,8 @@ from rollcage.controller._config import (
     ModelSource,
     RayBackendConfig,
     RunConfig,
+    api_key_problem,
+    model_url_problem,
 )
 from rollcage.controller._dataset import DatasetRow, EnvironmentRef, InvalidRow, Task, iter_dataset
 from rollcage.controller._graders import (
@@ -100,11 +102,13 @@ __all__ = [
     "RunSummary",
     "Task",
     "VerifyGrader",
+    "api_key_problem",
     "collect",
     "create_params_for",
     "function_tools",
     "iter_dataset",
     "load_records",
+    "model_url_problem",
     "pass_at_k",
     "prepare_rollout",
     "rollout_health",

@@ -81,7 +81,8 @@ def collect(
         format: How the rows are written; ``auto`` detects it from the first rows.
         strict: Refuse to run anything if a row is malformed (otherwise it is skipped and
             counted in ``metrics.json``).
-        buffer: Records that may wait to be taken before samples pause; ``None``: ``concurrency``.
+        buffer: Records that may wait to be taken before samples pause (at least 1); ``None``:
+            ``concurrency``.
         reporter: Where progress goes (the CLI's progress bar); default: nowhere.
         stop: Set it to stop gracefully, as leaving the ``async with`` does.
         **options: Any other ``RunConfig`` field: ``deadline_s``, ``grace_s``, ``sandbox``,
@@ -91,8 +92,10 @@ def collect(
         A ``Collection``: iterate it (``async for``), preferably inside ``async with``.
 
     Raises:
-        ConfigError: The arguments do not make a valid run (the message names the field).
+        ConfigError: The arguments do not make a valid run (the message names the field): the
+            model URL and API key variable are checked as ``rollcage run`` checks them.
     """
+    _check_buffer(buffer)
     source = _model_source(model, model_name=model_name, api_key_env=api_key_env)
     dataset: Path | None = None
     rows: list[Mapping[str, Any]] | None = None
@@ -132,6 +135,19 @@ def _model_source(
         raise ConfigError(f"collect: {describe_validation_error(exc)}") from exc
 
 
+_MAX_BUFFER = 1_000_000
+
+
+def _check_buffer(buffer: int | None) -> None:
+    if buffer is None:
+        return
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or not 1 <= buffer <= _MAX_BUFFER:
+        raise ConfigError(
+            f"collect: buffer={buffer!r} is not a number of records between 1 and {_MAX_BUFFER:,} "
+            "(None: as many as concurrency)"
+        )
+
+
 def _fresh_out() -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     return Path("runs") / f"collect-{stamp}-{secrets.token_hex(3)}"
@@ -142,15 +158,20 @@ class Collection(AsyncClosing):
 
     Lifecycle: it starts on ``async with`` or on the first ``async for``, ends when
     every sample has a final record (the iterator then ends), when stopped
-    (``aclose``, ``stop``) or when the iterating task is cancelled. It runs once.
+    (``aclose``, ``stop``) or when the iterating task is cancelled. It runs once and
+    is iterated once: iterating it again raises ``RuntimeError`` (its records are in
+    ``rollouts.jsonl``; a new ``collect`` on the same ``out`` resumes the run).
 
     Args:
         config: The run.
         tasks: Rows in memory (``config.dataset`` is then ``None``).
         reporter: Where progress goes.
         stop: Set it to stop gracefully.
-        buffer: Records that may wait to be taken; ``None``: ``config.concurrency``.
+        buffer: Records that may wait to be taken (at least 1); ``None``: ``config.concurrency``.
         backend: Where rollouts execute; ``None``: ``config.backend`` (a fake in tests).
+
+    Raises:
+        ConfigError: ``buffer`` is not a number of records.
     """
 
     def __init__(
@@ -163,6 +184,8 @@ class Collection(AsyncClosing):
         buffer: int | None = None,
         backend: Backend | None = None,
     ) -> None:
+        _check_buffer(buffer)
+        self._iterated = False
         self._stop = stop if stop is not None else asyncio.Event()
         self._controller = Controller(
             config, reporter=reporter, backend=backend, stop=self._stop, tasks=tasks, sink=self._put
@@ -197,7 +220,17 @@ class Collection(AsyncClosing):
         not start (bad dataset, model or output directory) and ``RunFailedError`` when the
         run failed (``rollouts.jsonl`` could not be written); the records yielded before
         stay on disk.
+
+        Raises:
+            RuntimeError: It was iterated before: a collection yields its records once.
         """
+        if self._iterated:
+            raise RuntimeError(
+                f"this Collection was already iterated: it yields its records once (all of them are in "
+                f"{self.out_dir / 'rollouts.jsonl'}); call collect() again with out={str(self.out_dir)!r} "
+                "to resume the run"
+            )
+        self._iterated = True
         return self._records()
 
     async def aclose(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollcage.controller._unit import RolloutSettings
 from rollcage.errors import ConfigError
@@ -23,7 +23,49 @@ __all__ = [
     "ModelSource",
     "RayBackendConfig",
     "RunConfig",
+    "api_key_problem",
+    "model_url_problem",
 ]
+
+
+def model_url_problem(url: str) -> str | None:
+    """Why no rollout could reach a model at ``url``, or ``None``: it must be an http(s) URL with a host.
+
+    The one check of a model URL, for ``rollcage run --model`` and ``rollcage.collect(model=...)`` alike.
+    """
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - reading it validates it
+    except ValueError as exc:
+        return f"{url!r} is not a URL ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:8000/v1"
+    return None
+
+
+def api_key_problem(name: str) -> str | None:
+    """Why the API key variable ``name`` cannot serve this process's rollouts, or ``None``.
+
+    Unset or empty, or a value no HTTP header can carry (a newline, a character beyond ISO-8859-1).
+
+    Checked where rollouts are supervised by this process (the local backend); with Ray the
+    variable may be set on the nodes instead.
+    """
+    import os
+
+    from rollcage.errors import HeaderValueError
+    from rollcage.headers import header_value
+
+    value = os.environ.get(name)
+    if not value:
+        return f"{name} is not set (or empty) in this environment; export it, or drop the API key variable"
+    try:
+        header_value(f"Bearer {value}", what=f"the key in {name}")
+    except HeaderValueError as exc:
+        return f"{exc}; set {name} to the key alone"
+    return None
 
 
 class _Config(BaseModel):
@@ -51,6 +93,14 @@ class ModelEndpointConfig(_Config):
         default=None,
         description="Environment variable holding the API key; given to the supervisor, never to input.json.",
     )
+
+    @field_validator("base_url")
+    @classmethod
+    def _reachable(cls, url: str) -> str:
+        problem = model_url_problem(url)
+        if problem is not None:
+            raise ValueError(problem)
+        return url
 
 
 ModelSource = Annotated[EmbeddedPolicyConfig | ModelEndpointConfig, Field(discriminator="type")]
@@ -204,6 +254,20 @@ class RunConfig(_Config):
             bwrap=self.bwrap,
             max_capture_bytes=self.max_capture_bytes,
         )
+
+    @model_validator(mode="after")
+    def _key_variable_set(self) -> RunConfig:
+        # Every rollout supervised here would fail on a missing key: refused before anything runs.
+        model = self.model
+        if (
+            isinstance(model, ModelEndpointConfig)
+            and model.api_key_env
+            and isinstance(self.backend, LocalBackendConfig)
+        ):
+            problem = api_key_problem(model.api_key_env)
+            if problem is not None:
+                raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _out_inside_shared_dir(self) -> RunConfig:

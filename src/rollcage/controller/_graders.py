@@ -13,9 +13,11 @@ only ``expected`` by ``exact``, and a row with neither is not graded.
 =============  ==========================================================================
 
 Built-in graders give 1.0 or 0.0. A grader that cannot give a grade (the verify
-endpoint is down, answers garbage, a pattern runs past its timeout) yields
-``reward=None`` with an ``error``: the ``grader_error`` health check, never counted
-as the policy's failure.
+endpoint is down, answers garbage, a pattern runs past its timeout, the grader
+raises) yields ``reward=None`` with an ``error``: the ``grader_error`` health check,
+never counted as the policy's failure. So does a reward that is not a sensible
+number (``checked_grade``): not finite, or beyond ``REWARD_LIMIT`` (1e9) either way,
+which no scoring scheme means and which would overflow the run's mean reward.
 
 Grading never runs on the controller's event loop (``grade_builtin_off_loop``): a
 grade is computed in a worker thread under a per-grade timeout, so one expensive
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     import httpx
 
 __all__ = [
+    "REWARD_LIMIT",
     "ExactGrader",
     "GradeResult",
     "GraderSpec",
@@ -53,10 +56,13 @@ __all__ = [
     "RegexGrader",
     "VerifyGrader",
     "check_pattern",
+    "checked_grade",
     "grade_builtin",
     "grade_builtin_off_loop",
+    "grader_raised",
     "parse_verify_answer",
     "read_workspace_files",
+    "reward_problem",
     "verify_remote",
 ]
 
@@ -71,6 +77,11 @@ _ANSWER_KEYS = frozenset(
     {"reward", "detail", "mask_sample", "failure_kind", "responses_create_params", "response"}
 )
 _FILE_LIMIT = 256 * 1024
+_ERROR_LIMIT = 2000
+
+REWARD_LIMIT = 1e9
+"""The largest reward magnitude a grade may have: rewards are scores (0..1, points, penalties), and a sum of
+any number of rewards within it stays far from a float's overflow."""
 _FILES_TOTAL_LIMIT = 1024 * 1024
 
 
@@ -155,6 +166,44 @@ class GradeResult:
         return out
 
 
+def reward_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be a reward (not a number, not finite, beyond ``REWARD_LIMIT``), else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"reward {_shown(value)} is not a number"
+    if isinstance(value, int) and abs(value) > REWARD_LIMIT:
+        return f"reward {_shown(value)} is outside the accepted range -{REWARD_LIMIT:g}..{REWARD_LIMIT:g}"
+    if not math.isfinite(value):
+        return f"reward {value!r} is not a finite number"
+    if abs(value) > REWARD_LIMIT:
+        return f"reward {value!r} is outside the accepted range -{REWARD_LIMIT:g}..{REWARD_LIMIT:g}"
+    return None
+
+
+def checked_grade(grade: GradeResult) -> GradeResult:
+    """``grade``, or a grader error naming its reward if that is no sensible number (``reward_problem``)."""
+    if grade.reward is None:
+        return grade
+    problem = reward_problem(grade.reward)
+    if problem is None:
+        return grade
+    return GradeResult(None, {**grade.detail, "rejected_reward": _shown(grade.reward)}, problem)
+
+
+def grader_raised(name: str, exc: Exception) -> GradeResult:
+    """The grader error of a grader that raised instead of grading (that row's ``grader_error``)."""
+    return GradeResult(None, {"name": name}, f"the {name} grader raised {type(exc).__name__}: {_shown(exc)}")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = str(value) if isinstance(value, BaseException) else repr(value)
+    except Exception:  # a value whose repr fails says at least what it is
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= _ERROR_LIMIT else text[: _ERROR_LIMIT - 3] + "..."
+
+
 def _accepted(expected: Any) -> list[str] | None:
     if isinstance(expected, str | int | float) and not isinstance(expected, bool):
         return [str(expected)]
@@ -204,8 +253,10 @@ def _grade_numeric(spec: NumericGrader, expected: Any, answer: str) -> GradeResu
         if isinstance(expected, bool):
             raise TypeError
         target = float(expected.replace(",", "") if isinstance(expected, str) else expected)
-    except (TypeError, ValueError):
-        return GradeResult(None, {"name": name}, f"expected {expected!r} is not a number")
+    except (TypeError, ValueError, OverflowError):
+        return GradeResult(None, {"name": name}, f"expected {_shown(expected)} is not a finite number")
+    if not math.isfinite(target):
+        return GradeResult(None, {"name": name}, f"expected {_shown(expected)} is not a finite number")
     found = _NUMBER.findall(answer)
     if not found:
         return GradeResult(0.0, {"name": name, "match": False, "found": None})

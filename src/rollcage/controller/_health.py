@@ -24,6 +24,10 @@ rollout_token_count_mismatch       H11    the result's token totals differ from 
                                           its calls' (or a call's total is not in + out)
 task_consistently_unhealthy        H12    tasks whose every computable repeat is unhealthy
 task_no_successful_model_calls     H13    tasks with no answered model call in any repeat
+model_call_token_data_dropped      -      answered calls whose token ids or log probabilities
+                                          the server sent were invalid (not an int64 >= 0,
+                                          not a finite number <= 0) or contradicted each
+                                          other, and were dropped (``CallTokens.note``)
 =================================  =====  ==================================================
 
 A check either runs (and finds something or not) or is *unobserved*, with the
@@ -124,6 +128,12 @@ HEALTH_CHECKS: dict[str, CheckInfo] = {
     ),
     "task_no_successful_model_calls": CheckInfo(
         "task", "H13", "tasks with no answered model call in any repeat (ids: task ids)"
+    ),
+    "model_call_token_data_dropped": CheckInfo(
+        "rollout",
+        None,
+        "answered model calls whose token ids or log probabilities were invalid or contradicted each other "
+        "and were dropped, so the call's token data is partial or unobserved (count: calls)",
     ),
     "cancelled_by_run": CheckInfo(
         "rollout",
@@ -352,6 +362,12 @@ def _token_count_mismatch(evidence: _Evidence) -> int | str:
     return 0 if summed == (response.usage.input_tokens, response.usage.output_tokens) else 1
 
 
+def _token_data_dropped(evidence: _Evidence) -> int | str:
+    if not evidence.answered:
+        return "no answered model call"
+    return sum(1 for c in evidence.answered if c.tokens.note is not None)
+
+
 _ROLLOUT_CHECKS: dict[str, _Check] = {
     "rollout_missing_agent_turns": _missing_agent_turns,
     "agent_turn_hollow": _hollow_turns,
@@ -361,6 +377,7 @@ _ROLLOUT_CHECKS: dict[str, _Check] = {
     "model_call_zero_completion_tokens": _zero_completion_tokens,
     "model_call_runaway_generation": _runaway_generation,
     "rollout_token_count_mismatch": _token_count_mismatch,
+    "model_call_token_data_dropped": _token_data_dropped,
 }
 
 

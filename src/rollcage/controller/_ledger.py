@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import get_args
 
+from rollcage.controller._graders import reward_problem
 from rollcage.controller._health import HEALTH_CHECKS, TASK_CHECKS
 from rollcage.protocol import (
     HealthFinding,
@@ -184,9 +185,12 @@ class RunLedger:
         state.last_outcome = record.outcome
         if record.outcome == "infra_failure":
             state.infra_failures += 1
-        state.graded = record.graded and record.reward is not None
+        # A reward no grader may give any more (not finite, beyond REWARD_LIMIT: a record of an older run,
+        # or an edited one) is read as the grader failing, so no aggregate can overflow on it.
+        sensible = record.reward is None or reward_problem(record.reward) is None
+        state.graded = record.graded and record.reward is not None and sensible
         state.reward = record.reward if state.graded else None
-        state.grader_failed = record.grader is not None and "error" in record.grader
+        state.grader_failed = (record.grader is not None and "error" in record.grader) or not sensible
         state.masked = state.graded and record.masked
         state.verdict = record.health.verdict
         state.answered_calls = record.health.successful_model_calls
@@ -224,7 +228,10 @@ class RunLedger:
                 self._mechanisms[name] = self._mechanisms.get(name, 0) + 1
         if record.health.successful_model_calls:
             self._model_success.add(record.task_id)
-        self._fold_health(record.rollout_id, record.health)
+        health = record.health
+        if not sensible and not health.findings.get("grader_error"):
+            health = health.model_copy(update={"findings": {**health.findings, "grader_error": 1}})
+        self._fold_health(record.rollout_id, health)
         return state
 
     def _fold_health(self, rollout_id: str, health: RolloutHealth) -> None:
@@ -284,7 +291,7 @@ class RunLedger:
             graded=self._graded,
             masked=self._masked,
             failure_kinds=dict(self._failure_kinds),
-            mean_reward=self._reward_sum / self._graded if self._graded else None,
+            mean_reward=self._reward_sum / self._graded if self._graded else None,  # |reward| <= REWARD_LIMIT
             pass_at_1=pass1,
             pass_at_k=passk,
             k=self.k,
@@ -340,6 +347,10 @@ def percentiles(values: Iterable[float]) -> Percentiles:
     def rank(q: float) -> float:
         return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
-    return Percentiles(
-        mean=sum(ordered) / len(ordered), p50=rank(0.5), p90=rank(0.9), p99=rank(0.99), max=ordered[-1]
-    )
+    return Percentiles(mean=_mean(ordered), p50=rank(0.5), p90=rank(0.9), p99=rank(0.99), max=ordered[-1])
+
+
+def _mean(values: list[float]) -> float:
+    """The mean of finite values, which cannot overflow (``sum`` of two 1e308s is infinity)."""
+    count = len(values)
+    return math.fsum(value / count for value in values)

@@ -14,6 +14,7 @@ import asyncio
 import errno
 import logging
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Self
 
 from pydantic import ValidationError
 
-from rollcage.durable import fsync_directory
+from rollcage.durable import fsync_directory, open_regular
 from rollcage.errors import ConfigError, DurableWriteError
 from rollcage.procs import shielded
 from rollcage.protocol import RolloutRecord, describe_validation_error
@@ -59,13 +60,19 @@ def load_records(
             (a reader such as ``rollcage export``, which must not write to a run's files).
 
     Raises:
-        ConfigError: A line other than the last is damaged; the message names it.
+        ConfigError: A line other than the last is damaged (the message names it), or the log is
+            not a regular file (a FIFO would block the run forever, a device never ends).
         DurableWriteError: The torn tail could not be truncated.
     """
     try:
-        handle = path.open("rb")
+        handle = open_regular(path)
     except FileNotFoundError:
         return LoadReport(0, 0)
+    except OSError as exc:
+        raise ConfigError(
+            f"{path} cannot be read as a run's record log: {exc.strerror or exc}; "
+            "move it aside, or choose another output directory"
+        ) from exc
     count = 0
     good_end = 0
     bad: tuple[int, str] | None = None  # (line number, reason) of a line that did not parse
@@ -155,7 +162,12 @@ class RecordLog:
     def _open(self) -> int:
         existed = self._path.exists()
         try:
-            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # O_NONBLOCK: a FIFO put in its place fails the open (ENXIO) instead of blocking it.
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+            fd = os.open(self._path, flags, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(errno.EINVAL, "not a regular file")
             if not existed:
                 fsync_directory(self._path.parent)
         except OSError as exc:

@@ -58,6 +58,7 @@ from rollcage.controller._unit import (
     Endpoints,
     ResumeSource,
     prepare_rollout,
+    record_without_result,
     set_aside,
     set_aside_earlier,
 )
@@ -622,7 +623,7 @@ class Controller:
                         previous,
                     )
                     prepared = prepared.model_copy(update={"resume_from": source})
-                record = await backend.run(prepared, stop=self.stop)
+                record = await self._attempt(backend, prepared)
                 try:
                     await self._log.append(record)
                 except DurableWriteError as exc:
@@ -650,6 +651,22 @@ class Controller:
                     return
         finally:
             slots.release()
+
+    async def _attempt(self, backend: Backend, prepared: Any) -> RolloutRecord:
+        """Run one attempt; whatever it raises is that attempt's infra_failure, never its neighbours' loss.
+
+        An exception here would end the task group and every sample in flight with it, so the
+        failure of one attempt's machinery (a bug, a grader or backend raising) is recorded as
+        its own ``infra_failure`` (retried within the budget), with the exception in its reason.
+        """
+        started = time.time()
+        try:
+            return await backend.run(prepared, stop=self.stop)
+        except Exception as exc:
+            logger.exception("rollout %s: the controller failed running it", prepared.rollout_id)
+            return record_without_result(
+                prepared, self.config.rollout_settings(), exc, started, where="the controller"
+            )
 
     def _resume_source(
         self,

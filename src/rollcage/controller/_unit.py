@@ -34,7 +34,9 @@ from rollcage.controller._dataset import Task
 from rollcage.controller._graders import (
     GradeResult,
     GraderSpec,
+    checked_grade,
     grade_builtin_off_loop,
+    grader_raised,
     read_workspace_files,
     verify_remote,
 )
@@ -730,7 +732,12 @@ async def _run_and_grade(
         elif result is None:
             grade = GradeResult(None, {"name": prepared.grading.grader.type}, "no valid result.json to grade")
         else:
-            grade = await _grade(prepared, result, receipt.outcome, client)
+            try:
+                grade = await _grade(prepared, result, receipt.outcome, client)
+            except Exception as exc:  # any grader, built-in or an environment's: this row's grader_error
+                logger.warning("rollout %s: the grader raised: %r", prepared.rollout_id, exc)
+                grade = grader_raised(prepared.grading.grader.type, exc)
+        grade = checked_grade(grade)
         grader = grade.as_record()
         graded = grade.reward is not None
         reward = grade.reward

@@ -185,25 +185,22 @@ class _Delta(Lenient):
     tool_calls: list[_ToolCallDelta] | None = None
 
 
-class _ChunkLogprobs(Lenient):
-    # Kept as they came (the parser reads them from the assembled payload); only the shape is checked.
-    content: list[dict[str, Any]] | None = None
-
-
 class _ChunkChoice(Lenient):
     index: int = 0
     delta: _Delta | None = None
     finish_reason: str | None = None
-    logprobs: _ChunkLogprobs | None = None
-    token_ids: list[int] | None = None
+    # Token data is kept as it came: the parser reads it strictly from the assembled payload
+    # (rollcage.model._tokens), where a bad array is dropped with a note instead of failing the call.
+    logprobs: Any = None
+    token_ids: Any = None
 
 
 class _Chunk(Lenient):
     choices: list[_ChunkChoice] | None = None
     usage: dict[str, Any] | None = None
     # vLLM's return_token_ids / prompt_logprobs: sent once, in the first chunk.
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: list[Any] | None = None
+    prompt_token_ids: Any = None
+    prompt_logprobs: Any = None
 
 
 class _ToolCallParts:
@@ -226,8 +223,10 @@ class _ChatAssembler:
         self._tools: dict[int, _ToolCallParts] = {}
         self._finish: str | None = None
         self._usage: dict[str, Any] | None = None
-        self._logprobs: list[dict[str, Any]] | None = None
-        self._token_ids: list[int] | None = None
+        # Token data, concatenated over the deltas; a share that is not an array stands for the
+        # whole (the parser then drops it with a note).
+        self._logprobs: Any = None
+        self._token_ids: Any = None
         self._prompt: dict[str, Any] = {}
 
     def feed(self, event: SseEvent) -> bool:
@@ -260,12 +259,13 @@ class _ChatAssembler:
     def _take(self, choice: _ChunkChoice) -> None:
         """Fold one delta of the first choice into the answer being assembled."""
         # Token data arrives per delta: the assembled answer carries all of it, in order.
-        if choice.logprobs is not None and choice.logprobs.content is not None:
-            self._logprobs = self._logprobs if self._logprobs is not None else []
-            self._logprobs.extend(choice.logprobs.content)
+        logprobs = choice.logprobs
+        if logprobs is not None:
+            content = logprobs.get("content") if isinstance(logprobs, dict) else logprobs
+            if content is not None:
+                self._logprobs = _concatenated(self._logprobs, content)
         if choice.token_ids is not None:
-            self._token_ids = self._token_ids if self._token_ids is not None else []
-            self._token_ids.extend(choice.token_ids)
+            self._token_ids = _concatenated(self._token_ids, choice.token_ids)
         delta = choice.delta or _Delta()
         self._answered = self._answered or bool(
             delta.content is not None
@@ -321,6 +321,18 @@ class _ChatAssembler:
             "choices": [choice],
             "usage": self._usage,
         }
+
+
+def _concatenated(before: Any, share: Any) -> Any:
+    """``before`` then ``share`` when both are arrays; else the first value that is not one."""
+    if before is not None and not isinstance(before, list):
+        return before
+    if not isinstance(share, list):
+        return share
+    if before is None:
+        return list(share)
+    before.extend(share)  # in place: a stream of n deltas costs O(n), not O(n^2)
+    return before
 
 
 # --------------------------------------------------------------------------- responses

@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollcage.protocol import CallTokens, ModelEndpoint, ResponseItem, TokenUsage
+from rollcage.model._tokens import read_entries, read_log_probs, read_prompt_log_probs, read_token_ids
+from rollcage.protocol import MAX_TOKEN_COUNT, CallTokens, ModelEndpoint, ResponseItem, TokenUsage
 
 __all__ = [
     "LIFTED_FIELDS",
@@ -38,7 +39,6 @@ Api = Literal["chat", "responses"]
 LIFTED_FIELDS = ("prompt_token_ids", "prompt_logprobs")
 """Response fields as long as the prompt, moved into ``ModelCall.tokens`` and out of the kept response:
 every call's prompt repeats the conversation, and keeping them twice would make each record O(transcript)."""
-_TOKEN_ID_PREFIX = "token_id:"
 
 
 class WireError(ValueError):
@@ -56,8 +56,8 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", defer_build=True, allow_inf_nan=False)
 
 
-_Count = Annotated[int, Field(ge=0)] | None
-"""A token count: a non-negative integer, or not reported."""
+_Count = Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT, strict=True)] | None
+"""A token count: a JSON integer within ``0..MAX_TOKEN_COUNT``, or not reported."""
 
 
 # --------------------------------------------------------------------------- chat completions
@@ -81,11 +81,15 @@ class _ContentPart(Lenient):
 
 
 class _TokenBundle(Lenient):
-    """Token arrays as NeMo Gym's model servers put them on a message or output item."""
+    """Token arrays as NeMo Gym's model servers put them on a message or output item.
 
-    prompt_token_ids: list[int] | None = None
-    generation_token_ids: list[int] | None = None
-    generation_log_probs: list[float] | None = None
+    Token data is taken as it came and read strictly by ``rollcage.model._tokens``:
+    a bad array is dropped with a note, it never fails the call.
+    """
+
+    prompt_token_ids: Any = None
+    generation_token_ids: Any = None
+    generation_log_probs: Any = None
 
 
 class _ChatMessage(_TokenBundle):
@@ -97,22 +101,14 @@ class _ChatMessage(_TokenBundle):
     tool_calls: list[_ChatToolCall] | None = None
 
 
-class _TokenLogprob(Lenient):
-    token: str | None = None
-    logprob: float | None = None
-
-
-class _ChoiceLogprobs(Lenient):
-    content: list[_TokenLogprob] | None = None
-
-
 class _ChatChoice(Lenient):
     index: int = 0
     message: _ChatMessage
     finish_reason: str | None = None
-    logprobs: _ChoiceLogprobs | None = None
+    # {"content": [{"token", "logprob", ...}, ...]}, read by rollcage.model._tokens.
+    logprobs: Any = None
     # vLLM with return_token_ids: the sampled token ids on the choice, the prompt's on the body.
-    token_ids: list[int] | None = None
+    token_ids: Any = None
 
 
 class _CompletionDetails(Lenient):
@@ -134,9 +130,9 @@ class _ChatUsage(Lenient):
 class _ChatCompletion(Lenient):
     choices: list[_ChatChoice]
     usage: _ChatUsage | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: Any = None
     # vLLM's prompt_logprobs: per prompt position, None or {token id: {"logprob": ...}, ...}.
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_logprobs: Any = None
 
 
 # --------------------------------------------------------------------------- responses
@@ -166,7 +162,7 @@ class _Item(Lenient):
 
 
 class _OutputPart(_ContentPart):
-    logprobs: list[_TokenLogprob] | None = None
+    logprobs: Any = None
 
 
 class _MessageItem(_TokenBundle):
@@ -194,7 +190,7 @@ class _Response(Lenient):
     usage: _ResponsesUsage | None = None
     incomplete_details: _IncompleteDetails | None = None
     error: _ResponsesError | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: Any = None
 
 
 class CallOutcome(BaseModel):
@@ -579,14 +575,14 @@ def parse_response(payload: Mapping[str, Any]) -> CallOutcome:
     """
     body = _validate(_Response, payload, "a response object")
     output: list[ResponseItem] = []
-    bundles: list[_TokenBundle] = []
-    text_logprobs: list[_TokenLogprob] | None = None
+    bundles: list[tuple[int, _TokenBundle]] = []
+    text_logprobs: list[tuple[str, Any]] = []
     for position, raw in enumerate(body.output):
         where = f"a response object (output[{position}])"
         kind = _validate(_Item, raw, where).type
         if kind == "message":
             message = _validate(_MessageItem, raw, where)
-            bundles.append(message)
+            bundles.append((position, message))
             parts = [message.content] if isinstance(message.content, str) else message.content or []
             texts = [
                 part
@@ -595,20 +591,18 @@ def parse_response(payload: Mapping[str, Any]) -> CallOutcome:
                 for part in parts
                 if isinstance(part, str) or part.type in ("output_text", "refusal")
             ]
-            for part in parts:
-                if not isinstance(part, str) and part.logprobs is not None:
-                    if text_logprobs is None:
-                        text_logprobs = []
-                    text_logprobs.extend(part.logprobs)
+            for number, part in enumerate(parts):
+                if isinstance(part, _OutputPart) and part.logprobs is not None:
+                    text_logprobs.append((f"output[{position}].content[{number}].logprobs", part.logprobs))
             output.append(_message_item("".join(texts), message.id))
         elif kind == "function_call":
             call = _validate(_FunctionCallItem, raw, where)
-            bundles.append(call)
+            bundles.append((position, call))
             item = _function_call_item(call.call_id or call.id, call.name, call.arguments)
             output.append({**item, "id": call.id} if call.id else item)
         elif kind == "reasoning":
             reasoning_item = _validate(_ReasoningItem, raw, where)
-            bundles.append(reasoning_item)
+            bundles.append((position, reasoning_item))
             output.append(_reasoning_item(reasoning_item))
         else:
             output.append(dict(raw))
@@ -664,37 +658,72 @@ def _reasoning_item(item: _ReasoningItem) -> ResponseItem:
 
 def _chat_tokens(body: _ChatCompletion, choice: _ChatChoice) -> CallTokens:
     """Token data of a chat answer: vLLM's (prompt_token_ids, token_ids, logprobs) or NeMo Gym's bundle."""
+    notes: list[str] = []
     message = choice.message
-    entries = choice.logprobs.content if choice.logprobs is not None else None
-    prompt = body.prompt_token_ids if body.prompt_token_ids is not None else message.prompt_token_ids
-    ids = choice.token_ids if choice.token_ids is not None else message.generation_token_ids
-    probs = message.generation_log_probs
-    if entries is not None:
-        if probs is None and all(entry.logprob is not None for entry in entries):
-            probs = [entry.logprob for entry in entries if entry.logprob is not None]
-        if ids is None:
-            ids = _ids_of(entries)
-    return _tokens(prompt, ids, probs, _prompt_log_probs(body.prompt_logprobs, prompt), "generation")
+    if body.prompt_token_ids is not None:
+        prompt = read_token_ids(body.prompt_token_ids, "prompt_token_ids", notes)
+    else:
+        prompt = read_token_ids(message.prompt_token_ids, "choices[0].message.prompt_token_ids", notes)
+    given_ids, ids_at = choice.token_ids, "choices[0].token_ids"
+    if given_ids is None:
+        given_ids, ids_at = message.generation_token_ids, "choices[0].message.generation_token_ids"
+    ids = read_token_ids(given_ids, ids_at, notes)
+    given_probs = message.generation_log_probs
+    probs = read_log_probs(given_probs, "choices[0].message.generation_log_probs", notes)
+    logprobs = choice.logprobs
+    entries: Any = None
+    if isinstance(logprobs, dict):
+        entries = logprobs.get("content")
+    elif logprobs is not None:
+        notes.append(f"choices[0].logprobs is {type(logprobs).__name__}, not an object; it was dropped")
+    if entries is not None and (given_ids is None or given_probs is None):
+        # The entries are read only for what the arrays above did not give.
+        entry_ids, entry_probs = read_entries(
+            entries, "choices[0].logprobs.content", notes, ids=given_ids is None, probs=given_probs is None
+        )
+        ids = entry_ids if given_ids is None else ids
+        probs = entry_probs if given_probs is None else probs
+    prompt_probs = read_prompt_log_probs(body.prompt_logprobs, prompt, "prompt_logprobs", notes)
+    return _tokens(prompt, ids, probs, prompt_probs, "generation", notes)
 
 
 def _responses_tokens(
-    prompt: list[int] | None, bundles: list[_TokenBundle], text_logprobs: list[_TokenLogprob] | None
+    prompt_given: Any, bundles: list[tuple[int, _TokenBundle]], text_logprobs: list[tuple[str, Any]]
 ) -> CallTokens:
     """Token data of a Responses answer: NeMo Gym's arrays on its items, else output_text logprobs."""
+    notes: list[str] = []
     carrying = [
-        b for b in bundles if b.generation_token_ids is not None or b.generation_log_probs is not None
+        (position, b)
+        for position, b in bundles
+        if b.generation_token_ids is not None or b.generation_log_probs is not None
     ]
     if carrying:
         # One call's generation, spread over its items (NeMo Gym puts it on the item that carries it).
-        first_prompt = next((b.prompt_token_ids for b in carrying if b.prompt_token_ids is not None), prompt)
-        ids = _joined([b.generation_token_ids for b in carrying])
-        probs = _joined([b.generation_log_probs for b in carrying])
-        return _tokens(first_prompt, ids, probs, None, "generation")
-    if text_logprobs is not None:
-        probs = [e.logprob for e in text_logprobs if e.logprob is not None]
-        values = probs if len(probs) == len(text_logprobs) else None
-        return _tokens(prompt, _ids_of(text_logprobs), values, None, "message_text")
-    return _tokens(prompt, None, None, None, "generation")
+        given = next(((p, b.prompt_token_ids) for p, b in carrying if b.prompt_token_ids is not None), None)
+        if given is not None:
+            prompt = read_token_ids(given[1], f"output[{given[0]}].prompt_token_ids", notes)
+        else:
+            prompt = read_token_ids(prompt_given, "prompt_token_ids", notes)
+        ids = _joined(
+            [
+                read_token_ids(b.generation_token_ids, f"output[{p}].generation_token_ids", notes)
+                for p, b in carrying
+            ]
+        )
+        probs = _joined(
+            [
+                read_log_probs(b.generation_log_probs, f"output[{p}].generation_log_probs", notes)
+                for p, b in carrying
+            ]
+        )
+        return _tokens(prompt, ids, probs, None, "generation", notes)
+    prompt = read_token_ids(prompt_given, "prompt_token_ids", notes)
+    if text_logprobs:
+        read = [read_entries(entries, where, notes) for where, entries in text_logprobs]
+        ids = _joined([part_ids for part_ids, _ in read])
+        values = _joined([part_probs for _, part_probs in read])
+        return _tokens(prompt, ids, values, None, "message_text", notes)
+    return _tokens(prompt, None, None, None, "generation", notes)
 
 
 _T = TypeVar("_T")
@@ -706,53 +735,15 @@ def _joined(parts: list[list[_T] | None]) -> list[_T] | None:
     return [value for part in parts if part is not None for value in part]
 
 
-def _ids_of(entries: list[_TokenLogprob]) -> list[int] | None:
-    """Token ids of logprob entries written 'token_id:N' (vLLM's return_tokens_as_token_ids), else None."""
-    ids: list[int] = []
-    for entry in entries:
-        token = entry.token
-        if token is None or not token.startswith(_TOKEN_ID_PREFIX):
-            return None
-        try:
-            ids.append(int(token[len(_TOKEN_ID_PREFIX) :]))
-        except ValueError:
-            return None
-    return ids
-
-
-def _prompt_log_probs(
-    entries: list[dict[str, dict[str, Any]] | None] | None, prompt: list[int] | None
-) -> list[float | None] | None:
-    """Each prompt token's log probability from vLLM's prompt_logprobs (None where there is none)."""
-    if entries is None:
-        return None
-    values: list[float | None] = []
-    for position, entry in enumerate(entries):
-        if entry is None:
-            values.append(None)
-            continue
-        if prompt is not None and position < len(prompt):
-            chosen = entry.get(str(prompt[position]))
-        elif len(entry) == 1:
-            chosen = next(iter(entry.values()))
-        else:
-            return None  # which of the alternatives was the prompt's token cannot be told
-        value = chosen.get("logprob") if isinstance(chosen, dict) else None
-        values.append(
-            float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-        )
-    return values
-
-
 def _tokens(
     prompt: list[int] | None,
     ids: list[int] | None,
     probs: list[float] | None,
     prompt_probs: list[float | None] | None,
     scope: Literal["generation", "message_text"],
+    notes: list[str],
 ) -> CallTokens:
-    """The call's CallTokens; arrays that contradict each other are dropped, with a note saying so."""
-    notes: list[str] = []
+    """The call's CallTokens; arrays that are invalid or contradict each other are dropped, with notes."""
     if ids is not None and probs is not None and len(ids) != len(probs):
         notes.append(
             f"the server returned {len(ids)} generation token ids and {len(probs)} log probabilities; "

@@ -58,6 +58,10 @@ trickle        the normal answer, a few bytes at a time, spread over ``delay`` s
 deep           the answer carries a value nested 100 containers deep
 failed         the server says the request failed, with error ``code`` (default
                ``invalid_api_key``): a Responses ``failed`` status, an error in the stream
+bad_tokens     the normal answer carrying token data that is no token data, asked for or
+               not: a ``token_id:N`` beyond 64 bits, ids as strings or booleans, negative
+               ids, ids of 2^63 and beyond, positive log probabilities, logprobs of the
+               wrong shape (a client keeps the answer and drops what is invalid)
 ============== ==========================================================================
 
 With ``rate > 0`` every request that no rule matched gets a fault with that
@@ -103,7 +107,7 @@ ContentFaultKind = Literal[
 """Kinds that change what the answer says, not how it is sent."""
 
 WireFaultKind = Literal[
-    "wrong_types", "bad_sse", "odd_sse", "no_answer", "lying_type", "trickle", "deep", "failed"
+    "wrong_types", "bad_sse", "odd_sse", "no_answer", "lying_type", "trickle", "deep", "failed", "bad_tokens"
 ]
 """Hostile kinds that change how the answer is sent (``rollcage.policy._hostile``)."""
 

@@ -5,7 +5,8 @@ from the seed), all of the same family, so one seeded run covers the family and
 not one example. Every variant of ``wrong_types``, ``bad_sse``, ``no_answer``,
 ``deep`` and ``failed`` is an answer a client must reject (as a transient,
 malformed response, or as the error it reports); every variant of ``odd_sse`` is
-legal and must be read as the normal answer; ``lying_type`` and ``trickle``
+legal and must be read as the normal answer; every variant of ``bad_tokens`` is
+the normal answer whose token data a client must drop, keeping the answer; ``lying_type`` and ``trickle``
 depend on what was asked (see ``rollcage.policy._faults``). ``bad_sse`` and
 ``odd_sse`` are about event streams: a request for a whole body gets the normal one.
 
@@ -16,12 +17,13 @@ bytes to send and their content type come out.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import orjson
 
-__all__ = ["hostile_body", "hostile_events", "trickled"]
+__all__ = ["BAD_TOKENS", "hostile_body", "hostile_events", "trickled"]
 
 Api = Literal["chat", "responses"]
 
@@ -36,6 +38,9 @@ _JSON = "application/json"
 def hostile_body(kind: str, variant: int, api: Api, payload: dict[str, Any], code: str) -> tuple[bytes, str]:
     """The non-streamed answer ``payload`` as the hostile ``kind`` sends it: (body, content type)."""
     body = copy.deepcopy(payload)
+    if kind == "bad_tokens":
+        _with_bad_tokens(api, body, variant)
+        return _dumps(body), _JSON
     if kind == "wrong_types":
         mutations = _CHAT_BODY_TYPES if api == "chat" else _RESPONSES_BODY_TYPES
         mutations[variant % len(mutations)](body)
@@ -101,6 +106,65 @@ _RESPONSES_BODY_TYPES: list[Callable[[dict[str, Any]], None]] = [
 ]
 
 
+# --------------------------------------------------------------------------- token data
+
+_BIG = 2**70
+
+BAD_TOKENS: list[tuple[str, dict[str, Any]]] = [
+    # (name, {ids: generation token ids, entries: logprob entries, probs: NeMo Gym's log probabilities})
+    ("token-id-beyond-64-bits", {"entries": [{"token": f"token_id:{_BIG}", "logprob": -0.5}]}),
+    ("ids-as-strings", {"ids": ["7", "8"], "probs": [-0.1, -0.2]}),
+    ("ids-as-booleans", {"ids": [True, False], "probs": [-0.1, -0.2]}),
+    ("negative-ids", {"ids": [7, -1], "probs": [-0.1, -0.2]}),
+    ("ids-at-2^63", {"ids": [2**63], "probs": [-0.1]}),
+    ("ids-beyond-64-bits", {"ids": [_BIG], "probs": [-0.1]}),
+    ("positive-logprobs", {"ids": [7], "probs": [0.5], "entries": [{"token": "token_id:7", "logprob": 0.5}]}),
+    ("logprobs-of-the-wrong-shape", {"entries": "high"}),
+]
+"""The ``bad_tokens`` variants: token data that is invalid, each in its own way."""
+
+
+def _with_bad_tokens(api: Api, body: dict[str, Any], variant: int) -> None:
+    """Put the variant's token data where the API style's servers put theirs (vLLM's, NeMo Gym's)."""
+    bad = BAD_TOKENS[variant % len(BAD_TOKENS)][1]
+    body["prompt_token_ids"] = [1, 2, 3]
+    if api == "chat":
+        choice = body["choices"][0] if body.get("choices") else {}
+        if "ids" in bad:
+            choice["token_ids"] = bad["ids"]
+        if "entries" in bad:
+            entries = bad["entries"]
+            choice["logprobs"] = {"content": entries} if isinstance(entries, list) else entries
+        return
+    items = body.get("output") or []
+    if "ids" in bad and items:
+        items[-1] = {**items[-1], "generation_token_ids": bad["ids"], "generation_log_probs": bad["probs"]}
+    elif "entries" in bad:
+        for item in items:
+            for part in item.get("content") or [] if item.get("type") == "message" else []:
+                if isinstance(part, dict) and part.get("type") == "output_text":
+                    part["logprobs"] = bad["entries"]
+
+
+def _bad_token_events(variant: int, api: Api, events: list[bytes]) -> list[bytes]:
+    if api == "chat":
+        first = _parse(events[0])
+        _with_bad_tokens("chat", first, variant)
+        return [_frame(first), *events[1:]]
+    *body, terminal = events
+    final = _parse(terminal)
+    _with_bad_tokens("responses", final["response"], variant)
+    return [*body, _frame(final, event=final.get("type"))]
+
+
+def _dumps(value: Any) -> bytes:
+    """JSON bytes, integers beyond 64 bits included (orjson refuses them; a server need not)."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value).encode()
+
+
 # --------------------------------------------------------------------------- streams
 
 
@@ -110,6 +174,8 @@ def hostile_events(
     """The streamed answer (its ``data:`` frames) as the hostile ``kind`` sends it: (chunks, content type)."""
     if kind == "wrong_types":
         return _wrong_type_events(variant, api, events), _SSE
+    if kind == "bad_tokens":
+        return _bad_token_events(variant, api, events), _SSE
     if kind in ("bad_sse", "odd_sse"):
         return list(_frames(kind, variant, events)), _SSE
     if kind == "no_answer":
@@ -209,7 +275,7 @@ def _frames(kind: str, variant: int, events: list[bytes]) -> Iterator[bytes]:
 
 def _frame(value: Any, *, event: str | None = None) -> bytes:
     head = b"" if event is None else b"event: " + event.encode() + b"\n"
-    return head + b"data: " + orjson.dumps(value) + b"\n\n"
+    return head + b"data: " + _dumps(value) + b"\n\n"
 
 
 def _data_of(event: bytes) -> bytes:

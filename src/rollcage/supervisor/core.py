@@ -122,9 +122,15 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
     """
     layout = RolloutLayout(Path(rollout_dir))
     try:
-        token = layout.token.read_text().strip()
+        token, home = _read_token(layout)
     except OSError:
         release_leftovers(layout)
+        return 0
+    if _copied_from_live_original(layout, token, home):
+        # A copy of a rollout directory whose original still holds the token: the processes,
+        # mounts and cgroups it names are the original's (perhaps a live run's), never this copy's.
+        with contextlib.suppress(OSError):
+            layout.token.unlink()
         return 0
     killed = 0
     marked = f"{TOKEN_ENV}={token}"
@@ -143,6 +149,27 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
     with contextlib.suppress(OSError):
         layout.token.unlink()
     return killed
+
+
+def _write_token(layout: RolloutLayout, token: str) -> None:
+    """The token file: the token, then the real path of the rollout directory it was written in."""
+    layout.token.write_text(f"{token}\n{os.path.realpath(layout.root)}\n")
+
+
+def _read_token(layout: RolloutLayout) -> tuple[str, str | None]:
+    """The token and the directory it was written in (``None``: not recorded, an older file)."""
+    lines = layout.token.read_text().split("\n")
+    return lines[0].strip(), (lines[1] if len(lines) > 1 and lines[1] else None)
+
+
+def _copied_from_live_original(layout: RolloutLayout, token: str, home: str | None) -> bool:
+    """Whether this rollout directory is a copy whose original, elsewhere, still holds ``token``."""
+    if home is None or home == os.path.realpath(layout.root):
+        return False
+    try:
+        return _read_token(RolloutLayout(Path(home)))[0] == token
+    except OSError:
+        return False  # the original is gone (moved here, or finished): what is left is this one's
 
 
 def default_worker_command(bytecode: str | None = None) -> list[str]:
@@ -398,7 +425,7 @@ class _Supervision:
         # Before anything is mounted or made: if this supervisor is SIGKILLed from here on,
         # the next run finds the rollout by its token and releases what it left (kill_leftovers).
         self.layout.staging.mkdir(mode=0o700, exist_ok=True)
-        self.layout.token.write_text(self.token)
+        _write_token(self.layout, self.token)
         return budgets.prepare(in_cage=in_cage)
 
     def _prepare_files(self, plan: LaunchPlan, worker_input: WorkerInput) -> None:
@@ -406,7 +433,7 @@ class _Supervision:
         layout.staging.mkdir(mode=0o700, exist_ok=True)
         # Written before launch and removed with the staging area: if this supervisor is
         # SIGKILLed, the next run can still find (and kill) this rollout's processes by it.
-        layout.token.write_text(self.token)
+        _write_token(layout, self.token)
         layout.workspace.mkdir(exist_ok=True)
         data = worker_input.model_dump_json().encode()
         fd = os.open(layout.worker_input, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
