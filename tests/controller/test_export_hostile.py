@@ -262,7 +262,12 @@ def test_the_issues_2_to_the_70_token_id_is_skipped_not_a_half_written_export(tm
     edit_json(run / "rollouts" / "calc-1-s1-t0" / "result.json", huge)
     for format, out in (("atif", tmp_path / "atif"), ("nemo-gym", tmp_path / "rows.jsonl")):
         done = verb("export", str(run), "--format", format, "--out", str(out))
-        assert done.code == 0 and "1 not exportable" in done.out, (done.out, done.err)
+        # Skipped with its reason: as data no JSON writer carries, or (validated at the wire and
+        # on reading) as a result whose token ids are out of range.
+        assert done.code == 0 and ("1 not exportable" in done.out or "skipped 1 invalid" in done.out), (
+            done.out,
+            done.err,
+        )
         documents = [json.loads(text) for text in _exported_texts(out)]
         ids = [document.get("session_id") or document.get("_ng_rollout_id") for document in documents]
         assert "calc-1-s1-t0" not in ids and len(ids) == (4 if format == "atif" else 2)

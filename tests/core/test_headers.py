@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +260,10 @@ def test_seed_cookies_become_a_session_or_the_environments_infra_failure(
         return httpx.Response(200, json={"reward": 1.0})
 
     async def go() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        # As the controller makes it (_unit.py): a client jar that accepts nothing, the session's
+        # cookies are sent explicitly.
+        refusing = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), cookies=refusing) as client:
             try:
                 jar = await seed_session(client, "http://env.test", token=None, body=b"{}", timeout_s=10)
             except ResourceUnavailableError as exc:

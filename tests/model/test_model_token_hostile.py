@@ -10,6 +10,7 @@ then, and the record always crosses the journal (orjson) and the exporters.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -316,7 +317,8 @@ def test_any_token_values_on_the_wire_end_in_a_classified_call_that_journals_and
         # What a server can put on the wire: JSON has no NaN, Infinity or >64-bit integers for orjson.
         body = orjson.dumps(payload) if not stream else _sse(api, payload)
     except orjson.JSONEncodeError:
-        body = orjson.dumps(payload, default=str) if not stream else b"data: {oops\n\n"
+        # The standard library writes what orjson will not (>64-bit integers, NaN): a server could.
+        body = json.dumps(payload, default=str).encode() if not stream else b"data: {oops\n\n"
     kind = "text/event-stream" if stream else "application/json"
     transport = httpx.MockTransport(
         lambda request: httpx.Response(200, content=body, headers={"content-type": kind})
