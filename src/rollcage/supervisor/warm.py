@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from rollcage.errors import SupervisorError
@@ -51,6 +52,12 @@ logger = logging.getLogger("rollcage.supervisor")
 
 _REPORT_MAX = 4096
 _MAX_ROOTS = 4
+
+TEMPLATE_ANSWER_S = 30.0
+"""How long a start waits for the template's word on it (``pid N`` or ``unforked ...``), whatever the
+rollout's deadline: it answers in milliseconds once its imports are done (a second or two under load).
+A template that says nothing for this long is hung (stopped, deadlocked): it is killed and started
+again, and the start fails as the infrastructure's (``infra_failure``, retried), for no worker ran."""
 
 
 class Template:
@@ -105,8 +112,9 @@ class Template:
         """
         self._ensure()
 
-    async def send(self, request: WarmRequest, fds: Sequence[int]) -> None:
-        """Hand one start to the template; a dead template is started again, once.
+    async def send(self, request: WarmRequest, fds: Sequence[int]) -> int:
+        """Hand one start to the template; a dead template is started again, once. The PID of the
+        template that took it (for :meth:`replace`).
 
         From the event loop, never blocking it: the descriptors are the caller's to close
         afterwards, so the send is never left running in a thread.
@@ -119,11 +127,13 @@ class Template:
         data = request.encode()
         for attempt in (1, 2):
             sock = self._ensure()
+            process = self._process
+            assert process is not None
             try:
                 while True:
                     try:
                         socket.send_fds(sock, [data], list(fds), socket.MSG_DONTWAIT)
-                        return
+                        return process.pid
                     except BlockingIOError:
                         # Its queue is full (many starts at once): rare and brief. Not add_writer:
                         # rollouts of one loop share the socket, and a second writer would replace the first.
@@ -144,6 +154,20 @@ class Template:
         """Stop the template (its in-flight starts fail; their holders exit with 125)."""
         with self._lock:
             self._close_locked()
+
+    def replace(self, pid: int) -> bool:
+        """Kill the template ``pid`` if it is still this one's (a hung one: SIGKILL ends a stopped
+        process too) and reap it; the next start starts another. Whether it was.
+
+        Its starts not forked yet fail at once (their report sockets end with it); workers it
+        forked are not its children and go on. A template started since (by another rollout
+        that found this one dead) is left alone.
+        """
+        with self._lock:
+            if self._process is None or self._process.pid != pid:
+                return False
+            self._close_locked()
+            return True
 
     def _close_locked(self) -> None:
         if self._socket is not None:
@@ -358,12 +382,13 @@ class WarmStart:
         **Cancellation:** nothing is left running that :meth:`close` does not end.
         """
         reports = self._reports
+        deadline = time.monotonic() + timeout_s
         holder = await self._holder(marked, timeout_s)
         if holder is None:
             return None
         try:
             try:
-                await template.send(request, [holder.fd, reports.end.fileno(), log_fd])
+                pid = await template.send(request, [holder.fd, reports.end.fileno(), log_fd])
                 self._handed_over = True  # sent whole: a worker may be forked from now on
             except SupervisorError as exc:
                 self.failure = str(exc)
@@ -371,13 +396,10 @@ class WarmStart:
             finally:
                 # The template holds its own copy now: once it and the worker are done, the report ends.
                 reports.end.close()
-            if (
-                await within(
-                    reports.until(lambda: reports.verdict is not None and reports.settled), timeout_s
-                )
-                is None
-            ):
-                self.failure = "the warm start did not report in time"
+            if await self._answered(template, pid, deadline - time.monotonic()):
+                left = deadline - time.monotonic()
+                if await within(reports.until(lambda: reports.verdict is not None), left) is None:
+                    self.failure = "the warm start did not report in time"
         finally:
             holder.close()
         if reports.verdict != b"ok" or reports.worker is None:
@@ -387,6 +409,35 @@ class WarmStart:
             self.failure = self.failure or f"the warm start failed: {words}"
             return None
         return reports.worker.handle()
+
+    async def _answered(self, template: Template, pid: int, timeout_s: float) -> bool:
+        """Wait for the template's word on this start, up to :data:`TEMPLATE_ANSWER_S` or ``timeout_s``
+        (the rollout's time left), whichever is shorter; whether it came (or the report ended: the
+        template died, and the start failed). If not, :attr:`failure` says why.
+
+        A template that says nothing within :data:`TEMPLATE_ANSWER_S` is hung: it is replaced.
+
+        **Cancellation:** the template is left as it is.
+        """
+        reports = self._reports
+        bound = min(timeout_s, TEMPLATE_ANSWER_S)
+        if await within(reports.until(lambda: reports.settled), bound) is not None:
+            return True
+        if bound < TEMPLATE_ANSWER_S:
+            self.failure = "the warm start did not report in time"
+        else:
+            replaced = template.replace(pid)
+            logger.error(
+                "the warm worker template (PID %d) did not answer a start in %g s: %s",
+                pid,
+                TEMPLATE_ANSWER_S,
+                "killed, a new one takes the next start" if replaced else "it was replaced already",
+            )
+            self.failure = (
+                f"the warm worker template (PID {pid}) did not answer in {TEMPLATE_ANSWER_S:g} s "
+                "(hung): it was killed and replaced; no worker was started"
+            )
+        return False
 
     async def _holder(self, marked: str, timeout_s: float) -> PidHandle | None:
         """A verified handle on the holder once it has announced itself; ``None`` if it never did
