@@ -74,11 +74,11 @@ class Template:
         self._process: subprocess.Popen[bytes] | None = None
         self._socket: socket.socket | None = None
 
-    def _ensure(self) -> socket.socket:
-        """The live template's socket, starting one if there is none (blocking, but quick)."""
+    def _ensure(self) -> tuple[socket.socket, int]:
+        """The live template's socket and PID, starting one if there is none (blocking, but quick)."""
         with self._lock:
             if self._process is not None and self._process.poll() is None and self._socket is not None:
-                return self._socket
+                return self._socket, self._process.pid
             self._close_locked()
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             prefix = ["-X", f"pycache_prefix={self.bytecode}"] if self.bytecode is not None else []
@@ -102,7 +102,7 @@ class Template:
             finally:
                 theirs.close()
             self._socket = ours
-            return ours
+            return ours, self._process.pid
 
     def start(self) -> None:
         """Start the template now if none runs (blocking, a few ms: its imports go on by themselves).
@@ -126,14 +126,12 @@ class Template:
         """
         data = request.encode()
         for attempt in (1, 2):
-            sock = self._ensure()
-            process = self._process
-            assert process is not None
+            sock, pid = self._ensure()
             try:
                 while True:
                     try:
                         socket.send_fds(sock, [data], list(fds), socket.MSG_DONTWAIT)
-                        return process.pid
+                        return pid
                     except BlockingIOError:
                         # Its queue is full (many starts at once): rare and brief. Not add_writer:
                         # rollouts of one loop share the socket, and a second writer would replace the first.
@@ -143,6 +141,7 @@ class Template:
                     raise SupervisorError(f"the warm worker template refused a start: {exc}") from exc
                 with self._lock:
                     self._close_locked()
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     @property
     def pid(self) -> int | None:
