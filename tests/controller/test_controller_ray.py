@@ -825,6 +825,49 @@ def test_a_token_cluster_refuses_a_driver_without_its_token_naming_authenticatio
     assert "not-the-token" not in text  # a token is named by its source, never shown
 
 
+@needs_ray
+@pytest.mark.parametrize("token", ["nowhere", "unreadable path"])
+def test_token_mode_without_a_readable_token_exits_2_in_one_line(tmp_path: Path, token: str) -> None:
+    """Ray's C++ client aborts the process (a stack trace, exit 1) in token mode without a token; the
+    driver says so first. Something listens at the address (a bare socket), so only the missing token
+    stands between the driver and Ray's handshake."""
+    dataset = write_dataset(tmp_path, [{"id": "a", "input": "q"}], SIX_BY_SEVEN)
+    ray_env = {"RAY_AUTH_MODE": "token"}
+    if token == "unreadable path":
+        ray_env["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "no-such-token")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rollcage",
+                "run",
+                str(dataset),
+                "--backend",
+                "ray",
+                "--ray-address",
+                address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+            cwd=tmp_path,
+            env=driver_env(tmp_path, **ray_env),
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert f"cannot connect to the Ray cluster at {address}" in lines[0]
+    assert "RAY_AUTH_MODE=token but no token" in lines[0]
+    if token == "unreadable path":
+        assert f"RAY_AUTH_TOKEN_PATH names {tmp_path / 'no-such-token'}" in lines[0]
+
+
 @real_rollouts
 def test_a_token_cluster_runs_when_the_driver_has_its_token_as_ray_documents(
     tmp_path: Path, token_cluster: tuple[str, str]

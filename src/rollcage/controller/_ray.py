@@ -449,6 +449,43 @@ def _token_source() -> str:
     return "none found"
 
 
+def _readable_token(path: Path) -> bool:
+    try:
+        return bool(path.expanduser().read_text(encoding="utf-8", errors="replace").strip())
+    except OSError:
+        return False
+
+
+def _check_token(address: str, source: str) -> None:
+    """With ``RAY_AUTH_MODE=token``, refuse to connect without a token Ray can read.
+
+    Ray aborts the whole process in its C++ client (a stack trace, exit 1) when token mode is on
+    and it finds no token; this says so in a line first. Ray reads ``RAY_AUTH_TOKEN``, else the
+    file ``RAY_AUTH_TOKEN_PATH`` names, else ``~/.ray/auth_token``.
+
+    Raises:
+        ConfigError: Token mode is on and no token is readable where Ray looks.
+    """
+    if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token" or os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    named = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if named:
+        if _readable_token(Path(named)):
+            return
+        where = f"RAY_AUTH_TOKEN_PATH names {named}, which is missing, unreadable or empty"
+    elif _readable_token(_DEFAULT_TOKEN_PATH):
+        return
+    else:
+        where = (
+            f"RAY_AUTH_TOKEN and RAY_AUTH_TOKEN_PATH are unset and {_DEFAULT_TOKEN_PATH} is missing or empty"
+        )
+    raise ConfigError(
+        f"cannot connect to the Ray cluster at {address} ({source}): RAY_AUTH_MODE=token but no token to "
+        f"send ({where}); give this driver the cluster's token in RAY_AUTH_TOKEN, in a file named by "
+        f"RAY_AUTH_TOKEN_PATH or in {_DEFAULT_TOKEN_PATH} (`ray get-auth-token` on the head prints it)"
+    )
+
+
 def _auth_refused(address: str, source: str, exc: BaseException) -> ConfigError:
     mode = os.environ.get("RAY_AUTH_MODE")
     said = _first_line(exc).split(". ")[0]
@@ -1095,6 +1132,8 @@ class RayBackend:
         self._cwd = os.getcwd()
         if not ray.is_initialized():
             address, source = self._address()
+            if address != "local":
+                _check_token(address, source)
             if address not in ("local", "auto") and "://" not in address:
                 _probe_cluster(address, source)
             options: dict[str, Any] = {
