@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -31,6 +32,7 @@ from typing import Any
 import pytest
 
 from rollcage.controller import (
+    EXIT_ALL_INFRA,
     EXIT_INTERRUPTED,
     EXIT_OK,
     Controller,
@@ -43,7 +45,7 @@ from rollcage.controller import (
 )
 from rollcage.protocol import RolloutRecord
 from tests.helpers.paths import EXAMPLES
-from tests.helpers.ray_cluster import RayCluster, RayNode, free_port
+from tests.helpers.ray_cluster import NodeGate, RayCluster, RayNode, free_port
 from tests.helpers.waiting import alive, processes_mentioning, wait_for, wait_for_records
 
 try:
@@ -989,3 +991,65 @@ async def test_losing_a_node_mid_run_is_an_infra_failure_retried_on_the_other_no
         wait_until_gone(rid)  # no sandbox of either first attempt survives
     live = [n for n in ray_cluster.nodes if n.running() and n is not node]
     assert scratch_leftovers(live, [r.rollout_id for r in got]) == []
+
+
+@real_rollouts
+async def test_an_environment_unreachable_from_a_node_is_recorded_as_such_and_named_at_the_end(
+    tmp_path: Path, ray_cluster: RayCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The environment answers the driver's node only: an attempt on the other node fails before its
+    rollout directory exists. Its record names that cause (not an artifact limit), and the end of the
+    run names the node and what it could not reach."""
+    from rollcage.controller._ray import RayBackend
+    from rollcage.controller._servers import AppServer
+    from rollcage.environments import create_app
+
+    driver_node = ray.get_runtime_context().get_node_id()
+    owners = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    (other,) = [node for node in ray_cluster.nodes if node.running() and not node.owns(owners[driver_node])]
+    (other_id,) = [nid for nid, info in owners.items() if other.owns(info)]
+    server = AppServer(create_app("calc-weather"), name="calc-weather")
+    url = await asyncio.to_thread(server.start)
+    try:
+        async with NodeGate(int(url.rsplit(":", 1)[1]), refused=[other]) as gate:
+            token = secrets.token_hex(3)
+            tasks = [f"reach{token}-{i}" for i in range(3)]
+            dataset = write_dataset(
+                tmp_path / "data",
+                [
+                    {"id": t, "input": "6*7?", "tools": ["python"], "environment": gate.url, "expected": "42"}
+                    | {"grader": {"type": "exact"}}
+                    for t in tasks
+                ],
+                SIX_BY_SEVEN,
+            )
+            config = RunConfig(
+                dataset=dataset,
+                out=tmp_path / "out",
+                sandbox=SANDBOX,
+                deadline_s=60,
+                concurrency=2,
+                max_infra_retries=2,
+                retry_backoff_s=0,
+                backend=RayBackendConfig(),
+            )
+            backend = config.backend.build(config.rollout_settings())
+            assert isinstance(backend, RayBackend)
+            with caplog.at_level(logging.ERROR, logger="rollcage.controller"):
+                summary = await Controller(config, backend=backend).run()
+    finally:
+        await asyncio.to_thread(server.stop)
+    got = records(config.out)
+    assert gate.refused_connections, ("no attempt ran on the refused node", other.scratch_tmp, gate.seen)
+    failed = [r for r in got if r.outcome == "infra_failure"]
+    assert failed, [(r.rollout_id, r.outcome) for r in got]
+    for record in failed:
+        reason = record.receipt.outcome_reason
+        assert f"environment {gate.url} could not be reached for /seed_session" in reason, reason
+        assert "ray-max-artifact-mib" not in reason and "ArtifactsTooLarge" not in reason, reason
+        assert (Path(record.rollout_dir) / "input.json").is_file()  # what was attempted, laid out
+    assert any(r.outcome == "completed" for r in got)
+    assert backend.unreached == {other_id: {f"the environment {gate.url}": len(failed)}}
+    said = [m for m in caplog.messages if "could not reach" in m]
+    assert len(said) == 1 and other_id[:12] in said[0] and gate.url in said[0], caplog.messages
+    assert summary.exit_code in (EXIT_OK, EXIT_ALL_INFRA), summary

@@ -75,6 +75,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -86,7 +87,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -839,11 +840,19 @@ def _run_on_node(
         record = _RolloutThread(here, settings, flag, credentials).run()
         record = record.model_copy(update={"rollout_dir": prepared.rollout_dir})
         archive: bytes | None = None
-        if scratch is not None:
+        # An attempt that failed before its directory was made (its environment unreachable from
+        # here, say) ships nothing: its record says why, and the driver lays out what was attempted.
+        if scratch is not None and local_dir.is_dir():
             try:
                 archive = pack_rollout_dir(local_dir, limit=limit)
-            except (ArtifactsTooLargeError, OSError, tarfile.TarError) as exc:
+            except ArtifactsTooLargeError as exc:
                 record = lost_record(prepared, settings, _unshippable(exc, record), started)
+            except (OSError, tarfile.TarError) as exc:
+                reason = RayTaskLostError(
+                    f"cannot pack the rollout directory on {socket.gethostname()}: {exc} (the rollout "
+                    f"itself ended {record.outcome}); nothing was shipped"
+                )
+                record = lost_record(prepared, settings, reason, started)
         return {"record": record.model_dump_json(), "archive": archive}
     finally:
         if scratch is not None:
@@ -987,6 +996,8 @@ class RayBackend:
         self._last_progress = time.monotonic()
         self._nodes = 0
         self._warned: set[str] = set()
+        self._ran_on: dict[str, RolloutPlacement] = {}
+        self._unreached: dict[str, _Unreached] = {}
         self._cwd = "/"
         # Nothing started or finished for this long means nothing can: every task that ran
         # would have ended by now, so a task still waiting for a node waits for one that
@@ -1057,6 +1068,7 @@ class RayBackend:
         and runs to its end, then the cancellation propagates.
         """
         self._state = "closed"
+        self._report_unreached()
         sweeping, self._sweeping = self._sweeping, None
         try:
             if isinstance(exc, asyncio.CancelledError):
@@ -1281,12 +1293,46 @@ class RayBackend:
         finally:
             if ticket is not None:
                 self._secrets.revoke(ticket)
+        where = self._ran_on.pop(prepared.rollout_id, None)
         if isinstance(outcome, BaseException):
-            return await asyncio.to_thread(self._record_lost, prepared, outcome, started)
-        record = await asyncio.to_thread(self._land, prepared, outcome, started)
-        for name, level, message in outcome.get("logs", []):
-            logging.getLogger(name).log(level, "%s", message)
+            record = await asyncio.to_thread(self._record_lost, prepared, outcome, started)
+        else:
+            record = await asyncio.to_thread(self._land, prepared, outcome, started)
+            for name, level, message in outcome.get("logs", []):
+                logging.getLogger(name).log(level, "%s", message)
+        self._note_unreached(record, where)
         return record
+
+    def _note_unreached(self, record: RolloutRecord, where: RolloutPlacement | None) -> None:
+        """Keep what a node could not reach (the model, an environment, the credentials channel):
+        its attempts are retried elsewhere and the run may end well, so the end of the run says it."""
+        if where is None or record.outcome != "infra_failure":
+            return
+        what = _unreached_what(record.receipt.outcome_reason)
+        if what is None:
+            return
+        seen = self._unreached.setdefault(where.node_id, _Unreached(where.hostname, where.node_ip))
+        seen.attempts[what] = seen.attempts.get(what, 0) + 1
+        seen.example.setdefault(what, record.receipt.outcome_reason)
+
+    def _report_unreached(self) -> None:
+        for node_id, seen in sorted(self._unreached.items()):
+            for what, count in sorted(seen.attempts.items()):
+                logger.error(
+                    "Ray node %s (%s, node %s) could not reach %s: %d attempt(s) failed there and were "
+                    "retried (first: %s); check that node's network before the next run",
+                    seen.hostname,
+                    seen.node_ip,
+                    node_id[:12],
+                    what,
+                    count,
+                    seen.example[what],
+                )
+
+    @property
+    def unreached(self) -> Mapping[str, Mapping[str, int]]:
+        """What each node could not reach this run, by node id: ``{what: attempts}`` (read-only)."""
+        return MappingProxyType({node: dict(seen.attempts) for node, seen in self._unreached.items()})
 
     async def _follow(
         self, prepared: PreparedRollout, generator: Any, group: asyncio.TaskGroup
@@ -1309,7 +1355,7 @@ class RayBackend:
             if isinstance(placement, BaseException):
                 return _lost_reason(placement, None)
             assert isinstance(placement, dict)
-            self._placements[rid] = where = RolloutPlacement(**placement)
+            self._placements[rid] = self._ran_on[rid] = where = RolloutPlacement(**placement)
             placed, self._placed = self._placed, asyncio.Event()
             placed.set()
             self._last_progress = time.monotonic()
@@ -1417,6 +1463,42 @@ class RayBackend:
         elif self._config.shared_dir is None:
             self._lay_out_if_missing(prepared)  # nothing shipped: the record says why
         return record
+
+
+@dataclass
+class _Unreached:
+    """What one node could not reach during a run."""
+
+    hostname: str
+    node_ip: str
+    attempts: dict[str, int] = field(default_factory=dict)
+    """Attempts that failed for it, by what was not reached."""
+    example: dict[str, str] = field(default_factory=dict)
+    """The first such attempt's reason, by what was not reached."""
+
+
+_ENVIRONMENT_UNREACHED = re.compile(
+    r"environment (\S+) (?:could not be reached for|gave no answer to) /(?:seed_session|verify)"
+)
+_CONNECT_WORDS = (
+    "ConnectError",
+    "ConnectTimeout",
+    "cannot connect",
+    "Connection refused",
+    "could not be reached",
+)
+
+
+def _unreached_what(reason: str) -> str | None:
+    """What an ``infra_failure``'s reason says its node could not reach, in words; ``None``: nothing."""
+    if "cannot fetch this attempt's credentials from the driver" in reason:
+        return "the driver's credentials channel"
+    found = _ENVIRONMENT_UNREACHED.search(reason)
+    if found is not None:
+        return f"the environment {found.group(1)}"
+    if "model" in reason and any(word in reason for word in _CONNECT_WORDS):
+        return "the model endpoint"
+    return None
 
 
 def _unwrap(exc: BaseException) -> BaseException:
