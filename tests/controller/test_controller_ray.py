@@ -1053,3 +1053,67 @@ async def test_an_environment_unreachable_from_a_node_is_recorded_as_such_and_na
     said = [m for m in caplog.messages if "could not reach" in m]
     assert len(said) == 1 and other_id[:12] in said[0] and gate.url in said[0], caplog.messages
     assert summary.exit_code in (EXIT_OK, EXIT_ALL_INFRA), summary
+
+
+def stop_flag_actors() -> list[int]:
+    """The processes of live stop-flag actors (Ray titles an actor's process ``ray::CLASS``)."""
+    return [pid for pid in processes_mentioning("ray::_StopFlag") if alive(pid)]
+
+
+@real_rollouts
+async def test_a_stop_whose_flag_is_gone_kills_the_tasks_and_starts_no_retry(
+    tmp_path: Path, ray_address: str
+) -> None:
+    """The run's stop flag is lost with its process (as with its node) while rollouts wait on the model;
+    then Ctrl-C. The driver cannot tell the tasks through the flag: it kills them and exits at once,
+    instead of letting them run to their deadlines, and starts no retry."""
+    from rollcage.controller._servers import AppServer
+
+    token = secrets.token_hex(3)
+    tasks = [f"flag{token}-{i}" for i in range(2)]
+    firsts = {rollout_id(t, 0, 0) for t in tasks}
+    gate = GatedPolicy(SIX_BY_SEVEN, firsts)
+    server = AppServer(gate, name="gated-policy")
+    url = await asyncio.to_thread(server.start)
+    assert stop_flag_actors() == []
+    try:
+        dataset = write_dataset(
+            tmp_path / "data",
+            [{"id": t, "input": "6*7?", "tools": ["python"], "expected": "42"} for t in tasks],
+        )
+        out = tmp_path / "out"
+        args = [str(dataset), "--out", str(out), "--backend", "ray", "--ray-address", ray_address]
+        args += [
+            "--model",
+            f"{url}/v1",
+            "--model-name",
+            "scripted",
+            "--concurrency",
+            "2",
+            "--deadline",
+            "120",
+        ]
+        args += ["--max-infra-retries", "2", "--retry-backoff", "0", "--quiet"]
+        proc = rollcage_run(*args, cwd=tmp_path)
+        try:
+            assert await asyncio.to_thread(gate.wait_arrived, firsts), "the rollouts never asked the model"
+            (flag,) = stop_flag_actors()
+            os.kill(flag, signal.SIGKILL)
+            await asyncio.to_thread(wait_until_dead, flag)
+            proc.send_signal(signal.SIGINT)
+            # Not the rollouts' deadlines (120 s; the model never answers): the driver's own stop.
+            code = await asyncio.to_thread(proc.wait, 10)
+        finally:
+            gate.release()
+            _, text = await asyncio.to_thread(finish, proc, 30)
+    finally:
+        await asyncio.to_thread(server.stop)
+    assert code == EXIT_INTERRUPTED, text
+    got = records(out)
+    assert {r.rollout_id for r in got} == firsts, text
+    assert all(r.try_index == 0 for r in got)
+    assert not any((out / "rollouts").glob("*-t1")), "a retry was started after the stop"
+    for record in got:
+        assert "stop flag could not tell the rollout task" in record.receipt.outcome_reason, record
+    for rid in firsts:
+        wait_until_gone(rid)  # no sandbox of a killed task survives

@@ -140,6 +140,9 @@ _STOP_POLL_S = 5.0
 """How long one long-poll of the stop flag waits on the actor before it is asked again."""
 _RPC_TIMEOUT_S = 30.0
 """Bound on one call to the stop flag actor, beyond its own wait."""
+_STOP_SET_TIMEOUT_S = 3.0
+"""Bound on setting the stop flag once the run is stopped: past it (or if the flag is gone) the
+driver kills the run's tasks instead, so a stop never waits for the rollouts' deadlines."""
 _STOP_FLAG_CONCURRENCY = 10_000
 """Long-polls the stop flag serves at once: one per rollout in flight, plus stragglers."""
 _MAX_FORWARDED_LOGS = 50
@@ -985,6 +988,8 @@ class RayBackend:
         self._owns_ray = False
         self._flag: Any = None
         self._stop_sent = False
+        self._stop_unrelayed = asyncio.Event()
+        """Set when the run's stop could not be relayed through the stop flag: tasks are killed instead."""
         self._api_key: str | None = None
         self._driver_node = ""
         self._driver_ip = ""
@@ -1184,11 +1189,12 @@ class RayBackend:
                     self._config.num_cpus_per_rollout,
                     largest,
                 )
-            # With the driver, not on a node that may be lost mid-run: every task polls it.
+            # With the driver, never on another node that may be lost mid-run (a soft affinity let it
+            # move): every task polls it, and the driver's node is lost only with the driver.
             self._flag = _StopFlagActor.options(
                 num_cpus=0,
                 max_concurrency=_STOP_FLAG_CONCURRENCY,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(self._driver_node, soft=True),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self._driver_node, soft=False),
             ).remote()
             self._api_key = self._driver_api_key()
         except BaseException:
@@ -1344,9 +1350,12 @@ class RayBackend:
         rid = prepared.rollout_id
         try:
             first = group.create_task(_next_item(generator))
-            if not await self._wait_started(first):
+            started = await self._wait_started(first)
+            if started is not True:
                 first.cancel()
                 await self._kill(generator)
+                if started == "stopped":
+                    return _killed_on_stop(None)
                 return RayTaskOverdueError(
                     f"the rollout task did not start: no task of this run started or ended for "
                     f"{self._stall_s:.0f} s (does any node have {self._config.num_cpus_per_rollout} CPUs?)"
@@ -1362,11 +1371,19 @@ class RayBackend:
             try:
                 second = group.create_task(_next_item(generator))
                 bound = self._finish_bound(prepared)
-                done, _ = await asyncio.wait({second}, timeout=bound)
-                if not done:
+                unrelayed = group.create_task(self._stop_unrelayed.wait())
+                try:
+                    await asyncio.wait(
+                        {second, unrelayed}, timeout=bound, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    unrelayed.cancel()
+                if not second.done():
                     second.cancel()
                     self._dirty_nodes.add(where.node_id)
                     await self._kill(generator)
+                    if self._stop_unrelayed.is_set():
+                        return _killed_on_stop(where)
                     return RayTaskOverdueError(
                         f"the rollout task on {where.hostname} (pid {where.pid}) did not return within "
                         f"{bound:.0f} s of its start; it was killed"
@@ -1385,18 +1402,25 @@ class RayBackend:
             await shielded(self._kill(generator))
             raise
 
-    async def _wait_started(self, first: asyncio.Task[object]) -> bool:
-        """Wait until the task starts; False once the whole run has stalled (see ``_stall_s``).
+    async def _wait_started(self, first: asyncio.Task[object]) -> bool | Literal["stopped"]:
+        """Wait until the task starts; False once the whole run has stalled (see ``_stall_s``),
+        ``"stopped"`` once the run is stopped and the stop flag cannot say so to the task.
 
         **Cancellation:** the wait is abandoned; ``first`` is left to its group.
         """
-        while True:
-            remaining = self._last_progress + self._stall_s - time.monotonic()
-            if remaining <= 0:
-                return False
-            done, _ = await asyncio.wait({first}, timeout=remaining)
-            if done:
-                return True
+        unrelayed = asyncio.ensure_future(self._stop_unrelayed.wait())
+        try:
+            while True:
+                remaining = self._last_progress + self._stall_s - time.monotonic()
+                if remaining <= 0:
+                    return False
+                await asyncio.wait({first, unrelayed}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if first.done():
+                    return True
+                if unrelayed.done():
+                    return "stopped"
+        finally:
+            unrelayed.cancel()
 
     def _finish_bound(self, prepared: PreparedRollout) -> float:
         bound = self._settings.deadline_s + self._settings.grace_s + _FINISH_SLACK_S
@@ -1419,14 +1443,22 @@ class RayBackend:
         **Cancellation:** ends the wait; a flag being set is abandoned.
         """
         await stop.wait()
-        if self._stop_sent or self._flag is None:
+        if self._stop_sent:
             return
         self._stop_sent = True
+        if self._flag is None:
+            self._stop_unrelayed.set()
+            return
         try:
-            async with asyncio.timeout(_RPC_TIMEOUT_S):
+            async with asyncio.timeout(_STOP_SET_TIMEOUT_S):
                 await self._flag.set.remote()
         except (RayError, TimeoutError) as exc:
-            logger.warning("could not tell the Ray tasks to stop (%s); they run to their deadlines", exc)
+            # Its tasks would run to their deadlines (minutes): the stop is the driver's to enforce.
+            logger.warning(
+                "could not tell the Ray tasks to stop through the run's stop flag (%s): they are killed",
+                _first_line(exc) if isinstance(exc, RayError) else f"no answer in {_STOP_SET_TIMEOUT_S:g} s",
+            )
+            self._stop_unrelayed.set()
 
     def _lay_out_if_missing(self, prepared: PreparedRollout) -> None:
         # As when the local supervisor raises: the directory holds what was attempted
@@ -1499,6 +1531,14 @@ def _unreached_what(reason: str) -> str | None:
     if "model" in reason and any(word in reason for word in _CONNECT_WORDS):
         return "the model endpoint"
     return None
+
+
+def _killed_on_stop(where: RolloutPlacement | None) -> RayTaskLostError:
+    on = f" on {where.hostname} (Ray node {where.node_id[:12]}, pid {where.pid})" if where is not None else ""
+    return RayTaskLostError(
+        f"the run was stopped and its stop flag could not tell the rollout task{on}: the task was killed "
+        "(no evidence of the rollout came back)"
+    )
 
 
 def _unwrap(exc: BaseException) -> BaseException:
