@@ -828,6 +828,31 @@ def test_a_token_cluster_refuses_a_driver_without_its_token_naming_authenticatio
 
 
 @needs_ray
+def test_what_a_node_could_not_reach_is_read_from_its_attempts_reasons() -> None:
+    from rollcage.controller._ray import _unreached_what
+
+    model = (
+        "transient (infrastructure) error: TransientModelError: HTTP 502: rollcage egress proxy: "
+        "upstream model unreachable: ConnectError: cannot connect to ('10.0.0.9', 8000): "
+        "[Errno 113] No route to host"
+    )
+    environment = (
+        "the controller could not run the rollout: ResourceUnavailableError: "
+        "environment http://10.0.0.7:9000 could not be reached for /seed_session: "
+        "ConnectError: [Errno 111] Connection refused"
+    )
+    channel = (
+        "the controller could not run the rollout: RayTaskLostError: the rollout task failed on n2 (Ray node "
+        "ab12, pid 7): RayTaskLostError: cannot fetch this attempt's credentials from the driver at "
+        "10.0.0.1:4242: timed out (every node must reach the driver's address on that port)"
+    )
+    assert _unreached_what(model) == "the model endpoint"
+    assert _unreached_what(environment) == "the environment http://10.0.0.7:9000"
+    assert _unreached_what(channel) == "the driver's credentials channel"
+    assert _unreached_what("the worker was killed by SIGKILL, which the supervisor did not send") is None
+
+
+@needs_ray
 @pytest.mark.parametrize("token", ["nowhere", "unreadable path"])
 def test_token_mode_without_a_readable_token_exits_2_in_one_line(tmp_path: Path, token: str) -> None:
     """Ray's C++ client aborts the process (a stack trace, exit 1) in token mode without a token; the

@@ -1528,7 +1528,9 @@ def _unreached_what(reason: str) -> str | None:
     found = _ENVIRONMENT_UNREACHED.search(reason)
     if found is not None:
         return f"the environment {found.group(1)}"
-    if "model" in reason and any(word in reason for word in _CONNECT_WORDS):
+    if "upstream model unreachable" in reason or (
+        "model" in reason and any(w in reason for w in _CONNECT_WORDS)
+    ):
         return "the model endpoint"
     return None
 
