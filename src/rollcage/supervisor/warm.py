@@ -4,7 +4,7 @@ See :mod:`rollcage.warm` for what the template does with a request. Here:
 
 * :class:`Template`: one per supervising process and bytecode cache, started on
   first use (its imports overlap the first cage's making), started again when it
-  has died;
+  has died, killed and started again when it stops answering (:data:`TEMPLATE_ANSWER_S`);
 * :class:`WarmStart`: one rollout's start: the holder's stdin (the worker's exit
   status goes there), the socket on which the holder announces itself, and the
   report socket on which the template hands over a pidfd of the worker (this
