@@ -45,7 +45,9 @@ stdin, whose exit ends the cage's PID namespace with the worker in it.
 A template that dies takes only the starts it had not forked yet with it: their
 holders see their stdin closed and exit with 125 (no result: ``infra_failure``);
 workers already running are not its children and go on, and the supervisor starts
-a new template for the next rollout.
+a new template for the next rollout. A template that stops answering (stopped, deadlocked) is
+killed by the supervisor once a start has waited ``TEMPLATE_ANSWER_S`` for its word, with the
+same effect (:mod:`rollcage.supervisor.warm`).
 """
 
 from __future__ import annotations

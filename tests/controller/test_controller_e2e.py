@@ -172,3 +172,43 @@ async def test_chaos_injected_faults_are_classified_exactly(tmp_path: Path) -> N
     assert all(r.outcome != "infra_failure" for r in finals.values())  # every sample retried to completion
     assert summary.metrics.retries == sum(1 for r in got if r.outcome == "infra_failure")
     assert summary.metrics.health["trajectory_capture_mismatch"].count == 0
+
+
+async def test_bundled_environments_served_by_url_keep_their_tools_and_verify_files(tmp_path: Path) -> None:
+    """The multi-node recipe: a bundled environment's app served by URL (as `uvicorn.run(create_app(...))`
+    serves it), the rows naming that URL. It offers the tools and reads the `/verify` files it does when
+    the controller starts it: the rows name its tools, or none and get its defaults."""
+    import yaml
+
+    from rollcage.controller._servers import AppServer
+    from rollcage.environments import create_app
+
+    servers = {name: AppServer(create_app(name), name=name) for name in ("calc-weather", "code-fn")}
+    urls = {name: server.start() for name, server in servers.items()}
+    try:
+        chosen = {"calc-weather": ("oslo-sum", "paris-fahrenheit"), "code-fn": ("fizzbuzz",)}
+        rows, script = [], {"tasks": {}}
+        for name, ids in chosen.items():
+            for line in (EXAMPLES / name / "dataset.jsonl").read_text().splitlines():
+                row = json.loads(line)
+                if row["id"] in ids:
+                    rows.append({**row, "environment": urls[name]})
+            script["tasks"].update(yaml.safe_load((EXAMPLES / name / "policy.yaml").read_text())["tasks"])
+        dataset = tmp_path / "data" / "dataset.jsonl"
+        dataset.parent.mkdir()
+        dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (dataset.parent / "policy.yaml").write_text(json.dumps(script))
+        config = RunConfig(
+            dataset=dataset, out=tmp_path / "out", sandbox=SANDBOX, deadline_s=60, concurrency=3
+        )
+        summary = await Controller(config).run()
+    finally:
+        for server in servers.values():
+            server.stop()
+    assert summary.metrics.invalid_rows == 0, summary.invalid_rows
+    got = records(config.out)
+    assert {r.task_id: (r.outcome, r.reward) for r in got} == {
+        "oslo-sum": ("completed", 1.0),
+        "paris-fahrenheit": ("completed", 1.0),
+        "fizzbuzz": ("completed", 1.0),
+    }, [(r.task_id, r.receipt.outcome_reason, r.grader) for r in got]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -31,6 +32,7 @@ from typing import Any
 import pytest
 
 from rollcage.controller import (
+    EXIT_ALL_INFRA,
     EXIT_INTERRUPTED,
     EXIT_OK,
     Controller,
@@ -43,7 +45,7 @@ from rollcage.controller import (
 )
 from rollcage.protocol import RolloutRecord
 from tests.helpers.paths import EXAMPLES
-from tests.helpers.ray_cluster import RayCluster, RayNode, free_port
+from tests.helpers.ray_cluster import NodeGate, RayCluster, RayNode, free_port
 from tests.helpers.waiting import alive, processes_mentioning, wait_for, wait_for_records
 
 try:
@@ -825,6 +827,74 @@ def test_a_token_cluster_refuses_a_driver_without_its_token_naming_authenticatio
     assert "not-the-token" not in text  # a token is named by its source, never shown
 
 
+@needs_ray
+def test_what_a_node_could_not_reach_is_read_from_its_attempts_reasons() -> None:
+    from rollcage.controller._ray import _unreached_what
+
+    model = (
+        "transient (infrastructure) error: TransientModelError: HTTP 502: rollcage egress proxy: "
+        "upstream model unreachable: ConnectError: cannot connect to ('10.0.0.9', 8000): "
+        "[Errno 113] No route to host"
+    )
+    environment = (
+        "the controller could not run the rollout: ResourceUnavailableError: "
+        "environment http://10.0.0.7:9000 could not be reached for /seed_session: "
+        "ConnectError: [Errno 111] Connection refused"
+    )
+    channel = (
+        "the controller could not run the rollout: RayTaskLostError: the rollout task failed on n2 (Ray node "
+        "ab12, pid 7): RayTaskLostError: cannot fetch this attempt's credentials from the driver at "
+        "10.0.0.1:4242: timed out (every node must reach the driver's address on that port)"
+    )
+    assert _unreached_what(model) == "the model endpoint"
+    assert _unreached_what(environment) == "the environment http://10.0.0.7:9000"
+    assert _unreached_what(channel) == "the driver's credentials channel"
+    assert _unreached_what("the worker was killed by SIGKILL, which the supervisor did not send") is None
+
+
+@needs_ray
+@pytest.mark.parametrize("token", ["nowhere", "unreadable path"])
+def test_token_mode_without_a_readable_token_exits_2_in_one_line(tmp_path: Path, token: str) -> None:
+    """Ray's C++ client aborts the process (a stack trace, exit 1) in token mode without a token; the
+    driver says so first. Something listens at the address (a bare socket), so only the missing token
+    stands between the driver and Ray's handshake."""
+    dataset = write_dataset(tmp_path, [{"id": "a", "input": "q"}], SIX_BY_SEVEN)
+    ray_env = {"RAY_AUTH_MODE": "token"}
+    if token == "unreadable path":
+        ray_env["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "no-such-token")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rollcage",
+                "run",
+                str(dataset),
+                "--backend",
+                "ray",
+                "--ray-address",
+                address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+            cwd=tmp_path,
+            env=driver_env(tmp_path, **ray_env),
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert f"cannot connect to the Ray cluster at {address}" in lines[0]
+    assert "RAY_AUTH_MODE=token but no token" in lines[0]
+    if token == "unreadable path":
+        assert f"RAY_AUTH_TOKEN_PATH names {tmp_path / 'no-such-token'}" in lines[0]
+
+
 @real_rollouts
 def test_a_token_cluster_runs_when_the_driver_has_its_token_as_ray_documents(
     tmp_path: Path, token_cluster: tuple[str, str]
@@ -946,3 +1016,129 @@ async def test_losing_a_node_mid_run_is_an_infra_failure_retried_on_the_other_no
         wait_until_gone(rid)  # no sandbox of either first attempt survives
     live = [n for n in ray_cluster.nodes if n.running() and n is not node]
     assert scratch_leftovers(live, [r.rollout_id for r in got]) == []
+
+
+@real_rollouts
+async def test_an_environment_unreachable_from_a_node_is_recorded_as_such_and_named_at_the_end(
+    tmp_path: Path, ray_cluster: RayCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The environment answers the driver's node only: an attempt on the other node fails before its
+    rollout directory exists. Its record names that cause (not an artifact limit), and the end of the
+    run names the node and what it could not reach."""
+    from rollcage.controller._ray import RayBackend
+    from rollcage.controller._servers import AppServer
+    from rollcage.environments import create_app
+
+    driver_node = ray.get_runtime_context().get_node_id()
+    owners = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    (other,) = [node for node in ray_cluster.nodes if node.running() and not node.owns(owners[driver_node])]
+    (other_id,) = [nid for nid, info in owners.items() if other.owns(info)]
+    server = AppServer(create_app("calc-weather"), name="calc-weather")
+    url = await asyncio.to_thread(server.start)
+    try:
+        async with NodeGate(int(url.rsplit(":", 1)[1]), refused=[other]) as gate:
+            token = secrets.token_hex(3)
+            tasks = [f"reach{token}-{i}" for i in range(3)]
+            dataset = write_dataset(
+                tmp_path / "data",
+                [
+                    {"id": t, "input": "6*7?", "tools": ["python"], "environment": gate.url, "expected": "42"}
+                    | {"grader": {"type": "exact"}}
+                    for t in tasks
+                ],
+                SIX_BY_SEVEN,
+            )
+            config = RunConfig(
+                dataset=dataset,
+                out=tmp_path / "out",
+                sandbox=SANDBOX,
+                deadline_s=60,
+                concurrency=2,
+                max_infra_retries=2,
+                retry_backoff_s=0,
+                backend=RayBackendConfig(),
+            )
+            backend = config.backend.build(config.rollout_settings())
+            assert isinstance(backend, RayBackend)
+            with caplog.at_level(logging.ERROR, logger="rollcage.controller"):
+                summary = await Controller(config, backend=backend).run()
+    finally:
+        await asyncio.to_thread(server.stop)
+    got = records(config.out)
+    assert gate.refused_connections, ("no attempt ran on the refused node", other.scratch_tmp, gate.seen)
+    failed = [r for r in got if r.outcome == "infra_failure"]
+    assert failed, [(r.rollout_id, r.outcome) for r in got]
+    for record in failed:
+        reason = record.receipt.outcome_reason
+        assert f"environment {gate.url} could not be reached for /seed_session" in reason, reason
+        assert "ray-max-artifact-mib" not in reason and "ArtifactsTooLarge" not in reason, reason
+        assert (Path(record.rollout_dir) / "input.json").is_file()  # what was attempted, laid out
+    assert any(r.outcome == "completed" for r in got)
+    assert backend.unreached == {other_id: {f"the environment {gate.url}": len(failed)}}
+    said = [m for m in caplog.messages if "could not reach" in m]
+    assert len(said) == 1 and other_id[:12] in said[0] and gate.url in said[0], caplog.messages
+    assert summary.exit_code in (EXIT_OK, EXIT_ALL_INFRA), summary
+
+
+def stop_flag_actors() -> list[int]:
+    """The processes of live stop-flag actors (Ray titles an actor's process ``ray::CLASS``)."""
+    return [pid for pid in processes_mentioning("ray::_StopFlag") if alive(pid)]
+
+
+@real_rollouts
+async def test_a_stop_whose_flag_is_gone_kills_the_tasks_and_starts_no_retry(
+    tmp_path: Path, ray_address: str
+) -> None:
+    """The run's stop flag is lost with its process (as with its node) while rollouts wait on the model;
+    then Ctrl-C. The driver cannot tell the tasks through the flag: it kills them and exits at once,
+    instead of letting them run to their deadlines, and starts no retry."""
+    from rollcage.controller._servers import AppServer
+
+    token = secrets.token_hex(3)
+    tasks = [f"flag{token}-{i}" for i in range(2)]
+    firsts = {rollout_id(t, 0, 0) for t in tasks}
+    gate = GatedPolicy(SIX_BY_SEVEN, firsts)
+    server = AppServer(gate, name="gated-policy")
+    url = await asyncio.to_thread(server.start)
+    assert stop_flag_actors() == []
+    try:
+        dataset = write_dataset(
+            tmp_path / "data",
+            [{"id": t, "input": "6*7?", "tools": ["python"], "expected": "42"} for t in tasks],
+        )
+        out = tmp_path / "out"
+        args = [str(dataset), "--out", str(out), "--backend", "ray", "--ray-address", ray_address]
+        args += [
+            "--model",
+            f"{url}/v1",
+            "--model-name",
+            "scripted",
+            "--concurrency",
+            "2",
+            "--deadline",
+            "120",
+        ]
+        args += ["--max-infra-retries", "2", "--retry-backoff", "0", "--quiet"]
+        proc = rollcage_run(*args, cwd=tmp_path)
+        try:
+            assert await asyncio.to_thread(gate.wait_arrived, firsts), "the rollouts never asked the model"
+            (flag,) = stop_flag_actors()
+            os.kill(flag, signal.SIGKILL)
+            await asyncio.to_thread(wait_until_dead, flag)
+            proc.send_signal(signal.SIGINT)
+            # Not the rollouts' deadlines (120 s; the model never answers): the driver's own stop.
+            code = await asyncio.to_thread(proc.wait, 10)
+        finally:
+            gate.release()
+            _, text = await asyncio.to_thread(finish, proc, 30)
+    finally:
+        await asyncio.to_thread(server.stop)
+    assert code == EXIT_INTERRUPTED, text
+    got = records(out)
+    assert {r.rollout_id for r in got} == firsts, text
+    assert all(r.try_index == 0 for r in got)
+    assert not any((out / "rollouts").glob("*-t1")), "a retry was started after the stop"
+    for record in got:
+        assert "stop flag could not tell the rollout task" in record.receipt.outcome_reason, record
+    for rid in firsts:
+        wait_until_gone(rid)  # no sandbox of a killed task survives

@@ -10,6 +10,7 @@ carrying the marker, and waits until none is left.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -23,7 +24,7 @@ from pathlib import Path
 from rollcage.cage._budget import unmount
 from tests.helpers.waiting import alive, wait_for
 
-__all__ = ["RayCluster", "RayNode", "free_port", "free_ports"]
+__all__ = ["NodeGate", "RayCluster", "RayNode", "free_port", "free_ports", "peer_process"]
 
 MARKER_ENV = "ROLLCAGE_TEST_RAY_CLUSTER"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -232,3 +233,89 @@ class RayCluster:
             points = [line.split()[4] for line in file]
         for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
             unmount(Path(point.encode().decode("unicode_escape")))
+
+
+def peer_process(port: int) -> int | None:
+    """The process holding this machine's TCP socket bound to loopback port ``port`` (a connection's
+    other end, seen from the accepting side); ``None`` if none is found."""
+    wanted = f"0100007F:{port:04X}"
+    inode = None
+    for table in ("/proc/net/tcp",):
+        with open(table) as file:
+            for line in file.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[1] == wanted:
+                    inode = fields[9]
+                    break
+    if inode is None or inode == "0":
+        return None
+    needle = f"socket:[{inode}]"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) == needle:
+                        return int(entry.name)
+    return None
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    with contextlib.suppress(OSError):
+        raw = (Path("/proc") / str(pid) / "environ").read_bytes()
+        return dict(entry.decode(errors="replace").partition("=")[::2] for entry in raw.split(b"\0") if entry)
+    return {}
+
+
+class NodeGate:
+    """A loopback TCP gate in front of a server: connections from the processes of the ``refused``
+    nodes (known by their ``$TMPDIR``) are closed unanswered, the others forwarded. So a server on
+    this machine is "unreachable from that node" although every node is this machine.
+
+    Use as an async context manager; :attr:`url` is the gate's ``http://127.0.0.1:PORT``.
+    """
+
+    def __init__(self, target_port: int, refused: list[RayNode]) -> None:
+        self._target = target_port
+        self._refused = {str(node.scratch_tmp) for node in refused}
+        self._server: asyncio.Server | None = None
+        self.refused_connections = 0
+        self.seen: list[tuple[int | None, str | None]] = []
+        """Each connection's process and its ``$TMPDIR`` (for a failing test's message)."""
+        self.url = ""
+
+    async def __aenter__(self) -> NodeGate:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        port = writer.get_extra_info("peername")[1]
+        pid = await asyncio.to_thread(peer_process, port)
+        tmpdir = environ_of(pid).get("TMPDIR") if pid is not None else None
+        self.seen.append((pid, tmpdir))
+        if tmpdir in self._refused:
+            self.refused_connections += 1
+            writer.close()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            with contextlib.suppress(OSError):
+                sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))

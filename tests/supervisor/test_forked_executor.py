@@ -24,6 +24,7 @@ from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
 from rollcage.supervisor.warm import stop_templates
 from tests.helpers.supervisor_env import requires_bwrap
+from tests.helpers.waiting import alive
 from tests.helpers.worker_env import worker_input
 
 pytestmark = [requires_bwrap(), pytest.mark.bwrap]
@@ -264,3 +265,33 @@ async def test_an_interrupted_cell_keeps_its_executor_and_orphans_are_reaped(tmp
     pid = outputs[0].split("PID", 1)[1].split()[0]
     assert outputs[2].split("PID", 1)[1].split()[:2] == [pid, "42"], outputs[2]
     assert "ZOMBIES 0" in outputs[3], outputs[3]
+
+
+async def test_a_hung_executor_template_costs_no_cell_and_is_replaced(tmp_path: Path) -> None:
+    """An executor template that stops answering (SIGSTOP: alive, its sockets open, silent) fails no cell:
+    the worker waits a bounded time for its answer and starts the executor itself. The warm template
+    then finds its hand-overs unread, kills it (SIGKILL ends a stopped process too) and starts another,
+    whose executors are forked again."""
+    stop_templates()
+    assert _facts((await _rollout(tmp_path / "a", [FACTS]))[0])["ppid"] == 0
+    mine = [pid for pid in _template_children() if _is_descendant(pid)]
+    assert len(mine) == 1
+    hung = mine[0]
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        # Started, not forked (its parent is the cage's init), and not an error the agent sees.
+        assert _facts((await _rollout(tmp_path / "b", [FACTS]))[0])["ppid"] != 0
+        # Until the hung template's hand-overs are old enough to call it hung: a bounded number of
+        # rollouts, each of which completes all the same.
+        for attempt in range(6):
+            facts = _facts((await _rollout(tmp_path / f"c{attempt}", [FACTS]))[0])
+            if facts["ppid"] == 0:
+                break
+        else:
+            raise AssertionError("the hung executor template was never replaced")
+        assert not alive(hung), "the hung executor template was left behind"
+        assert [pid for pid in _template_children() if _is_descendant(pid)] != [hung]
+    finally:
+        if alive(hung):
+            os.kill(hung, signal.SIGKILL)
+        stop_templates()

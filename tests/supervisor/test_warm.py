@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -24,13 +25,17 @@ from typing import Any
 
 import pytest
 
+import rollcage.supervisor.warm as warm_module
+from rollcage.controller import Controller, RunConfig
 from rollcage.policy import PolicyServer
 from rollcage.procs import read_proc, scan_processes
+from rollcage.protocol import RolloutRecord
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.warm import template_for
+from tests.helpers.paths import EXAMPLES
 from tests.helpers.supervisor_env import requires_bwrap
-from tests.helpers.waiting import alive, wait_for_async
+from tests.helpers.waiting import alive, reaped, wait_for_async
 from tests.helpers.worker_env import worker_input
 
 pytestmark = [requires_bwrap(), pytest.mark.bwrap]
@@ -458,3 +463,65 @@ async def test_a_cage_that_refuses_its_mounts_fails_one_start_and_the_next_mount
     assert second.outcome == "completed", second.outcome_reason
     uses = {use.budget: use for use in second.budgets}
     assert uses["tmp_inodes"].mechanism == "tmpfs" and uses["tmp_inodes"].peak is not None
+
+
+def _calc_weather_subset(directory: Path, tasks: tuple[str, ...]) -> Path:
+    """A dataset of some of the calc-weather example's rows, beside a copy of its scripted policy."""
+    directory.mkdir()
+    shutil.copy(EXAMPLES / "calc-weather" / "policy.yaml", directory / "policy.yaml")
+    rows = (EXAMPLES / "calc-weather" / "dataset.jsonl").read_text().splitlines()
+    chosen = [line for line in rows if json.loads(line)["id"] in tasks]
+    (directory / "dataset.jsonl").write_text("".join(line + "\n" for line in chosen))
+    return directory / "dataset.jsonl"
+
+
+async def test_a_hung_template_is_replaced_and_the_starts_it_held_are_retried_as_infra_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A template that stops answering (SIGSTOP: alive, its socket open, silent) fails the starts sent to
+    it as the infrastructure's, not as timeouts: no worker ran. It is killed and a new one serves the
+    controller's retries, which complete."""
+    monkeypatch.setattr(warm_module, "TEMPLATE_ANSWER_S", 10.0)
+    template = template_for(worker_bytecode())
+    template.start()
+    hung = template.pid
+    assert hung is not None
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        dataset = _calc_weather_subset(tmp_path / "data", ("oslo-sum", "cairo-sum"))
+        config = RunConfig(
+            dataset=dataset,
+            out=tmp_path / "out",
+            sandbox="bwrap",
+            deadline_s=120,
+            concurrency=2,
+            max_infra_retries=3,
+            retry_backoff_s=0.0,
+        )
+        summary = await Controller(config).run()
+        left_behind = alive(hung) or not reaped(hung)
+    finally:
+        if alive(hung):
+            os.kill(hung, signal.SIGKILL)  # a stopped process dies of SIGKILL too
+            template.close()
+    got = [
+        RolloutRecord.model_validate_json(line)
+        for line in (config.out / "rollouts.jsonl").read_bytes().splitlines()
+    ]
+    final = {r.task_id: r for r in got if r.outcome != "infra_failure"}
+    assert {task: r.outcome for task, r in final.items()} == {
+        "oslo-sum": "completed",
+        "cairo-sum": "completed",
+    }
+    failed = [r for r in got if r.outcome == "infra_failure"]
+    assert failed, "no start was sent to the hung template"
+    assert all(r.outcome != "timeout" for r in got), [(r.task_id, r.outcome) for r in got]
+    assert any(f"template (PID {hung}) did not answer" in r.receipt.outcome_reason for r in failed), [
+        r.receipt.outcome_reason for r in failed
+    ]
+    for record in failed:
+        assert "worker was not started" in record.receipt.outcome_reason, record.receipt.outcome_reason
+        assert record.receipt.cleanup_confirmed
+    assert summary.exit_code == 0
+    # Killed and reaped while the run went on (not by the finally above): no process, no zombie.
+    assert not left_behind, f"the hung template {hung} was left behind"

@@ -26,12 +26,14 @@ Rows written for NeMo Gym or Inspect are read as they are (``rollcage.controller
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
 import select
 import stat
 import tempfile
+import threading
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -73,8 +75,10 @@ __all__ = [
     "detect_format",
     "input_problem",
     "iter_dataset",
+    "known_served_environment",
     "normalise_url",
     "open_dataset",
+    "served_environment",
     "tasks_from_rows",
     "url_key",
 ]
@@ -198,11 +202,20 @@ class EnvironmentRef:
             different URLs never share a key, and the same URL always gets the same one.
         bundled: The bundled environment, or ``None`` for an external URL.
         url: The external URL, or ``None`` for a bundled environment (started by the controller).
+        serves: For an external URL: the bundled environment it says it serves (rollcage's own apps
+            say so at ``GET /``, e.g. one served by URL for a multi-node cluster), whose tools and
+            ``/verify`` files it then offers; ``None``: unknown (or a bundled environment).
     """
 
     key: str
     bundled: EnvironmentInfo | None
     url: str | None
+    serves: EnvironmentInfo | None = None
+
+    @property
+    def catalog(self) -> EnvironmentInfo | None:
+        """What is known of its tools and ``/verify`` files: the bundled environment it is or serves."""
+        return self.bundled or self.serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +351,77 @@ def url_key(url: str) -> str:
     return f"env-{host}-{digest}" if host else f"env-{digest}"
 
 
+_IDENTITY_TIMEOUT_S = 3.0
+"""Bound on asking an environment URL which bundled environment it serves (once per URL)."""
+_IDENTITY_LIMIT = 64 * 1024
+_identities: dict[str, EnvironmentInfo | None] = {}
+_identities_lock = threading.Lock()
+
+
+def served_environment(url: str) -> EnvironmentInfo | None:
+    """The bundled environment served at ``url``, as its ``GET /`` says; ``None``: none or unknown.
+
+    rollcage's bundled apps answer ``{"environment": NAME, "tools": [...]}`` there; served by URL
+    (the multi-node recipe) they offer the same tools as when the controller starts them. Asked once
+    per URL and process (blocking, bounded by ``_IDENTITY_TIMEOUT_S``); any other answer, or none,
+    is "unknown", never an error: the URL may be any NeMo Gym resource server.
+    """
+    with _identities_lock:
+        if url in _identities:
+            return _identities[url]
+    info = _ask_identity(url)
+    with _identities_lock:
+        _identities[url] = info
+    return info
+
+
+def _ask_identity(url: str) -> EnvironmentInfo | None:
+    import httpx
+
+    try:
+        with httpx.Client(trust_env=False, follow_redirects=False, timeout=_IDENTITY_TIMEOUT_S) as client:
+            with client.stream("GET", f"{url}/") as response:
+                if response.status_code != 200:
+                    return None
+                data = b""
+                for chunk in response.iter_bytes():
+                    data += chunk
+                    if len(data) > _IDENTITY_LIMIT:
+                        return None
+        said = orjson.loads(data)
+    except (httpx.HTTPError, orjson.JSONDecodeError, OSError):
+        return None
+    if not isinstance(said, dict) or not isinstance(said.get("environment"), str):
+        return None
+    info = bundled_environments().get(said["environment"])
+    tools = said.get("tools")
+    # Its own words must match what rollcage knows of that environment, or nothing is assumed.
+    if (
+        info is None
+        or not isinstance(tools, list)
+        or sorted(map(str, tools)) != sorted(t.name for t in info.tools)
+    ):
+        return None
+    return info
+
+
+def known_served_environment(url: str) -> EnvironmentInfo | None:
+    """What :func:`served_environment` found for ``url`` if it was asked; ``None`` otherwise (never asks)."""
+    with _identities_lock:
+        return _identities.get(url)
+
+
+def _identified(row: DatasetRow, env: EnvironmentRef | None) -> EnvironmentRef | None:
+    """``env``, with the bundled environment its URL serves where the row relies on what it offers:
+    its default tools (the row names none) or a tool named without a spec. Asked only then, so a row
+    that says everything itself never costs its environment a request."""
+    if env is None or env.url is None:
+        return env
+    if row.tools is not None and not any(isinstance(t, str) and t != "python" for t in row.tools):
+        return env
+    return dataclasses.replace(env, serves=served_environment(env.url))
+
+
 def _environment(name: str | None) -> EnvironmentRef | None:
     if name is None:
         return None
@@ -356,7 +440,7 @@ def _environment(name: str | None) -> EnvironmentRef | None:
 def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
     wanted: list[str | PythonToolSpec | RowResourceTool]
     if row.tools is None:
-        wanted = list(env.bundled.default_tools) if env is not None and env.bundled else ["python"]
+        wanted = list(env.catalog.default_tools) if env is not None and env.catalog else ["python"]
     else:
         wanted = list(row.tools)
     specs: list[ToolSpec] = []
@@ -381,7 +465,7 @@ def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
         elif tool == "python":
             specs.append(PythonToolSpec())
         else:
-            catalog = {t.name: t for t in env.bundled.tools} if env is not None and env.bundled else {}
+            catalog = {t.name: t for t in env.catalog.tools} if env is not None and env.catalog else {}
             info = catalog.get(tool)
             if info is None or env is None:
                 known = ", ".join(["python", *catalog]) if catalog else "python"
@@ -619,7 +703,7 @@ def validate_value(
     except ValidationError as exc:
         return InvalidRow(line, describe_validation_error(exc), task_id)
     try:
-        env = _environment(row.environment)
+        env = _identified(row, _environment(row.environment))
         tools = _tools(row, env)
         grader = _grader(row, env)
         _check_worker_input(row, tools, env)

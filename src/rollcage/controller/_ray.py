@@ -75,6 +75,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -86,7 +87,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -139,6 +140,9 @@ _STOP_POLL_S = 5.0
 """How long one long-poll of the stop flag waits on the actor before it is asked again."""
 _RPC_TIMEOUT_S = 30.0
 """Bound on one call to the stop flag actor, beyond its own wait."""
+_STOP_SET_TIMEOUT_S = 3.0
+"""Bound on setting the stop flag once the run is stopped: past it (or if the flag is gone) the
+driver kills the run's tasks instead, so a stop never waits for the rollouts' deadlines."""
 _STOP_FLAG_CONCURRENCY = 10_000
 """Long-polls the stop flag serves at once: one per rollout in flight, plus stragglers."""
 _MAX_FORWARDED_LOGS = 50
@@ -447,6 +451,43 @@ def _token_source() -> str:
     if _DEFAULT_TOKEN_PATH.expanduser().is_file():
         return str(_DEFAULT_TOKEN_PATH)
     return "none found"
+
+
+def _readable_token(path: Path) -> bool:
+    try:
+        return bool(path.expanduser().read_text(encoding="utf-8", errors="replace").strip())
+    except OSError:
+        return False
+
+
+def _check_token(address: str, source: str) -> None:
+    """With ``RAY_AUTH_MODE=token``, refuse to connect without a token Ray can read.
+
+    Ray aborts the whole process in its C++ client (a stack trace, exit 1) when token mode is on
+    and it finds no token; this says so in a line first. Ray reads ``RAY_AUTH_TOKEN``, else the
+    file ``RAY_AUTH_TOKEN_PATH`` names, else ``~/.ray/auth_token``.
+
+    Raises:
+        ConfigError: Token mode is on and no token is readable where Ray looks.
+    """
+    if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token" or os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    named = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if named:
+        if _readable_token(Path(named)):
+            return
+        where = f"RAY_AUTH_TOKEN_PATH names {named}, which is missing, unreadable or empty"
+    elif _readable_token(_DEFAULT_TOKEN_PATH):
+        return
+    else:
+        where = (
+            f"RAY_AUTH_TOKEN and RAY_AUTH_TOKEN_PATH are unset and {_DEFAULT_TOKEN_PATH} is missing or empty"
+        )
+    raise ConfigError(
+        f"cannot connect to the Ray cluster at {address} ({source}): RAY_AUTH_MODE=token but no token to "
+        f"send ({where}); give this driver the cluster's token in RAY_AUTH_TOKEN, in a file named by "
+        f"RAY_AUTH_TOKEN_PATH or in {_DEFAULT_TOKEN_PATH} (`ray get-auth-token` on the head prints it)"
+    )
 
 
 def _auth_refused(address: str, source: str, exc: BaseException) -> ConfigError:
@@ -802,11 +843,19 @@ def _run_on_node(
         record = _RolloutThread(here, settings, flag, credentials).run()
         record = record.model_copy(update={"rollout_dir": prepared.rollout_dir})
         archive: bytes | None = None
-        if scratch is not None:
+        # An attempt that failed before its directory was made (its environment unreachable from
+        # here, say) ships nothing: its record says why, and the driver lays out what was attempted.
+        if scratch is not None and local_dir.is_dir():
             try:
                 archive = pack_rollout_dir(local_dir, limit=limit)
-            except (ArtifactsTooLargeError, OSError, tarfile.TarError) as exc:
+            except ArtifactsTooLargeError as exc:
                 record = lost_record(prepared, settings, _unshippable(exc, record), started)
+            except (OSError, tarfile.TarError) as exc:
+                reason = RayTaskLostError(
+                    f"cannot pack the rollout directory on {socket.gethostname()}: {exc} (the rollout "
+                    f"itself ended {record.outcome}); nothing was shipped"
+                )
+                record = lost_record(prepared, settings, reason, started)
         return {"record": record.model_dump_json(), "archive": archive}
     finally:
         if scratch is not None:
@@ -939,6 +988,8 @@ class RayBackend:
         self._owns_ray = False
         self._flag: Any = None
         self._stop_sent = False
+        self._stop_unrelayed = asyncio.Event()
+        """Set when the run's stop could not be relayed through the stop flag: tasks are killed instead."""
         self._api_key: str | None = None
         self._driver_node = ""
         self._driver_ip = ""
@@ -950,6 +1001,8 @@ class RayBackend:
         self._last_progress = time.monotonic()
         self._nodes = 0
         self._warned: set[str] = set()
+        self._ran_on: dict[str, RolloutPlacement] = {}
+        self._unreached: dict[str, _Unreached] = {}
         self._cwd = "/"
         # Nothing started or finished for this long means nothing can: every task that ran
         # would have ended by now, so a task still waiting for a node waits for one that
@@ -1020,6 +1073,7 @@ class RayBackend:
         and runs to its end, then the cancellation propagates.
         """
         self._state = "closed"
+        self._report_unreached()
         sweeping, self._sweeping = self._sweeping, None
         try:
             if isinstance(exc, asyncio.CancelledError):
@@ -1095,6 +1149,8 @@ class RayBackend:
         self._cwd = os.getcwd()
         if not ray.is_initialized():
             address, source = self._address()
+            if address != "local":
+                _check_token(address, source)
             if address not in ("local", "auto") and "://" not in address:
                 _probe_cluster(address, source)
             options: dict[str, Any] = {
@@ -1133,11 +1189,12 @@ class RayBackend:
                     self._config.num_cpus_per_rollout,
                     largest,
                 )
-            # With the driver, not on a node that may be lost mid-run: every task polls it.
+            # With the driver, never on another node that may be lost mid-run (a soft affinity let it
+            # move): every task polls it, and the driver's node is lost only with the driver.
             self._flag = _StopFlagActor.options(
                 num_cpus=0,
                 max_concurrency=_STOP_FLAG_CONCURRENCY,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(self._driver_node, soft=True),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self._driver_node, soft=False),
             ).remote()
             self._api_key = self._driver_api_key()
         except BaseException:
@@ -1242,12 +1299,46 @@ class RayBackend:
         finally:
             if ticket is not None:
                 self._secrets.revoke(ticket)
+        where = self._ran_on.pop(prepared.rollout_id, None)
         if isinstance(outcome, BaseException):
-            return await asyncio.to_thread(self._record_lost, prepared, outcome, started)
-        record = await asyncio.to_thread(self._land, prepared, outcome, started)
-        for name, level, message in outcome.get("logs", []):
-            logging.getLogger(name).log(level, "%s", message)
+            record = await asyncio.to_thread(self._record_lost, prepared, outcome, started)
+        else:
+            record = await asyncio.to_thread(self._land, prepared, outcome, started)
+            for name, level, message in outcome.get("logs", []):
+                logging.getLogger(name).log(level, "%s", message)
+        self._note_unreached(record, where)
         return record
+
+    def _note_unreached(self, record: RolloutRecord, where: RolloutPlacement | None) -> None:
+        """Keep what a node could not reach (the model, an environment, the credentials channel):
+        its attempts are retried elsewhere and the run may end well, so the end of the run says it."""
+        if where is None or record.outcome != "infra_failure":
+            return
+        what = _unreached_what(record.receipt.outcome_reason)
+        if what is None:
+            return
+        seen = self._unreached.setdefault(where.node_id, _Unreached(where.hostname, where.node_ip))
+        seen.attempts[what] = seen.attempts.get(what, 0) + 1
+        seen.example.setdefault(what, record.receipt.outcome_reason)
+
+    def _report_unreached(self) -> None:
+        for node_id, seen in sorted(self._unreached.items()):
+            for what, count in sorted(seen.attempts.items()):
+                logger.error(
+                    "Ray node %s (%s, node %s) could not reach %s: %d attempt(s) failed there and were "
+                    "retried (first: %s); check that node's network before the next run",
+                    seen.hostname,
+                    seen.node_ip,
+                    node_id[:12],
+                    what,
+                    count,
+                    seen.example[what],
+                )
+
+    @property
+    def unreached(self) -> Mapping[str, Mapping[str, int]]:
+        """What each node could not reach this run, by node id: ``{what: attempts}`` (read-only)."""
+        return MappingProxyType({node: dict(seen.attempts) for node, seen in self._unreached.items()})
 
     async def _follow(
         self, prepared: PreparedRollout, generator: Any, group: asyncio.TaskGroup
@@ -1259,9 +1350,12 @@ class RayBackend:
         rid = prepared.rollout_id
         try:
             first = group.create_task(_next_item(generator))
-            if not await self._wait_started(first):
+            started = await self._wait_started(first)
+            if started is not True:
                 first.cancel()
                 await self._kill(generator)
+                if started == "stopped":
+                    return _killed_on_stop(None)
                 return RayTaskOverdueError(
                     f"the rollout task did not start: no task of this run started or ended for "
                     f"{self._stall_s:.0f} s (does any node have {self._config.num_cpus_per_rollout} CPUs?)"
@@ -1270,18 +1364,26 @@ class RayBackend:
             if isinstance(placement, BaseException):
                 return _lost_reason(placement, None)
             assert isinstance(placement, dict)
-            self._placements[rid] = where = RolloutPlacement(**placement)
+            self._placements[rid] = self._ran_on[rid] = where = RolloutPlacement(**placement)
             placed, self._placed = self._placed, asyncio.Event()
             placed.set()
             self._last_progress = time.monotonic()
             try:
                 second = group.create_task(_next_item(generator))
                 bound = self._finish_bound(prepared)
-                done, _ = await asyncio.wait({second}, timeout=bound)
-                if not done:
+                unrelayed = group.create_task(self._stop_unrelayed.wait())
+                try:
+                    await asyncio.wait(
+                        {second, unrelayed}, timeout=bound, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    unrelayed.cancel()
+                if not second.done():
                     second.cancel()
                     self._dirty_nodes.add(where.node_id)
                     await self._kill(generator)
+                    if self._stop_unrelayed.is_set():
+                        return _killed_on_stop(where)
                     return RayTaskOverdueError(
                         f"the rollout task on {where.hostname} (pid {where.pid}) did not return within "
                         f"{bound:.0f} s of its start; it was killed"
@@ -1300,18 +1402,25 @@ class RayBackend:
             await shielded(self._kill(generator))
             raise
 
-    async def _wait_started(self, first: asyncio.Task[object]) -> bool:
-        """Wait until the task starts; False once the whole run has stalled (see ``_stall_s``).
+    async def _wait_started(self, first: asyncio.Task[object]) -> bool | Literal["stopped"]:
+        """Wait until the task starts; False once the whole run has stalled (see ``_stall_s``),
+        ``"stopped"`` once the run is stopped and the stop flag cannot say so to the task.
 
         **Cancellation:** the wait is abandoned; ``first`` is left to its group.
         """
-        while True:
-            remaining = self._last_progress + self._stall_s - time.monotonic()
-            if remaining <= 0:
-                return False
-            done, _ = await asyncio.wait({first}, timeout=remaining)
-            if done:
-                return True
+        unrelayed = asyncio.ensure_future(self._stop_unrelayed.wait())
+        try:
+            while True:
+                remaining = self._last_progress + self._stall_s - time.monotonic()
+                if remaining <= 0:
+                    return False
+                await asyncio.wait({first, unrelayed}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if first.done():
+                    return True
+                if unrelayed.done():
+                    return "stopped"
+        finally:
+            unrelayed.cancel()
 
     def _finish_bound(self, prepared: PreparedRollout) -> float:
         bound = self._settings.deadline_s + self._settings.grace_s + _FINISH_SLACK_S
@@ -1334,14 +1443,22 @@ class RayBackend:
         **Cancellation:** ends the wait; a flag being set is abandoned.
         """
         await stop.wait()
-        if self._stop_sent or self._flag is None:
+        if self._stop_sent:
             return
         self._stop_sent = True
+        if self._flag is None:
+            self._stop_unrelayed.set()
+            return
         try:
-            async with asyncio.timeout(_RPC_TIMEOUT_S):
+            async with asyncio.timeout(_STOP_SET_TIMEOUT_S):
                 await self._flag.set.remote()
         except (RayError, TimeoutError) as exc:
-            logger.warning("could not tell the Ray tasks to stop (%s); they run to their deadlines", exc)
+            # Its tasks would run to their deadlines (minutes): the stop is the driver's to enforce.
+            logger.warning(
+                "could not tell the Ray tasks to stop through the run's stop flag (%s): they are killed",
+                _first_line(exc) if isinstance(exc, RayError) else f"no answer in {_STOP_SET_TIMEOUT_S:g} s",
+            )
+            self._stop_unrelayed.set()
 
     def _lay_out_if_missing(self, prepared: PreparedRollout) -> None:
         # As when the local supervisor raises: the directory holds what was attempted
@@ -1378,6 +1495,52 @@ class RayBackend:
         elif self._config.shared_dir is None:
             self._lay_out_if_missing(prepared)  # nothing shipped: the record says why
         return record
+
+
+@dataclass
+class _Unreached:
+    """What one node could not reach during a run."""
+
+    hostname: str
+    node_ip: str
+    attempts: dict[str, int] = field(default_factory=dict)
+    """Attempts that failed for it, by what was not reached."""
+    example: dict[str, str] = field(default_factory=dict)
+    """The first such attempt's reason, by what was not reached."""
+
+
+_ENVIRONMENT_UNREACHED = re.compile(
+    r"environment (\S+) (?:could not be reached for|gave no answer to) /(?:seed_session|verify)"
+)
+_CONNECT_WORDS = (
+    "ConnectError",
+    "ConnectTimeout",
+    "cannot connect",
+    "Connection refused",
+    "could not be reached",
+)
+
+
+def _unreached_what(reason: str) -> str | None:
+    """What an ``infra_failure``'s reason says its node could not reach, in words; ``None``: nothing."""
+    if "cannot fetch this attempt's credentials from the driver" in reason:
+        return "the driver's credentials channel"
+    found = _ENVIRONMENT_UNREACHED.search(reason)
+    if found is not None:
+        return f"the environment {found.group(1)}"
+    if "upstream model unreachable" in reason or (
+        "model" in reason and any(w in reason for w in _CONNECT_WORDS)
+    ):
+        return "the model endpoint"
+    return None
+
+
+def _killed_on_stop(where: RolloutPlacement | None) -> RayTaskLostError:
+    on = f" on {where.hostname} (Ray node {where.node_id[:12]}, pid {where.pid})" if where is not None else ""
+    return RayTaskLostError(
+        f"the run was stopped and its stop flag could not tell the rollout task{on}: the task was killed "
+        "(no evidence of the rollout came back)"
+    )
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from rollcage.controller._dataset import EnvironmentRef
+from rollcage.controller._dataset import EnvironmentRef, known_served_environment
 from rollcage.controller._unit import EnvironmentEndpoint
 from rollcage.environments import create_app
 from rollcage.errors import ConfigError
@@ -125,7 +125,10 @@ class EnvironmentPool:
                 continue
             if ref.bundled is None:
                 assert ref.url is not None
-                self._endpoints[ref.key] = EnvironmentEndpoint(url=ref.url)
+                # A bundled app served by URL: its /verify reads the same files as when started here.
+                serves = ref.serves or known_served_environment(ref.url)
+                files = serves.verify_files if serves is not None else ()
+                self._endpoints[ref.key] = EnvironmentEndpoint(url=ref.url, verify_files=files)
                 continue
             token = secrets.token_urlsafe(24)
             server = AppServer(create_app(ref.bundled.name, verify_token=token), name=ref.bundled.name)

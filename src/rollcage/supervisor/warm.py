@@ -4,7 +4,7 @@ See :mod:`rollcage.warm` for what the template does with a request. Here:
 
 * :class:`Template`: one per supervising process and bytecode cache, started on
   first use (its imports overlap the first cage's making), started again when it
-  has died;
+  has died, killed and started again when it stops answering (:data:`TEMPLATE_ANSWER_S`);
 * :class:`WarmStart`: one rollout's start: the holder's stdin (the worker's exit
   status goes there), the socket on which the holder announces itself, and the
   report socket on which the template hands over a pidfd of the worker (this
@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from rollcage.errors import SupervisorError
@@ -52,6 +53,12 @@ logger = logging.getLogger("rollcage.supervisor")
 _REPORT_MAX = 4096
 _MAX_ROOTS = 4
 
+TEMPLATE_ANSWER_S = 30.0
+"""How long a start waits for the template's word on it (``pid N`` or ``unforked ...``), whatever the
+rollout's deadline: it answers in milliseconds once its imports are done (a second or two under load).
+A template that says nothing for this long is hung (stopped, deadlocked): it is killed and started
+again, and the start fails as the infrastructure's (``infra_failure``, retried), for no worker ran."""
+
 
 class Template:
     """The template process for one bytecode cache (see :mod:`rollcage.warm`).
@@ -67,11 +74,11 @@ class Template:
         self._process: subprocess.Popen[bytes] | None = None
         self._socket: socket.socket | None = None
 
-    def _ensure(self) -> socket.socket:
-        """The live template's socket, starting one if there is none (blocking, but quick)."""
+    def _ensure(self) -> tuple[socket.socket, int]:
+        """The live template's socket and PID, starting one if there is none (blocking, but quick)."""
         with self._lock:
             if self._process is not None and self._process.poll() is None and self._socket is not None:
-                return self._socket
+                return self._socket, self._process.pid
             self._close_locked()
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             prefix = ["-X", f"pycache_prefix={self.bytecode}"] if self.bytecode is not None else []
@@ -95,7 +102,7 @@ class Template:
             finally:
                 theirs.close()
             self._socket = ours
-            return ours
+            return ours, self._process.pid
 
     def start(self) -> None:
         """Start the template now if none runs (blocking, a few ms: its imports go on by themselves).
@@ -105,8 +112,9 @@ class Template:
         """
         self._ensure()
 
-    async def send(self, request: WarmRequest, fds: Sequence[int]) -> None:
-        """Hand one start to the template; a dead template is started again, once.
+    async def send(self, request: WarmRequest, fds: Sequence[int]) -> int:
+        """Hand one start to the template; a dead template is started again, once. The PID of the
+        template that took it (for :meth:`replace`).
 
         From the event loop, never blocking it: the descriptors are the caller's to close
         afterwards, so the send is never left running in a thread.
@@ -118,12 +126,12 @@ class Template:
         """
         data = request.encode()
         for attempt in (1, 2):
-            sock = self._ensure()
+            sock, pid = self._ensure()
             try:
                 while True:
                     try:
                         socket.send_fds(sock, [data], list(fds), socket.MSG_DONTWAIT)
-                        return
+                        return pid
                     except BlockingIOError:
                         # Its queue is full (many starts at once): rare and brief. Not add_writer:
                         # rollouts of one loop share the socket, and a second writer would replace the first.
@@ -133,6 +141,7 @@ class Template:
                     raise SupervisorError(f"the warm worker template refused a start: {exc}") from exc
                 with self._lock:
                     self._close_locked()
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     @property
     def pid(self) -> int | None:
@@ -144,6 +153,20 @@ class Template:
         """Stop the template (its in-flight starts fail; their holders exit with 125)."""
         with self._lock:
             self._close_locked()
+
+    def replace(self, pid: int) -> bool:
+        """Kill the template ``pid`` if it is still this one's (a hung one: SIGKILL ends a stopped
+        process too) and reap it; the next start starts another. Whether it was.
+
+        Its starts not forked yet fail at once (their report sockets end with it); workers it
+        forked are not its children and go on. A template started since (by another rollout
+        that found this one dead) is left alone.
+        """
+        with self._lock:
+            if self._process is None or self._process.pid != pid:
+                return False
+            self._close_locked()
+            return True
 
     def _close_locked(self) -> None:
         if self._socket is not None:
@@ -358,12 +381,13 @@ class WarmStart:
         **Cancellation:** nothing is left running that :meth:`close` does not end.
         """
         reports = self._reports
+        deadline = time.monotonic() + timeout_s
         holder = await self._holder(marked, timeout_s)
         if holder is None:
             return None
         try:
             try:
-                await template.send(request, [holder.fd, reports.end.fileno(), log_fd])
+                pid = await template.send(request, [holder.fd, reports.end.fileno(), log_fd])
                 self._handed_over = True  # sent whole: a worker may be forked from now on
             except SupervisorError as exc:
                 self.failure = str(exc)
@@ -371,13 +395,10 @@ class WarmStart:
             finally:
                 # The template holds its own copy now: once it and the worker are done, the report ends.
                 reports.end.close()
-            if (
-                await within(
-                    reports.until(lambda: reports.verdict is not None and reports.settled), timeout_s
-                )
-                is None
-            ):
-                self.failure = "the warm start did not report in time"
+            if await self._answered(template, pid, deadline - time.monotonic()):
+                left = deadline - time.monotonic()
+                if await within(reports.until(lambda: reports.verdict is not None), left) is None:
+                    self.failure = "the warm start did not report in time"
         finally:
             holder.close()
         if reports.verdict != b"ok" or reports.worker is None:
@@ -387,6 +408,35 @@ class WarmStart:
             self.failure = self.failure or f"the warm start failed: {words}"
             return None
         return reports.worker.handle()
+
+    async def _answered(self, template: Template, pid: int, timeout_s: float) -> bool:
+        """Wait for the template's word on this start, up to :data:`TEMPLATE_ANSWER_S` or ``timeout_s``
+        (the rollout's time left), whichever is shorter; whether it came (or the report ended: the
+        template died, and the start failed). If not, :attr:`failure` says why.
+
+        A template that says nothing within :data:`TEMPLATE_ANSWER_S` is hung: it is replaced.
+
+        **Cancellation:** the template is left as it is.
+        """
+        reports = self._reports
+        bound = min(timeout_s, TEMPLATE_ANSWER_S)
+        if await within(reports.until(lambda: reports.settled), bound) is not None:
+            return True
+        if bound < TEMPLATE_ANSWER_S:
+            self.failure = "the warm start did not report in time"
+        else:
+            replaced = template.replace(pid)
+            logger.error(
+                "the warm worker template (PID %d) did not answer a start in %g s: %s",
+                pid,
+                TEMPLATE_ANSWER_S,
+                "killed, a new one takes the next start" if replaced else "it was replaced already",
+            )
+            self.failure = (
+                f"the warm worker template (PID {pid}) did not answer in {TEMPLATE_ANSWER_S:g} s "
+                "(hung): it was killed and replaced; no worker was started"
+            )
+        return False
 
     async def _holder(self, marked: str, timeout_s: float) -> PidHandle | None:
         """A verified handle on the holder once it has announced itself; ``None`` if it never did

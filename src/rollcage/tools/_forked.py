@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import signal
 import socket
+import struct
 import sys
+import termios
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -77,6 +81,13 @@ _REAP_WAIT_S = 10.0
 """How long the executor's cage is waited for once it is killed (the kernel takes it at once)."""
 _EXIT_WAIT_S = 1.0
 """How long the exit code is waited for once the executor is gone (the template sends it at once)."""
+ANSWER_S = 5.0
+"""How long a worker waits for the executor template's answer to one start (it forks at once): one
+that says nothing so long is hung (stopped, deadlocked), and the worker starts its executors itself
+from then on, as where there is no template. A cell's time is the agent's; a hung helper's is not."""
+HUNG_S = 15.0
+"""How long a worker's hand-over to the executor template may stay unread (it reads each at once)
+before the warm template takes the executor template for hung: it is killed and another started."""
 
 
 class TemplateLink:
@@ -87,6 +98,8 @@ class TemplateLink:
         self._control: socket.socket | None = None
         self._process: PidfdChild | None = None
         self._starts = 0
+        self._unread_since: float | None = None
+        """When the oldest hand-over the executor template has not read yet was sent (``None``: none)."""
 
     def attach(
         self,
@@ -115,6 +128,8 @@ class TemplateLink:
             meta["cgroups"] = len(opened)
             data = json.dumps(meta).encode()
             socket.send_fds(control, [data], [theirs.fileno(), *opened], socket.MSG_DONTWAIT)
+            if self._unread_since is None:
+                self._unread_since = time.monotonic()
         except OSError as exc:
             log.warning("cannot reach the executor template (%s): this worker starts its executors", exc)
             ours.close()
@@ -128,7 +143,14 @@ class TemplateLink:
 
     def _ensure(self, env: Mapping[str, str]) -> socket.socket | None:
         if self._control is not None and self._process is not None and self._process.exited() is None:
-            return self._control
+            if not self._hung(self._control):
+                return self._control
+            log.warning(
+                "the executor template (PID %d) has not read a worker's hand-over in %g s (hung): "
+                "it is killed and another started",
+                self._process.pid,
+                HUNG_S,
+            )
         self.stop()
         if self._starts >= MAX_STARTS:
             return None  # one that keeps dying would cost every worker an interpreter's start, and more
@@ -155,8 +177,23 @@ class TemplateLink:
         self._control = ours
         return ours
 
+    def _hung(self, control: socket.socket) -> bool:
+        """Whether the executor template has left a hand-over unread for :data:`HUNG_S` (a live one reads
+        each at once: what it has not read is still charged to this end of the socket)."""
+        try:
+            unread = struct.unpack("i", fcntl.ioctl(control.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        except OSError:
+            return False
+        if unread == 0:
+            self._unread_since = None
+            return False
+        return self._unread_since is not None and time.monotonic() - self._unread_since > HUNG_S
+
     def stop(self) -> None:
-        """Stop the executor template (its executors live on; a later :meth:`attach` starts another)."""
+        """Stop the executor template (its executors live on; a later :meth:`attach` starts another).
+
+        A stopped (``SIGSTOP``) one is killed all the same."""
+        self._unread_since = None
         if self._control is not None:
             self._control.close()
             self._control = None
@@ -250,6 +287,7 @@ async def start(
     control: int,
     stdout: int,
     stderr: int,
+    answer_s: float = ANSWER_S,
 ) -> ForkedExecutor | None:
     """Make the executor's cage around a holder and have the executor forked into it; ``None``: start it.
 
@@ -261,6 +299,8 @@ async def start(
         argv: The command line it shows (that of a started executor).
         control: Its control socket; ``stdout``, ``stderr``: its output pipes (the holder's stderr too,
             where bubblewrap says why a cage could not be made).
+        answer_s: How long the executor template may take to answer (see :data:`ANSWER_S`): one
+            that does not is hung, and this worker starts its executors itself from then on.
 
     The caller holds SIGINT blocked (as for a started executor) and bounds the wait.
 
@@ -295,7 +335,8 @@ async def start(
         word, _, sender = await receive_message(ready, 16, credentials=True)
         if word != b"r" or sender <= 0:
             return None  # the cage was not made: its holder's exit and bubblewrap's words say why
-        forked = await _ask(channel, holder, sender, cwd, env, boot, argv, (control, stdout, stderr))
+        fds = (control, stdout, stderr)
+        forked = await _ask(channel, holder, sender, cwd, env, boot, argv, fds, answer_s)
         return forked
     finally:
         ready.close()
@@ -312,6 +353,7 @@ async def _ask(
     boot: str,
     argv: Sequence[str],
     fds: tuple[int, int, int],
+    answer_s: float,
 ) -> ForkedExecutor | None:
     global _channel
     info = read_proc(sender)
@@ -322,12 +364,22 @@ async def _ask(
     request = {"cwd": cwd, "env": dict(env), "boot": boot, "argv": list(argv)}
     try:
         socket.send_fds(channel, [json.dumps(request).encode()], [handle.fd, *fds], socket.MSG_DONTWAIT)
-        while True:
-            word, received, _ = await receive_message(channel, 4096, fds=1)
-            if not word.startswith(b"exit "):  # a previous executor's, if its end was not awaited
-                break
-            for fd in received:
-                os.close(fd)
+        async with asyncio.timeout(answer_s):
+            while True:
+                word, received, _ = await receive_message(channel, 4096, fds=1)
+                if not word.startswith(b"exit "):  # a previous executor's, if its end was not awaited
+                    break
+                for fd in received:
+                    os.close(fd)
+    except TimeoutError:
+        # Hung: its answer may still come, and a later start would take it for its own. Not the
+        # agent's to pay for: this executor, and this worker's next ones, are started instead.
+        log.warning(
+            "the executor template did not answer in %g s (hung): executors are started from here on",
+            answer_s,
+        )
+        _channel = None
+        return None
     except OSError as exc:
         log.warning("the executor template cannot be reached (%s): executors are started from here on", exc)
         _channel = None

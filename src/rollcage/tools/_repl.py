@@ -61,6 +61,7 @@ from rollcage.tools._executor import (
     fail_future,
     mark_dropped,
 )
+from rollcage.tools._forked import ANSWER_S as FORKED_ANSWER_S
 from rollcage.tools._forked import ForkedExecutor
 from rollcage.tools._forked import start as start_forked
 
@@ -384,6 +385,8 @@ class ReplExecutor(Executor):
                             control=child_sock.fileno(),
                             stdout=out_w,
                             stderr=err_w,
+                            # A hung template leaves time to start the executor instead.
+                            answer_s=min(FORKED_ANSWER_S, self._start_timeout_s / 4),
                         )
                     if forked is not None:
                         return forked
