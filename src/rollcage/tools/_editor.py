@@ -97,9 +97,10 @@ class FileEditor:
                     history.pop()
             else:
                 if command not in EDITOR_COMMANDS:
+                    allowed = ", ".join(EDITOR_COMMANDS)
                     return False, (
-                        f"Unrecognized command {command}. The allowed commands for the {self._name} tool are: "
-                        + ", ".join(EDITOR_COMMANDS)
+                        f"Unrecognized command {command}. "
+                        f"The allowed commands for the {self._name} tool are: {allowed}"
                     )
                 reply = await self._run({**arguments, "tool": self._name}, timeout_s)
                 if reply.get("ok") and command in ("create", "str_replace", "insert"):
