@@ -6,7 +6,8 @@ the file system cells see and never the worker's. Three pipes connect it to the
 worker, none of them its standard input:
 
 * commands: bash reads its *script* from a pipe (``/dev/fd/N``) the worker writes;
-  each command travels as one line, ``eval $'…'`` with the text ANSI-C quoted, so
+  each command travels as one line, ``eval $'…'`` with the text ANSI-C quoted (in a
+  one-pass loop that the SIGINT trap breaks out of), so
   an unbalanced quote in a command is a syntax error of that command and never
   swallows the next one; ``cd`` and ``export`` persist because ``eval`` runs in the
   shell itself;
@@ -24,7 +25,8 @@ terminal (``read``, ``python`` without arguments, ``git commit`` without ``-m``)
 sees end of input at once and the model gets its answer, never a hang.
 
 A command past its timeout gets SIGINT, sent to the shell's process group (the
-shell traps SIGINT and lives on; its foreground command does not). If the shell
+shell traps SIGINT, abandons the rest of the command and lives on; its foreground
+program does not). If the shell
 has not reported within the interrupt grace, the whole session (the cage with
 everything in it) is killed, the model is told its shell state was lost, and the
 next command starts a fresh shell. Background processes are the session's: they
@@ -92,6 +94,16 @@ _MARKER_WAIT_S = 1.0
 """How long a finished command's output may lag behind its status on the pipes."""
 _REAP_TIMEOUT_S = 5.0
 _IO_TIMEOUT_S = 5.0
+
+
+_EDITORS = ("vi", "vim", "nvim", "view", "nano", "pico", "emacs", "joe", "mcedit")
+_NO_TERMINAL = "".join(
+    f"{name}() {{ echo '{name}: there is no terminal in this session: edit files with the file editor "
+    f"tool, sed, or a heredoc (cat > FILE <<EOF)' >&2; return 1; }}\n"
+    for name in _EDITORS
+)
+"""Shell functions answering at once for the full-screen editors, which (vim) may otherwise wait for a
+terminal that never comes, ignoring SIGINT, until the command's timeout."""
 
 
 def bash_quote(text: str) -> str:
@@ -306,7 +318,8 @@ class ShellSession(AsyncClosing):
         # The session's own descriptors are closed for everything the shell starts; SIGINT runs a
         # no-op trap, so an interrupt ends the foreground command and not the shell.
         boot = (
-            f"exec {cmd_r}<&-\ntrap : INT\n__rollcage_status={st_w}\nprintf 'ready %s\\n' \"$$\" >&{st_w}\n"
+            f"exec {cmd_r}<&-\ntrap 'break 1000 2>/dev/null' INT\n{_NO_TERMINAL}"
+            f"__rollcage_status={st_w}\nprintf 'ready %s\\n' \"$$\" >&{st_w}\n"
         )
         await self._write(boot)
         try:
@@ -373,9 +386,11 @@ class ShellSession(AsyncClosing):
         self._next_id += 1
         cid = self._next_id
         # The command's own line, then the report line: a command cut off mid-way (a syntax error)
-        # ends at its line, and the report runs whatever the command did.
+        # ends at its line, and the report runs whatever the command did. The one-pass loop is what
+        # the SIGINT trap breaks out of: an interrupted command stops there, as at a terminal, rather
+        # than going on with the rest of its list.
         line = (
-            f"eval {bash_quote(command)} {{__rollcage_status}}>&-\n"
+            f"for __rollcage_once in 1; do eval {bash_quote(command)}; done {{__rollcage_status}}>&-\n"
             f"__rollcage_rc=$?; printf '%s%08x\\036' {bash_quote(self._marker.decode())} {cid}; "
             f"printf '%s %s\\n' {cid} \"$__rollcage_rc\" >&$__rollcage_status\n"
         )
