@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -137,6 +137,20 @@ async def test_output_is_bounded_in_the_middle(make: MakeShell) -> None:
     assert (await shell.run("echo next", LONG_S)).output == "next\n"
 
 
+@pytest.fixture
+def silent_stdin() -> Iterator[None]:
+    """This process's stdin is a pipe that never ends: a shell that inherited it would wait forever."""
+    read_end, write_end = os.pipe()
+    saved = os.dup(0)
+    os.dup2(read_end, 0)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, read_end, write_end):
+            os.close(fd)
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -154,7 +168,9 @@ async def test_output_is_bounded_in_the_middle(make: MakeShell) -> None:
         "git init -q repo2 && cd repo2 && git log; git -P help -a >/dev/null; echo log=$?",
     ],
 )
-async def test_a_command_that_waits_for_a_terminal_is_answered_promptly(make: MakeShell, command: str) -> None:
+async def test_a_command_that_waits_for_a_terminal_is_answered_promptly(
+    make: MakeShell, command: str, silent_stdin: None
+) -> None:
     shell = await make()
     result = await shell.run(command, LONG_S)
     # Answered by the command itself (end of input, no editor, no pager): never the timeout.
