@@ -155,7 +155,8 @@ async def test_path_and_command_refusals(make: Callable[..., FileEditor], ws: Pa
     cases = [
         (
             {"command": "view", "path": "rel.txt"},
-            f"The path rel.txt is not an absolute path, it should start with `/`. Maybe you meant {ws}/rel.txt?",
+            "The path rel.txt is not an absolute path, it should start with `/`. "
+            f"Maybe you meant {ws}/rel.txt?",
         ),
         (
             {"command": "view", "path": f"{ws}/missing"},
