@@ -157,7 +157,10 @@ class SweTools(Protocol):
         ...
 
     async def edit(self, arguments: dict[str, Any], timeout_s: float) -> tuple[ToolStatus, str]:
-        """Carry out one file editor call (``command``, ``path`` and the command's arguments)."""
+        """Carry out one file editor call (``command``, ``path`` and the command's arguments).
+
+        **Cancellation:** the editor's process is killed and ``CancelledError`` propagates.
+        """
         ...
 
 

@@ -12,7 +12,6 @@ into the cage to be written there.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rollcage.errors import ExecutorError
-from rollcage.procs import GroupTree, StopStrategy, shielded, stop_tree
+from rollcage.procs import GroupTree, StopStrategy, shielded, signal_group, stop_tree
 from rollcage.tools._executor import bound_middle
 
 __all__ = ["EDITOR_COMMANDS", "FileEditor"]
@@ -78,6 +77,8 @@ class FileEditor:
         Raises:
             ExecutorError: the editor's process could not start, or did not answer (the infrastructure's
                 failure, never the agent's).
+
+        **Cancellation:** the editor's process is killed (shielded) and ``CancelledError`` propagates.
         """
         command = arguments.get("command")
         path = arguments.get("path")
@@ -137,8 +138,7 @@ class FileEditor:
         finally:
             if proc.returncode is None:
                 await shielded(stop_tree(GroupTree(proc.pid, exit_task), StopStrategy(0.0, _KILL_WAIT_S)))
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # anything it left behind in its group
+            signal_group(proc.pid, signal.SIGKILL)  # anything it left behind in its group
             if not exit_task.done():
                 exit_task.cancel()
         if len(out) > _MAX_REPLY_BYTES:

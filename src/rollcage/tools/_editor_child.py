@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+__all__ = ["main"]
+
 SNIPPET_LINES = 4
 MAX_FILE_BYTES = 16 << 20
 

@@ -12,7 +12,7 @@ worker, none of them its standard input:
   swallows the next one; ``cd`` and ``export`` persist because ``eval`` runs in the
   shell itself;
 * output: the command's stdout and stderr share one pipe, drained by a
-  :class:`~rollcage.tools._repl._StreamSink` that keeps the first ``output_limit``
+  :class:`~rollcage.tools._repl.StreamSink` that keeps the first ``output_limit``
   bytes of each command and counts the rest; a marker written after each command
   tells where its output ends;
 * status: after each command the shell writes ``<id> <exit status>`` on a pipe of
@@ -59,9 +59,10 @@ from rollcage.procs import (
     signal_group,
     stop_tree,
     subtree,
+    wait_shared,
 )
 from rollcage.tools._executor import bound_middle, mark_dropped
-from rollcage.tools._repl import _StreamSink
+from rollcage.tools._repl import StreamSink
 
 __all__ = ["SHELL_ENV", "ShellResult", "ShellSession", "ShellStatus", "bash_quote"]
 
@@ -196,7 +197,7 @@ class ShellSession(AsyncClosing):
         self._status_reader: asyncio.StreamReader | None = None
         self._status_transport: asyncio.BaseTransport | None = None
         self._out_transport: asyncio.BaseTransport | None = None
-        self._sink: _StreamSink | None = None
+        self._sink: StreamSink | None = None
         self._marker = b""
         self._next_id = 0
         self._lost = False
@@ -221,7 +222,10 @@ class ShellSession(AsyncClosing):
         return self._pgid
 
     async def __aenter__(self) -> ShellSession:
-        """Nothing starts until the first command; leaving the block closes the session."""
+        """Nothing starts until the first command; leaving the block closes the session.
+
+        **Cancellation:** nothing to cancel (it does not wait).
+        """
         return self
 
     async def run(self, command: str, timeout_s: float) -> ShellResult:
@@ -254,7 +258,11 @@ class ShellSession(AsyncClosing):
             return result
 
     async def restart(self) -> None:
-        """Kill the session; the next command starts a fresh shell (what ``restart: true`` asks for)."""
+        """Kill the session; the next command starts a fresh shell (what ``restart: true`` asks for).
+
+        **Cancellation:** the kill is shielded: the session is always gone before ``CancelledError``
+        propagates.
+        """
         async with self._lock:
             await self._kill(restart=False)
 
@@ -282,7 +290,7 @@ class ShellSession(AsyncClosing):
     async def _launch(self) -> None:
         loop = asyncio.get_running_loop()
         self._marker = b"\x1erollcage-bash-end:" + os.urandom(8).hex().encode() + b":"
-        sink = self._sink = _StreamSink(self._limit, self._marker)
+        sink = self._sink = StreamSink(self._limit, self._marker)
         cmd_r, cmd_w = os.pipe()
         st_r, st_w = os.pipe()
         out_r, out_w = os.pipe()
@@ -400,7 +408,7 @@ class ShellSession(AsyncClosing):
             try:
                 try:
                     async with asyncio.timeout(timeout_s):
-                        code = await asyncio.shield(wait)
+                        code = await wait_shared(wait)
                 except TimeoutError:
                     pass
                 else:
@@ -408,7 +416,7 @@ class ShellSession(AsyncClosing):
                 self._interrupt()
                 try:
                     async with asyncio.timeout(self._grace):
-                        code = await asyncio.shield(wait)
+                        code = await wait_shared(wait)
                 except TimeoutError:
                     output, truncated = self._partial()
                     await self._kill(restart=True)
@@ -468,7 +476,7 @@ class ShellSession(AsyncClosing):
         self._interrupt()
         try:
             async with asyncio.timeout(self._grace):
-                await asyncio.shield(wait)
+                await wait_shared(wait)
         except (TimeoutError, _Died):
             await self._kill(restart=True)
 
