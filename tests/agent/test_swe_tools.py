@@ -22,6 +22,7 @@ from rollcage.cage import CAGE_ENV
 from rollcage.policy import PolicyServer
 from rollcage.protocol import WorkerInput, WorkerResult
 from tests.helpers.supervisor_env import requires_bwrap
+from tests.helpers.waiting import processes_mentioning
 from tests.helpers.worker_env import RolloutDir, wait_for
 
 pytestmark = [pytest.mark.bwrap, requires_bwrap()]
@@ -30,9 +31,16 @@ EDITOR = "str_replace_based_edit_tool"
 CALLS = 8
 
 
+def _marker(workspace: Path) -> str:
+    """A sleep's argument unique to this test: how its background process is found."""
+    return f"{abs(hash(str(workspace))) % 10**6}.{os.getpid()}"
+
+
 def _turns(workspace: Path) -> list[dict[str, Any]]:
     calc = f"{workspace}/proj/calc.py"
     make = (
+        # A background process that left the shell's session: it must still end with the rollout.
+        f"setsid sleep {_marker(workspace)} >/dev/null 2>&1 & "
         "mkdir -p proj && cd proj && export STAGE=made && "
         "printf 'def add(a, b):\\n    return a - b\\n' > calc.py && echo ok"
     )
@@ -135,6 +143,8 @@ def test_a_rollout_fixes_a_bug_with_bash_and_the_editor_and_journals_each_call(
     result = _run(rd, _input(server, "swe-0"), workspace)
 
     assert result.termination_reason == "completed" and result.error is None
+    # Nothing the agent started outlives its rollout.
+    wait_for(lambda: not processes_mentioning(_marker(workspace)), what="the background sleep to end")
     calls = result.trajectory.tool_calls
     assert [c.name for c in calls] == ["bash", EDITOR, EDITOR, EDITOR, "bash", "bash", "bash"]
     assert [c.status for c in calls] == [
