@@ -644,6 +644,11 @@ class WorkerInput(_Model, _VersionGate):
             if tool.name in names:
                 raise ValueError(f"tools: duplicate tool name {tool.name!r}")
             names.add(tool.name)
+            if isinstance(tool, BashToolSpec | EditorToolSpec) and self.agent.mode == "codeact":
+                raise ValueError(
+                    f"tools: tool {tool.name!r} is offered only as a function tool: use agent.mode "
+                    "'function_calling' (in codeact, agent code runs shell commands itself)"
+                )
             if isinstance(tool, ResourceToolSpec) and tool.resource not in self.resources:
                 raise ValueError(
                     f"tools: tool {tool.name!r} names resource {tool.resource!r}, "

@@ -299,6 +299,11 @@ def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"tool names must be unique, got {names}")
+    shell_tools = [s.name for s in specs if isinstance(s, BashToolSpec | EditorToolSpec)]
+    if shell_tools and row.agent.mode == "codeact":
+        raise ConfigError(
+            f"tools {shell_tools} are offered only as function tools: use agent.mode 'function_calling'"
+        )
     return tuple(specs)
 
 
