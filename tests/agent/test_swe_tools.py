@@ -218,3 +218,24 @@ def test_a_killed_swe_rollout_resumes_by_rerunning_its_commands_and_edits(
     assert server.requests.get("swe-1", 0) == CALLS - 4
     assert _comparable(result) == _comparable(baseline)
     assert result.trajectory.tool_calls[4].output == "made proj\n42"
+
+
+def test_a_rollout_cancelled_mid_command_stops_its_shell_and_everything_in_it(
+    caged: None, serve_policy: Callable[..., PolicyServer], dirs: Callable[[str], RolloutDir], workspace: Path
+) -> None:
+    marker = _marker(workspace)
+    command = f"setsid sleep {marker}1 >/dev/null 2>&1 & sleep {marker}2"
+    server = serve_policy(
+        {"tasks": {"swe": [{"tool_calls": [{"name": "bash", "arguments": {"command": command}}]}]}}
+    )
+    rd = dirs("r0")
+    rd.write_input(_input(server, "swe-0"))
+    rd.start("--workspace", str(workspace))
+    wait_for(lambda: len(processes_mentioning(marker)) == 2, what="the command and its background process")
+    rd.signal(signal.SIGTERM)
+    assert rd.wait() == 128 + signal.SIGTERM
+    result = rd.result_model()
+    assert result.error is not None and result.error.kind == "cancelled"
+    (call,) = result.trajectory.tool_calls
+    assert call.name == "bash" and call.status == "cancelled"
+    wait_for(lambda: not processes_mentioning(marker), what="the shell's processes to end")
