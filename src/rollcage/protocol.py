@@ -1007,7 +1007,8 @@ class ResumedFrom(_Model):
         description="Tool calls answered from the journal without being sent again (resource tools, submit)."
     )
     rerun_cells: list[str] = Field(
-        description="Python cells run again in a fresh executor to restore its state; each output matched."
+        description="Python cells, bash commands and file editor calls run again in a fresh cage to restore "
+        "its state, in their recorded order; each output matched."
     )
 
 
