@@ -190,11 +190,12 @@ async def test_background_processes_end_with_the_session(make: MakeShell, where:
     await wait_for_async(lambda: not processes_mentioning(marker), what="the background sleeps to end")
 
 
+@pytest.mark.bwrap
+@requires_bwrap()
+@pytest.mark.parametrize("where", ["caged"], indirect=True)  # only a caged session has its own PID namespace
 async def test_a_caged_session_writes_the_workspace_and_cannot_see_the_worker(
-    make: MakeShell, where: str, tmp_path: Path
+    make: MakeShell, tmp_path: Path
 ) -> None:
-    if where != "caged":
-        pytest.skip("only a caged session has a PID namespace of its own")
     shell = await make()
     result = await shell.run(f"test -e /proc/{os.getpid()}; echo seen=$?; echo made > mine.txt", LONG_S)
     assert result.output == "seen=1\n"
