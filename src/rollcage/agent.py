@@ -44,7 +44,9 @@ from typing import Any, Literal, Protocol
 
 from rollcage.errors import ModelError, ResumeRefusedError
 from rollcage.protocol import (
+    BashToolSpec,
     BoundaryRecord,
+    EditorToolSpec,
     ModelCall,
     PythonToolSpec,
     ResourceToolSpec,
@@ -67,6 +69,7 @@ __all__ = [
     "CellRunner",
     "ModelCaller",
     "ResourceCaller",
+    "SweTools",
     "extract_code_blocks",
     "function_tools",
     "own_call_ids",
@@ -142,6 +145,25 @@ class CellRunner(Protocol):
         ...
 
 
+class SweTools(Protocol):
+    """What the loop needs of the ``bash`` tool and the file editor (both run in the executor's cage)."""
+
+    async def run_bash(self, command: str | None, restart: bool, timeout_s: float) -> tuple[ToolStatus, str]:
+        """Run one command in the rollout's shell session (after restarting it when ``restart``).
+
+        **Cancellation:** the command is interrupted (the session killed if it will not stop) and
+        ``CancelledError`` propagates.
+        """
+        ...
+
+    async def edit(self, arguments: dict[str, Any], timeout_s: float) -> tuple[ToolStatus, str]:
+        """Carry out one file editor call (``command``, ``path`` and the command's arguments).
+
+        **Cancellation:** the editor's process is killed and ``CancelledError`` propagates.
+        """
+        ...
+
+
 @dataclass(frozen=True)
 class AgentResult:
     """How the loop ended."""
@@ -175,8 +197,9 @@ class Agent:
         recorder: TrajectoryRecorder,
         boundary: BoundarySink,
         replay: Replay | None = None,
+        swe: SweTools | None = None,
     ) -> None:
-        """Bind the loop to its collaborators."""
+        """Bind the loop to its collaborators (``swe``: the bash tool and the file editor, if offered)."""
         self._replay = replay
         self._spec = spec
         self._model = model
@@ -191,6 +214,11 @@ class Agent:
         self._invalid = 0
         self._python = next((t for t in spec.tools if isinstance(t, PythonToolSpec)), None)
         self._resource_specs = {t.name: t for t in spec.tools if isinstance(t, ResourceToolSpec)}
+        self._bash = next((t for t in spec.tools if isinstance(t, BashToolSpec)), None)
+        self._editor = next((t for t in spec.tools if isinstance(t, EditorToolSpec)), None)
+        self._swe = swe
+        # One lock for every tool that acts in the cage (cells, bash, the editor): they take turns in
+        # call order, so a replay re-runs them in the order the journal recorded.
         self._cell_lock = asyncio.Lock()
         self._submitted: str | None = None
         self._bridged = 0
@@ -199,6 +227,12 @@ class Agent:
     def attach_cells(self, cells: CellRunner) -> None:
         """Attach the executor after construction (its bridge is this agent's ``bridge``)."""
         self._cells = cells
+
+    def _local(self, name: str) -> bool:
+        """Whether ``name`` is a tool that acts in the executor's cage: re-run, not answered, on replay."""
+        return any(
+            spec is not None and spec.name == name for spec in (self._python, self._bash, self._editor)
+        )
 
     async def run(self) -> AgentResult:
         """Run the episode to its end.
@@ -289,8 +323,11 @@ class Agent:
             recorded = answers.get(call.call_id)
             if recorded is None:
                 status, output = await self._dispatch(call, arguments)
-            elif self._python is not None and call.name == self._python.name:
-                status, output = await self._rerun_cell(call.call_id, str(arguments["code"]), recorded)
+            elif self._local(call.name):
+                # Cells, shell commands and edits are run again: that is how the cage's state comes back.
+                status, output = await self._dispatch(call, arguments)
+                assert self._replay is not None
+                self._replay.check_cell(call.call_id, recorded, status, output)
             else:
                 status, output = self._replayed(recorded)
             await self._finish(call.call_id, status, output)
@@ -324,6 +361,14 @@ class Agent:
             if not isinstance(arguments.get("code"), str):
                 return {}, f"the {call.name} tool takes one string argument 'code'"
             return arguments, None
+        if self._bash is not None and call.name == self._bash.name:
+            if not isinstance(arguments.get("command"), str) and arguments.get("restart") is not True:
+                return {}, f"the {call.name} tool takes a string argument 'command' (or 'restart': true)"
+            return arguments, None
+        if self._editor is not None and call.name == self._editor.name:
+            if not isinstance(arguments.get("command"), str) or not isinstance(arguments.get("path"), str):
+                return {}, f"the {call.name} tool takes string arguments 'command' and 'path'"
+            return arguments, None
         if call.name in self._resource_specs and self._resources is not None:
             return arguments, None
         return {}, f"there is no tool named {call.name!r}"
@@ -331,6 +376,8 @@ class Agent:
     async def _dispatch(self, call: ToolCall, arguments: dict[str, Any]) -> tuple[ToolStatus, str]:
         if self._python is not None and call.name == self._python.name:
             return await self._run_cell(call.call_id, str(arguments["code"]))
+        if self._local(call.name):
+            return await self._run_swe(call.call_id, call.name, arguments)
         self._recorder.mark_started(call.call_id)
         return await self._call_resource(call.name, arguments)
 
@@ -546,6 +593,21 @@ class Agent:
             self._recorder.mark_started(call_id)
             return await self._cells.run_cell(code, self._spec.agent.tool_timeout_s)
 
+    async def _run_swe(self, call_id: str, name: str, arguments: dict[str, Any]) -> tuple[ToolStatus, str]:
+        """A bash command or an editor call, in the cage, taking its turn with the cells."""
+        if self._swe is None:
+            return "failed", f"error: the {name} tool is not available in this rollout"
+        timeout_s = self._spec.agent.tool_timeout_s
+        async with self._cell_lock:
+            self._recorder.mark_started(call_id)
+            if self._bash is not None and name == self._bash.name:
+                command = arguments.get("command")
+                restart = arguments.get("restart") is True
+                return await self._swe.run_bash(
+                    command if isinstance(command, str) else None, restart, timeout_s
+                )
+            return await self._swe.edit(arguments, timeout_s)
+
     async def _call_resource(self, name: str, arguments: dict[str, Any]) -> tuple[ToolStatus, str]:
         assert self._resources is not None
         status, text = await self._resources.call(name, arguments)
@@ -626,6 +688,16 @@ def function_tools(tools: Sequence[ToolSpec], *, codeact: bool) -> list[dict[str
             }
         )
     for spec in tools:
+        if isinstance(spec, BashToolSpec | EditorToolSpec):
+            offered.append(
+                {
+                    "type": "function",
+                    "name": spec.name,
+                    "description": spec.description,
+                    "parameters": _BASH_PARAMETERS if isinstance(spec, BashToolSpec) else _EDITOR_PARAMETERS,
+                }
+            )
+    for spec in tools:
         if isinstance(spec, ResourceToolSpec):
             offered.append(
                 {
@@ -636,6 +708,42 @@ def function_tools(tools: Sequence[ToolSpec], *, codeact: bool) -> list[dict[str
                 }
             )
     return offered
+
+
+_BASH_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "command": {"type": "string", "description": "The bash command to run."},
+        "restart": {"type": "boolean", "description": "Restart the session (its state is lost)."},
+    },
+}
+"""Anthropic's bash tool's arguments."""
+
+_EDITOR_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "command": {
+            "type": "string",
+            "enum": ["view", "create", "str_replace", "insert", "undo_edit"],
+            "description": "The command to run.",
+        },
+        "path": {"type": "string", "description": "Absolute path to a file or directory."},
+        "file_text": {"type": "string", "description": "create: the content of the new file."},
+        "old_str": {"type": "string", "description": "str_replace: the text to replace (exactly once)."},
+        "new_str": {
+            "type": "string",
+            "description": "str_replace: the new text; insert: the text to insert.",
+        },
+        "insert_line": {"type": "integer", "description": "insert: the line after which to insert (0: top)."},
+        "view_range": {
+            "type": "array",
+            "items": {"type": "integer"},
+            "description": "view: [start, end] lines, 1-based; end -1 for the rest of the file.",
+        },
+    },
+    "required": ["command", "path"],
+}
+"""The arguments of Anthropic's and OpenHands' file editors."""
 
 
 def own_call_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:

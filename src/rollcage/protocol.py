@@ -33,6 +33,7 @@ __all__ = [
     "RESERVED_REQUEST_FIELDS",
     "SCHEMA_VERSION",
     "AgentSettings",
+    "BashToolSpec",
     "BoundaryRecord",
     "BudgetMechanism",
     "BudgetName",
@@ -47,6 +48,7 @@ __all__ = [
     "CheckpointSettings",
     "CommandHarness",
     "DeltaField",
+    "EditorToolSpec",
     "ErrorKind",
     "ExecutorSettings",
     "HarnessEnvironment",
@@ -348,6 +350,46 @@ class PythonToolSpec(_Model):
     )
 
 
+class BashToolSpec(_Model):
+    """A persistent bash session in the executor's cage (``{"command": "...", "restart": false}``).
+
+    Commands run one at a time, each bounded by ``AgentSettings.tool_timeout_s`` and
+    ``tool_output_limit``; the working directory and exported variables persist between
+    calls. ``restart: true`` starts a fresh session.
+    """
+
+    type: Literal["bash"] = "bash"
+    name: str = Field(default="bash", description="Tool name the model sees.")
+    description: str = Field(
+        default="Run a command in a persistent bash session (working directory and exported variables "
+        "persist between calls); returns its output and, when not 0, its exit status. There is no "
+        "terminal: interactive programs see end of input. Pass restart: true to start a fresh session.",
+        description="Tool description the model sees.",
+    )
+
+
+class EditorToolSpec(_Model):
+    """A file editor with the interface of Anthropic's and OpenHands' editors, run in the executor's cage.
+
+    Commands ``view``, ``create``, ``str_replace``, ``insert`` and ``undo_edit``; paths are absolute.
+    """
+
+    type: Literal["editor"] = "editor"
+    name: Literal["str_replace_based_edit_tool", "str_replace_editor"] = Field(
+        default="str_replace_based_edit_tool",
+        description="Tool name the model sees: Anthropic's current name, or str_replace_editor "
+        "(OpenHands, SWE-agent, Anthropic's earlier tool).",
+    )
+    description: str = Field(
+        default="View, create and edit files. `view` shows a file with line numbers (`cat -n`; "
+        "`view_range` [start, end], end -1 for the rest) or lists a directory 2 levels deep; `create` "
+        "writes a new file (`file_text`); `str_replace` replaces `old_str`, which must occur exactly "
+        "once, with `new_str`; `insert` inserts `new_str` after line `insert_line` (0: at the top); "
+        "`undo_edit` reverts the last edit of `path`. Paths must be absolute.",
+        description="Tool description the model sees.",
+    )
+
+
 class ResourceToolSpec(_Model):
     """A tool served by a resource endpoint: ``POST {base_url}/{path}`` with the arguments as JSON."""
 
@@ -362,7 +404,9 @@ class ResourceToolSpec(_Model):
     path: str | None = Field(default=None, description="Endpoint path; None means '/<name>'.")
 
 
-ToolSpec = Annotated[PythonToolSpec | ResourceToolSpec, Field(discriminator="type")]
+ToolSpec = Annotated[
+    PythonToolSpec | BashToolSpec | EditorToolSpec | ResourceToolSpec, Field(discriminator="type")
+]
 """A tool offered to the agent, tagged by ``type``."""
 
 
@@ -615,6 +659,11 @@ class WorkerInput(_Model, _VersionGate):
             if tool.name in names:
                 raise ValueError(f"tools: duplicate tool name {tool.name!r}")
             names.add(tool.name)
+            if isinstance(tool, BashToolSpec | EditorToolSpec) and self.agent.mode == "codeact":
+                raise ValueError(
+                    f"tools: tool {tool.name!r} is offered only as a function tool: use agent.mode "
+                    "'function_calling' (in codeact, agent code runs shell commands itself)"
+                )
             if isinstance(tool, ResourceToolSpec) and tool.resource not in self.resources:
                 raise ValueError(
                     f"tools: tool {tool.name!r} names resource {tool.resource!r}, "
@@ -983,7 +1032,8 @@ class ResumedFrom(_Model):
         description="Tool calls answered from the journal without being sent again (resource tools, submit)."
     )
     rerun_cells: list[str] = Field(
-        description="Python cells run again in a fresh executor to restore its state; each output matched."
+        description="Python cells, bash commands and file editor calls run again in a fresh cage to restore "
+        "its state, in their recorded order; each output matched."
     )
 
 

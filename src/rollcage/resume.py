@@ -18,7 +18,10 @@ A ``Replay`` then drives the agent loop through the journal's prefix:
 * a Python cell the journal holds is run again in the fresh executor, which is
   how the executor's state (variables, files in the workspace) is restored; its
   output must equal the recorded one, else the replay has diverged (agent code
-  that prints a time or a random number), and the rollout starts fresh.
+  that prints a time or a random number), and the rollout starts fresh. A ``bash``
+  command and a file editor call are cells in this sense: run again (the shell's
+  directory and variables, the files and the editor's undo history come back),
+  compared the same way.
 
 Everything after the journal's prefix runs for real. Why re-run cells rather than
 restore a snapshot of the earlier workspace: the earlier attempt's directory is

@@ -56,7 +56,9 @@ from rollcage.procs import (
 from rollcage.protocol import (
     MAX_INPUT_BYTES,
     SCHEMA_VERSION,
+    BashToolSpec,
     BoundaryRecord,
+    EditorToolSpec,
     PythonToolSpec,
     ResourceToolSpec,
     ResponseOutput,
@@ -628,6 +630,14 @@ class _Session:
                 )
                 await stack.enter_async_context(resources)
             cells: _Cells | None = None
+            swe: _Swe | None = None
+            if any(isinstance(t, BashToolSpec | EditorToolSpec) for t in spec.tools):
+                # In the executor's cage, as cells are; the shell in a session of its own, so the SIGINT
+                # that interrupts a command never reaches the cage's monitor.
+                swe = _Swe(
+                    spec, self.paths.workspace, self._executor_cage(ignore_sigint=False, new_session=True)
+                )
+                stack.push_async_callback(swe.aclose)
             agent = Agent(
                 spec,
                 model=client,
@@ -636,6 +646,7 @@ class _Session:
                 recorder=self.recorder,
                 boundary=self._boundary,
                 replay=replay,
+                swe=swe,
             )
             if any(isinstance(t, PythonToolSpec) for t in spec.tools) or spec.agent.mode == "codeact":
                 bridged: dict[str, list[str]] = {}
@@ -680,12 +691,14 @@ class _Session:
         elif not await self.relay.send(record, after=after):
             self.checkpoint_failures += 1
 
-    def _executor_cage(self, *, share_net: bool = False, ignore_sigint: bool = True) -> list[str]:
+    def _executor_cage(
+        self, *, share_net: bool = False, ignore_sigint: bool = True, new_session: bool = False
+    ) -> list[str]:
         """The executor's cage, when the supervisor asked for one (see :mod:`rollcage.cage`).
 
         Everything only the worker may touch (its input, journal, result and the proxy
         socket) is hidden from the executor; the workspace stays. ``ignore_sigint``: see
-        :meth:`rollcage.cage.NestedCage.prefix`.
+        :meth:`rollcage.cage.NestedCage.prefix`, as is ``new_session``.
         """
         from rollcage.cage import NestedCage
 
@@ -697,7 +710,7 @@ class _Session:
         cage = NestedCage.from_environment(
             workspace=str(paths.workspace), worker_paths=map(str, private), share_net=share_net
         )
-        return [] if cage is None else cage.prefix(ignore_sigint=ignore_sigint)
+        return [] if cage is None else cage.prefix(ignore_sigint=ignore_sigint, new_session=new_session)
 
     def _result(self, outcome: AgentResult | None, error: RunnerError | None) -> WorkerResult:
         if error is not None:
@@ -809,3 +822,40 @@ class _Cells:
         done, _ = await shielded(asyncio.wait({close}, timeout=EXECUTOR_CLOSE_TIMEOUT_S))
         if not done:
             log.error("executor did not close within %.0fs", EXECUTOR_CLOSE_TIMEOUT_S)
+
+
+class _Swe:
+    """The agent's ``bash`` tool and file editor: both in the executor's cage, both closed at the end."""
+
+    def __init__(self, spec: WorkerInput, workspace: Path, cage: list[str]) -> None:
+        from rollcage.tools import FileEditor, ShellSession
+
+        editor = next((t for t in spec.tools if isinstance(t, EditorToolSpec)), None)
+        self._shell = ShellSession(
+            cwd=workspace,
+            prefix=cage,
+            output_limit=spec.agent.tool_output_limit,
+            interrupt_grace_s=spec.executor.interrupt_grace_s,
+        )
+        self._editor = FileEditor(
+            cwd=workspace,
+            prefix=cage,
+            name=editor.name if editor is not None else "str_replace_based_edit_tool",
+            output_limit=spec.agent.tool_output_limit,
+        )
+
+    async def run_bash(self, command: str | None, restart: bool, timeout_s: float) -> tuple[ToolStatus, str]:
+        if restart:
+            await self._shell.restart()
+            if command is None:
+                return "completed", "The bash session was restarted: a fresh shell now runs in the workspace."
+        result = await self._shell.run(command or "", timeout_s)
+        return ("completed" if result.status == "ok" else "failed"), result.text
+
+    async def edit(self, arguments: dict[str, Any], timeout_s: float) -> tuple[ToolStatus, str]:
+        ok, text = await self._editor.call(arguments, timeout_s)
+        return ("completed" if ok else "failed"), text
+
+    async def aclose(self) -> None:
+        # Shielded inside: a cancelled rollout still kills its shell and everything it started.
+        await self._shell.aclose()

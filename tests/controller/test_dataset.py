@@ -21,7 +21,14 @@ from rollcage.controller import (
 )
 from rollcage.controller._dataset import detect_format, validate_row
 from rollcage.errors import ConfigError
-from rollcage.protocol import ModelEndpoint, PythonToolSpec, ResourceToolSpec, WorkerInput
+from rollcage.protocol import (
+    BashToolSpec,
+    EditorToolSpec,
+    ModelEndpoint,
+    PythonToolSpec,
+    ResourceToolSpec,
+    WorkerInput,
+)
 from tests.helpers.paths import EXAMPLES
 
 FULL_ROW: dict[str, Any] = {
@@ -69,6 +76,20 @@ def test_defaults_environment_tools_and_verify_grader(tmp_path: Path) -> None:
     assert task.grader is not None and task.grader.type == "verify"
 
 
+def test_a_row_asks_for_bash_and_the_editor_by_name(tmp_path: Path) -> None:
+    task = one(
+        tmp_path, {"id": "s", "input": "fix it", "tools": ["bash", "str_replace_based_edit_tool", "python"]}
+    )
+    assert isinstance(task, Task)
+    assert task.tools == (BashToolSpec(), EditorToolSpec(), PythonToolSpec())
+    alias = one(tmp_path, {"id": "s", "input": "fix it", "tools": ["str_replace_editor"]})
+    assert isinstance(alias, Task) and alias.tools == (EditorToolSpec(name="str_replace_editor"),)
+    spelled = one(
+        tmp_path, {"id": "s", "input": "x", "tools": [{"type": "bash", "description": "Your shell."}]}
+    )
+    assert isinstance(spelled, Task) and spelled.tools == (BashToolSpec(description="Your shell."),)
+
+
 def test_row_without_environment_gets_python_and_exact_grader(tmp_path: Path) -> None:
     task = one(tmp_path, {"id": 7, "input": "hi", "expected": "a"})
     assert isinstance(task, Task)
@@ -113,6 +134,14 @@ def test_each_external_url_gets_its_own_deterministic_key(tmp_path: Path) -> Non
         ({"id": "x", "input": "hi", "environment": "nope"}, "unknown environment 'nope'"),
         ({"id": "x", "input": "hi", "environment": "calc-weather", "tools": ["fly"]}, "unknown tool 'fly'"),
         ({"id": "x", "input": "hi", "tools": ["python", "python"]}, "tool names must be unique"),
+        (
+            {"id": "x", "input": "hi", "tools": ["bash"], "agent": {"mode": "codeact"}},
+            "tools ['bash'] are offered only as function tools",
+        ),
+        (
+            {"id": "x", "input": "hi", "tools": ["sh"]},
+            "known here are python, bash, str_replace_based_edit_tool",
+        ),
         ({"id": "x", "input": "hi", "grader": {"type": "verify"}}, "needs an 'environment'"),
         ({"id": "x", "input": "hi", "grader": {"type": "numeric"}}, "needs 'expected'"),
         ({"id": "x", "input": "hi", "grader": {"type": "telepathy"}}, "grader"),

@@ -300,6 +300,20 @@ def test_resource_tool_must_name_a_known_resource() -> None:
     assert ok.tools[0].name == "get_weather"
 
 
+def test_bash_and_editor_tools_round_trip_and_are_refused_in_codeact() -> None:
+    tools = [{"type": "bash"}, {"type": "editor", "name": "str_replace_editor"}]
+    spec = WorkerInput.model_validate(_input(tools=tools))
+    assert [(type(t).__name__, t.name) for t in spec.tools] == [
+        ("BashToolSpec", "bash"),
+        ("EditorToolSpec", "str_replace_editor"),
+    ]
+    assert WorkerInput.model_validate_json(spec.model_dump_json()) == spec
+    with pytest.raises(ValidationError, match="str_replace_based_edit_tool"):
+        WorkerInput.model_validate(_input(tools=[{"type": "editor", "name": "vim"}]))
+    with pytest.raises(ValidationError, match="offered only as a function tool"):
+        WorkerInput.model_validate(_input(tools=[{"type": "bash"}], agent={"mode": "codeact"}))
+
+
 def test_model_endpoint_has_no_field_for_a_key() -> None:
     assert not any("key" in name for name in ModelEndpoint.model_fields)
 

@@ -109,14 +109,17 @@ class NestedCage:
             raise SandboxError(f"cannot hide the worker's files from the executor: {worker_paths!r} are in /")
         return cls(bwrap=bwrap, workspace=os.path.abspath(workspace), hide=tuple(hide), share_net=share_net)
 
-    def prefix(self, *, ignore_sigint: bool = True) -> list[str]:
+    def prefix(self, *, ignore_sigint: bool = True, new_session: bool = False) -> list[str]:
         """The argv prefix that runs a command in the executor's cage (working directory: the workspace).
 
         Args:
             ignore_sigint: Start bwrap through ``sh`` with SIGINT ignored; ``False`` for a caller that
                 starts the prefix with SIGINT blocked (see the module docstring).
+            new_session: Start the command in a session (and process group) of its own (``bwrap
+                --new-session``), so that a signal to its group never reaches the cage's monitor: the
+                ``bash`` tool's shell, which takes SIGINT itself (:mod:`rollcage.tools._shell`).
         """
-        return nested_prefix(self, ignore_sigint=ignore_sigint)
+        return nested_prefix(self, ignore_sigint=ignore_sigint, new_session=new_session)
 
 
 # jupyter_client's parent-PID watch: in the cage the kernel's parent is the namespace's init (PID 1),
@@ -124,7 +127,7 @@ class NestedCage:
 _UNSET = ("JPY_PARENT_PID",)
 
 
-def nested_prefix(cage: NestedCage, *, ignore_sigint: bool = True) -> list[str]:
+def nested_prefix(cage: NestedCage, *, ignore_sigint: bool = True, new_session: bool = False) -> list[str]:
     """The command-line prefix for ``cage`` (see :class:`NestedCage`; pure)."""
     hides: list[str] = []
     sealed: list[str] = []
@@ -171,5 +174,6 @@ def nested_prefix(cage: NestedCage, *, ignore_sigint: bool = True) -> list[str]:
         "--chdir",
         cage.workspace,
         *unset,
+        *(["--new-session"] if new_session else []),
         "--",
     ]

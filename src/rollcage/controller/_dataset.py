@@ -35,7 +35,7 @@ import stat
 import tempfile
 import threading
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO, Literal
@@ -52,6 +52,8 @@ from rollcage.headers import id_problem
 from rollcage.protocol import (
     MAX_INPUT_BYTES,
     AgentSettings,
+    BashToolSpec,
+    EditorToolSpec,
     ExecutorSettings,
     ModelEndpoint,
     PythonToolSpec,
@@ -133,7 +135,17 @@ class RowResourceTool(_Row):
     path: str | None = Field(default=None, description="Endpoint path; None: '/<name>'.")
 
 
-RowTool = Annotated[PythonToolSpec | RowResourceTool, Field(discriminator="type")]
+RowTool = Annotated[
+    PythonToolSpec | BashToolSpec | EditorToolSpec | RowResourceTool, Field(discriminator="type")
+]
+
+_BUILTIN_TOOLS: dict[str, Callable[[], ToolSpec]] = {
+    "python": PythonToolSpec,
+    "bash": BashToolSpec,
+    "str_replace_based_edit_tool": EditorToolSpec,
+    "str_replace_editor": lambda: EditorToolSpec(name="str_replace_editor"),
+}
+"""Tools a row may ask for by name alone: the executor's own (they run in the rollout's cage)."""
 
 
 class DatasetRow(_Row):
@@ -438,14 +450,14 @@ def _environment(name: str | None) -> EnvironmentRef | None:
 
 
 def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
-    wanted: list[str | PythonToolSpec | RowResourceTool]
+    wanted: list[str | PythonToolSpec | BashToolSpec | EditorToolSpec | RowResourceTool]
     if row.tools is None:
         wanted = list(env.catalog.default_tools) if env is not None and env.catalog else ["python"]
     else:
         wanted = list(row.tools)
     specs: list[ToolSpec] = []
     for tool in wanted:
-        if isinstance(tool, PythonToolSpec):
+        if isinstance(tool, PythonToolSpec | BashToolSpec | EditorToolSpec):
             specs.append(tool)
         elif isinstance(tool, RowResourceTool):
             # A row has one environment: its tools name it by key, by the row's own spelling,
@@ -462,13 +474,13 @@ def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
                     path=tool.path,
                 )
             )
-        elif tool == "python":
-            specs.append(PythonToolSpec())
+        elif tool in _BUILTIN_TOOLS:
+            specs.append(_BUILTIN_TOOLS[tool]())
         else:
             catalog = {t.name: t for t in env.catalog.tools} if env is not None and env.catalog else {}
             info = catalog.get(tool)
             if info is None or env is None:
-                known = ", ".join(["python", *catalog]) if catalog else "python"
+                known = ", ".join([*_BUILTIN_TOOLS, *catalog])
                 raise ConfigError(f"unknown tool {tool!r}: known here are {known}; or give a full spec")
             specs.append(
                 ResourceToolSpec(
@@ -493,6 +505,11 @@ def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
             )
     if len(set(names)) != len(names):
         raise ConfigError(f"tool names must be unique, got {names}")
+    shell_tools = [s.name for s in specs if isinstance(s, BashToolSpec | EditorToolSpec)]
+    if shell_tools and row.agent.mode == "codeact":
+        raise ConfigError(
+            f"tools {shell_tools} are offered only as function tools: use agent.mode 'function_calling'"
+        )
     return tuple(specs)
 
 

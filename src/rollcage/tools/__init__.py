@@ -1,4 +1,4 @@
-"""Tools of the agent: a persistent Python executor and HTTP resource tools.
+"""Tools of the agent: a persistent Python executor, bash, a file editor and HTTP resource tools.
 
 Every call has a timeout and a bounded output. The executor has one interface
 (:class:`Executor`) and two backends built by :func:`make_executor`: ``repl``
@@ -9,6 +9,7 @@ Importing this package is cheap: no ``jupyter_client``, ``starlette`` or other
 heavy dependency is loaded until a backend that needs it is built.
 """
 
+from rollcage.tools._editor import FileEditor
 from rollcage.tools._executor import (
     BridgedTools,
     CellResult,
@@ -22,6 +23,7 @@ from rollcage.tools._executor import (
 from rollcage.tools._forked import TemplateLink as ExecutorTemplateLink
 from rollcage.tools._forked import adopt as adopt_executor_template
 from rollcage.tools._resources import ResourceTools, tool_parameters
+from rollcage.tools._shell import ShellResult, ShellSession
 
 __all__ = [
     "BridgedTools",
@@ -30,7 +32,10 @@ __all__ = [
     "Executor",
     "ExecutorState",
     "ExecutorTemplateLink",
+    "FileEditor",
     "ResourceTools",
+    "ShellResult",
+    "ShellSession",
     "ToolBridge",
     "adopt_executor_template",
     "bound_middle",

@@ -68,7 +68,7 @@ from rollcage.tools._forked import start as start_forked
 if TYPE_CHECKING:
     from rollcage.protocol import ExecutorSettings
 
-__all__ = ["ReplExecutor"]
+__all__ = ["ReplExecutor", "StreamSink"]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,10 @@ def _sigint_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+StreamSink = _StreamSink
+"""The bounded, marker-cut drain of an output pipe; the ``bash`` tool's too (:mod:`rollcage.tools._shell`)."""
 
 
 def _factory(sink: _StreamSink) -> Callable[[], _StreamSink]:
