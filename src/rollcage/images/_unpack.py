@@ -312,6 +312,7 @@ class _Unpacker:
                 nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 os.mkdir(part, 0o700, dir_fd=fd)
+                os.chmod(part, 0o755, dir_fd=fd)  # what docker gives a parent the tar does not list
                 self.implicit.add(parts[: depth + 1])
                 nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except (NotADirectoryError, OSError) as exc:
