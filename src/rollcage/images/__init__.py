@@ -13,7 +13,7 @@ are unpacked by rollcage's own hardened tar reader (``_unpack``), and the store 
 tree guarded by flock (``_store``).
 """
 
-from rollcage.images._overlay import CowRoot, bwrap_overlay_args, cow_root
+from rollcage.images._overlay import CowRoot, cow_root
 from rollcage.images._ref import ImageRef, parse_ref
 from rollcage.images._store import (
     STORE_ENV,
@@ -36,7 +36,6 @@ __all__ = [
     "Limits",
     "PreparedImage",
     "PruneReport",
-    "bwrap_overlay_args",
     "cow_root",
     "default_store_path",
     "parse_ref",

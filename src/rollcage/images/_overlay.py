@@ -3,8 +3,9 @@
 ``cow_root(image, directory, mountpoint)`` mounts overlayfs at ``mountpoint``: lower the image's
 unpacked root (never written), upper and work directories inside ``directory`` (so what the
 rollout writes costs O(bytes written) and counts against that directory's budget). Mounted
-``nosuid,nodev``. Mounting needs ``CAP_SYS_ADMIN`` (root); a non-root caller mounts the same
-overlay inside bubblewrap's user namespace instead (:func:`bwrap_overlay_args`, bubblewrap 0.8+).
+``nosuid,nodev``. Mounting needs ``CAP_SYS_ADMIN`` in the mount namespace's owner: root, or a
+non-root caller inside its own user namespace (kernel 5.11+; bubblewrap 0.9+ has ``--overlay``,
+Debian 12's 0.8 does not).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rollcage.errors import SandboxError
 from rollcage.images._store import PreparedImage
 from rollcage.images._unpack import remove_tree
 
-__all__ = ["CowRoot", "bwrap_overlay_args", "cow_root"]
+__all__ = ["CowRoot", "cow_root"]
 
 _MS_NOSUID: Final = 0x2
 _MS_NODEV: Final = 0x4
@@ -91,8 +92,3 @@ def cow_root(image: PreparedImage, directory: Path, mountpoint: Path) -> CowRoot
         err = ctypes.get_errno()
         raise SandboxError(f"mounting the overlay for {image.ref} at {target}: {os.strerror(err)}")
     return CowRoot(mountpoint, upper, work)
-
-
-def bwrap_overlay_args(image: PreparedImage, upper: Path, work: Path, dest: str) -> list[str]:
-    """bubblewrap arguments that mount the same overlay at ``dest`` inside the sandbox (bubblewrap 0.8+)."""
-    return ["--overlay-src", str(image.root), "--overlay", str(upper), str(work), dest]
