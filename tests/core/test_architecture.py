@@ -38,6 +38,7 @@ LAYERS: tuple[str, ...] = (
     "protocol",  # the artifacts' shapes
     "durable",  # atomic publication, the journal
     "filewatch",  # waiting for a file to appear
+    "images",  # the image store and copy-on-write roots (the cage mounts them)
     "cage",  # the containment primitive
     "model",  # the model client
     "tools",  # executor, resource tools

@@ -54,6 +54,9 @@ PUBLISHED_KIND = {
     RunFailedError: "transient",
     HarnessError: "fatal",
     HarnessUnavailableError: "transient",
+    errors.ImageReferenceError: "fatal",
+    errors.ImageRefusedError: "fatal",
+    errors.ImagePullError: "transient",
 }
 
 

@@ -240,7 +240,8 @@ class Registry:
         config.write_text(
             "version: 0.1\n"
             "log:\n  level: info\n"
-            f"storage:\n  filesystem:\n    rootdirectory: {directory / 'data'}\n  delete:\n    enabled: true\n"
+            f"storage:\n  filesystem:\n    rootdirectory: {directory / 'data'}\n"
+            "  delete:\n    enabled: true\n"
             f"http:\n  addr: 127.0.0.1:{self.port}\n"
         )
         binary = shutil.which("docker-registry")
@@ -266,7 +267,7 @@ class Registry:
         return [
             line
             for line in self.log.read_text(errors="replace").splitlines()
-            if f"GET /v2/" in line and f"/blobs/{digest}" in line and "HTTP/1.1" in line
+            if "GET /v2/" in line and f"/blobs/{digest}" in line and "HTTP/1.1" in line
         ]
 
     def stop(self) -> None:
