@@ -176,6 +176,17 @@ def test_a_partial_download_is_continued_with_a_range_request(registry: Registry
     assert len(gets) == 1 and '" 206 ' in gets[0], gets
 
 
+def test_a_whole_partial_download_is_used_without_asking_again(registry: Registry, store: ImageStore) -> None:
+    """A pull killed after the last byte but before the rename left the whole blob under its temp name."""
+    image = Image([layer(Member("data/file", data=os.urandom(64 << 10)))])
+    push(registry.base, "tests/whole-partial", "v1", image)
+    blob = image.blobs()[0]
+    (store.path / "tmp").mkdir(parents=True)
+    (store.path / "tmp" / f"{sha256(blob)[7:]}.partial").write_bytes(blob)
+    assert store.pull(f"docker://{registry.host}/tests/whole-partial:v1").digest == image.id
+    assert registry.blob_gets(sha256(blob)) == []
+
+
 def test_a_corrupt_partial_download_is_refused_then_started_over(
     registry: Registry, store: ImageStore
 ) -> None:
@@ -216,6 +227,17 @@ def test_two_processes_pulling_one_image_download_it_once(registry: Registry, tm
     assert len(list((tmp_path / "store" / "roots").iterdir())) == 1
 
 
+def _unpack_started(store: Path) -> bool:
+    """Files are being written under the store's layers (wherever the store stages them)."""
+    return any(
+        any(path.rglob("*"))
+        for sub in ("tmp", "layers")
+        if (store / sub).is_dir()
+        for path in (store / sub).iterdir()
+        if path.is_dir()
+    )
+
+
 def test_a_sigkilled_unpack_leaves_nothing_in_use_and_the_next_pull_completes(
     registry: Registry, tmp_path: Path
 ) -> None:
@@ -227,7 +249,9 @@ def test_a_sigkilled_unpack_leaves_nothing_in_use_and_the_next_pull_completes(
     proc = _pull_process(root, ref)
     try:
         wait_for(
-            lambda: unpacking.is_dir() or proc.poll() is not None, what="the unpack to start", interval=0.002
+            lambda: _unpack_started(root) or proc.poll() is not None,
+            what="the unpack to start",
+            interval=0.002,
         )
         proc.send_signal(signal.SIGKILL)
     finally:

@@ -236,22 +236,31 @@ class RegistryClient:
                 while chunk := f.read(_CHUNK):
                     hasher.update(chunk)
                     have += len(chunk)
+        if have and "sha256:" + hasher.hexdigest() == digest:
+            os.replace(partial, final)  # killed after the last byte, before the rename
+            return
         headers = {"Range": f"bytes={have}-"} if have else {}
         with self._get(f"{self.base}/blobs/{digest}", f"blob {digest}", headers) as r:
             if have and r.status_code != 206:
                 hasher, have = hashlib.sha256(), 0  # the registry sent it whole: start over
-            mode = "ab" if have else "wb"
-            with partial.open(mode) as out:
-                for chunk in r.iter_bytes(_CHUNK):
-                    have += len(chunk)
-                    if have > limit:
-                        raise ImageRefusedError(
-                            f"{self.ref}: blob {digest} is over {limit} bytes (the store's limit)"
-                        )
-                    hasher.update(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
+            with partial.open("ab" if have else "wb") as out:
+                try:
+                    for chunk in r.iter_bytes(_CHUNK):
+                        have += len(chunk)
+                        if have > limit:
+                            partial.unlink(missing_ok=True)
+                            raise ImageRefusedError(
+                                f"{self.ref}: blob {digest} is over {limit} bytes (the store's limit)"
+                            )
+                        hasher.update(chunk)
+                        out.write(chunk)
+                except httpx.HTTPError as exc:
+                    raise ImagePullError(
+                        f"{self.ref}: blob {digest}: {type(exc).__name__}: {exc} (a later pull continues it)"
+                    ) from exc
+                finally:
+                    out.flush()
+                    os.fsync(out.fileno())
         actual = "sha256:" + hasher.hexdigest()
         if actual != digest:
             partial.unlink(missing_ok=True)
