@@ -300,12 +300,24 @@ class AuthFront:
 
     TOKEN = "t0ken-for-tests"
 
-    def __init__(self, upstream: str, user: str = "alice", password: str = "s3cret-pw") -> None:
+    def __init__(
+        self,
+        upstream: str,
+        user: str = "alice",
+        password: str = "s3cret-pw",
+        *,
+        require_token: bool = True,
+        stall: tuple[str, int] | None = None,
+    ) -> None:
+        """``stall=(digest, n)``: the first GET of that blob sends ``n`` bytes, then waits for ``release``."""
         import base64
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.requests: list[tuple[str, str, str]] = []  # method, path, Authorization header
+        self.ranges: list[tuple[str, str]] = []  # (path, Range header) of blob GETs
+        self.release = threading.Event()
+        self._stall = stall
         expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
         front = self
 
@@ -329,7 +341,7 @@ class AuthFront:
                     self.end_headers()
                     self.wfile.write(body)
                     return
-                if auth != f"Bearer {AuthFront.TOKEN}":
+                if require_token and auth != f"Bearer {AuthFront.TOKEN}":
                     self.send_response(401)
                     realm = f"http://127.0.0.1:{front.port}/token"
                     self.send_header("WWW-Authenticate", f'Bearer realm="{realm}",service="test"')
@@ -337,6 +349,8 @@ class AuthFront:
                     self.end_headers()
                     return
                 headers = {k: v for k, v in self.headers.items() if k.lower() in ("accept", "range")}
+                if "/blobs/" in self.path:
+                    front.ranges.append((self.path, self.headers.get("Range", "")))
                 with httpx.stream("GET", upstream + self.path, headers=headers, timeout=60) as r:
                     body = r.read()
                     self.send_response(r.status_code)
@@ -345,6 +359,13 @@ class AuthFront:
                             self.send_header(key, r.headers[key])
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
+                    stall = front._stall
+                    if stall is not None and self.path.endswith(f"/blobs/{stall[0]}"):
+                        front._stall = None
+                        self.wfile.write(body[: stall[1]])
+                        self.wfile.flush()
+                        front.release.wait(timeout=120)
+                        return  # the client was killed meanwhile: the rest is never sent
                     self.wfile.write(body)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -354,6 +375,7 @@ class AuthFront:
         self.thread.start()
 
     def stop(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=30)

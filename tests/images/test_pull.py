@@ -176,6 +176,38 @@ def test_a_partial_download_is_continued_with_a_range_request(registry: Registry
     assert len(gets) == 1 and '" 206 ' in gets[0], gets
 
 
+def test_a_pull_sigkilled_mid_download_is_continued_by_the_next(registry: Registry, tmp_path: Path) -> None:
+    payload = os.urandom(4 << 20)
+    image = Image([layer(Member("data/blob", data=payload))], compress=False)
+    push(registry.base, "tests/killed-download", "v1", image)
+    blob = image.blobs()[0]
+    half = 2 << 20  # a whole number of the client's 1 MiB write chunks
+    front = AuthFront(registry.base, require_token=False, stall=(sha256(blob), half))
+    root = tmp_path / "store"
+    partial = root / "tmp" / f"{sha256(blob)[7:]}.partial"
+    ref = f"docker://{front.host}/tests/killed-download:v1"
+    try:
+        proc = _pull_process(root, ref)
+        try:
+            wait_for(
+                lambda: (partial.exists() and partial.stat().st_size >= half) or proc.poll() is not None,
+                what="half the blob to arrive",
+            )
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.communicate()
+            front.release.set()
+        assert partial.stat().st_size == half
+        assert not list((root / "layers").iterdir()) and not list((root / "roots").iterdir())
+        image_again = ImageStore(root).pull(ref)
+        assert (image_again.root / "data/blob").read_bytes() == payload
+        asked = [wanted for path, wanted in front.ranges if path.endswith(sha256(blob))]
+        assert asked == ["", f"bytes={half}-"]
+    finally:
+        front.stop()
+
+
 def test_a_whole_partial_download_is_used_without_asking_again(registry: Registry, store: ImageStore) -> None:
     """A pull killed after the last byte but before the rename left the whole blob under its temp name."""
     image = Image([layer(Member("data/file", data=os.urandom(64 << 10)))])
