@@ -296,3 +296,18 @@ def test_a_sigkilled_unpack_leaves_nothing_in_use_and_the_next_pull_completes(
     again = ImageStore(root).pull(ref)
     assert len(os.listdir(again.root / "many")) == 6000
     assert not unpacking.exists()
+
+
+def test_plain_http_is_for_loopback_registries_or_those_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollcage.images import parse_ref
+    from rollcage.images._registry import RegistryClient
+
+    monkeypatch.delenv("ROLLCAGE_INSECURE_REGISTRIES", raising=False)
+    for host, scheme in [("127.0.0.1:5000", "http"), ("localhost:5000", "http"), ("[::1]:5000", "http")]:
+        with RegistryClient(parse_ref(f"docker://{host}/x")) as client:
+            assert client.base.startswith(f"{scheme}://"), host
+    with RegistryClient(parse_ref("docker://registry.example:5000/x")) as client:
+        assert client.base == "https://registry.example:5000/v2/x"
+    monkeypatch.setenv("ROLLCAGE_INSECURE_REGISTRIES", "registry.example:5000")
+    with RegistryClient(parse_ref("docker://registry.example:5000/x")) as client:
+        assert client.base.startswith("http://")

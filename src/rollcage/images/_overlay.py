@@ -76,7 +76,9 @@ def cow_root(image: PreparedImage, directory: Path, mountpoint: Path) -> CowRoot
     """Mount an overlay of ``image`` at ``mountpoint``, its upper and work under ``directory``.
 
     Raises ``SandboxError`` when the mount fails (not root, overlayfs missing, the upper's file
-    system unsuitable).
+    system unsuitable). Call :meth:`CowRoot.remove` (or use it as a context manager) when done.
+
+    **Cancellation:** one system call; nothing to cancel.
     """
     upper, work = directory / "upper", directory / "work"
     upper.mkdir(parents=True, exist_ok=True)

@@ -186,7 +186,15 @@ class ImageStore:
     # ----------------------------------------------------------------------- pull and prepare
 
     def pull(self, ref: ImageRef | str) -> PreparedImage:
-        """Fetch and unpack an image (a registry is always asked what its tag names now)."""
+        """Fetch and unpack an image (a registry is always asked what its tag names now).
+
+        Raises ``ImageReferenceError`` (no such image), ``ImageRefusedError`` (unsafe, corrupt, too
+        large: nothing of it is used) or ``ImagePullError`` (the registry failed; pulling again
+        continues where this stopped).
+
+        **Cancellation:** blocking (network, disk, locks). A signal that ends the process leaves only
+        ``tmp/`` behind: the next pull continues the download and redoes the unpack.
+        """
         parsed = parse_ref(ref) if isinstance(ref, str) else ref
         if parsed.transport == "dir":
             return self._dir_image(parsed)
@@ -203,6 +211,8 @@ class ImageStore:
 
         A registry reference already in the store is used without asking the registry (pull
         again to refresh a tag); local layouts and archives are re-read, which is cheap.
+
+        **Cancellation:** as :meth:`pull`.
         """
         parsed = parse_ref(ref) if isinstance(ref, str) else ref
         if parsed.transport == "dir":
@@ -308,6 +318,8 @@ class ImageStore:
 
         The lease is an flock'ed file, so a holder killed by SIGKILL releases it. Raises
         ``ImageReferenceError`` if the image was removed before the lease was taken (prepare again).
+
+        **Cancellation:** taking it waits (bounded) while the same image is being pulled.
         """
         if image.digest is None:
             yield image  # dir: is the user's own directory; nothing of the store to keep
@@ -329,8 +341,8 @@ class ImageStore:
             path.unlink(missing_ok=True)
             os.close(fd)
 
-    def _live_leases(self, hexid: str) -> int:
-        """Leases held now; stale ones (their holder died) are removed. Call under the image lock."""
+    def _live_leases(self, hexid: str, *, reap: bool = True) -> int:
+        """Leases held now; with ``reap`` (under the image lock) stale ones, their holder dead, go."""
         directory = self._dir("leases") / hexid
         live = 0
         for path in directory.glob("*.lease") if directory.is_dir() else ():
@@ -343,7 +355,8 @@ class ImageStore:
             except BlockingIOError:
                 live += 1
             else:
-                path.unlink(missing_ok=True)
+                if reap:
+                    path.unlink(missing_ok=True)
             finally:
                 os.close(fd)
         return live
@@ -368,8 +381,7 @@ class ImageStore:
                 image = json.loads((self._dir("images") / f"{_hex(digest)}.json").read_bytes())
             except (OSError, ValueError):
                 continue
-            with self._lock(f"image-{_hex(digest)}"):
-                in_use = self._live_leases(_hex(digest))
+            in_use = self._live_leases(_hex(digest), reap=False)  # no lock: ls never waits on a pull
             entries.append(ImageEntry(str(record.get("ref")), digest, int(image.get("bytes", 0)), in_use))
         return sorted(entries, key=lambda e: e.ref)
 
