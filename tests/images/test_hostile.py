@@ -122,15 +122,15 @@ def test_setuid_and_setgid_bits_are_made_inert(tmp_path: Path) -> None:
     assert stat.S_IMODE((root / "shared").stat().st_mode) == 0o775
 
 
-def _sparse_layer(tmp_path: Path) -> bytes:
+def _sparse_layer(tmp_path: Path, size: int = 10 * 10**9) -> bytes:
     tar = shutil.which("tar")
     if tar is None:
         pytest.skip("GNU tar is not installed")
     work = tmp_path / "sparse-src"
     work.mkdir()
     with (work / "huge").open("wb") as f:
-        f.truncate(10 * 10**9)
-        f.seek(5 * 10**9)
+        f.truncate(size)
+        f.seek(size // 2)
         f.write(b"needle")
     out = tmp_path / "sparse.tar"
     subprocess.run([tar, "--sparse", "--format=posix", "-cf", str(out), "-C", str(work), "huge"], check=True)
@@ -148,6 +148,17 @@ def test_a_10_gb_sparse_file_is_refused_before_a_byte_is_written(tmp_path: Path)
         tmp_path, Image([sparse]), "more than 1073741824 uncompressed bytes", Limits(max_image_bytes=1 << 30)
     )
     assert "huge" in message
+
+
+def test_a_sparse_file_within_the_limit_is_stored_as_holes(tmp_path: Path) -> None:
+    size = 2 * 10**9
+    image = Image([_sparse_layer(tmp_path, size)])
+    root = ImageStore(tmp_path / "store").pull(f"oci:{image.write_oci(tmp_path / 'layout')}").root
+    st = (root / "huge").stat()
+    assert st.st_size == size and st.st_blocks * 512 < 1 << 20
+    with (root / "huge").open("rb") as f:
+        f.seek(size // 2)
+        assert f.read(6) == b"needle"
 
 
 def test_a_gzip_bomb_stops_at_the_cap(tmp_path: Path) -> None:
