@@ -20,6 +20,7 @@ publishes as ``RunnerError.kind`` (``transient`` for the infrastructure's,
     │   ├── SupervisorError                          the supervisor could not do its job
     │   ├── RunFailedError                           the controller itself failed mid-run
     │   ├── HarnessUnavailableError                  a harness could not be started or installed
+    │   ├── ImagePullError                           a registry unreachable, refusing, or failing
     │   ├── RayTaskLostError                         a Ray task ended without a record
     │   │   └── RayTaskOverdueError (TimeoutError)   it did not start or return in time
     │   └── ArtifactsTooLargeError                   a rollout dir too large to ship to the driver
@@ -28,7 +29,9 @@ publishes as ``RunnerError.kind`` (``transient`` for the infrastructure's,
     │   └── HarnessError                             a nooa/command harness failed, or ended without an answer
     ├── ConfigError (ValueError)                     bad input, dataset row, config, CLI use [fatal]
     │   ├── ControllerOnlyFieldError                 controller state aimed at the sandbox
-    │   └── ViewerError                              show/report given a path that is no rollout
+    │   ├── ViewerError                              show/report given a path that is no rollout
+    │   ├── ImageReferenceError                      an image reference that cannot be parsed
+    │   └── ImageRefusedError                        an image that is unsafe, corrupt or too large
     ├── JournalCorruptError (ValueError)             a checkpoint journal is damaged mid-file [fatal]
     ├── HeaderValueError (ValueError)                a value cannot be sent in an HTTP header [fatal]
     ├── ResumeRefusedError                           an earlier journal cannot be resumed: start fresh [fatal]
@@ -59,6 +62,9 @@ __all__ = [
     "HarnessError",
     "HarnessUnavailableError",
     "HeaderValueError",
+    "ImagePullError",
+    "ImageReferenceError",
+    "ImageRefusedError",
     "InfrastructureError",
     "JournalCorruptError",
     "ModelError",
@@ -218,3 +224,20 @@ class RunFailedError(InfrastructureError):
 
     The records written before are intact; fix the cause and run again to resume.
     """
+
+
+class ImageReferenceError(ConfigError):
+    """An image reference (``docker://…``, ``oci:…``, ``docker-archive:…``, ``dir:…``) is malformed.
+
+    The message names the part that is wrong.
+    """
+
+
+class ImageRefusedError(ConfigError):
+    """An image is refused: a digest that does not match, a layer that escapes its root, a device node,
+    more bytes than the store's limit, a manifest that cannot be read. Nothing of it is used.
+    """
+
+
+class ImagePullError(InfrastructureError):
+    """A registry could not be reached, refused the credentials, or failed (5xx); a later pull resumes."""

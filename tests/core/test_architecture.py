@@ -40,6 +40,7 @@ LAYERS: tuple[str, ...] = (
     "durable",  # atomic publication, the journal
     "runfiles",  # a run directory's own files: read inside it, never write over it
     "filewatch",  # waiting for a file to appear
+    "images",  # the image store and copy-on-write roots (the cage mounts them)
     "cage",  # the containment primitive
     "model",  # the model client
     "tools",  # executor, resource tools

@@ -56,6 +56,9 @@ PUBLISHED_KIND = {
     HarnessError: "fatal",
     HarnessUnavailableError: "transient",
     HeaderValueError: "fatal",
+    errors.ImageReferenceError: "fatal",
+    errors.ImageRefusedError: "fatal",
+    errors.ImagePullError: "transient",
 }
 
 

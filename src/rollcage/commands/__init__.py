@@ -17,7 +17,18 @@ __all__ = ["fail", "finite", "one_line", "register"]
 
 def register(app: typer.Typer) -> None:
     """Attach every verb to ``app``."""
-    from rollcage.commands import export, harness, report, run, schema, serve_policy, show, supervise, worker
+    from rollcage.commands import (
+        export,
+        harness,
+        images,
+        report,
+        run,
+        schema,
+        serve_policy,
+        show,
+        supervise,
+        worker,
+    )
 
     app.command("run")(run.command)
     app.command("worker")(worker.command)
@@ -28,6 +39,7 @@ def register(app: typer.Typer) -> None:
     app.command("schema")(schema.command)
     app.command("export")(export.command)
     app.add_typer(harness.app, name="harness")
+    app.add_typer(images.app, name="images")
 
 
 def one_line(message: str, *, limit: int = 2000) -> str:
