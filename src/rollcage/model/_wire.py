@@ -674,7 +674,8 @@ def _chat_tokens(body: _ChatCompletion, choice: _ChatChoice) -> CallTokens:
     entries: Any = None
     if isinstance(logprobs, dict):
         entries = logprobs.get("content")
-    elif logprobs is not None:
+    elif logprobs is not None and (given_ids is None or given_probs is None):
+        # Malformed, and needed: the arrays above left ids or logprobs to it.
         notes.append(f"choices[0].logprobs is {type(logprobs).__name__}, not an object; it was dropped")
     if entries is not None and (given_ids is None or given_probs is None):
         # The entries are read only for what the arrays above did not give.
