@@ -506,7 +506,7 @@ async def test_run_contained_refuses_without_bubblewrap_unless_allowed(
     def missing(**_: Any) -> BwrapTools:
         raise SandboxError("bubblewrap (bwrap) is not installed")
 
-    monkeypatch.setattr("rollcage.cage._run.find_tools", missing)
+    monkeypatch.setattr("rollcage.cage._run_contained.find_tools", missing)
     with pytest.raises(SandboxError, match="not installed"):
         await run_contained([PYTHON, "-I", "-S", "-c", "print(1)"], timeout_s=10)
     run = await run_contained([PYTHON, "-I", "-S", "-c", "print(1)"], timeout_s=10, allow_uncontained=True)
@@ -517,7 +517,7 @@ async def test_a_cage_that_cannot_be_made_is_an_error_not_the_commands_failure(
     monkeypatch: pytest.MonkeyPatch, broken_bwrap: Path
 ) -> None:
     tools = BwrapTools(bwrap=str(broken_bwrap), prlimit="/usr/bin/prlimit", setpriv="/usr/bin/setpriv")
-    monkeypatch.setattr("rollcage.cage._run.find_tools", lambda **_: tools)
+    monkeypatch.setattr("rollcage.cage._run_contained.find_tools", lambda **_: tools)
     with pytest.raises(SandboxError, match=r"could not be made.*uid map"):
         await run_contained([PYTHON, "-I", "-S", "-c", "print(1)"], timeout_s=10)
 

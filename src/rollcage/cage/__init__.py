@@ -80,7 +80,7 @@ from rollcage.cage._enter import (
 )
 from rollcage.cage._launch import Launcher, launcher, release_launcher
 from rollcage.cage._nested import CAGE_ENV, NestedCage
-from rollcage.cage._run import PYTHON, ContainedRun, RunLimits, run_contained
+from rollcage.cage._run_contained import PYTHON, ContainedRun, RunLimits, run_contained
 
 __all__ = [
     "CAGE_ENV",

@@ -37,7 +37,7 @@ from rollcage.controller._ids import rollout_id
 from rollcage.controller._ledger import RunLedger, pass_at_k
 from rollcage.controller._nemo_gym import create_params_for, function_tools, to_nemo_response
 from rollcage.controller._records import RecordLog, load_records
-from rollcage.controller._run import (
+from rollcage.controller._scheduler import (
     EXIT_ALL_GRADER_ERRORS,
     EXIT_ALL_INFRA,
     EXIT_FAILED,

@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from rollcage.controller._backend import Backend
 from rollcage.controller._config import EmbeddedPolicyConfig, ModelEndpointConfig, ModelSource, RunConfig
-from rollcage.controller._run import Controller, Reporter, RunSummary
+from rollcage.controller._scheduler import Controller, Reporter, RunSummary
 from rollcage.errors import ConfigError, RunFailedError
 from rollcage.procs import AsyncClosing, first_of, wait_shared
 from rollcage.protocol import RolloutRecord, describe_validation_error

@@ -6,8 +6,8 @@
 """
 
 from rollcage.export._atif import ATIF_VERSION, to_atif
+from rollcage.export._export_run import ExportFormat, ExportReport, default_destination, export_run
 from rollcage.export._nemo import NG_TRAJECTORY_VERSION, to_nemo_gym_row
-from rollcage.export._run import ExportFormat, ExportReport, default_destination, export_run
 
 __all__ = [
     "ATIF_VERSION",
