@@ -15,6 +15,7 @@ import typer
 
 __all__ = [
     "BUDGET_FLAGS",
+    "FLAG_OF_FIELD",
     "CgroupsChoice",
     "DiskChoice",
     "ExecutorCageChoice",
@@ -182,6 +183,11 @@ _FIELDS = {
     "tmp_budget": "tmp_size_bytes",
     "shm_budget": "shm_bytes",
 }
+
+FLAG_OF_FIELD: dict[str, str] = {
+    _FIELDS.get(name, name): "--" + name.replace("_", "-") for name in BUDGET_FLAGS
+}
+"""The flag of each ``BwrapSandbox`` field spelled here (``memory_bytes`` -> ``--memory-budget``)."""
 
 
 def bwrap_fields(flags: Mapping[str, Any], *, sandbox: str) -> dict[str, Any]:

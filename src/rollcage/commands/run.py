@@ -5,55 +5,83 @@ Exit codes: 0 the run finished (whatever the rewards); 1 the controller failed
 configuration (nothing ran); 3 every sample that ended, ended in
 ``infra_failure`` (the setup is broken, not the policy); 130 interrupted by
 Ctrl-C/SIGTERM (rerun the same command to resume).
+
+The options are made from :class:`rollcage.controller.RunConfig`
+(:mod:`rollcage.commands._config_options`): a field added there is an option here
+(``image`` -> ``--image``) without a line in this module. What is spelled by hand
+is the small table below: the fields that are unions of models (the model, the
+backend, the harness), flags that keep an older spelling or unit, and ``--quiet``.
 """
 
 from __future__ import annotations
 
 import enum
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from rollcage.commands import fail, finite
-from rollcage.commands._sandbox_options import (
-    Cgroups,
-    DiskBudgets,
-    ExecutorCage,
-    MaxProcesses,
-    MemoryBudget,
-    RequireBudgets,
-    ShmBudget,
-    ShmInodes,
-    TmpBudget,
-    TmpInodes,
-    WorkerStart,
-    WorkspaceBudget,
-    WorkspaceInodes,
-    bwrap_fields,
+from rollcage.commands import fail
+from rollcage.commands._config_options import (
+    FieldOption,
+    Spelling,
+    describe_errors,
+    field_options,
+    given_values,
 )
+from rollcage.commands._sandbox_options import FLAG_OF_FIELD
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from rollcage.commands._progress import RichReporter
     from rollcage.controller import RunConfig, RunSummary
-    from rollcage.errors import ConfigError
 
-__all__ = ["command", "tune_collector"]
+__all__ = ["SPELLED_BY_HAND", "build_command", "command", "run_options", "tune_collector"]
 
+_MIB = 1 << 20
+_SANDBOX_PANEL = "Sandbox (with --sandbox bwrap)"
+_RAY_PANEL = "Ray (with --backend ray)"
 
-class _Sandbox(enum.StrEnum):
-    bwrap = "bwrap"
-    none = "none"
+SPELLED_BY_HAND: dict[tuple[str, ...], str] = {
+    ("dataset",): "the DATASET argument",
+    (
+        "model",
+    ): "a union of models: --model, --model-name, --api-key-env (an endpoint) or --policy (embedded)",
+    ("backend",): "a union of models: --backend picks one; the Ray backend's fields are the --ray-* options",
+    ("backend", "type"): "the backend's tag: --backend",
+    ("harness",): "a union of models: --harness, --harness-command, --harness-task, --harness-answer",
+    ("bwrap", "type"): "the sandbox's tag: --sandbox",
+    (
+        "bwrap",
+        "system_paths",
+    ): "a list of host paths: set in code (rollcage.collect), not on the command line",
+    (
+        "bwrap",
+        "extra_ro_paths",
+    ): "a list of host paths: set in code (rollcage.collect), not on the command line",
+}
+"""``RunConfig`` fields (by path) the generated options leave out, each with where it is spelled, or why."""
+
+_SPELLINGS: dict[tuple[str, ...], Spelling] = {
+    ("out",): Spelling(help="Output directory; default runs/<dataset-name>-<UTC time>/."),
+    ("dataset_format",): Spelling("--format"),
+    ("max_capture_bytes",): Spelling("--max-capture-mib", unit=_MIB, unit_name="MiB", minimum=1),
+    ("bwrap", "bwrap_path"): Spelling("--bwrap-path"),
+    **{("bwrap", field): Spelling(flag) for field, flag in FLAG_OF_FIELD.items()},
+    ("backend", "shared_dir"): Spelling("--shared-dir"),
+    ("backend", "max_artifact_bytes"): Spelling(
+        "--ray-max-artifact-mib", unit=_MIB, unit_name="MiB", minimum=1
+    ),
+}
+"""Flags that keep a spelling (or unit) of their own: scripts and docs use them."""
 
 
 class _Backend(enum.StrEnum):
     local = "local"
     ray = "ray"
-
-
-class _Api(enum.StrEnum):
-    chat = "chat"
-    responses = "responses"
 
 
 class _Harness(enum.StrEnum):
@@ -74,11 +102,216 @@ class _AnswerFrom(enum.StrEnum):
     events = "events"
 
 
-class _Format(enum.StrEnum):
-    auto = "auto"
-    rollcage = "rollcage"
-    nemo_gym = "nemo-gym"
-    inspect = "inspect"
+def _by_hand() -> list[inspect.Parameter]:
+    """The options that are not one field each (the unions of models, ``--quiet``), in typer's form."""
+
+    def option(name: str, annotation: Any, default: Any = None) -> inspect.Parameter:
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+    opt = typer.Option
+    return [
+        inspect.Parameter(
+            "dataset",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Annotated[Path, typer.Argument(help="JSONL dataset, one task a line.")],
+        ),
+        option(
+            "model",
+            Annotated[
+                str | None, opt(help="OpenAI-compatible base URL ending in /v1; default: embedded policy.")
+            ],
+        ),
+        option("model_name", Annotated[str | None, opt(help="Model name (with --model).")]),
+        option(
+            "api_key_env",
+            Annotated[str | None, opt(help="Environment variable with the API key (never written to disk).")],
+        ),
+        option("policy", Annotated[Path | None, opt(help="Policy script for the embedded scripted policy.")]),
+        option(
+            "backend",
+            Annotated[
+                _Backend, opt(help="Where rollouts run: this machine, or a Ray cluster (rollcage[ray]).")
+            ],
+            _Backend.local,
+        ),
+        option(
+            "harness",
+            Annotated[
+                _Harness | None,
+                opt(
+                    help="Agent of rows that name none: builtin (default), nooa, "
+                    "or command (--harness-command)."
+                ),
+            ],
+        ),
+        option(
+            "harness_command",
+            Annotated[
+                str | None,
+                opt(help="With --harness command: the command line (shell words), run in the workspace."),
+            ],
+        ),
+        option(
+            "harness_task",
+            Annotated[
+                _TaskVia,
+                opt(help="With --harness command: the task on stdin, as one more argument, or a file."),
+            ],
+            _TaskVia.stdin,
+        ),
+        option(
+            "harness_answer",
+            Annotated[
+                _AnswerFrom,
+                opt(
+                    help="With --harness command: the answer is its stdout, answer.txt, or an 'answer' event."
+                ),
+            ],
+            _AnswerFrom.stdout,
+        ),
+        option("quiet", Annotated[bool, opt(help="No progress bar.")], False),
+    ]
+
+
+def run_options(config: type[BaseModel]) -> tuple[list[FieldOption], list[FieldOption]]:
+    """The generated options of ``config`` (a ``RunConfig``, or a subclass), and those of its Ray backend.
+
+    Raises:
+        TypeError: A field has no command-line form and is not in :data:`SPELLED_BY_HAND`.
+    """
+    from rollcage.controller import RayBackendConfig
+
+    fields = field_options(
+        config,
+        spellings=_SPELLINGS,
+        spelled_by_command=SPELLED_BY_HAND,
+        panels={("bwrap",): _SANDBOX_PANEL},
+    )
+    ray = field_options(
+        RayBackendConfig,
+        spellings=_SPELLINGS,
+        spelled_by_command=SPELLED_BY_HAND,
+        prefix="ray-",
+        path=("backend",),
+        tag="ray",
+        panels={("backend",): _RAY_PANEL},
+    )
+    return fields, ray
+
+
+def build_command(
+    config: type[RunConfig] | None = None, *, start: Callable[[RunConfig, bool], None] | None = None
+) -> Callable[..., None]:
+    """The ``rollcage run`` command for ``config`` (``RunConfig``; a subclass adds its fields as options).
+
+    Args:
+        config: The run's configuration model.
+        start: What runs the validated configuration (and ``--quiet``); default: the run itself.
+    """
+    from rollcage.controller import RunConfig
+
+    model = config or RunConfig
+    fields, ray = run_options(model)
+
+    def command(**given: Any) -> None:
+        _start = start or _start_run
+        _start(_config(model, fields, ray, given), bool(given["quiet"]))
+
+    params = _by_hand()
+    taken = {param.name for param in params}
+    for option in [*fields, *ray]:
+        if option.param in taken:
+            raise TypeError(f"{option.flag} is spelled twice: rename the field or spell it in the table")
+        taken.add(option.param)
+        params.append(
+            inspect.Parameter(
+                option.param, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=option.annotation
+            )
+        )
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__doc__ = "Run a dataset of tasks in sandboxes, grade outside them, and report."
+    return command
+
+
+def _config(
+    model: type[RunConfig], fields: list[FieldOption], ray: list[FieldOption], given: dict[str, Any]
+) -> RunConfig:
+    """The validated run configuration from the command line, every error naming its option."""
+    from pydantic import ValidationError
+
+    _refuse_misplaced(fields, ray, given)
+    values = given_values(fields, given)
+    backend = given["backend"]
+    values["backend"] = {"type": backend.value, **given_values(ray, given).get("backend", {})}
+    values["model"] = _model_source(given)
+    values["harness"] = _harness_spec(
+        given["harness"], given["harness_command"], given["harness_task"], given["harness_answer"]
+    )
+    dataset: Path = given["dataset"]
+    values["dataset"] = dataset
+    values.setdefault("out", _default_out(dataset))
+    flags = {option.loc: option.flag for option in [*fields, *ray]}
+    flags |= {
+        ("model", "endpoint", "base_url"): "--model",
+        ("model", "endpoint", "model_name"): "--model-name",
+        ("model", "endpoint", "api_key_env"): "--api-key-env",
+        ("model", "embedded", "script"): "--policy",
+    }
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        raise typer.BadParameter(describe_errors(exc, flags)) from exc
+
+
+def _refuse_misplaced(fields: list[FieldOption], ray: list[FieldOption], given: dict[str, Any]) -> None:
+    """Refuse options that the rest of the command line makes meaningless (they would be ignored)."""
+    sandbox = given.get("sandbox")
+    for option in fields:
+        if (
+            option.path[0] == "bwrap"
+            and given.get(option.param) is not None
+            and sandbox not in (None, "bwrap")
+        ):
+            why = f"{option.flag} needs --sandbox bwrap: with --sandbox {sandbox} no budget is enforced"
+            raise typer.BadParameter(why, param_hint=option.flag)
+    for option in ray:
+        if given.get(option.param) is not None and given["backend"] is not _Backend.ray:
+            raise typer.BadParameter(f"{option.flag} needs --backend ray", param_hint=option.flag)
+
+
+def _model_source(given: dict[str, Any]) -> dict[str, Any]:
+    """The ``model`` field from --model, --model-name, --api-key-env or --policy."""
+    model, name, key, policy = given["model"], given["model_name"], given["api_key_env"], given["policy"]
+    if (model is None) != (name is None):
+        raise typer.BadParameter("--model and --model-name go together", param_hint="--model")
+    if model is not None and policy is not None:
+        raise typer.BadParameter(
+            "--policy is for the embedded policy; drop it with --model", param_hint="--policy"
+        )
+    if key is not None and model is None:
+        raise typer.BadParameter("--api-key-env needs --model", param_hint="--api-key-env")
+    if model is not None:
+        return {"type": "endpoint", "base_url": model, "model_name": name, "api_key_env": key}
+    return {"type": "embedded", "script": policy}
+
+
+def _start_run(config: RunConfig, quiet: bool) -> None:
+    """Run ``config`` with a progress bar (unless ``quiet``), print the summary, exit with its code."""
+    import asyncio
+
+    from rollcage.commands._progress import RichReporter, render_summary
+    from rollcage.controller import EXIT_USAGE
+    from rollcage.errors import ConfigError
+
+    reporter = RichReporter(quiet=quiet)
+    _log_through(reporter)
+    tune_collector()
+    try:
+        summary = asyncio.run(_run(config, reporter))
+    except ConfigError as exc:
+        fail("run", str(exc), code=EXIT_USAGE)
+    render_summary(summary, reporter.console)
+    raise typer.Exit(summary.exit_code)
 
 
 _GENERIC_STEMS = frozenset({"dataset", "data", "train", "test", "eval", "tasks"})
@@ -92,228 +325,8 @@ def _default_out(dataset: Path) -> Path:
     return Path("runs") / f"{name or stem}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
 
 
-def command(
-    dataset: Annotated[Path, typer.Argument(help="JSONL dataset, one task a line.")],
-    out: Annotated[
-        Path | None, typer.Option(help="Output directory; default runs/<dataset-name>-<UTC time>/.")
-    ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="OpenAI-compatible base URL ending in /v1; default: embedded policy.")
-    ] = None,
-    model_name: Annotated[str | None, typer.Option(help="Model name (with --model).")] = None,
-    api_key_env: Annotated[
-        str | None, typer.Option(help="Environment variable with the API key (never written to disk).")
-    ] = None,
-    api: Annotated[_Api, typer.Option(help="API style, unless a row says otherwise.")] = _Api.chat,
-    policy: Annotated[
-        Path | None, typer.Option(help="Policy script for the embedded scripted policy.")
-    ] = None,
-    concurrency: Annotated[int, typer.Option(min=1, help="Rollouts in flight at most.")] = 8,
-    attempts: Annotated[int, typer.Option(min=1, help="Samples per task (k of pass@k).")] = 1,
-    deadline: Annotated[
-        float, typer.Option(min=0.1, help="Wall-clock deadline of one rollout, s.", callback=finite)
-    ] = 600.0,
-    grace: Annotated[float, typer.Option(min=0.0, help="SIGTERM → SIGKILL grace, s.", callback=finite)] = 5.0,
-    max_infra_retries: Annotated[int, typer.Option(min=0, help="Retries of an infra_failure.")] = 2,
-    retry_backoff: Annotated[
-        float, typer.Option(min=0.0, help="First retry delay, s (doubles).", callback=finite)
-    ] = 1.0,
-    sandbox: Annotated[
-        _Sandbox, typer.Option(help="bwrap: contained (default); none: agent code runs uncontained.")
-    ] = _Sandbox.bwrap,
-    memory_budget: MemoryBudget = None,
-    max_processes: MaxProcesses = None,
-    workspace_budget: WorkspaceBudget = None,
-    workspace_inodes: WorkspaceInodes = None,
-    tmp_budget: TmpBudget = None,
-    tmp_inodes: TmpInodes = None,
-    shm_budget: ShmBudget = None,
-    shm_inodes: ShmInodes = None,
-    cgroups: Cgroups = None,
-    disk_budgets: DiskBudgets = None,
-    require_budgets: RequireBudgets = None,
-    executor_cage: ExecutorCage = None,
-    worker_start: WorkerStart = None,
-    backend: Annotated[
-        _Backend, typer.Option(help="Where rollouts run: this machine, or a Ray cluster (rollcage[ray]).")
-    ] = _Backend.local,
-    ray_address: Annotated[
-        str | None,
-        typer.Option(
-            help="Ray cluster (HOST:PORT of its head, or 'auto'); default: RAY_ADDRESS, else a private "
-            "local instance. With --backend ray."
-        ),
-    ] = None,
-    ray_num_cpus_per_rollout: Annotated[
-        float | None,
-        typer.Option(
-            min=0.0, help="CPUs Ray reserves per rollout (default 1). With --backend ray.", callback=finite
-        ),
-    ] = None,
-    shared_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="A directory every Ray node mounts at the same path, holding --out: nodes write rollout "
-            "directories in place instead of shipping them. With --backend ray."
-        ),
-    ] = None,
-    ray_max_artifact_mib: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Largest rollout directory shipped to the driver, MiB (default 64). With --backend ray.",
-        ),
-    ] = None,
-    max_capture_mib: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            help="Budget of one rollout's model_capture.jsonl, MiB; past it the rollout ends as agent_error.",
-        ),
-    ] = 256,
-    strict: Annotated[bool, typer.Option(help="Stop before running anything if a row is malformed.")] = False,
-    format: Annotated[
-        _Format, typer.Option("--format", help="How rows are written; auto: detected (and printed).")
-    ] = _Format.auto,
-    environment: Annotated[
-        str | None,
-        typer.Option(
-            help="Environment (bundled name or resource server URL) of rows naming none, e.g. NeMo Gym's."
-        ),
-    ] = None,
-    harness: Annotated[
-        _Harness | None,
-        typer.Option(
-            help="Agent of rows that name none: builtin (default), nooa, or command (--harness-command)."
-        ),
-    ] = None,
-    harness_command: Annotated[
-        str | None,
-        typer.Option(help="With --harness command: the command line (shell words), run in the workspace."),
-    ] = None,
-    harness_task: Annotated[
-        _TaskVia,
-        typer.Option(help="With --harness command: the task on stdin, as one more argument, or a file."),
-    ] = _TaskVia.stdin,
-    harness_answer: Annotated[
-        _AnswerFrom,
-        typer.Option(
-            help="With --harness command: the answer is its stdout, answer.txt, or an 'answer' event."
-        ),
-    ] = _AnswerFrom.stdout,
-    harness_env: Annotated[
-        Path | None,
-        typer.Option(
-            help="Virtualenv of a nooa or command harness, mounted read-only in every sandbox; default for "
-            "nooa: the one 'rollcage harness install nooa' made."
-        ),
-    ] = None,
-    grade_timeouts: Annotated[bool, typer.Option(help="Grade results of rollouts that timed out.")] = False,
-    resume_rollouts: Annotated[
-        bool,
-        typer.Option(
-            help="A retry after infra_failure, or a rollout a killed run interrupted, continues from the "
-            "earlier attempt's journal: recorded model calls are not sent again."
-        ),
-    ] = False,
-    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
-) -> None:
-    """Run a dataset of tasks in sandboxes, grade outside them, and report."""
-    flags = dict(locals())  # the parameters, before anything else is bound: the budget flags among them
-    import asyncio
-
-    from pydantic import ValidationError
-
-    from rollcage.commands._progress import RichReporter, render_summary
-    from rollcage.controller import (
-        EXIT_USAGE,
-        EmbeddedPolicyConfig,
-        LocalBackendConfig,
-        ModelEndpointConfig,
-        RayBackendConfig,
-        RunConfig,
-    )
-    from rollcage.errors import ConfigError
-    from rollcage.protocol import describe_validation_error
-
-    if (model is None) != (model_name is None):
-        raise typer.BadParameter("--model and --model-name go together", param_hint="--model")
-    if model is not None and policy is not None:
-        raise typer.BadParameter(
-            "--policy is for the embedded policy; drop it with --model", param_hint="--policy"
-        )
-    if api_key_env is not None and model is None:
-        raise typer.BadParameter("--api-key-env needs --model", param_hint="--api-key-env")
-    if model is not None:
-        _check_model_url(model)
-    if api_key_env is not None and backend is _Backend.local:
-        _check_key_variable(api_key_env)
-    ray_options = {
-        "--ray-address": ray_address,
-        "--ray-num-cpus-per-rollout": ray_num_cpus_per_rollout,
-        "--shared-dir": shared_dir,
-        "--ray-max-artifact-mib": ray_max_artifact_mib,
-    }
-    given = [name for name, value in ray_options.items() if value is not None]
-    if given and backend is not _Backend.ray:
-        raise typer.BadParameter(f"{given[0]} needs --backend ray", param_hint=given[0])
-    where: LocalBackendConfig | RayBackendConfig = LocalBackendConfig()
-    if backend is _Backend.ray:
-        ray_values: dict[str, Any] = {"address": ray_address, "shared_dir": shared_dir}
-        if ray_num_cpus_per_rollout is not None:
-            ray_values["num_cpus_per_rollout"] = ray_num_cpus_per_rollout
-        if ray_max_artifact_mib is not None:
-            ray_values["max_artifact_bytes"] = ray_max_artifact_mib * 1024 * 1024
-        where = RayBackendConfig(**ray_values)
-    from rollcage.supervisor import BwrapSandbox
-
-    try:
-        bwrap = BwrapSandbox(**bwrap_fields(flags, sandbox=sandbox.value))
-    except ValidationError as exc:
-        raise typer.BadParameter(describe_validation_error(exc)) from exc
-    run_harness = _harness_spec(harness, harness_command, harness_task, harness_answer)
-    reporter = RichReporter(quiet=quiet)
-    _log_through(reporter)
-    source: EmbeddedPolicyConfig | ModelEndpointConfig
-    if model is not None and model_name is not None:
-        source = ModelEndpointConfig(base_url=model, model_name=model_name, api_key_env=api_key_env)
-    else:
-        source = EmbeddedPolicyConfig(script=policy)
-    try:
-        config = RunConfig(
-            dataset=dataset,
-            out=out if out is not None else _default_out(dataset),
-            model=source,
-            api=api.value,
-            concurrency=concurrency,
-            attempts=attempts,
-            max_infra_retries=max_infra_retries,
-            retry_backoff_s=retry_backoff,
-            deadline_s=deadline,
-            grace_s=grace,
-            sandbox=sandbox.value,
-            bwrap=bwrap,
-            grade_timeouts=grade_timeouts,
-            resume_rollouts=resume_rollouts,
-            strict=strict,
-            backend=where,
-            max_capture_bytes=max_capture_mib * 1024 * 1024,
-            dataset_format=format.value,
-            environment=environment,
-            harness=run_harness,
-            harness_env=harness_env,
-        )
-    except ValidationError as exc:
-        raise typer.BadParameter(describe_validation_error(exc)) from exc
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    tune_collector()
-    try:
-        summary = asyncio.run(_run(config, reporter))
-    except ConfigError as exc:
-        fail("run", str(exc), code=EXIT_USAGE)
-    render_summary(summary, reporter.console)
-    raise typer.Exit(summary.exit_code)
+command = build_command()
+"""``rollcage run``, as typer registers it."""
 
 
 def tune_collector() -> None:
@@ -354,27 +367,6 @@ def _harness_spec(harness: _Harness | None, command: str | None, task: _TaskVia,
     if harness is _Harness.builtin:
         return BuiltinHarness()
     return None
-
-
-def _check_model_url(url: str) -> None:
-    """Refuse a ``--model`` that no rollout could reach, before anything runs (as ``collect`` does)."""
-    from rollcage.controller import model_url_problem
-
-    problem = model_url_problem(url)
-    if problem is not None:
-        raise typer.BadParameter(problem, param_hint="--model")
-
-
-def _check_key_variable(name: str) -> None:
-    """Refuse an ``--api-key-env`` naming an unset variable: every rollout would fail on it.
-
-    Only for the local backend: with Ray the variable may be set on the nodes instead.
-    """
-    from rollcage.controller import api_key_problem
-
-    problem = api_key_problem(name)
-    if problem is not None:
-        raise typer.BadParameter(problem, param_hint="--api-key-env")
 
 
 def _log_through(reporter: RichReporter) -> None:
