@@ -98,14 +98,24 @@ def _cli_type(annotation: Any) -> Any | None:
     return None
 
 
-def _shown(default: Any, kind: Any, unit: int, flag: str) -> str | bool:
+def _shown(default: Any, kind: Any, unit: int, flag: str, *, size: bool) -> str | bool:
     if default is None or default is PydanticUndefined:
         return False
     if kind is bool:
         return flag.removeprefix("--") if default else "no-" + flag.removeprefix("--")
     if unit != 1 and isinstance(default, int):
         return str(default // unit)
+    if size and isinstance(default, int):
+        return _size_text(default)
     return str(default)
+
+
+def _size_text(count: int) -> str:
+    """Bytes in the largest unit that holds them whole (``4G``, ``1536M``), as :func:`parse_size` reads."""
+    for suffix, unit in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if count and count % unit == 0:
+            return f"{count // unit}{suffix}"
+    return str(count)
 
 
 def field_options(
@@ -180,6 +190,7 @@ def _option(
     help_text = spelling.help or description
     convert: Callable[[Any], Any] = _same
     shown_kind = kind
+    size = False
     if spelling.unit != 1:
         help_text += f" In {spelling.unit_name or spelling.unit}."
         unit = spelling.unit
@@ -188,14 +199,14 @@ def _option(
         help_text += " In seconds."
     elif path[-1].endswith("_bytes") and kind is int:
         help_text += " A size: 512M, 4G, or bytes."
-        shown_kind = str
+        shown_kind, size = str, True
         convert = _size_of(flag)
     panel = next((name for prefix, name in panels.items() if path[: len(prefix)] == prefix), None)
     decls = f"{flag}/--no-{flag.removeprefix('--')}" if kind is bool else flag
     option = typer.Option(
         decls,
         help=help_text,
-        show_default=_shown(default, kind, spelling.unit, flag),
+        show_default=_shown(default, kind, spelling.unit, flag, size=size),
         min=spelling.minimum,
         rich_help_panel=panel,
     )
