@@ -141,5 +141,5 @@ def test_a_field_with_no_command_line_form_must_be_spelled_or_excluded() -> None
     class WithList(RunConfig):
         tags: list[str] = Field(default_factory=list)
 
-    with pytest.raises(TypeError, match="WithList.tags"):
+    with pytest.raises(TypeError, match=r"WithList\.tags"):
         build_command(WithList)

@@ -31,6 +31,7 @@ from rollcage.cage import (
     PYTHON,
     Bind,
     CageSpec,
+    ContainedRun,
     NestedCage,
     RunLimits,
     Tmpfs,
@@ -477,7 +478,7 @@ async def test_run_contained_runs_the_files_given_and_nothing_of_the_host(tmp_pa
         f"print(os.path.exists({str(secret)!r}), os.path.exists('/etc'), os.path.exists('/home'))\n"
         "print('x' * 5000)\n"
     )
-    run = await run_contained(
+    run: ContainedRun = await run_contained(
         [PYTHON, "-I", "-S", "-c", code],
         files={"data/in.txt": "hello"},
         timeout_s=30,
