@@ -17,9 +17,9 @@ import pytest
 
 from rollcage.cage._budget import _v2_candidates
 from rollcage.errors import SandboxError
-from rollcage.supervisor import BwrapSandbox, SupervisorConfig, budgetplan, supervise
-from rollcage.supervisor.budgetplan import check_budgets, planned_mechanisms
-from rollcage.supervisor.budgets import RolloutBudgets
+from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
+from rollcage.supervisor.budgets import RolloutBudgets, check_budgets, planned_mechanisms
+from rollcage.supervisor.budgets import _plan as budgetplan
 from tests.helpers.supervisor_env import make_rollout, requires_bwrap
 
 

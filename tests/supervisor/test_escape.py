@@ -39,7 +39,7 @@ from rollcage.durable import read_journal
 from rollcage.errors import ConfigError
 from rollcage.protocol import BudgetName, RolloutRecord
 from rollcage.supervisor import BwrapSandbox
-from rollcage.supervisor.budgetplan import WEAK_MECHANISMS
+from rollcage.supervisor.budgets import WEAK_MECHANISMS
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.waiting import processes_mentioning
 

@@ -53,7 +53,7 @@ from rollcage.supervisor import (
     classify_outcome,
     supervise,
 )
-from rollcage.supervisor.budgetplan import planned_mechanisms
+from rollcage.supervisor.budgets import planned_mechanisms
 from rollcage.supervisor.sandbox import BwrapTools, bwrap_argv
 from rollcage.tools import make_executor
 from tests.helpers.supervisor_env import (

@@ -25,7 +25,8 @@ import pytest
 
 from rollcage.cage import copy_tree
 from rollcage.policy import PolicyServer
-from rollcage.supervisor import BwrapSandbox, SupervisorConfig, budgets, supervise
+from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
+from rollcage.supervisor.budgets import _rollout as budgets
 from rollcage.supervisor.sandbox import RolloutLayout
 from tests.helpers.supervisor_env import config, fake, gone_mount_source, make_rollout, requires_bwrap
 from tests.helpers.waiting import wait_for_async

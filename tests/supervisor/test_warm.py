@@ -436,7 +436,8 @@ async def test_a_cage_that_refuses_its_mounts_fails_one_start_and_the_next_mount
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from rollcage.cage import CageTmpfs
-    from rollcage.supervisor import budgets, warm
+    from rollcage.supervisor import warm
+    from rollcage.supervisor.budgets import _rollout as budgets
 
     monkeypatch.setattr(warm, "_cage_mounts_refused", [])
     # Where the cage has no such directory, the worker cannot mount: as a kernel that refused.

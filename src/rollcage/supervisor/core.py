@@ -71,7 +71,6 @@ from rollcage.protocol import (
     WorkerResult,
     describe_validation_error,
 )
-from rollcage.supervisor.budgetpolls import watch_budget
 from rollcage.supervisor.budgets import (
     BUDGETS_RECORD,
     RolloutBudgets,
@@ -80,6 +79,7 @@ from rollcage.supervisor.budgets import (
     release_leftovers,
     remove_staged_view,
     sweep_orphans,
+    watch_budget,
 )
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
@@ -826,7 +826,7 @@ class _Supervision:
     async def _watch_budgets(self) -> None:
         """Read the sandbox's budgets until one is exceeded (then the rollout ends); never without budgets.
 
-        Read with the other supervisions' of this loop, in one thread hop (see :mod:`.budgetpolls`).
+        Read with the other supervisions' of this loop, in one thread hop (see :mod:`.budgets`).
         """
         budgets = self.budgets
         if budgets is None:

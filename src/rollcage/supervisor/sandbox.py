@@ -91,7 +91,6 @@ from rollcage.cage import (
     system_mounts,
     which,
 )
-from rollcage.supervisor.budgetplan import check_budgets
 from rollcage.supervisor.config import BwrapSandbox, NoSandbox
 from rollcage.warm import WarmRequest
 
@@ -400,7 +399,7 @@ class BwrapLauncher:
         """Find bwrap, prlimit and setpriv, and try a trivial sandbox once per process (blocking).
 
         A budget that cannot be a hard bound here is named in one warning per process, or, with
-        ``require_budgets``, refused (:func:`~rollcage.supervisor.budgetplan.check_budgets`).
+        ``require_budgets``, refused (:func:`~rollcage.supervisor.budgets.check_budgets`).
 
         Raises:
             SandboxError: bubblewrap, prlimit or setpriv is missing, or bubblewrap cannot create
@@ -419,6 +418,9 @@ class BwrapLauncher:
             run_as=run_as,
             nested=self.config.executor_cage == "bwrap",
         )
+        # Imported here: the budgets room imports this module (its layout), not the other way.
+        from rollcage.supervisor.budgets import check_budgets
+
         check_budgets(self.config)
         self._tools = tools
         return tools

@@ -56,7 +56,7 @@ from rollcage.cage import (
 )
 from rollcage.errors import SandboxError
 from rollcage.protocol import BudgetName, BudgetUse, RolloutUsage
-from rollcage.supervisor.budgetplan import weak_budgets
+from rollcage.supervisor.budgets._plan import weak_budgets
 from rollcage.supervisor.config import BwrapSandbox
 from rollcage.supervisor.leftovers import (
     mount_source,
@@ -239,7 +239,7 @@ class RolloutBudgets:
             )
         self._record()
         if config.require_budgets:
-            # What was planned at the start (budgetplan) may still fail here: a mount or a cgroup refused.
+            # What was planned at the start (_plan) may still fail here: a mount or a cgroup refused.
             made = {use.budget: use.mechanism for use in self.report() if use.limit is not None}
             weak = weak_budgets(made, config)
             if weak:
