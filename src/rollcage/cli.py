@@ -47,8 +47,8 @@ def _dispatch(argv: list[str]) -> int:
     from rollcage.errors import ConfigError, RollcageError
 
     usage_error, click_exception, no_args_is_help = _click_errors()
-    command = typer.main.get_command(_build_app())
     verb = next((word for word in argv if not word.startswith("-")), "")
+    command = typer.main.get_command(_build_app(verb))
     where = f"rollcage {verb}".rstrip()
 
     def say(message: str) -> None:
@@ -95,7 +95,8 @@ def _click_errors() -> tuple[type[Any], type[Any], type[Any]]:
     return usage, base, no_args or _Never
 
 
-def _build_app() -> typer.Typer:
+def _build_app(verb: str | None = None) -> typer.Typer:
+    """The application; ``verb``, where known, lets the others leave out what it does not need."""
     import typer
 
     from rollcage.commands import register
@@ -107,7 +108,7 @@ def _build_app() -> typer.Typer:
         add_completion=False,
         pretty_exceptions_enable=False,
     )
-    register(app)
+    register(app, verb=verb)
     return app
 
 

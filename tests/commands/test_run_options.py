@@ -6,6 +6,8 @@ validated configuration instead of running it, and driven through typer's runner
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +145,19 @@ def test_a_field_with_no_command_line_form_must_be_spelled_or_excluded() -> None
 
     with pytest.raises(TypeError, match=r"WithList\.tags"):
         build_command(WithList)
+
+
+def test_other_verbs_do_not_pay_for_runs_options() -> None:
+    # run's options are made from RunConfig, which imports the controller: half a second of every
+    # other verb's start if they were made for it too.
+    script = (
+        "import sys, contextlib, io\n"
+        "from rollcage.cli import _dispatch\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    code = _dispatch(['schema', '--help'])\n"
+        "print(code, 'rollcage.controller' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.stdout.split() == ["0", "False"], done.stdout + done.stderr

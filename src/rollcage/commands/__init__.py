@@ -15,14 +15,24 @@ if TYPE_CHECKING:
 __all__ = ["fail", "finite", "one_line", "register"]
 
 
-def register(app: typer.Typer) -> None:
-    """Attach every verb to ``app``."""
+_OTHER_VERBS = frozenset(
+    {"worker", "supervise", "serve-policy", "show", "report", "schema", "export", "harness", "images"}
+)
+
+
+def register(app: typer.Typer, *, verb: str | None = None) -> None:
+    """Attach every verb to ``app``.
+
+    Args:
+        app: The application.
+        verb: The verb about to run, where known: another verb than ``run`` leaves ``run`` out,
+            whose options are made from ``RunConfig`` and so import the controller (half a second).
+    """
     from rollcage.commands import (
         export,
         harness,
         images,
         report,
-        run,
         schema,
         serve_policy,
         show,
@@ -30,7 +40,10 @@ def register(app: typer.Typer) -> None:
         worker,
     )
 
-    app.command("run")(run.command)
+    if verb not in _OTHER_VERBS:
+        from rollcage.commands import run
+
+        app.command("run")(run.command)
     app.command("worker")(worker.command)
     app.command("supervise")(supervise.command)
     app.command("serve-policy")(serve_policy.command)
