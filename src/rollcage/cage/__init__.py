@@ -9,7 +9,8 @@ output. Three callers share it:
 
 * the supervisor cages the **worker** (:mod:`rollcage.supervisor.sandbox`), with
   per-rollout budgets on total memory, processes, workspace, ``/tmp`` and
-  ``/dev/shm`` (:mod:`rollcage.cage._budget`);
+  ``/dev/shm`` (the mechanisms in :mod:`rollcage.cage._budget`; planned, made and read per
+  rollout by :mod:`rollcage.supervisor.budgets`);
 * the worker cages its **Python executor** inside its own cage
   (:meth:`NestedCage.prefix`): agent code cannot see, signal, trace or write the
   worker, its journal or its result;

@@ -1,5 +1,8 @@
 """Budgets of one cage: memory and processes in total, bytes and inodes of each writable file system.
 
+The mechanisms only: a rollout's budgets (planned before the run, made before its launch, read
+while it runs, reported in its receipt) are :mod:`rollcage.supervisor.budgets`.
+
 Memory and processes (:class:`CgroupSet`)
 =========================================
 
