@@ -3,10 +3,10 @@
 A budget bounds the sandbox as a whole (total memory, processes, bytes and inodes of
 the workspace, ``/tmp`` and ``/dev/shm``), where a per-process limit cannot. Its parts:
 
-* **the plan** (:mod:`._plan`: :func:`check_budgets`, :func:`planned_mechanisms`,
-  :func:`weak_budgets`): how each budget will be enforced on this machine (a cgroup, a
-  bounded tmpfs, or only a per-process rlimit or a poll), known before anything runs;
-  a weak one is said once, loudly, and ``require_budgets`` refuses it;
+* **the plan** (:mod:`._plan`: :func:`check_budgets`, :func:`planned_mechanisms`): how each
+  budget will be enforced on this machine (a cgroup, a bounded tmpfs, or only a per-process
+  rlimit or a poll), known before anything runs; a weak one is said once, loudly, and
+  ``require_budgets`` refuses it;
 * **the rollout's budgets** (:mod:`._rollout`: :class:`RolloutBudgets`): made before the
   launch, checked while it runs (the first breach named), reported in the receipt, and
   released at the end; what a killed supervisor left is released by a later one
@@ -19,11 +19,10 @@ their size) are the cage's (:mod:`rollcage.cage`), below this room, because
 :func:`rollcage.cage.run_contained` bounds a grader's cage with them too.
 """
 
-from rollcage.supervisor.budgets._plan import WEAK_MECHANISMS, check_budgets, planned_mechanisms, weak_budgets
+from rollcage.supervisor.budgets._plan import WEAK_MECHANISMS, check_budgets, planned_mechanisms
 from rollcage.supervisor.budgets._polls import watch_budget
 from rollcage.supervisor.budgets._rollout import (
     BUDGETS_RECORD,
-    MEMORY_DIR,
     RolloutBudgets,
     owner_tag,
     private_parent,
@@ -34,7 +33,6 @@ from rollcage.supervisor.budgets._rollout import (
 
 __all__ = [
     "BUDGETS_RECORD",
-    "MEMORY_DIR",
     "WEAK_MECHANISMS",
     "RolloutBudgets",
     "check_budgets",
@@ -45,5 +43,4 @@ __all__ = [
     "remove_staged_view",
     "sweep_orphans",
     "watch_budget",
-    "weak_budgets",
 ]
