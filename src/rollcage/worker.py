@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from rollcage.agent import SUBMIT, Agent, AgentResult
+from rollcage.agent import Agent, AgentResult
 from rollcage.checkpoint import CallCompactor
 from rollcage.durable import CheckpointJournal, publish_json, read_bounded
 from rollcage.errors import ConfigError, ResumeRefusedError, RollcageError
@@ -72,6 +72,7 @@ from rollcage.protocol import (
 )
 from rollcage.resume import Replay, ReplayPlan, load_replay
 from rollcage.trajectory import INTERRUPTED, TrajectoryRecorder, final_text, project_output, sum_usage
+from rollcage.wire import SUBMIT
 
 if TYPE_CHECKING:
     from rollcage.harness import RelayWriter
@@ -115,7 +116,7 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 WARM_MODULES: tuple[str, ...] = (
-    "rollcage.model",
+    "rollcage.model._client",  # the client itself: rollcage.model's face loads it on first use
     "rollcage.model.http",
     "rollcage.tools",
     "rollcage.tools._repl",
@@ -667,7 +668,7 @@ class _Session:
 
     async def _harness_episode(self) -> AgentResult:
         """A nooa or command harness's episode (see :mod:`rollcage.harness`)."""
-        from rollcage.harness import HarnessRunner
+        from rollcage.harness.worker import HarnessRunner
 
         self.paths.workspace.mkdir(parents=True, exist_ok=True)
         runner = HarnessRunner(

@@ -37,6 +37,7 @@ LAYERS: tuple[str, ...] = (
     "headers",  # values others supply, made into HTTP header bytes
     "procs",  # process lifecycle and the cancellation dialect
     "protocol",  # the artifacts' shapes
+    "wire",  # what the model endpoint is sent and answers, read without I/O (both sides of the wall)
     "durable",  # atomic publication, the journal
     "runfiles",  # a run directory's own files: read inside it, never write over it
     "filewatch",  # waiting for a file to appear
@@ -81,6 +82,8 @@ class Import:
     line: int
     type_only: bool
     """Under ``if TYPE_CHECKING:``."""
+    in_function: bool = False
+    """Inside a function: run when it is called, not when the module is imported."""
 
     def __str__(self) -> str:
         what = f"from {self.target} import {', '.join(self.names)}" if self.names else f"import {self.target}"
@@ -112,10 +115,19 @@ def _type_checking_nodes(tree: ast.Module) -> set[int]:
     return inside
 
 
+def _function_nodes(tree: ast.Module) -> set[int]:
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            inside.update(id(sub) for sub in ast.walk(node) if sub is not node)
+    return inside
+
+
 def _imports(path: Path) -> list[Import]:
     module = _module_name(path)
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     type_only = _type_checking_nodes(tree)
+    in_function = _function_nodes(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[Import] = []
     for node in ast.walk(tree):
@@ -127,11 +139,14 @@ def _imports(path: Path) -> list[Import]:
                 target = node.module or ""
             if target.split(".")[0] == "rollcage":
                 names = tuple(alias.name for alias in node.names)
-                found.append(Import(module, target, names, node.lineno, id(node) in type_only))
+                found.append(
+                    Import(module, target, names, node.lineno, id(node) in type_only, id(node) in in_function)
+                )
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "rollcage":
-                    found.append(Import(module, alias.name, (), node.lineno, id(node) in type_only))
+                    lazy = id(node) in in_function
+                    found.append(Import(module, alias.name, (), node.lineno, id(node) in type_only, lazy))
     return found
 
 
@@ -276,3 +291,86 @@ def test_every_private_module_declares_what_it_offers(path: Path) -> None:
         if isinstance(target, ast.Name)
     }
     assert "__all__" in assigned
+
+
+# --- the sandbox's wall -----------------------------------------------------------------------
+
+WALLED = ("rollcage.supervisor", "rollcage.controller")
+"""The processes outside the sandbox: they treat the worker as a black box that speaks files."""
+
+_MODEL_TRANSPORT = frozenset({"rollcage.model", "rollcage.model.http", "rollcage.model._h11"})
+"""Of ``rollcage.model``, what the egress proxy shares with the client: the HTTP transport (and the
+face, which loads the client only on first use). Everything else there is the client."""
+
+
+def _behind_the_wall(module: str) -> bool:
+    """The worker's side: the agent's loop, the tools, the model client, the worker and its harness runner."""
+    if module == "rollcage.model" or module.startswith("rollcage.model."):
+        return module not in _MODEL_TRANSPORT
+    return any(
+        module == side or module.startswith(f"{side}.")
+        for side in ("rollcage.agent", "rollcage.tools", "rollcage.worker", "rollcage.harness.worker")
+    )
+
+
+def _modules() -> set[str]:
+    return {_module_name(path) for path in SRC.rglob("*.py")}
+
+
+def _loaded_with(found: Import, modules: set[str]) -> list[str]:
+    """The modules an import loads: the target, each package above it, and the submodules it names."""
+    parts = found.target.split(".")
+    loaded = [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
+    loaded += [f"{found.target}.{name}" for name in found.names if f"{found.target}.{name}" in modules]
+    return [name for name in loaded if name in modules]
+
+
+def test_nothing_the_supervisor_or_controller_imports_reaches_behind_the_sandboxs_wall() -> None:
+    # What importing a module runs (its module-level imports, not TYPE_CHECKING ones), followed
+    # from every module of the supervisor and the controller, together with the imports inside
+    # their own functions (those run in the supervisor's and the controller's processes too).
+    modules = _modules()
+    edges: dict[str, list[Import]] = {}
+    for found in _all_imports():
+        if not found.type_only:
+            edges.setdefault(found.module, []).append(found)
+    came_from: dict[str, str | None] = {m: None for m in modules if m.startswith(WALLED)}
+    queue = sorted(came_from)
+    while queue:
+        module = queue.pop()
+        walled = module.startswith(WALLED)
+        for found in edges.get(module, []):
+            if found.in_function and not walled:
+                continue
+            for loaded in _loaded_with(found, modules):
+                if loaded not in came_from:
+                    came_from[loaded] = f"{module}:{found.line}"
+                    queue.append(loaded)
+    crossing = []
+    for module in sorted(m for m in came_from if _behind_the_wall(m)):
+        chain, at = [module], came_from[module]
+        while at is not None:
+            chain.append(at)
+            at = came_from[at.partition(":")[0]]
+        crossing.append(" <- ".join(chain))
+    assert crossing == []
+
+
+@pytest.mark.parametrize("walled", WALLED)
+def test_importing_the_supervisor_or_controller_loads_nothing_behind_the_wall(walled: str) -> None:
+    # The import as Python runs it (lazy faces, __getattr__, whatever the source says), in a fresh
+    # interpreter: the list -X importtime prints is every module the import loaded.
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", f"import {walled}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    loaded = {
+        line.rpartition("|")[2].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert walled in loaded  # the listing is what it claims to be
+    assert sorted(name for name in loaded if _behind_the_wall(name)) == []

@@ -48,6 +48,7 @@ from rollcage.errors import ConfigError, HarnessError, HarnessUnavailableError, 
 from rollcage.harness._calls import WireCalls, WireExchange
 from rollcage.harness._events import (
     EVENTS_FD_ENV,
+    GRACE_ENV,
     RELAY_FD_ENV,
     AnswerEvent,
     ErrorEvent,
@@ -80,12 +81,9 @@ from rollcage.protocol import (
 from rollcage.tools import bound_middle
 from rollcage.trajectory import TrajectoryRecorder, message_text
 
-__all__ = ["GRACE_ENV", "NOOA_ADAPTER", "HarnessRunner", "HarnessSink", "task_text"]
+__all__ = ["NOOA_ADAPTER", "HarnessRunner", "HarnessSink", "task_text"]
 
 logger = logging.getLogger("rollcage.harness")
-
-GRACE_ENV = "ROLLCAGE_GRACE_S"
-"""The worker's environment variable holding the supervisor's SIGTERM → SIGKILL grace (seconds)."""
 
 HarnessSink = Callable[[BoundaryRecord, int], Awaitable[None]]
 """Receives each boundary the runner builds, with how many model calls preceded it."""
