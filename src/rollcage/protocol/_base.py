@@ -1,3 +1,7 @@
+"""What every artifact shares: the schema version, the bounds on numbers and JSON, the outcome words, and
+the model bases (unknown fields are an error; frozen where a value is published; versioned where a file
+is read back by another rollcage)."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -11,10 +15,13 @@ __all__ = [
     "MAX_TOKEN_COUNT",
     "MAX_TOKEN_ID",
     "SCHEMA_VERSION",
+    "ArtifactModel",
+    "FrozenArtifact",
     "Outcome",
     "ResponseItem",
     "RunnerError",
     "TerminationReason",
+    "VersionGate",
 ]
 
 SCHEMA_VERSION: Literal[2] = 2
@@ -52,14 +59,14 @@ ResponseItem = dict[str, Any]
 """One Responses-API item (``message``, ``function_call``, ``function_call_output``, ``reasoning``)."""
 
 
-class _Model(BaseModel):
+class ArtifactModel(BaseModel):
     """Base of every artifact: unknown fields are an error."""
 
     # Infinity and NaN are not numbers any artifact means: a timeout of Infinity never fires.
     model_config = ConfigDict(extra="forbid", defer_build=True, allow_inf_nan=False)
 
 
-class _Frozen(_Model):
+class FrozenArtifact(ArtifactModel):
     """Base of published values that must not change after they are built."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
@@ -80,10 +87,10 @@ def _check_version(data: Any, artifact: str) -> Any:
     return data
 
 
-class _VersionGate(BaseModel):
+class VersionGate(BaseModel):
     """Mixin of the versioned artifacts: another ``schema_version`` is refused by name, first."""
 
-    # The same settings as _Model: deferred, or importing the protocol would build (and pay for) it.
+    # The same settings as ArtifactModel: deferred, or importing the protocol would build (and pay for) it.
     model_config = ConfigDict(extra="forbid", defer_build=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
@@ -92,7 +99,7 @@ class _VersionGate(BaseModel):
         return _check_version(data, cls.__name__)
 
 
-class RunnerError(_Frozen):
+class RunnerError(FrozenArtifact):
     """Why a rollout did not complete normally."""
 
     kind: ErrorKind = Field(description="transient: infrastructure; fatal: final; cancelled: stopped.")

@@ -1,15 +1,18 @@
+"""``model_capture.jsonl``: one :class:`CaptureExchange` a line, each request and response that crossed
+the egress proxy."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from rollcage.protocol._base import _Model
+from rollcage.protocol._base import ArtifactModel
 
 __all__ = ["CaptureExchange", "CapturedBody", "CapturedMessage"]
 
 
-class CapturedBody(_Model):
+class CapturedBody(ArtifactModel):
     """A body as captured: parsed JSON when it was JSON, else text, else base64; never more than one."""
 
     size: int = Field(ge=0, description="Bytes on the wire.")
@@ -27,7 +30,7 @@ class CapturedBody(_Model):
     )
 
 
-class CapturedMessage(_Model):
+class CapturedMessage(ArtifactModel):
     """The request or response half of a captured exchange."""
 
     headers: list[tuple[str, str]] = Field(description="Headers in order; credentials are '[redacted]'.")
@@ -35,7 +38,7 @@ class CapturedMessage(_Model):
     status: int | None = Field(default=None, description="HTTP status (responses only).")
 
 
-class CaptureExchange(_Model):
+class CaptureExchange(ArtifactModel):
     """One line of ``model_capture.jsonl``: one exchange through the egress proxy (outside the sandbox)."""
 
     seq: int = Field(ge=1, description="1-based position in the capture.")

@@ -1,10 +1,13 @@
+"""``checkpoint.jsonl``: one :class:`BoundaryRecord` a line, and the :class:`Checkpoint` a journal folds
+into (``rollcage.load_checkpoint``)."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import Field
 
-from rollcage.protocol._base import ResponseItem, _Model
+from rollcage.protocol._base import ArtifactModel, ResponseItem
 from rollcage.protocol._trajectory import ModelCall, ResumedFrom, ToolCall, Trajectory, TurnStart
 
 __all__ = ["BoundaryRecord", "Checkpoint", "DeltaField", "ListDelta"]
@@ -14,7 +17,7 @@ DeltaField = Literal[
 ]
 
 
-class ListDelta(_Model):
+class ListDelta(ArtifactModel):
     """How a list of a model call extends the same list of an earlier call, so a journal line stays O(new).
 
     Every request repeats the conversation so far, and every prompt's token ids
@@ -28,7 +31,7 @@ class ListDelta(_Model):
     append: list[Any] = Field(description="Items that follow them.")
 
 
-class BoundaryRecord(_Model):
+class BoundaryRecord(ArtifactModel):
     """One line of ``checkpoint.jsonl`` (its ``seq`` and checksum are added by the journal).
 
     ``start`` carries the rollout id and the schema version; ``turn_start`` a turn
@@ -61,7 +64,7 @@ class BoundaryRecord(_Model):
     resumed_from: ResumedFrom | None = Field(default=None, description="Set on 'resumed'.")
 
 
-class Checkpoint(_Model):
+class Checkpoint(ArtifactModel):
     """A journal folded into a partial view. Evidence only: a checkpoint is never graded."""
 
     partial: Literal[True] = Field(default=True, description="Always true: this is not a result.")

@@ -1,3 +1,7 @@
+"""``input.json`` (:class:`WorkerInput`): the complete allow-list of what enters the sandbox, with the
+endpoint, tools, agent, harness and checkpoint settings it holds, and the checks that refuse
+controller-only keys and JSON that cannot be kept."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +14,7 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
 from rollcage.errors import ControllerOnlyFieldError
-from rollcage.protocol._base import MAX_JSON_DEPTH, SCHEMA_VERSION, ResponseItem, _Model, _VersionGate
+from rollcage.protocol._base import MAX_JSON_DEPTH, SCHEMA_VERSION, ArtifactModel, ResponseItem, VersionGate
 
 __all__ = [
     "MAX_INPUT_BYTES",
@@ -95,7 +99,7 @@ CONTROLLER_ONLY_KEYS = frozenset(
 # --------------------------------------------------------------------------- input
 
 
-class SamplingParams(_Model):
+class SamplingParams(ArtifactModel):
     """Sampling parameters sent with every model request; ``None`` means "the server's default"."""
 
     temperature: float | None = Field(default=None, ge=0, description="Sampling temperature (0 or more).")
@@ -155,7 +159,7 @@ class SamplingParams(_Model):
         return value
 
 
-class ModelEndpoint(_Model):
+class ModelEndpoint(ArtifactModel):
     """Where and how the worker calls the model. Never holds a key: the egress proxy adds it."""
 
     base_url: str = Field(
@@ -189,7 +193,7 @@ class ModelEndpoint(_Model):
     )
 
 
-class ResourceEndpoint(_Model):
+class ResourceEndpoint(ArtifactModel):
     """An HTTP resource server the agent's tools call (the NeMo Gym convention: JSON POST per tool)."""
 
     base_url: str = Field(description="Base URL as seen from inside the sandbox.")
@@ -197,7 +201,7 @@ class ResourceEndpoint(_Model):
     timeout_s: float = Field(default=30.0, gt=0, le=_DAY_S, description="Deadline for one tool request.")
 
 
-class PythonToolSpec(_Model):
+class PythonToolSpec(ArtifactModel):
     """The persistent Python executor, offered as a tool (function_calling) or as code blocks (codeact)."""
 
     type: Literal["python"] = "python"
@@ -208,7 +212,7 @@ class PythonToolSpec(_Model):
     )
 
 
-class BashToolSpec(_Model):
+class BashToolSpec(ArtifactModel):
     """A persistent bash session in the executor's cage (``{"command": "...", "restart": false}``).
 
     Commands run one at a time, each bounded by ``AgentSettings.tool_timeout_s`` and
@@ -226,7 +230,7 @@ class BashToolSpec(_Model):
     )
 
 
-class EditorToolSpec(_Model):
+class EditorToolSpec(ArtifactModel):
     """A file editor with the interface of Anthropic's and OpenHands' editors, run in the executor's cage.
 
     Commands ``view``, ``create``, ``str_replace``, ``insert`` and ``undo_edit``; paths are absolute.
@@ -248,7 +252,7 @@ class EditorToolSpec(_Model):
     )
 
 
-class ResourceToolSpec(_Model):
+class ResourceToolSpec(ArtifactModel):
     """A tool served by a resource endpoint: ``POST {base_url}/{path}`` with the arguments as JSON."""
 
     type: Literal["resource"] = "resource"
@@ -272,13 +276,13 @@ _ARG_MAX_CHARS = 65_536
 _HARNESS_GRACE_S = 3.0
 
 
-class BuiltinHarness(_Model):
+class BuiltinHarness(ArtifactModel):
     """rollcage's own agent loop (:mod:`rollcage.agent`): the default."""
 
     type: Literal["builtin"] = Field(default="builtin", description="rollcage's own agent loop.")
 
 
-class NooaHarness(_Model):
+class NooaHarness(ArtifactModel):
     """NVIDIA's NOOA CodeAct agent, run by its own Python (>= 3.12) inside the sandbox.
 
     The task's input is the argument of a generated agent method, its instructions the agent's
@@ -296,7 +300,7 @@ class NooaHarness(_Model):
     )
 
 
-class CommandHarness(_Model):
+class CommandHarness(ArtifactModel):
     """Any command-line agent: a command line run in the workspace, the task given on stdin, argv or a file.
 
     It reaches the model over plain HTTP (``OPENAI_BASE_URL``) and the environment's tools at
@@ -358,7 +362,7 @@ HarnessSpec = Annotated[BuiltinHarness | NooaHarness | CommandHarness, Field(dis
 """Which agent runs the rollout, tagged by ``type``: ``builtin``, ``nooa`` or ``command``."""
 
 
-class HarnessEnvironment(_Model):
+class HarnessEnvironment(ArtifactModel):
     """A harness's own Python environment (a virtualenv and its base interpreter), as the sandbox sees it.
 
     The supervisor mounts ``mounts`` read-only at their host paths, so every path here is the
@@ -390,7 +394,7 @@ def _absolute_path(value: str) -> str:
     return value
 
 
-class AgentSettings(_Model):
+class AgentSettings(ArtifactModel):
     """Limits and action style of the agent loop."""
 
     mode: Literal["function_calling", "codeact"] = Field(
@@ -426,7 +430,7 @@ class AgentSettings(_Model):
     )
 
 
-class ExecutorSettings(_Model):
+class ExecutorSettings(ArtifactModel):
     """The persistent Python executor."""
 
     backend: Literal["repl", "jupyter"] = Field(
@@ -440,13 +444,13 @@ class ExecutorSettings(_Model):
     )
 
 
-class CheckpointSettings(_Model):
+class CheckpointSettings(ArtifactModel):
     """The append-only checkpoint journal."""
 
     enabled: bool = Field(default=True, description="Write a boundary record after every model/tool step.")
 
 
-class ResumeRequest(_Model):
+class ResumeRequest(ArtifactModel):
     """Continue an earlier attempt of this rollout from its journal instead of starting over.
 
     The journal itself is not in ``input.json``: the controller copies the earlier
@@ -459,7 +463,7 @@ class ResumeRequest(_Model):
     )
 
 
-class WorkerInput(_Model, _VersionGate):
+class WorkerInput(ArtifactModel, VersionGate):
     """``input.json``: the complete allow-list of what enters the sandbox.
 
     Controller-only state (reference answers, grader settings, rewards,

@@ -1,17 +1,27 @@
+"""``receipt.json`` (:class:`SupervisorReceipt`): what the supervisor saw of one attempt, the outcome it
+classified, and the budgets it enforced."""
+
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import Field
 
-from rollcage.protocol._base import SCHEMA_VERSION, Outcome, RunnerError, _Frozen, _Model, _VersionGate
+from rollcage.protocol._base import (
+    SCHEMA_VERSION,
+    ArtifactModel,
+    FrozenArtifact,
+    Outcome,
+    RunnerError,
+    VersionGate,
+)
 
 __all__ = ["BudgetMechanism", "BudgetName", "BudgetUse", "RolloutUsage", "SignalEvent", "SupervisorReceipt"]
 
 # --------------------------------------------------------------------------- supervisor
 
 
-class SignalEvent(_Model):
+class SignalEvent(ArtifactModel):
     """A signal the supervisor sent."""
 
     signal: str = Field(description="Signal name, e.g. 'SIGTERM'.")
@@ -38,7 +48,7 @@ BudgetMechanism = Literal["cgroup2", "cgroup1", "rlimit", "tmpfs", "poll", "none
 """How a budget is enforced: a cgroup, a per-process rlimit only, a bounded tmpfs, a poll, or not at all."""
 
 
-class BudgetUse(_Model):
+class BudgetUse(ArtifactModel):
     """One per-rollout budget, as the receipt reports it."""
 
     budget: BudgetName = Field(description="Which budget.")
@@ -56,7 +66,7 @@ class BudgetUse(_Model):
     exceeded: bool = Field(description="This budget ended the rollout.")
 
 
-class RolloutUsage(_Model):
+class RolloutUsage(ArtifactModel):
     """What one rollout's sandbox cost the machine, as the receipt reports it."""
 
     cpu_s: float | None = Field(
@@ -76,7 +86,7 @@ class RolloutUsage(_Model):
     )
 
 
-class SupervisorReceipt(_Frozen, _VersionGate):
+class SupervisorReceipt(FrozenArtifact, VersionGate):
     """``receipt.json``: written last by the supervisor, out of the sandbox's reach."""
 
     schema_version: Literal[2] = Field(default=SCHEMA_VERSION, description="Artifact format version.")

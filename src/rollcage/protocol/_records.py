@@ -1,3 +1,6 @@
+"""The controller's artifacts: ``records.jsonl`` (:class:`RolloutRecord`: the one place a reward lives)
+and ``metrics.json`` (:class:`RunMetrics`)."""
+
 from __future__ import annotations
 
 import os
@@ -6,7 +9,14 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr
 
-from rollcage.protocol._base import SCHEMA_VERSION, Outcome, TerminationReason, _Frozen, _Model, _VersionGate
+from rollcage.protocol._base import (
+    SCHEMA_VERSION,
+    ArtifactModel,
+    FrozenArtifact,
+    Outcome,
+    TerminationReason,
+    VersionGate,
+)
 from rollcage.protocol._receipt import SupervisorReceipt
 from rollcage.protocol._result import WorkerResult
 from rollcage.protocol._trajectory import TokenCoverage, TokenUsage
@@ -25,7 +35,7 @@ __all__ = [
 # --------------------------------------------------------------------------- controller
 
 
-class RolloutMetrics(_Model):
+class RolloutMetrics(ArtifactModel):
     """Per-rollout numbers the controller aggregates, computed once when the attempt ends."""
 
     model_calls: int = Field(default=0, description="Model calls made.")
@@ -64,7 +74,7 @@ HealthVerdict = Literal["healthy", "unhealthy", "unobserved"]
 want of evidence), else healthy (every check ran and found nothing)."""
 
 
-class RolloutHealth(_Frozen):
+class RolloutHealth(FrozenArtifact):
     """Health checks of one attempt, computed once from its result and receipt (checks by stable name).
 
     A check listed in neither ``findings`` nor ``unobserved`` ran and found nothing.
@@ -84,7 +94,7 @@ class RolloutHealth(_Frozen):
     )
 
 
-class ResumeLink(_Frozen):
+class ResumeLink(FrozenArtifact):
     """How an attempt relates to the earlier attempt it was asked to continue."""
 
     previous_rollout_id: str = Field(description="Id of the earlier attempt.")
@@ -95,7 +105,7 @@ class ResumeLink(_Frozen):
     reason: str | None = Field(default=None, description="Why it started fresh, if it did.")
 
 
-class RolloutRecord(_Frozen, _VersionGate):
+class RolloutRecord(FrozenArtifact, VersionGate):
     """One line of ``rollouts.jsonl``: one finished attempt, as the controller saw it."""
 
     schema_version: Literal[2] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
@@ -174,7 +184,7 @@ class RolloutRecord(_Frozen, _VersionGate):
     __hash__ = None  # type: ignore[assignment]  # fields hold dicts and lists: a record is not hashable
 
 
-class HealthFinding(_Model):
+class HealthFinding(ArtifactModel):
     """One named health check over a run; names are stable so dashboards can key on them."""
 
     count: int = Field(ge=0, description="Findings: rollouts, calls or turns affected, per the check.")
@@ -191,7 +201,7 @@ class HealthFinding(_Model):
     )
 
 
-class Percentiles(_Model):
+class Percentiles(ArtifactModel):
     """Distribution summary; ``None`` when there was nothing to measure."""
 
     mean: float | None = None
@@ -201,7 +211,7 @@ class Percentiles(_Model):
     max: float | None = None
 
 
-class RunMetrics(_Model, _VersionGate):
+class RunMetrics(ArtifactModel, VersionGate):
     """``metrics.json``: the summary of a run, rewritten atomically as the run progresses."""
 
     schema_version: Literal[2] = Field(default=SCHEMA_VERSION, description="Artifact format version.")

@@ -1,3 +1,5 @@
+"""``result.json`` (:class:`WorkerResult`): what the worker publishes once, at the end. No reward, ever."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -6,19 +8,19 @@ from pydantic import Field
 
 from rollcage.protocol._base import (
     SCHEMA_VERSION,
+    ArtifactModel,
+    FrozenArtifact,
     ResponseItem,
     RunnerError,
     TerminationReason,
-    _Frozen,
-    _Model,
-    _VersionGate,
+    VersionGate,
 )
 from rollcage.protocol._trajectory import TokenUsage, Trajectory
 
 __all__ = ["ResponseOutput", "WorkerResult"]
 
 
-class ResponseOutput(_Model):
+class ResponseOutput(ArtifactModel):
     """The rollout's answer, shaped like a Responses-API response object."""
 
     id: str = Field(description="The rollout id.")
@@ -32,7 +34,7 @@ class ResponseOutput(_Model):
     )
 
 
-class WorkerResult(_Frozen, _VersionGate):
+class WorkerResult(FrozenArtifact, VersionGate):
     """``result.json``: published once, atomically, by the worker. Never carries a reward."""
 
     schema_version: Literal[2] = Field(default=SCHEMA_VERSION, description="Artifact format version.")

@@ -1,3 +1,5 @@
+"""Every artifact model by the name ``rollcage schema NAME`` prints it under."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel

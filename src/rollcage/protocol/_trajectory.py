@@ -1,10 +1,13 @@
+"""What a rollout did: model calls (attempts, token data), tool calls, turns, and the trajectory that
+holds them; the same records in ``result.json`` and in the journal."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from rollcage.protocol._base import MAX_TOKEN_ID, ResponseItem, RunnerError, _Model
+from rollcage.protocol._base import MAX_TOKEN_ID, ArtifactModel, ResponseItem, RunnerError
 
 __all__ = [
     "CallAttempt",
@@ -25,7 +28,7 @@ __all__ = [
 # --------------------------------------------------------------------------- trajectory
 
 
-class TokenUsage(_Model):
+class TokenUsage(ArtifactModel):
     """Token counts as the server reported them; ``None`` means "not reported", never a guessed 0."""
 
     input_tokens: int | None = Field(default=None, description="Prompt tokens.")
@@ -50,7 +53,7 @@ LogProb = Annotated[float, Field(strict=True, le=0.0, allow_inf_nan=False)]
 _TOKEN_FIELDS: tuple[TokenField, ...] = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
-class CallTokens(_Model):
+class CallTokens(ArtifactModel):
     """Token-level data of one model call, as the server returned it (NeMo Gym's field names).
 
     ``None`` means the server did not return that array (``status`` and ``missing``
@@ -115,7 +118,7 @@ class CallTokens(_Model):
         return self
 
 
-class CallAttempt(_Model):
+class CallAttempt(ArtifactModel):
     """One HTTP attempt of a model call (a retried call has several)."""
 
     index: int = Field(ge=0, description="0-based attempt number within the call.")
@@ -130,7 +133,7 @@ class CallAttempt(_Model):
     ended_at: float = Field(description="Unix time it ended (or was abandoned).")
 
 
-class ModelCall(_Model):
+class ModelCall(ArtifactModel):
     """One model call: the exact request, the raw response, what it meant, and who owns it."""
 
     id: str = Field(
@@ -185,7 +188,7 @@ class ModelCall(_Model):
 ToolStatus = Literal["pending", "completed", "failed", "cancelled", "incomplete"]
 
 
-class ToolCall(_Model):
+class ToolCall(ArtifactModel):
     """One tool call or code cell, from the model's request to its output."""
 
     call_id: str = Field(
@@ -229,7 +232,7 @@ interrupted (the rollout stopped while the model call was in flight), pending (i
 model call has not come back yet)."""
 
 
-class TurnStart(_Model):
+class TurnStart(ArtifactModel):
     """The start of one turn, journaled before its model call is sent: an in-flight call leaves a trace."""
 
     index: int = Field(ge=0, description="0-based turn number.")
@@ -242,7 +245,7 @@ class TurnStart(_Model):
     )
 
 
-class Turn(_Model):
+class Turn(ArtifactModel):
     """One agent turn: its question, the model's answer and reasoning, and what it did."""
 
     index: int = Field(ge=0, description="0-based turn number.")
@@ -271,7 +274,7 @@ class Turn(_Model):
     resolution: TurnResolution = Field(description="How the turn ended (see TurnResolution).")
 
 
-class ResumedFrom(_Model):
+class ResumedFrom(ArtifactModel):
     """Where a resumed rollout took over from an earlier attempt, and what it did not redo."""
 
     previous_rollout_id: str = Field(description="Id of the attempt whose journal was replayed.")
@@ -288,7 +291,7 @@ class ResumedFrom(_Model):
     )
 
 
-class Trajectory(_Model):
+class Trajectory(ArtifactModel):
     """Everything the agent did, in order."""
 
     model_calls: list[ModelCall] = Field(default_factory=list, description="Model calls in order.")
