@@ -30,7 +30,7 @@ _FIRST_PARSE = (
     "rollcage.model.ModelClient\n"
     "body = {'choices': [{'message': {'role': 'assistant', 'content': 'hi'}, 'finish_reason': 'stop'}],"
     " 'usage': {'prompt_tokens': 1, 'completion_tokens': 1, 'total_tokens': 2}}\n"
-    "out = rollcage.wire.parse_chat_completion(body)\n"
+    "out = rollcage.wire.parse_payload('chat', body)\n"
     "now = time.time()\n"
     "attempt = rollcage.protocol.CallAttempt(index=0, status='completed', http_status=200, started_at=now,"
     " ended_at=now)\n"

@@ -238,7 +238,8 @@ class RelayWriter(AsyncClosing):
             return False
         try:
             writer.write(relay_line(record, after=after))
-            await asyncio.wait_for(writer.drain(), self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):
+                await writer.drain()
         except (OSError, TimeoutError) as exc:
             self.failures += 1
             logger.error("cannot relay a boundary to the supervisor (%d so far): %s", self.failures, exc)

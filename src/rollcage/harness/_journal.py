@@ -194,10 +194,9 @@ class CaptureJournal(AsyncClosing):
     async def _in_order(self, after: int) -> None:
         """Wait (briefly) until the model calls the worker had seen before this boundary are journaled."""
         async with self._advanced:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._advanced.wait_for(lambda: self._calls >= after or self._closing), _ORDER_WAIT_S
-                )
+            await within(
+                self._advanced.wait_for(lambda: self._calls >= after or self._closing), _ORDER_WAIT_S
+            )
 
     async def _append(self, record: BoundaryRecord) -> None:
         try:

@@ -20,7 +20,6 @@ from rollcage.wire._payloads import (
     build_request,
     chat_input_items,
     chat_messages,
-    parse_chat_completion,
     parse_payload,
     without_lifted,
 )
@@ -37,7 +36,6 @@ __all__ = [
     "chat_messages",
     "function_tools",
     "own_call_ids",
-    "parse_chat_completion",
     "parse_payload",
     "sse_events",
     "sse_lines",

@@ -307,10 +307,12 @@ class HarnessRunner:
         with contextlib.suppress(OSError):
             if data:
                 stdin.write(data)
-                await asyncio.wait_for(stdin.drain(), 30.0)
+                async with asyncio.timeout(30.0):
+                    await stdin.drain()
         with contextlib.suppress(OSError, TimeoutError):
             stdin.close()
-            await asyncio.wait_for(stdin.wait_closed(), 5.0)
+            async with asyncio.timeout(5.0):
+                await stdin.wait_closed()
 
     async def _wait(self, proc: asyncio.subprocess.Process) -> int:
         # A limit reached (the stop event) stops it now; a cancellation is the caller's to handle.
