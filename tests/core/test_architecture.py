@@ -47,7 +47,7 @@ LAYERS: tuple[str, ...] = (
     "model",  # the model client
     "tools",  # executor, resource tools
     "trajectory",  # recording and projecting calls
-    "checkpoint",  # reading a journal back
+    "checkpoint",  # the journal: its one writer, and reading it back
     "resume",  # continuing an attempt from its journal
     "agent",  # the loop
     "harness",  # black-box agents (nooa, command) in the loop's place
