@@ -26,10 +26,11 @@ __all__ = ["CASES", "Sample", "main", "measure"]
 
 # What the first model call adds on top of the imports: the validators built on first use.
 _FIRST_PARSE = (
-    "import rollcage.model, rollcage.protocol, time\n"
+    "import rollcage.model, rollcage.protocol, rollcage.wire, time\n"
+    "rollcage.model.ModelClient\n"
     "body = {'choices': [{'message': {'role': 'assistant', 'content': 'hi'}, 'finish_reason': 'stop'}],"
     " 'usage': {'prompt_tokens': 1, 'completion_tokens': 1, 'total_tokens': 2}}\n"
-    "out = rollcage.model.parse_chat_completion(body)\n"
+    "out = rollcage.wire.parse_payload('chat', body)\n"
     "now = time.time()\n"
     "attempt = rollcage.protocol.CallAttempt(index=0, status='completed', http_status=200, started_at=now,"
     " ended_at=now)\n"
@@ -39,7 +40,7 @@ _FIRST_PARSE = (
 )
 CASES: dict[str, str] = {
     "python -c pass": "pass",
-    "rollcage.model + rollcage.protocol": "import rollcage.model, rollcage.protocol",
+    "rollcage.model + rollcage.protocol": "from rollcage.model import ModelClient; import rollcage.protocol",
     "  + parse one response into a ModelCall": _FIRST_PARSE,
     "  of which rollcage.protocol alone": "import rollcage.protocol",
     "openai (for comparison)": "import openai",

@@ -71,7 +71,7 @@ from _profile_probe import MARKER, Meters
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE_SOURCE = (Path(__file__).with_name("_profile_probe.py")).read_text()
-WORKER_IMPORTS = "import rollcage.cli, rollcage.worker, rollcage.model, rollcage.tools"
+WORKER_IMPORTS = "import rollcage.cli, rollcage.worker, rollcage.model._client, rollcage.tools"
 """What the worker imports before its first model call (rollcage.model and tools lazily)."""
 SLEEPY_CODE = "import time; time.sleep(1.5); print(6 * 7)"
 """The first python call of every profiled task: long enough to snapshot the rollout's processes."""
@@ -485,9 +485,10 @@ def template_child(directory: Path, base_url: str, count: int) -> None:
     import rollcage.model
     import rollcage.protocol
     import rollcage.tools
+    import rollcage.wire._payloads
     import rollcage.worker
 
-    for module in (rollcage.protocol, rollcage.model._wire):  # build every deferred model now, once
+    for module in (rollcage.protocol, rollcage.wire._payloads):  # build every deferred model now, once
         for value in list(vars(module).values()):
             if (
                 isinstance(value, type)

@@ -38,7 +38,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -54,13 +54,13 @@ from rollcage.protocol import (
     ResumedFrom,
     TerminationReason,
     ToolCall,
-    ToolSpec,
     ToolStatus,
     TurnStart,
     WorkerInput,
 )
 from rollcage.resume import Replay
 from rollcage.trajectory import TrajectoryRecorder, arguments_json, message_text
+from rollcage.wire import SUBMIT, function_tools, own_call_ids
 
 __all__ = [
     "Agent",
@@ -71,14 +71,11 @@ __all__ = [
     "ResourceCaller",
     "SweTools",
     "extract_code_blocks",
-    "function_tools",
-    "own_call_ids",
 ]
 
 BoundarySink = Callable[[BoundaryRecord], Awaitable[None]]
 """Receives each boundary; the loop waits for it before its next action."""
 
-SUBMIT = "submit"
 _CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -662,107 +659,6 @@ class Agent:
         )
         self._cookies_seen = (model_cookies, resource_cookies)
         await self._boundary(record)
-
-
-def function_tools(tools: Sequence[ToolSpec], *, codeact: bool) -> list[dict[str, Any]]:
-    """The Responses-style function tools the loop offers the model (none in codeact: tools are functions).
-
-    The Python tool comes first, then the resource tools in the input's order; every
-    request of a rollout sends this list, so it can be rebuilt from ``input.json``.
-    """
-    if codeact:
-        return []
-    offered: list[dict[str, Any]] = []
-    python = next((t for t in tools if isinstance(t, PythonToolSpec)), None)
-    if python is not None:
-        offered.append(
-            {
-                "type": "function",
-                "name": python.name,
-                "description": python.description,
-                "parameters": {
-                    "type": "object",
-                    "properties": {"code": {"type": "string", "description": "Python source to run."}},
-                    "required": ["code"],
-                },
-            }
-        )
-    for spec in tools:
-        if isinstance(spec, BashToolSpec | EditorToolSpec):
-            offered.append(
-                {
-                    "type": "function",
-                    "name": spec.name,
-                    "description": spec.description,
-                    "parameters": _BASH_PARAMETERS if isinstance(spec, BashToolSpec) else _EDITOR_PARAMETERS,
-                }
-            )
-    for spec in tools:
-        if isinstance(spec, ResourceToolSpec):
-            offered.append(
-                {
-                    "type": "function",
-                    "name": spec.name,
-                    "description": spec.description,
-                    "parameters": spec.parameters,
-                }
-            )
-    return offered
-
-
-_BASH_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "command": {"type": "string", "description": "The bash command to run."},
-        "restart": {"type": "boolean", "description": "Restart the session (its state is lost)."},
-    },
-}
-"""Anthropic's bash tool's arguments."""
-
-_EDITOR_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "command": {
-            "type": "string",
-            "enum": ["view", "create", "str_replace", "insert", "undo_edit"],
-            "description": "The command to run.",
-        },
-        "path": {"type": "string", "description": "Absolute path to a file or directory."},
-        "file_text": {"type": "string", "description": "create: the content of the new file."},
-        "old_str": {"type": "string", "description": "str_replace: the text to replace (exactly once)."},
-        "new_str": {
-            "type": "string",
-            "description": "str_replace: the new text; insert: the text to insert.",
-        },
-        "insert_line": {"type": "integer", "description": "insert: the line after which to insert (0: top)."},
-        "view_range": {
-            "type": "array",
-            "items": {"type": "integer"},
-            "description": "view: [start, end] lines, 1-based; end -1 for the rest of the file.",
-        },
-    },
-    "required": ["command", "path"],
-}
-"""The arguments of Anthropic's and OpenHands' file editors."""
-
-
-def own_call_ids(call: ModelCall) -> tuple[ModelCall, list[str | None]]:
-    """``call`` with its function calls renamed ``call_<turn>_<k>``, and the server's ids in order.
-
-    The model sees these ids from now on (they go back in the conversation); the
-    server's own stay in ``call.response`` and in ``ToolCall.server_call_id``.
-    """
-    server_ids: list[str | None] = []
-    items: list[ResponseItem] = []
-    for item in call.output:
-        if item.get("type") == "function_call":
-            server_id = item.get("call_id")
-            server_ids.append(server_id if isinstance(server_id, str) and server_id else None)
-            item = {**item, "call_id": f"call_{call.index}_{len(server_ids) - 1}"}
-        items.append(item)
-    if not server_ids:
-        return call, server_ids
-    return call.model_copy(update={"output": items}), server_ids
 
 
 async def _run_all(calls: list[ToolCall], one: Callable[[ToolCall], Coroutine[Any, Any, None]]) -> None:

@@ -10,15 +10,37 @@ Every model call repeats the conversation so far (its request's ``messages`` or
 ``CallCompactor`` journals each such list as a ``ListDelta`` against the same list
 of the previous call, so a boundary stays O(new content), and ``fold_records``
 rebuilds them.
+
+:class:`BoundaryJournal` is the one writer of ``checkpoint.jsonl``, whichever
+process writes it:
+
+* a builtin rollout's journal is written by the worker, inside the sandbox: the loop
+  waits for each boundary's fsync before its next action, so nothing it did after a
+  crash is missing and nothing is recorded that it did not do;
+* a harness rollout's journal is written by the supervisor, outside the sandbox
+  (:class:`rollcage.harness.CaptureJournal`): a black box's own account cannot be
+  trusted, so every model call is journaled from the egress proxy's capture, where
+  nothing in the sandbox can forge or remove it, and the tool calls the harness
+  reported are relayed to it by the worker;
+* a harness rollout without the proxy (no sandbox, or a journal the supervisor could
+  not open) has no capture to journal from, so the worker writes it, as for the
+  builtin loop, from what its forwarder saw.
+
+In each case the lines are the same: a model call's repeated lists as deltas, one
+self-checking line a boundary, synced before the writer goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Self
 
-from rollcage.durable import read_journal
-from rollcage.errors import JournalCorruptError
+from rollcage.durable import CheckpointJournal, read_journal
+from rollcage.errors import JournalCorruptError, RollcageError
+from rollcage.procs import AsyncClosing
 from rollcage.protocol import (
     SCHEMA_VERSION,
     BoundaryRecord,
@@ -30,7 +52,9 @@ from rollcage.protocol import (
 )
 from rollcage.trajectory import TrajectoryRecorder, project_output
 
-__all__ = ["CallCompactor", "fold_records", "load_checkpoint"]
+__all__ = ["BoundaryJournal", "CallCompactor", "fold_records", "load_checkpoint"]
+
+logger = logging.getLogger("rollcage.checkpoint")
 
 _FIELDS: tuple[DeltaField, ...] = (
     "request.messages",
@@ -205,3 +229,85 @@ def _expand(record: BoundaryRecord, lists: dict[tuple[int, DeltaField], list[Any
         if items is not None:
             lists[(call.index, field)] = items
     return call
+
+
+class BoundaryJournal(AsyncClosing):
+    """``checkpoint.jsonl``: the one writer of a rollout's journal (see the module docstring for who runs it).
+
+    Appending is best effort by contract: a boundary that cannot be written (disk full,
+    EIO, a record that cannot be serialised) is logged and counted, and the rollout goes
+    on. Each append returns once its line is synced (``durable.CheckpointJournal``).
+
+    Example::
+
+        async with BoundaryJournal(path) as journal:
+            await journal.append(BoundaryRecord(kind="start", at=time.time(), rollout_id=rid))
+
+    Args:
+        path: The journal file.
+        inline: Write and sync on the caller's thread (a writer that waits for each
+            boundary anyway), not on the journal's writer thread.
+    """
+
+    def __init__(self, path: Path, *, inline: bool = False) -> None:
+        self._lines = CheckpointJournal(path, inline=inline)
+        self._compactor = CallCompactor()
+        self._open = False
+        self.failures = 0
+        """Boundaries that could not be appended."""
+
+    async def __aenter__(self) -> Self:
+        """Open the journal file.
+
+        **Cancellation:** the file is closed again.
+
+        Raises:
+            DurableWriteError: The journal cannot be opened.
+        """
+        await self._lines.__aenter__()
+        self._open = True
+        return self
+
+    async def aclose(self) -> None:
+        """Write what is queued and close; a failure to close is logged, not raised.
+
+        **Cancellation:** the file is closed at once; queued lines are still written.
+        """
+        if self._open:
+            self._open = False
+            with contextlib.suppress(RollcageError):
+                await self._lines.aclose()
+
+    def line(self, record: BoundaryRecord) -> dict[str, Any]:
+        """``record`` as its journal line: a model call's repeated lists become deltas against the previous
+        call's (so the lines must be written in the order they are made)."""
+        if record.model_call is not None:
+            call, deltas = self._compactor.compact(record.model_call)
+            record = record.model_copy(update={"model_call": call, "deltas": deltas})
+        return record.model_dump(mode="json", exclude_none=True)
+
+    def forget_calls(self) -> None:
+        """Make the next model call's lists whole again (the lines made since the last write are dropped)."""
+        self._compactor = CallCompactor()
+
+    async def write(self, line: dict[str, Any]) -> bool:
+        """Append one line made by :meth:`line`; ``False`` (logged and counted) when it could not be.
+
+        **Cancellation:** the line may or may not be on disk.
+        """
+        try:
+            await self._lines.append(line)
+        except (RollcageError, TypeError, ValueError) as exc:
+            # Evidence is lost for this boundary, the rollout is not. A record the journal cannot
+            # serialise (TypeError) is the machinery's failure too, never the policy's.
+            self.failures += 1
+            logger.error("checkpoint append failed (%d so far), continuing: %s", self.failures, exc)
+            return False
+        return True
+
+    async def append(self, record: BoundaryRecord) -> bool:
+        """Append one boundary (see :meth:`write`).
+
+        **Cancellation:** the boundary may or may not be on disk.
+        """
+        return await self.write(self.line(record))

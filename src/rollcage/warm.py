@@ -63,7 +63,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rollcage.cage import (
     CAGE_ENV,
@@ -81,7 +81,9 @@ from rollcage.cage import (
     setns,
     show_process,
 )
-from rollcage.tools import ExecutorTemplateLink, adopt_executor_template
+
+if TYPE_CHECKING:
+    from rollcage.tools import ExecutorTemplateLink
 
 __all__ = ["MAX_REQUEST_BYTES", "REQUEST_FDS", "WarmRequest", "template_main"]
 
@@ -190,7 +192,7 @@ def _say(fd: int, text: str) -> None:
         os.write(fd, text.encode(errors="replace"))
 
 
-_executors = ExecutorTemplateLink()
+_executors: ExecutorTemplateLink | None = None
 """The executor template beside this one (started with the first worker that can use it)."""
 
 
@@ -277,6 +279,13 @@ def _link(request: WarmRequest, env: dict[str, str]) -> int:
     """
     if request.env.get(CAGE_ENV, "none") == "none":
         return -1  # no executor's cage to fork into
+    global _executors
+    if _executors is None:
+        # Here, not at the top: the supervisor imports this module for WarmRequest, and the tools
+        # are the worker's side of the sandbox's wall (tests/core/test_architecture.py).
+        from rollcage.tools import ExecutorTemplateLink
+
+        _executors = ExecutorTemplateLink()
     return _executors.attach(
         uid=request.uid,
         gid=request.gid,
@@ -399,6 +408,8 @@ def _become_worker(
             # Kept: the worker's socket to the executor template (see rollcage.tools._forked).
             os.closerange(3, channel)
             os.closerange(channel + 1, 1 << 20)
+            from rollcage.tools import adopt_executor_template
+
             adopt_executor_template(channel)
         else:
             os.closerange(3, 1 << 20)

@@ -42,9 +42,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from rollcage.agent import SUBMIT, Agent, AgentResult
-from rollcage.checkpoint import CallCompactor
-from rollcage.durable import CheckpointJournal, publish_json, read_bounded
+from rollcage.agent import Agent, AgentResult
+from rollcage.checkpoint import BoundaryJournal
+from rollcage.durable import publish_json, read_bounded
 from rollcage.errors import ConfigError, ResumeRefusedError, RollcageError
 from rollcage.filewatch import wait_for_file
 from rollcage.procs import (
@@ -72,6 +72,7 @@ from rollcage.protocol import (
 )
 from rollcage.resume import Replay, ReplayPlan, load_replay
 from rollcage.trajectory import INTERRUPTED, TrajectoryRecorder, final_text, project_output, sum_usage
+from rollcage.wire import SUBMIT
 
 if TYPE_CHECKING:
     from rollcage.harness import RelayWriter
@@ -115,7 +116,7 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 WARM_MODULES: tuple[str, ...] = (
-    "rollcage.model",
+    "rollcage.model._client",  # the client itself: rollcage.model's face loads it on first use
     "rollcage.model.http",
     "rollcage.tools",
     "rollcage.tools._repl",
@@ -406,8 +407,7 @@ class _Session:
         self.paths = paths
         self.started = started
         self.recorder = TrajectoryRecorder()
-        self.journal: CheckpointJournal | None = None
-        self.compactor = CallCompactor()
+        self.journal: BoundaryJournal | None = None
         self.checkpoint_failures = 0
         self.cancel_signal: int | None = None
         self.task: asyncio.Task[AgentResult] | None = None
@@ -442,7 +442,8 @@ class _Session:
         self.replaying = None
         self.recorder = TrajectoryRecorder()
         self.recorder.resume_refused = reason
-        self.compactor = CallCompactor()
+        if self.journal is not None:
+            self.journal.forget_calls()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -496,8 +497,7 @@ class _Session:
             with contextlib.suppress(asyncio.CancelledError):
                 await stop_watch
             if self.journal is not None:
-                with contextlib.suppress(RollcageError):
-                    await self.journal.aclose()
+                await self.journal.aclose()
             if self.relay is not None:
                 await self.relay.aclose()
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -541,7 +541,7 @@ class _Session:
             return
         # Inline: the rollout waits for each boundary before it goes on, so a writer thread would only
         # add two hand-overs an append (durable.CheckpointJournal).
-        journal = CheckpointJournal(self.paths.checkpoint, inline=True)
+        journal = BoundaryJournal(self.paths.checkpoint, inline=True)
         try:
             await journal.__aenter__()
         except RollcageError as exc:
@@ -556,10 +556,10 @@ class _Session:
         )
 
     async def _boundary(self, record: BoundaryRecord) -> None:
-        if record.model_call is not None:
-            call, deltas = self.compactor.compact(record.model_call)
-            record = record.model_copy(update={"model_call": call, "deltas": deltas})
-        data = record.model_dump(mode="json", exclude_none=True)
+        if self.journal is None:
+            data = record.model_dump(mode="json", exclude_none=True)
+        else:
+            data = self.journal.line(record)
         async with self.boundary_lock:
             if self.replaying is not None:
                 if record.kind != "resumed":
@@ -573,15 +573,9 @@ class _Session:
             await self._append(data)
 
     async def _append(self, data: dict[str, Any]) -> None:
-        if self.journal is None:
-            return
-        try:
-            await self.journal.append(data)
-        except (RollcageError, TypeError, ValueError) as exc:
-            # Best effort by contract: evidence is lost for this boundary, the rollout is not. A record
-            # the journal cannot serialise (TypeError) is the machinery's failure too, never the policy's.
+        # Best effort by contract (checkpoint.BoundaryJournal): a lost boundary is logged and counted.
+        if self.journal is not None and not await self.journal.write(data):
             self.checkpoint_failures += 1
-            log.error("checkpoint append failed (%d so far), continuing: %s", self.checkpoint_failures, exc)
 
     async def _episode(self) -> AgentResult:
         plan = self.replay_plan
@@ -667,7 +661,7 @@ class _Session:
 
     async def _harness_episode(self) -> AgentResult:
         """A nooa or command harness's episode (see :mod:`rollcage.harness`)."""
-        from rollcage.harness import HarnessRunner
+        from rollcage.harness.worker import HarnessRunner
 
         self.paths.workspace.mkdir(parents=True, exist_ok=True)
         runner = HarnessRunner(

@@ -26,12 +26,11 @@ from typing import Any
 import pytest
 
 import rollcage
-from rollcage.agent import function_tools
 from rollcage.controller import rollout_health
 from rollcage.export import export_run
-from rollcage.model import build_request, chat_messages
 from rollcage.policy import PolicyServer
 from rollcage.protocol import ModelCall, ResponseItem, RolloutRecord, RunMetrics, WorkerInput, WorkerResult
+from rollcage.wire import build_request, chat_messages, function_tools
 from tests.environments.test_nemo_gym_conformance import GymVerifyResponse
 from tests.helpers.formats import AtifTrajectory, NgTrajectoryRecord, check_training_items
 

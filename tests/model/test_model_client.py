@@ -24,13 +24,13 @@ from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, Tran
 from rollcage.model import (
     ClientState,
     ModelClient,
-    build_request,
     failed_call,
     max_call_seconds,
     retry_wait_bounds,
 )
 from rollcage.policy import PolicyServer, bind_socket, count_tokens
 from rollcage.protocol import ModelCall, ModelEndpoint
+from rollcage.wire import build_request
 
 SCRIPT: dict[str, Any] = {
     "model": "scripted-policy",

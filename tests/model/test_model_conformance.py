@@ -24,9 +24,10 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from openai.types.responses import FunctionToolParam, ResponseInputParam
 from pydantic import TypeAdapter
 
-from rollcage.model import ModelClient, build_request
+from rollcage.model import ModelClient
 from rollcage.policy import PolicyServer
 from rollcage.protocol import ModelCall, ModelEndpoint
+from rollcage.wire import build_request
 from tests.helpers.paths import FIXTURES
 
 FIXTURES = FIXTURES / "responses"

@@ -26,12 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollcage.errors import ModelError, TransientModelError
-from rollcage.model import ModelClient, WireError, failed_call, parse_payload
-from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
+from rollcage.model import ModelClient, failed_call
 from rollcage.policy import PolicyServer
 from rollcage.policy._render import chat_body, chat_events, reply_for, responses_body, responses_events
 from rollcage.policy._script import Turn
 from rollcage.protocol import ModelCall
+from rollcage.wire import ServerEventError, WireError, assemble_stream, parse_payload, sse_events, sse_lines
 
 SCRIPT = {
     "tasks": {

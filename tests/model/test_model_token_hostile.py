@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from rollcage.durable import CheckpointJournal, read_journal
 from rollcage.errors import TransientModelError
 from rollcage.export._atif import _metrics
-from rollcage.model import ModelClient, failed_call, parse_payload
+from rollcage.model import ModelClient, failed_call
 from rollcage.protocol import MAX_TOKEN_ID, CallTokens, ModelCall, ModelEndpoint
+from rollcage.wire import parse_payload
 
 USER = [{"type": "message", "role": "user", "content": "hi"}]
 BIG = 2**70

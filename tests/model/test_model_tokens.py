@@ -14,11 +14,12 @@ import httpx
 import orjson
 import pytest
 
-from rollcage.model import ModelClient, build_request
+from rollcage.model import ModelClient
 from rollcage.policy import PolicyServer
 from rollcage.policy._render import generation_token_ids, prompt_token_ids, reply_for, token_log_prob
 from rollcage.policy._script import PolicyScript
 from rollcage.protocol import ModelEndpoint, SamplingParams
+from rollcage.wire import build_request
 
 SCRIPT: dict[str, Any] = {
     "model": "scripted-policy",

@@ -43,7 +43,6 @@ from typing import Annotated, Any, BinaryIO, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rollcage.agent import SUBMIT
 from rollcage.controller._formats import DatasetFormat, detect_format_of, from_inspect, from_nemo_gym
 from rollcage.controller._graders import ExactGrader, GraderSpec, VerifyGrader, check_pattern
 from rollcage.environments import EnvironmentInfo, bundled_environments
@@ -64,6 +63,7 @@ from rollcage.protocol import (
     WorkerInput,
     describe_validation_error,
 )
+from rollcage.wire import SUBMIT
 
 __all__ = [
     "MAX_LINE_BYTES",

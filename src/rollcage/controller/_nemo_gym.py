@@ -28,12 +28,12 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rollcage.agent import function_tools as agent_function_tools
 from rollcage.controller._graders import read_bounded
 from rollcage.errors import HeaderValueError, ResourceUnavailableError
 from rollcage.headers import cookie_header, header_value, update_cookies
 from rollcage.protocol import ToolSpec, WorkerResult
 from rollcage.trajectory import project_calls
+from rollcage.wire import function_tools as agent_function_tools
 
 if TYPE_CHECKING:
     import httpx
@@ -86,7 +86,7 @@ _ITEM_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
 
 
 def function_tools(tools: list[ToolSpec], *, codeact: bool) -> list[dict[str, Any]]:
-    """The agent's function tools (``rollcage.agent.function_tools``), each saying ``strict`` as NeMo Gym's
+    """The agent's function tools (``rollcage.wire.function_tools``), each saying ``strict`` as NeMo Gym's
     ``ToolParam`` requires (none in codeact mode, which has no tools)."""
     return [{**tool, "strict": False} for tool in agent_function_tools(tools, codeact=codeact)]
 

@@ -8,93 +8,61 @@ model itself, so rollcage takes its evidence from the wire:
 
 * inside the sandbox the worker serves ``http://127.0.0.1:PORT/v1`` (the
   :class:`Forwarder`, to the egress proxy) and runs the harness in the executor's
-  cage, sharing only its loopback (:class:`HarnessRunner`);
+  cage, sharing only its loopback (:class:`rollcage.harness.worker.HarnessRunner`);
 * outside the sandbox the supervisor journals every model call the egress proxy
   captured into ``checkpoint.jsonl`` (:class:`CaptureJournal`), together with the
-  tool calls the harness reported (NOOA's events, a command's harness events,
-  :mod:`rollcage.harness._events`), marked ``reported_by: harness``;
+  tool calls the harness reported (NOOA's events, a command's harness events),
+  relayed by the worker and marked ``reported_by: harness``;
 * the result's trajectory is the same calls, built by the worker from what its
   forwarder saw and what the harness reported; the outcome classes, deadline,
   stop file, budgets and receipt are the builtin loop's.
 
 ``rollcage harness install nooa`` makes NOOA's environment (:func:`install_harness`);
 ``rollcage run`` finds it, or takes ``--harness-env PATH`` (:func:`resolve_environment`).
+
+The room is split by the side of the sandbox's wall each part runs on, because the
+supervisor and the controller import this face and must not load the agent's loop,
+the tools or the model client (``tests/core/test_architecture.py`` holds the rule):
+
+* this face and the modules behind it import nothing of the worker's: the
+  environments (``_venvs``: made and found on the host, mounted into the cage), the
+  supervisor's journal (``_journal``), and what both sides speak — a black box's
+  calls read off the wire, numbered the same way on both sides (``_calls``), the
+  event and relay line formats and the environment variables that name their
+  descriptors (``_events``), and the loopback forwarder with the refusal of a call
+  past ``max_policy_calls`` that the egress proxy answers the same way
+  (``_forwarder``; it runs in the worker, and reads the wire as the proxy does);
+* :mod:`rollcage.harness.worker` is the worker's side only: the runner that takes the
+  builtin loop's place, and the NOOA adapter its interpreter runs. It imports the
+  agent's loop and the tools, and nothing outside the worker imports it.
 """
 
-from rollcage.harness._calls import (
-    Api,
-    WireCall,
-    WireCalls,
-    WireExchange,
-    model_call,
-    model_call_api,
-    requested_tool_calls,
-)
-from rollcage.harness._environments import (
-    NOOA_PYTHONS,
+from rollcage.harness._calls import WireCalls, WireExchange, model_call_api
+from rollcage.harness._events import GRACE_ENV, RELAY_FD_ENV, RelayWriter, read_events, relay_line
+from rollcage.harness._forwarder import BUDGET_CODE, Forwarder, budget_refusal
+from rollcage.harness._journal import CaptureJournal
+from rollcage.harness._venvs import (
     NOOA_VERSION,
     default_environment_dir,
-    find_python,
-    harness_home,
     install_harness,
     resolve_environment,
 )
-from rollcage.harness._events import (
-    EVENTS_FD_ENV,
-    MAX_EVENT_BYTES,
-    MAX_EVENTS,
-    RELAY_FD_ENV,
-    AnswerEvent,
-    ErrorEvent,
-    HarnessEvent,
-    RelayWriter,
-    ToolEndEvent,
-    ToolStartEvent,
-    parse_relay_line,
-    read_events,
-    read_lines,
-    relay_line,
-)
-from rollcage.harness._forwarder import BUDGET_CODE, Forwarder, budget_refusal
-from rollcage.harness._journal import CaptureJournal
-from rollcage.harness._runner import GRACE_ENV, NOOA_ADAPTER, HarnessRunner, HarnessSink, task_text
 
 __all__ = [
     "BUDGET_CODE",
-    "EVENTS_FD_ENV",
     "GRACE_ENV",
-    "MAX_EVENTS",
-    "MAX_EVENT_BYTES",
-    "NOOA_ADAPTER",
-    "NOOA_PYTHONS",
     "NOOA_VERSION",
     "RELAY_FD_ENV",
-    "AnswerEvent",
-    "Api",
     "CaptureJournal",
-    "ErrorEvent",
     "Forwarder",
-    "HarnessEvent",
-    "HarnessRunner",
-    "HarnessSink",
     "RelayWriter",
-    "ToolEndEvent",
-    "ToolStartEvent",
-    "WireCall",
     "WireCalls",
     "WireExchange",
     "budget_refusal",
     "default_environment_dir",
-    "find_python",
-    "harness_home",
     "install_harness",
-    "model_call",
     "model_call_api",
-    "parse_relay_line",
     "read_events",
-    "read_lines",
     "relay_line",
-    "requested_tool_calls",
     "resolve_environment",
-    "task_text",
 ]

@@ -29,17 +29,6 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 
-from rollcage.agent import own_call_ids
-from rollcage.model import (
-    ServerEventError,
-    WireError,
-    assemble_stream,
-    chat_input_items,
-    parse_payload,
-    sse_events,
-    sse_lines,
-    without_lifted,
-)
 from rollcage.protocol import (
     MAX_JSON_DEPTH,
     CallAttempt,
@@ -51,6 +40,17 @@ from rollcage.protocol import (
     json_problem,
 )
 from rollcage.trajectory import INTERRUPTED
+from rollcage.wire import (
+    ServerEventError,
+    WireError,
+    assemble_stream,
+    chat_input_items,
+    own_call_ids,
+    parse_payload,
+    sse_events,
+    sse_lines,
+    without_lifted,
+)
 
 __all__ = [
     "Api",

@@ -36,6 +36,7 @@ from rollcage.protocol import BoundaryRecord
 
 __all__ = [
     "EVENTS_FD_ENV",
+    "GRACE_ENV",
     "MAX_EVENTS",
     "MAX_EVENT_BYTES",
     "RELAY_FD_ENV",
@@ -58,6 +59,9 @@ EVENTS_FD_ENV = "ROLLCAGE_EVENTS_FD"
 
 RELAY_FD_ENV = "ROLLCAGE_JOURNAL_FD"
 """The worker's environment variable naming the descriptor its relayed boundaries go to (supervisor)."""
+
+GRACE_ENV = "ROLLCAGE_GRACE_S"
+"""The worker's environment variable holding the supervisor's SIGTERM → SIGKILL grace (seconds)."""
 
 MAX_EVENT_BYTES = 1 << 20
 """The longest event line kept; a longer one is dropped."""
@@ -234,7 +238,8 @@ class RelayWriter(AsyncClosing):
             return False
         try:
             writer.write(relay_line(record, after=after))
-            await asyncio.wait_for(writer.drain(), self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):
+                await writer.drain()
         except (OSError, TimeoutError) as exc:
             self.failures += 1
             logger.error("cannot relay a boundary to the supervisor (%d so far): %s", self.failures, exc)

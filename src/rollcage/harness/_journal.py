@@ -2,8 +2,9 @@
 
 A black-box harness writes nothing rollcage can trust, and may write nothing at
 all. For such a rollout the supervisor owns ``checkpoint.jsonl`` (the sandbox
-cannot even see it) and appends, durably and in the record format
-``rollcage.load_checkpoint`` reads:
+cannot even see it) and appends through the journal's one writer
+(:class:`rollcage.checkpoint.BoundaryJournal`, the worker's too), durably and in
+the record format ``rollcage.load_checkpoint`` reads:
 
 * a ``start`` record when the rollout starts;
 * per model exchange the egress proxy captured, a ``turn_start`` record (one
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
 import os
 import time
@@ -33,9 +33,7 @@ from typing import Any, Self
 
 import orjson
 
-from rollcage.checkpoint import CallCompactor
-from rollcage.durable import CheckpointJournal
-from rollcage.errors import RollcageError
+from rollcage.checkpoint import BoundaryJournal
 from rollcage.harness._calls import WireCalls, WireExchange, model_call_api
 from rollcage.harness._events import parse_relay_line, read_lines
 from rollcage.procs import AsyncClosing, shielded, wait_shared, within
@@ -71,21 +69,23 @@ class CaptureJournal(AsyncClosing):
     def __init__(
         self, path: Path, *, rollout_id: str, model_prefix: str, max_relayed_bytes: int = _RELAYED_BYTES
     ) -> None:
-        self._journal = CheckpointJournal(path)
+        self._journal = BoundaryJournal(path)
         self._rollout_id = rollout_id
         self._prefix = model_prefix.rstrip("/")
         self._relay_left = max_relayed_bytes
-        self._compactor = CallCompactor()
         self._wire = WireCalls(rollout_id)
         self._lock = asyncio.Lock()
         self._advanced = asyncio.Condition()
         self._calls = 0
         self._closing = False
         self._open = False
-        self.failures = 0
-        """Boundaries that could not be appended."""
         self.dropped = 0
         """Relayed boundaries dropped (malformed, too long, past the byte bound)."""
+
+    @property
+    def failures(self) -> int:
+        """Boundaries that could not be appended."""
+        return self._journal.failures
 
     @property
     def model_calls(self) -> int:
@@ -118,8 +118,7 @@ class CaptureJournal(AsyncClosing):
             self._advanced.notify_all()
         if self._open:
             self._open = False
-            with contextlib.suppress(RollcageError):
-                await self._journal.aclose()
+            await self._journal.aclose()
 
     async def on_capture(self, record: dict[str, Any]) -> None:
         """Journal one capture line if it is a model call forwarded upstream (the proxy's hook).
@@ -131,7 +130,6 @@ class CaptureJournal(AsyncClosing):
             return
         async with self._lock:
             wire = await self._wire.next(exchange)
-            compact, deltas = self._compactor.compact(wire.call)
             turn = BoundaryRecord(
                 kind="turn_start", at=wire.turn.started_at, turn=wire.turn, reported_by="supervisor"
             )
@@ -140,8 +138,7 @@ class CaptureJournal(AsyncClosing):
                 BoundaryRecord(
                     kind="model_call",
                     at=time.time(),
-                    model_call=compact,
-                    deltas=deltas,
+                    model_call=wire.call,
                     tool_calls=wire.tools,
                     reported_by="supervisor",
                 )
@@ -194,17 +191,12 @@ class CaptureJournal(AsyncClosing):
     async def _in_order(self, after: int) -> None:
         """Wait (briefly) until the model calls the worker had seen before this boundary are journaled."""
         async with self._advanced:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._advanced.wait_for(lambda: self._calls >= after or self._closing), _ORDER_WAIT_S
-                )
+            await within(
+                self._advanced.wait_for(lambda: self._calls >= after or self._closing), _ORDER_WAIT_S
+            )
 
     async def _append(self, record: BoundaryRecord) -> None:
-        try:
-            await self._journal.append(record.model_dump(mode="json", exclude_none=True))
-        except RollcageError as exc:
-            self.failures += 1
-            logger.error("checkpoint append failed (%d so far), continuing: %s", self.failures, exc)
+        await self._journal.append(record)  # best effort: a failure is logged and counted there
 
     def _drop(self, what: str) -> None:
         self.dropped += 1

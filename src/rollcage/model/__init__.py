@@ -15,37 +15,31 @@ Failures raise ``TransientModelError``, ``ModelTimeoutError`` or
 ``FatalModelError`` (``rollcage.errors``), each with a ``record`` attribute
 holding the ``failed`` ``ModelCall`` (``failed_call(exc)`` reads it, typed).
 One call never takes longer than ``max_call_seconds(endpoint)``.
+
+What the client sends and reads is :mod:`rollcage.wire`'s. The client is the
+worker's, behind the sandbox's wall: this face loads it on first use, so importing
+``rollcage.model.http`` (the transport the supervisor's egress proxy shares) does
+not load the client into the supervisor.
 """
 
-from rollcage.model._client import ClientState, ModelClient, failed_call, max_call_seconds, retry_wait_bounds
-from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
-from rollcage.model._wire import (
-    CallOutcome,
-    WireError,
-    build_request,
-    chat_input_items,
-    chat_messages,
-    parse_chat_completion,
-    parse_payload,
-    without_lifted,
-)
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "CallOutcome",
-    "ClientState",
-    "ModelClient",
-    "ServerEventError",
-    "WireError",
-    "assemble_stream",
-    "build_request",
-    "chat_input_items",
-    "chat_messages",
-    "failed_call",
-    "max_call_seconds",
-    "parse_chat_completion",
-    "parse_payload",
-    "retry_wait_bounds",
-    "sse_events",
-    "sse_lines",
-    "without_lifted",
-]
+if TYPE_CHECKING:
+    from rollcage.model._client import (
+        ClientState,
+        ModelClient,
+        failed_call,
+        max_call_seconds,
+        retry_wait_bounds,
+    )
+
+__all__ = ["ClientState", "ModelClient", "failed_call", "max_call_seconds", "retry_wait_bounds"]
+
+
+def __getattr__(name: str) -> object:
+    """The client's names, loaded with the client on first use (see the module docstring)."""
+    if name in __all__:
+        from rollcage.model import _client
+
+        return getattr(_client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

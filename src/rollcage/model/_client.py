@@ -39,8 +39,6 @@ import orjson
 
 from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
 from rollcage.headers import cookie_header, cookie_problem, encode_id, update_cookies
-from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
-from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload, without_lifted
 from rollcage.model.http import DirectSend, httpx, transport_for
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import (
@@ -53,6 +51,17 @@ from rollcage.protocol import (
     RunnerError,
     TokenUsage,
     json_problem,
+)
+from rollcage.wire import (
+    CallOutcome,
+    ServerEventError,
+    WireError,
+    assemble_stream,
+    build_request,
+    parse_payload,
+    sse_events,
+    sse_lines,
+    without_lifted,
 )
 
 __all__ = ["ClientState", "ModelClient", "failed_call", "max_call_seconds", "retry_wait_bounds"]

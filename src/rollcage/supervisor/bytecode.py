@@ -48,7 +48,7 @@ BYTECODE_ENV = "ROLLCAGE_BYTECODE_CACHE"
 WORKER_MODULES = (
     "rollcage.cli",
     "rollcage.worker",
-    "rollcage.model",
+    "rollcage.model._client",  # the client itself: rollcage.model's face loads it on first use
     "rollcage.tools",
     "rollcage.environments",
     "asyncio",

@@ -60,6 +60,7 @@ from rollcage.procs import (
     stop_tree,
     subtree,
     wait_shared,
+    within,
 )
 from rollcage.tools._executor import bound_middle, mark_dropped
 from rollcage.tools._repl import StreamSink
@@ -447,8 +448,7 @@ class ShellSession(AsyncClosing):
             code = None
             if self._proc is not None:
                 # Its status pipe closed as it exited: its exit status follows at once.
-                with contextlib.suppress(TimeoutError):
-                    code = await asyncio.wait_for(self._proc.wait(), _IO_TIMEOUT_S)
+                code = await within(self._proc.wait(), _IO_TIMEOUT_S)
             await self._kill(restart=True)
             return self._result(
                 "restarted",

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollcage.model._tokens import read_entries, read_log_probs, read_prompt_log_probs, read_token_ids
 from rollcage.protocol import MAX_TOKEN_COUNT, CallTokens, ModelEndpoint, ResponseItem, TokenUsage
+from rollcage.wire._tokens import read_entries, read_log_probs, read_prompt_log_probs, read_token_ids
 
 __all__ = [
     "LIFTED_FIELDS",
@@ -83,7 +83,7 @@ class _ContentPart(Lenient):
 class _TokenBundle(Lenient):
     """Token arrays as NeMo Gym's model servers put them on a message or output item.
 
-    Token data is taken as it came and read strictly by ``rollcage.model._tokens``:
+    Token data is taken as it came and read strictly by ``rollcage.wire._tokens``:
     a bad array is dropped with a note, it never fails the call.
     """
 
@@ -105,7 +105,7 @@ class _ChatChoice(Lenient):
     index: int = 0
     message: _ChatMessage
     finish_reason: str | None = None
-    # {"content": [{"token", "logprob", ...}, ...]}, read by rollcage.model._tokens.
+    # {"content": [{"token", "logprob", ...}, ...]}, read by rollcage.wire._tokens.
     logprobs: Any = None
     # vLLM with return_token_ids: the sampled token ids on the choice, the prompt's on the body.
     token_ids: Any = None

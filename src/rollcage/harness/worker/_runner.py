@@ -48,6 +48,7 @@ from rollcage.errors import ConfigError, HarnessError, HarnessUnavailableError, 
 from rollcage.harness._calls import WireCalls, WireExchange
 from rollcage.harness._events import (
     EVENTS_FD_ENV,
+    GRACE_ENV,
     RELAY_FD_ENV,
     AnswerEvent,
     ErrorEvent,
@@ -80,12 +81,9 @@ from rollcage.protocol import (
 from rollcage.tools import bound_middle
 from rollcage.trajectory import TrajectoryRecorder, message_text
 
-__all__ = ["GRACE_ENV", "NOOA_ADAPTER", "HarnessRunner", "HarnessSink", "task_text"]
+__all__ = ["NOOA_ADAPTER", "HarnessRunner", "HarnessSink", "task_text"]
 
 logger = logging.getLogger("rollcage.harness")
-
-GRACE_ENV = "ROLLCAGE_GRACE_S"
-"""The worker's environment variable holding the supervisor's SIGTERM → SIGKILL grace (seconds)."""
 
 HarnessSink = Callable[[BoundaryRecord, int], Awaitable[None]]
 """Receives each boundary the runner builds, with how many model calls preceded it."""
@@ -309,10 +307,12 @@ class HarnessRunner:
         with contextlib.suppress(OSError):
             if data:
                 stdin.write(data)
-                await asyncio.wait_for(stdin.drain(), 30.0)
+                async with asyncio.timeout(30.0):
+                    await stdin.drain()
         with contextlib.suppress(OSError, TimeoutError):
             stdin.close()
-            await asyncio.wait_for(stdin.wait_closed(), 5.0)
+            async with asyncio.timeout(5.0):
+                await stdin.wait_closed()
 
     async def _wait(self, proc: asyncio.subprocess.Process) -> int:
         # A limit reached (the stop event) stops it now; a cancellation is the caller's to handle.

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from rollcage.model._wire import Lenient, WireError
+from rollcage.wire._payloads import Lenient, WireError
 
 __all__ = ["ServerEventError", "SseEvent", "StreamResult", "assemble_stream", "sse_events", "sse_lines"]
 
@@ -190,7 +190,7 @@ class _ChunkChoice(Lenient):
     delta: _Delta | None = None
     finish_reason: str | None = None
     # Token data is kept as it came: the parser reads it strictly from the assembled payload
-    # (rollcage.model._tokens), where a bad array is dropped with a note instead of failing the call.
+    # (rollcage.wire._tokens), where a bad array is dropped with a note instead of failing the call.
     logprobs: Any = None
     token_ids: Any = None
 
