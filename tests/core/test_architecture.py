@@ -36,6 +36,7 @@ LAYERS: tuple[str, ...] = (
     "errors",  # the one exception hierarchy
     "headers",  # values others supply, made into HTTP header bytes
     "procs",  # process lifecycle and the cancellation dialect
+    "http",  # one HTTP/1.1 server loop, the client transport, the max_policy_calls rule
     "protocol",  # the artifacts' shapes
     "durable",  # atomic publication, the journal
     "runfiles",  # a run directory's own files: read inside it, never write over it

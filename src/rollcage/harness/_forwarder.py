@@ -36,7 +36,7 @@ import h11
 
 from rollcage.harness._calls import WireExchange, model_call_api
 from rollcage.headers import cookie_header, parse_cookie_header, update_cookies
-from rollcage.model.http import HOP_BY_HOP, hop_by_hop, httpx, transport_for
+from rollcage.http import HOP_BY_HOP, hop_by_hop, httpx, transport_for
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
 

@@ -39,9 +39,9 @@ import orjson
 
 from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
 from rollcage.headers import cookie_header, cookie_problem, encode_id, update_cookies
+from rollcage.http import DirectSend, httpx, transport_for
 from rollcage.model._stream import ServerEventError, assemble_stream, sse_events, sse_lines
 from rollcage.model._wire import CallOutcome, WireError, build_request, parse_payload, without_lifted
-from rollcage.model.http import DirectSend, httpx, transport_for
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import (
     MAX_JSON_DEPTH,

@@ -114,7 +114,7 @@ from rollcage.durable import AppendCursor
 from rollcage.errors import SupervisorError
 from rollcage.harness import budget_refusal, model_call_api
 from rollcage.headers import encode_id, header_value
-from rollcage.model.http import HOP_BY_HOP, DirectSend, H11Transport, hop_by_hop
+from rollcage.http import HOP_BY_HOP, DirectSend, H11Transport, hop_by_hop
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
 from rollcage.supervisor.config import ProxyConfig
@@ -288,7 +288,7 @@ class _UpstreamPools:
     rollout of its pool left idle. A proxy joins the first pool of its upstream with
     room (``_POOL_USERS``), so rollouts fill one pool before the next is opened.
     Only whole, completed responses return a connection to the pool (both transports,
-    :class:`~rollcage.model.http.H11Transport` for plain HTTP and httpx's for HTTPS,
+    :class:`~rollcage.http.H11Transport` for plain HTTP and httpx's for HTTPS,
     close one whose response was cut off), so no bytes of one rollout's exchange
     reach another's. A pool has no connection cap of its own: each rollout's connections
     are already capped at accept, so no rollout can starve the others of upstream
