@@ -60,6 +60,8 @@ class Echo:
     async def respond(self, exchange: Exchange, reply: Reply) -> bool:
         if exchange.target == "/hold":
             await self.hold.wait()
+        if exchange.target == "/fail":
+            raise RuntimeError("the service broke")
         body = b"echo:" + exchange.request_body
         await reply.answer(exchange, Answer(200, [(b"content-type", b"text/plain")], body))
         return True
@@ -252,3 +254,21 @@ async def test_connections_over_the_cap_get_the_busy_answer_at_accept() -> None:
         writer.close()
         held.close()
         assert answer == b"HTTP/1.1 503 Busy\r\n\r\n" and rig.server.refused == 1
+
+
+async def test_a_service_that_fails_ends_its_connection_with_the_reason_and_the_server_serves_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with serving() as rig:
+        reader, writer = await rig.connect()
+        writer.write(post("/fail", b"x"))
+        assert await read_to_end(reader) == b""  # closed, not left open
+        writer.close()
+        (failed,) = await rig.finished(1)
+        assert failed.error == "the server failed: RuntimeError: the service broke"
+        assert "serving a connection failed" in caplog.text
+        reader, writer = await rig.connect()
+        writer.write(post("/", b"again"))
+        answer = await read_to_end(reader)
+        writer.close()
+        assert answer.endswith(b"echo:again")

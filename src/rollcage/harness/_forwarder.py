@@ -371,7 +371,7 @@ class Forwarder(AsyncClosing):
                     if kept is not None:
                         if (
                             len(kept) + len(chunk) > limit
-                            or server.held + len(chunk) > _LIMITS.max_held_bytes
+                            or server.held + len(chunk) > self._limits.max_held_bytes
                         ):
                             server.held -= len(kept)
                             kept = None

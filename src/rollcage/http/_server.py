@@ -427,6 +427,10 @@ class HttpServer(AsyncClosing, Generic[_E]):
             await self._serve(connection.sock)
         except (OSError, h11.ProtocolError) as exc:
             logger.debug("%s: a connection ended: %r", self._name, exc)
+        except Exception:
+            # The service failed (its exchange is finished, with the reason): this connection ends,
+            # the server serves on.
+            logger.exception("%s: serving a connection failed", self._name)
         except asyncio.CancelledError:
             if self._state != "closed":
                 raise
@@ -453,6 +457,9 @@ class HttpServer(AsyncClosing, Generic[_E]):
                 exchange.error = (
                     exchange.error or f"the client connection failed: {type(exc).__name__}: {exc}"
                 )
+                raise
+            except Exception as exc:
+                exchange.error = exchange.error or f"the server failed: {type(exc).__name__}: {exc}"
                 raise
             finally:
                 # Exactly one finish per exchange, whatever ended it.
