@@ -250,7 +250,7 @@ class Reply:
 
         **Cancellation:** ``work`` is cancelled and awaited.
         """
-        task = asyncio.ensure_future(work)
+        task = asyncio.create_task(work)
         try:
             if await _client_left(self._sock, task):
                 task.cancel()
@@ -481,10 +481,10 @@ class HttpServer(AsyncClosing, Generic[_E]):
         """
         loop = asyncio.get_running_loop()
         limits = self._limits
-        begun = bool(conn.trailing_data[0])  # a pipelined request has begun already
+        received = len(conn.trailing_data[0])
+        begun = received > 0  # a pipelined request has begun already
         deadline = loop.time() + (limits.head_timeout_s if begun else limits.idle_timeout_s)
         started_at = time.time()
-        received = len(conn.trailing_data[0])
         try:
             while True:
                 event = conn.next_event()
@@ -493,7 +493,8 @@ class HttpServer(AsyncClosing, Generic[_E]):
                     target = event.target.decode("ascii", "replace")
                     # h11 bounds a head only while it is incomplete: one that arrived whole in a
                     # single read is measured here.
-                    if received - len(conn.trailing_data[0]) > limits.max_head_bytes:
+                    over = received > limits.max_head_bytes  # cheap first: trailing_data copies
+                    if over and received - len(conn.trailing_data[0]) > limits.max_head_bytes:
                         refused = _Refusal(431, f"request head over {limits.max_head_bytes} bytes")
                         return self._service.begin(method, target, [], started_at, readable=False), refused
                     headers = list(event.headers.raw_items())
