@@ -45,9 +45,12 @@ Everything a sandbox can make the proxy hold is bounded per rollout:
 connections open at once (``max_connections``, and a fair share of what the
 process's open-file limit affords, see :mod:`rollcage.supervisor.fds`; more are
 refused at accept with a short 503 and counted), the time a connection may sit
-idle, the time to send a request's head and its body (408 past them), request
-and response sizes (413, 502), the request bytes buffered at once over all
-connections (twice ``max_request_bytes``; 503 past it) and the capture's bytes.
+idle, the time to send a request's head and its body (408 past them), the head's
+size (64 KiB; 431 past it), request and response sizes (413, 502), the request
+bytes buffered at once over all connections (twice ``max_request_bytes``; 503 past
+it) and the capture's bytes. The response size and the capture are the proxy's
+own to bound; the others are the server loop's (:class:`rollcage.http.ServerLimits`,
+made from :class:`ProxyConfig`).
 Request bodies are read whole; responses are streamed back chunk by chunk, so
 server-sent events arrive as they are produced.
 
