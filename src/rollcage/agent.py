@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from rollcage.errors import ModelError, ResumeRefusedError
+from rollcage.http import PolicyCalls
 from rollcage.protocol import (
     BashToolSpec,
     BoundaryRecord,
@@ -257,7 +258,9 @@ class Agent:
     async def _run_function_calling(self) -> AgentResult:
         tools = function_tools(self._spec.tools, codeact=False)
         last_text: str | None = None
-        for index in range(self._spec.agent.max_policy_calls):
+        calls = PolicyCalls(self._spec.agent.max_policy_calls)
+        while calls.take():
+            index = calls.spent - 1
             call, server_ids = await self._call_model(index, tools)
             pending = self._start_calls(call, server_ids)
             self._answered(call.output)
@@ -384,7 +387,9 @@ class Agent:
         if self._cells is not None:
             self._cells.prestart()  # overlap the executor's start with the first model call
         last_text: str | None = None
-        for index in range(self._spec.agent.max_policy_calls):
+        calls = PolicyCalls(self._spec.agent.max_policy_calls)
+        while calls.take():
+            index = calls.spent - 1
             call, server_ids = await self._call_model(index, [])
             text = _text_of(call.output)
             last_text = text or last_text

@@ -117,13 +117,13 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 WARM_MODULES: tuple[str, ...] = (
     "rollcage.model._client",  # the client itself: rollcage.model's face loads it on first use
-    "rollcage.model.http",
+    "rollcage.http",
     "rollcage.tools",
     "rollcage.tools._repl",
     "rollcage.cage",
     "json",
     "pydantic.plugin._loader",
-    # asyncio's thread pool. (Plain HTTP goes through rollcage.model.http's h11 transport: no worker
+    # asyncio's thread pool. (Plain HTTP goes through rollcage.http's h11 transport: no worker
     # behind the proxy loads httpcore or anyio, so the template carries neither.)
     "concurrent.futures.thread",
 )
@@ -134,7 +134,7 @@ def warm_up() -> int:
     """Import and build, once, what every worker would otherwise import and build itself; how many models.
 
     For a template whose forks run :func:`run_worker` (:mod:`rollcage.warm`): the
-    lazy imports, the plain-HTTP transport (:func:`rollcage.model.http.transport_for`),
+    lazy imports, the plain-HTTP transport (:func:`rollcage.http.transport_for`),
     one exchange through h11 in memory, httpx's cookie handling, the command-line parser, and every
     pydantic model of rollcage that defers its build to its first use (validators
     and serializers, and pydantic's one look for plugins). Nothing is opened,
@@ -144,13 +144,13 @@ def warm_up() -> int:
 
     import pydantic
 
-    # Through rollcage.model.http, which keeps httpx's command line (rich, click, pygments: ~80
+    # Through rollcage.http, which keeps httpx's command line (rich, click, pygments: ~80
     # modules, ~6 MB) out: a template that imported httpx first carried them into every fork.
-    from rollcage.model.http import httpx
+    from rollcage.http import httpx
 
     for name in WARM_MODULES:
         importlib.import_module(name)
-    from rollcage.model.http import exchange_in_memory, transport_for
+    from rollcage.http import exchange_in_memory, transport_for
 
     transport_for("http://warm-up", uds=None)  # builds nothing but objects; never connects
     exchange_in_memory()  # h11's first exchange builds what every later one reuses

@@ -37,6 +37,7 @@ LAYERS: tuple[str, ...] = (
     "errors",  # the one exception hierarchy
     "headers",  # values others supply, made into HTTP header bytes
     "procs",  # process lifecycle and the cancellation dialect
+    "http",  # one HTTP/1.1 server loop, the client transport, the max_policy_calls rule
     "protocol",  # the artifacts' shapes
     "wire",  # what the model endpoint is sent and answers, read without I/O (both sides of the wall)
     "durable",  # atomic publication, the journal
@@ -299,7 +300,7 @@ def test_every_private_module_declares_what_it_offers(path: Path) -> None:
 WALLED = ("rollcage.supervisor", "rollcage.controller")
 """The processes outside the sandbox: they treat the worker as a black box that speaks files."""
 
-_MODEL_TRANSPORT = frozenset({"rollcage.model", "rollcage.model.http", "rollcage.model._h11"})
+_MODEL_TRANSPORT = frozenset({"rollcage.model"})
 """Of ``rollcage.model``, what the egress proxy shares with the client: the HTTP transport (and the
 face, which loads the client only on first use). Everything else there is the client."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rollcage.model.http import H11Transport, httpx, transport_for
+from rollcage.http import H11Transport, httpx, transport_for
 
 BOUND_S = 30.0
 
@@ -308,7 +308,7 @@ class _FakeTransport(asyncio.Transport):
 def test_tcp_connections_acknowledge_every_read_at_once(family: int) -> None:
     # A server with Nagle's algorithm on holds an answer's body until its head is acknowledged;
     # Linux delays that ACK by up to 40 ms unless asked, after each read, to acknowledge at once.
-    from rollcage.model._h11 import _Socket
+    from rollcage.http._client import _Socket
 
     recorded = _RecordingSocket(family)
     protocol = _Socket()

@@ -402,7 +402,7 @@ def test_after_the_templates_warm_up_a_first_http_exchange_costs_what_any_later_
     # What h11 builds on first use (typing's unions it casts events to) is built by the template once,
     # not again by every worker it forks: counted in Python calls, the first exchange is a steady one.
     counted = _after_warm_up(
-        "from rollcage.model.http import exchange_in_memory\n"
+        "from rollcage.http import exchange_in_memory\n"
         "def calls():\n"
         "    n = 0\n"
         "    def count(frame, event, arg):\n"

@@ -29,6 +29,7 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 
+from rollcage.http import Api, model_call_api
 from rollcage.protocol import (
     MAX_JSON_DEPTH,
     CallAttempt,
@@ -62,26 +63,11 @@ __all__ = [
     "requested_tool_calls",
 ]
 
-Api = Literal["chat", "responses"]
-
-_CALL_PATHS: dict[str, Api] = {"/chat/completions": "chat", "/responses": "responses"}
 _RAW_REQUEST_CHARS = 65_536
 _ERROR_SNIPPET = 500
 # The model client's table (rollcage.model): a request the server rejects is the policy's; everything
 # else that is not an answer (credentials, a missing endpoint, overload, a broken body) the infrastructure's.
 _FATAL_STATUSES = frozenset({400, 413, 422})
-
-
-def model_call_api(method: str, path: str) -> Api | None:
-    """The API style when ``method path`` is a model call, else ``None``.
-
-    Args:
-        method: The HTTP method.
-        path: The path below the model route's ``/v1`` (``/chat/completions``); a query is ignored.
-    """
-    if method != "POST":
-        return None
-    return _CALL_PATHS.get(path.partition("?")[0].rstrip("/"))
 
 
 @dataclass(frozen=True)

@@ -12,31 +12,45 @@ sandbox's network namespace (nothing but loopback there)::
 It is trusted and small: it checks the rollout's token (the harness's
 ``OPENAI_API_KEY``, a random value that is not the model's credential: the proxy
 adds that outside), adds the rollout's cookies and keeps what the servers set,
-counts model calls and refuses those past ``max_policy_calls`` (the proxy refuses
-them too), and records every model exchange for the worker before the harness
-sees the end of its answer, so a tool call the harness reports afterwards always
-finds the model call that asked for it. Connections, head and body sizes and
-idle times are bounded; everything else (the allow-list, the capture, the
-credential) stays with the proxy.
+counts model calls and refuses those past ``max_policy_calls`` (with the proxy's
+rule, :class:`rollcage.http.PolicyCalls`; the proxy refuses them too), and records
+every model exchange for the worker before the harness sees the end of its answer,
+so a tool call the harness reports afterwards always finds the model call that
+asked for it. Connections, head and body sizes and idle times are bounded by the
+server loop the proxy uses too (:class:`rollcage.http.HttpServer`); everything else
+(the allow-list, the capture, the credential) stays with the proxy.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
+import socket
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Self
 
-import h11
-
-from rollcage.harness._calls import WireExchange, model_call_api
+from rollcage.harness._calls import WireExchange
 from rollcage.headers import cookie_header, parse_cookie_header, update_cookies
-from rollcage.model.http import HOP_BY_HOP, hop_by_hop, httpx, transport_for
+from rollcage.http import (
+    BUDGET_CODE,
+    HOP_BY_HOP,
+    REFUSAL_STATUS,
+    Answer,
+    Exchange,
+    HttpServer,
+    PolicyCalls,
+    Reply,
+    ServerLimits,
+    budget_refusal,
+    hop_by_hop,
+    httpx,
+    model_call_api,
+    transport_for,
+)
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
 
@@ -44,36 +58,26 @@ __all__ = ["BUDGET_CODE", "Forwarder", "budget_refusal"]
 
 logger = logging.getLogger("rollcage.harness")
 
-BUDGET_CODE = "max_policy_calls"
-"""The error code of a model call refused past the rollout's ``max_policy_calls``."""
-
-_MAX_HEAD = 64 * 1024
-_MAX_REQUEST_BYTES = 32 * 1024 * 1024
-# What all exchanges in progress may hold at once: request bodies, and answers kept for the record.
-_MAX_HELD_BYTES = 128 * 1024 * 1024
-_IDLE_TIMEOUT_S = 120.0
-_HEAD_TIMEOUT_S = 30.0
-_CHUNK = 65536
+# Bounds of the harness's requests: a harness's own model calls may take their time (idle: two minutes).
+_LIMITS = ServerLimits(
+    max_head_bytes=64 * 1024,
+    max_body_bytes=32 * 1024 * 1024,
+    # What all exchanges in progress may hold at once: request bodies, and answers kept for the record.
+    max_held_bytes=128 * 1024 * 1024,
+    idle_timeout_s=120.0,
+    head_timeout_s=30.0,
+    body_timeout_s=30.0,
+)
+_BUSY_TEXT = b"rollcage forwarder: too many connections; retry later\n"
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s" % (len(_BUSY_TEXT), _BUSY_TEXT)
+)
 _DROP = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect", b"cookie"}
 _CREDENTIALS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 
 OnModelExchange = Callable[[WireExchange], Awaitable[None]]
 """Called with every finished model exchange, before the harness gets the end of the answer."""
-
-
-def budget_refusal(limit: int) -> bytes:
-    """The JSON body of a model call refused past ``max_policy_calls`` (OpenAI's error shape)."""
-    import orjson
-
-    return orjson.dumps(
-        {
-            "error": {
-                "message": f"rollcage: this rollout's {limit} model calls (max_policy_calls) are spent",
-                "type": "rollcage_budget_exceeded",
-                "code": BUDGET_CODE,
-            }
-        }
-    )
 
 
 @dataclass
@@ -120,20 +124,29 @@ class Forwarder(AsyncClosing):
         self._token = token.encode()
         self._on_model_exchange = on_model_exchange
         self._on_refused = on_refused
-        self._slots = max_connections
+        self._limits = (
+            _LIMITS
+            if max_connections == _LIMITS.max_connections
+            else replace(_LIMITS, max_connections=max_connections)
+        )
+        self._calls = PolicyCalls(spec.agent.max_policy_calls)
         self._jars = _Jars(model=dict(spec.model_cookies), resource=dict(spec.resource_cookies))
         self._tools = {t.name: t for t in spec.tools if isinstance(t, ResourceToolSpec)}
-        self._server: asyncio.Server | None = None
-        self._handlers: set[asyncio.Task[None]] = set()
+        self._server: HttpServer[Exchange] | None = None
         self._clients: dict[tuple[str | None, str], httpx.AsyncClient] = {}
         self._state: Literal["unopened", "open", "closed"] = "unopened"
         self.port = 0
         """The TCP port on 127.0.0.1 (0 until started)."""
-        self._held = 0
-        self.model_calls = 0
+
+    @property
+    def model_calls(self) -> int:
         """Model calls forwarded so far."""
-        self.refused = 0
+        return self._calls.spent
+
+    @property
+    def refused(self) -> int:
         """Model calls refused past ``max_policy_calls``."""
+        return self._calls.refused
 
     @property
     def base_url(self) -> str:
@@ -167,8 +180,10 @@ class Forwarder(AsyncClosing):
             raise RuntimeError(f"the forwarder is {self._state}; it can be started only once")
         self._state = "open"
         try:
-            self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0, reuse_address=False)
-            self.port = self._server.sockets[0].getsockname()[1]
+            listener = _listen()
+            self.port = listener.getsockname()[1]
+            self._server = HttpServer(listener, self, self._limits, name="the harness forwarder", busy=_BUSY)
+            await self._server.__aenter__()
         except BaseException:
             await self.aclose()
             raise
@@ -182,146 +197,66 @@ class Forwarder(AsyncClosing):
         if self._state == "closed":
             return
         self._state = "closed"
-        if self._server is not None:
-            self._server.close()
-        handlers = list(self._handlers)
-        for task in handlers:
-            task.cancel()
-        await shielded(self._shut(handlers))
+        await shielded(self._shut())
 
-    async def _shut(self, handlers: list[asyncio.Task[None]]) -> None:
-        await asyncio.gather(*handlers, return_exceptions=True)
+    async def _shut(self) -> None:
+        if self._server is not None:
+            await self._server.aclose()
         for client in self._clients.values():
             await client.aclose()
         self._clients.clear()
 
-    # ------------------------------------------------------------------ connections
+    # ------------------------------------------------------------------ exchanges (rollcage.http.Service)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        if len(self._handlers) >= self._slots or self._state != "open":
-            with contextlib.suppress(OSError):
-                writer.write(_simple(503, b"rollcage forwarder: too many connections; retry later\n"))
-            writer.close()
-            return
-        self._handlers.add(task)
-        try:
-            await self._serve(reader, writer)
-        except (OSError, h11.ProtocolError, TimeoutError) as exc:
-            logger.debug("forwarder connection ended: %r", exc)
-        except asyncio.CancelledError:
-            # aclose cancelled the exchange (its record says interrupted). The task is asyncio's, which
-            # on Python 3.11 logs a handler that ends cancelled as an error: it ends normally instead.
-            logger.debug("forwarder connection closed by the shutdown")
-        finally:
-            self._handlers.discard(task)
-            writer.close()
-            with contextlib.suppress(OSError, asyncio.CancelledError):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
-        while True:
-            request = await self._next_request(conn, reader)
-            if request is None:
-                return
-            keep = await self._exchange(conn, reader, writer, request)
-            if not keep or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                return
-            conn.start_next_cycle()
-
-    async def _next_request(self, conn: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | None:
-        timeout = _IDLE_TIMEOUT_S
-        while True:
-            event = conn.next_event()
-            if isinstance(event, h11.Request):
-                return event
-            if event is not h11.NEED_DATA:
-                return None
-            try:
-                data = await asyncio.wait_for(reader.read(_CHUNK), timeout)
-            except TimeoutError:
-                return None
-            conn.receive_data(data)
-            timeout = _HEAD_TIMEOUT_S
-
-    async def _read_body(self, conn: h11.Connection, reader: asyncio.StreamReader) -> bytes | None:
-        """The whole request body, or ``None`` past its bound (its own, or all exchanges' together)."""
-        body = bytearray()
-        while True:
-            event = conn.next_event()
-            if isinstance(event, h11.Data):
-                body += event.data
-                if len(body) > _MAX_REQUEST_BYTES or self._held + len(body) > _MAX_HELD_BYTES:
-                    return None
-            elif isinstance(event, h11.EndOfMessage):
-                return bytes(body)
-            elif event is h11.NEED_DATA:
-                data = await asyncio.wait_for(reader.read(_CHUNK), _HEAD_TIMEOUT_S)
-                conn.receive_data(data)
-            else:
-                raise ConnectionResetError("the harness closed the connection in the middle of its request")
-
-    async def _exchange(
+    def begin(
         self,
-        conn: h11.Connection,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        req: h11.Request,
-    ) -> bool:
-        method = req.method.decode("ascii", "replace")
-        target = req.target.decode("ascii", "replace")
-        headers = list(req.headers.raw_items())
-        body = await self._read_body(conn, reader)
-        if body is None:
-            message = f"request body over {_MAX_REQUEST_BYTES} bytes, or too much in flight at once"
-            await self._answer(conn, writer, 413, _json_error(message))
-            return False
-        self._held += len(body)
-        try:
-            return await self._serve_request(conn, writer, method, target, headers, body)
-        finally:
-            self._held -= len(body)
-
-    async def _serve_request(
-        self,
-        conn: h11.Connection,
-        writer: asyncio.StreamWriter,
         method: str,
         target: str,
         headers: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> bool:
+        started_at: float,
+        *,
+        readable: bool,
+    ) -> Exchange:
+        """A new exchange (part of :class:`rollcage.http.Service`)."""
+        return Exchange(method=method, target=target, request_headers=headers, started_at=started_at)
+
+    def answer(self, exchange: Exchange, status: int, message: str) -> Answer:
+        """Its own answer ``status`` saying ``message`` (part of :class:`rollcage.http.Service`)."""
+        return _json_answer(status, _json_error(f"rollcage forwarder: {message}"))
+
+    async def finish(self, exchange: Exchange) -> bool:
+        """Nothing to do: model exchanges are recorded as they end (part of :class:`rollcage.http.Service`).
+
+        **Cancellation:** nothing here waits.
+        """
+        return True
+
+    async def respond(self, exchange: Exchange, reply: Reply) -> bool:
+        """Forward the harness's request, or refuse it; whether the connection can carry another request.
+
+        Part of :class:`rollcage.http.Service`.
+
+        **Cancellation:** the forwarder is closing: a model call in flight is recorded as interrupted.
+        """
+        method, target, headers = exchange.method, exchange.target, exchange.request_headers
         if not self._authorised(headers):
-            await self._answer(
-                conn,
-                writer,
-                401,
-                _json_error("rollcage forwarder: send the rollout's OPENAI_API_KEY as a bearer token"),
-            )
+            message = "rollcage forwarder: send the rollout's OPENAI_API_KEY as a bearer token"
+            await reply.answer(exchange, _json_answer(401, _json_error(message)))
             return True
         route = self._route(method, target)
         if route is None:
-            await self._answer(
-                conn,
-                writer,
-                404,
-                _json_error(
-                    f"rollcage forwarder: {method} {target.partition('?')[0]} is not served here; the "
-                    "sandbox has no network: the model is at /v1/ and the task's tools at /tools/<name>"
-                ),
+            message = (
+                f"rollcage forwarder: {method} {target.partition('?')[0]} is not served here; the "
+                "sandbox has no network: the model is at /v1/ and the task's tools at /tools/<name>"
             )
+            await reply.answer(exchange, _json_answer(404, _json_error(message)))
             return True
-        if route.api is not None and self.model_calls >= self._spec.agent.max_policy_calls:
-            self.refused += 1
+        if route.api is not None and not self._calls.take():
             if self._on_refused is not None:
                 self._on_refused()
-            await self._answer(conn, writer, 403, budget_refusal(self._spec.agent.max_policy_calls))
+            await reply.answer(exchange, _json_answer(REFUSAL_STATUS, self._calls.refusal_body()))
             return True
-        if route.api is not None:
-            self.model_calls += 1
-        return await self._forward(conn, writer, route, method, headers, body)
+        return await self._forward(exchange, reply, route)
 
     def _authorised(self, headers: list[tuple[bytes, bytes]]) -> bool:
         for name, value in headers:
@@ -390,15 +325,10 @@ class Forwarder(AsyncClosing):
         kept.append((b"accept-encoding", b"identity"))
         return kept
 
-    async def _forward(
-        self,
-        conn: h11.Connection,
-        writer: asyncio.StreamWriter,
-        route: _Route,
-        method: str,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> bool:
+    async def _forward(self, exchange: Exchange, reply: Reply, route: _Route) -> bool:
+        server = self._server
+        assert server is not None
+        body = exchange.request_body
         started = time.time()
         status: int | None = None
         content_type: str | None = None
@@ -413,9 +343,9 @@ class Forwarder(AsyncClosing):
         client = self._client(route)
         try:
             request = client.build_request(
-                method,
+                exchange.method,
                 route.url,
-                headers=self._upstream_headers(route, headers),
+                headers=self._upstream_headers(route, exchange.request_headers),
                 content=body,
                 timeout=httpx.Timeout(route.timeout_s, connect=min(route.timeout_s, 30.0)),
             )
@@ -423,7 +353,7 @@ class Forwarder(AsyncClosing):
                 response = await client.send(request, stream=True)
             except httpx.HTTPError as exc:
                 error = f"the egress proxy cannot be reached: {type(exc).__name__}: {exc}"
-                await self._answer(conn, writer, 502, _json_error(f"rollcage forwarder: {error}"))
+                await reply.answer(exchange, _json_answer(502, _json_error(f"rollcage forwarder: {error}")))
                 return True
             try:
                 first_byte = time.time()
@@ -432,23 +362,25 @@ class Forwarder(AsyncClosing):
                 content_type = response.headers.get("content-type")
                 self._keep_cookies(route, response.headers.raw)
                 drop = hop_by_hop(list(response.headers.raw))
-                head = h11.Response(
-                    status_code=status,
-                    headers=[(k, v) for k, v in response.headers.raw if k.lower() not in drop],
-                    reason=response.reason_phrase.encode("latin-1", "replace"),
+                await reply.head(
+                    status,
+                    [(k, v) for k, v in response.headers.raw if k.lower() not in drop],
+                    response.reason_phrase.encode("latin-1", "replace"),
                 )
-                await _send(writer, conn.send(head))
                 async for chunk in response.aiter_raw():
                     if kept is not None:
-                        if len(kept) + len(chunk) > limit or self._held + len(chunk) > _MAX_HELD_BYTES:
-                            self._held -= len(kept)
+                        if (
+                            len(kept) + len(chunk) > limit
+                            or server.held + len(chunk) > self._limits.max_held_bytes
+                        ):
+                            server.held -= len(kept)
                             kept = None
                         else:
                             kept += chunk
-                            self._held += len(chunk)
+                            server.held += len(chunk)
                     # The last chunk is held back until the model call is recorded (see the module docstring).
                     if held is not None:
-                        await _send(writer, conn.send(h11.Data(data=held)))
+                        await reply.data(held)
                     held = chunk
             except httpx.HTTPError as exc:
                 error = f"the answer was cut off: {type(exc).__name__}: {exc}"
@@ -464,12 +396,12 @@ class Forwarder(AsyncClosing):
             raise
         finally:
             if kept is not None:
-                self._held -= len(kept)
+                server.held -= len(kept)
             # The proxy's own answers (a refusal, a bound) never reached the model: not a model call,
             # as the capture journal has it. Its 502 (the model unreachable) is one, failed.
             own = status not in (None, 502) and response_from_proxy
             if route.api is not None and not own:
-                exchange = WireExchange(
+                wire = WireExchange(
                     api=route.api,
                     request=body,
                     status=status,
@@ -481,12 +413,12 @@ class Forwarder(AsyncClosing):
                     error=error,
                     interrupted=interrupted and error is None,
                 )
-                await shielded(self._on_model_exchange(exchange))
+                await shielded(self._on_model_exchange(wire))
         if held is not None:
-            await _send(writer, conn.send(h11.Data(data=held)))
+            await reply.data(held)
         if not reusable:
             return False
-        await _send(writer, conn.send(h11.EndOfMessage()))
+        await reply.end()
         return True
 
     def _keep_cookies(self, route: _Route, headers: list[tuple[bytes, bytes]]) -> None:
@@ -495,25 +427,6 @@ class Forwarder(AsyncClosing):
             # The harness saw the answer whole; only what could never be sent back is not kept.
             logger.warning("forwarder: %s %s", route.kind, problem)
 
-    async def _answer(
-        self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int, body: bytes
-    ) -> None:
-        headers = [
-            ("content-type", "application/json"),
-            ("content-length", str(len(body))),
-            ("x-rollcage-forwarder", "1"),
-        ]
-        data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
-        data += conn.send(h11.Data(data=body)) or b""
-        data += conn.send(h11.EndOfMessage()) or b""
-        await _send(writer, data)
-
-
-async def _send(writer: asyncio.StreamWriter, data: bytes | None) -> None:
-    if data:
-        writer.write(data)
-        await asyncio.wait_for(writer.drain(), _IDLE_TIMEOUT_S)
-
 
 def _json_error(message: str) -> bytes:
     import orjson
@@ -521,11 +434,22 @@ def _json_error(message: str) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": "rollcage_forwarder", "code": None}})
 
 
-def _simple(status: int, text: bytes) -> bytes:
-    return (
-        b"HTTP/1.1 %d Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
-        b"content-length: %d\r\n\r\n%s" % (status, len(text), text)
-    )
+def _json_answer(status: int, body: bytes) -> Answer:
+    """One of the forwarder's own answers: a JSON body, marked as the forwarder's."""
+    return Answer(status, [(b"content-type", b"application/json"), (b"x-rollcage-forwarder", b"1")], body)
+
+
+def _listen() -> socket.socket:
+    """A listening socket on a free port of ``127.0.0.1``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _cookies_of(headers: list[tuple[bytes, bytes]]) -> Mapping[str, str]:

@@ -18,8 +18,8 @@ One call never takes longer than ``max_call_seconds(endpoint)``.
 
 What the client sends and reads is :mod:`rollcage.wire`'s. The client is the
 worker's, behind the sandbox's wall: this face loads it on first use, so importing
-``rollcage.model.http`` (the transport the supervisor's egress proxy shares) does
-not load the client into the supervisor.
+``rollcage.model`` alone does not load the client. The transport the supervisor's
+egress proxy shares lives in :mod:`rollcage.http`.
 """
 
 from typing import TYPE_CHECKING

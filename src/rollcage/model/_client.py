@@ -39,7 +39,7 @@ import orjson
 
 from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
 from rollcage.headers import cookie_header, cookie_problem, encode_id, update_cookies
-from rollcage.model.http import DirectSend, httpx, transport_for
+from rollcage.http import DirectSend, httpx, transport_for
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import (
     MAX_JSON_DEPTH,

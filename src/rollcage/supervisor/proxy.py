@@ -45,9 +45,12 @@ Everything a sandbox can make the proxy hold is bounded per rollout:
 connections open at once (``max_connections``, and a fair share of what the
 process's open-file limit affords, see :mod:`rollcage.supervisor.fds`; more are
 refused at accept with a short 503 and counted), the time a connection may sit
-idle, the time to send a request's head and its body (408 past them), request
-and response sizes (413, 502), the request bytes buffered at once over all
-connections (twice ``max_request_bytes``; 503 past it) and the capture's bytes.
+idle, the time to send a request's head and its body (408 past them), the head's
+size (64 KiB; 431 past it), request and response sizes (413, 502), the request
+bytes buffered at once over all connections (twice ``max_request_bytes``; 503 past
+it) and the capture's bytes. The response size and the capture are the proxy's
+own to bound; the others are the server loop's (:class:`rollcage.http.ServerLimits`,
+made from :class:`ProxyConfig`).
 Request bodies are read whole; responses are streamed back chunk by chunk, so
 server-sent events arrive as they are produced.
 
@@ -57,11 +60,13 @@ event loop (kept alive, reused by whichever rollout asks next; see
 completely read response gives its connection back.
 The capture, the credential and the identity headers stay per rollout.
 
-The proxy runs its own accept loop rather than ``asyncio.start_unix_server``:
-out of descriptors (``EMFILE``), asyncio's server logs an error and retries a
-second later, and if the server is closed meanwhile the retry raises
-``ValueError: Invalid file descriptor: -1``; here accepting backs off briefly,
-and every accepted socket is closed on every path.
+The HTTP/1.1 side (accepting, the head and body bounds and timeouts, keep-alive,
+the watch on a client that leaves, closing every socket on every path) is the server
+loop of :mod:`rollcage.http`, which the harness's forwarder runs too; this module
+says what each request means (:meth:`EgressProxy.begin`, :meth:`EgressProxy.respond`)
+and captures it (:meth:`EgressProxy.finish`). A model call past
+``model_call_limit`` is refused by the rule every agent uses
+(:class:`rollcage.http.PolicyCalls`).
 
 Capture
 =======
@@ -79,12 +84,6 @@ or cut back off (:class:`rollcage.durable.AppendCursor`): a failed write (disk
 full) is counted, never left torn. Past ``max_capture_bytes`` lines lose their
 bodies, the proxy stops taking requests, and the supervisor ends the rollout as
 the policy's fault.
-
-Why h11 and not uvicorn: one proxy runs per rollout, many in one event loop;
-``uvicorn.Server`` installs process-wide signal handlers while it serves and
-brings lifespan machinery we do not need, whereas a small h11 loop gives exact
-control over byte bounds, streaming and shutdown. h11 is already installed as
-httpx's HTTP/1.1 engine.
 """
 
 from __future__ import annotations
@@ -106,19 +105,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Self
 
-import h11
-import httpx
 import orjson
 
 from rollcage.durable import AppendCursor
 from rollcage.errors import SupervisorError
-from rollcage.harness import budget_refusal, model_call_api
 from rollcage.headers import encode_id, header_value
-from rollcage.model.http import HOP_BY_HOP, DirectSend, H11Transport, hop_by_hop
+from rollcage.http import (
+    HOP_BY_HOP,
+    REFUSAL_STATUS,
+    Answer,
+    DirectSend,
+    Exchange,
+    H11Transport,
+    HttpServer,
+    PolicyCalls,
+    Reply,
+    ServerLimits,
+    hop_by_hop,
+    httpx,
+)
 from rollcage.procs import AsyncClosing, shielded
 from rollcage.protocol import ResourceToolSpec, WorkerInput
 from rollcage.supervisor.config import ProxyConfig
-from rollcage.supervisor.fds import connection_budget, is_out_of_descriptors, retry_on_emfile
+from rollcage.supervisor.fds import connection_budget, retry_on_emfile
 
 __all__ = [
     "MODEL_PREFIX",
@@ -145,8 +154,6 @@ _CREDENTIALS = frozenset({b"authorization", b"proxy-authorization", b"x-api-key"
 _IDENTITY = frozenset({b"x-rollout-id", b"x-task-id"})
 _IDENTITY_PREFIX = b"x-rollcage-"
 _REDACT = frozenset(name.decode() for name in _CREDENTIALS)
-_CHUNK = 65536
-_MAX_HEAD = 64 * 1024
 _PREFIX_BYTES = 64 * 1024
 _BACKLOG = 64
 # Rollouts per shared pool. httpcore's pool (HTTPS) looks at every connection it holds each time a request
@@ -159,11 +166,6 @@ _POOL_KEEPALIVE = 2 * _POOL_USERS
 # An idle pooled connection is dropped well before a server would close it (uvicorn: 5 s), so a
 # request is rarely sent on a connection the server is closing at that moment (it would fail: 502).
 _POOL_IDLE_S = 2.0
-_ACCEPT_RETRY_S = 0.05
-# While a rollout is over its connection cap, each refusal is followed by this pause: a sandbox
-# that floods the socket costs the event loop at most ~100 accepts a second, and waits in the
-# kernel's backlog meanwhile (its connect() blocks) rather than in this process.
-_REFUSE_PAUSE_S = 0.01
 _REFUSAL_TEXT = b"rollcage egress proxy: too many connections open from this rollout; retry later\n"
 _REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
@@ -261,15 +263,6 @@ def sandbox_input(original: WorkerInput, socket_path: str) -> WorkerInput:
     return original.model_copy(update={"model": model, "resources": resources})
 
 
-class _Refusal(Exception):
-    """The proxy answers the request itself with ``status`` and closes the connection."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 class _Pool:
     """One upstream's connection pool, shared by up to ``_POOL_USERS`` proxies of this event loop."""
 
@@ -288,7 +281,7 @@ class _UpstreamPools:
     rollout of its pool left idle. A proxy joins the first pool of its upstream with
     room (``_POOL_USERS``), so rollouts fill one pool before the next is opened.
     Only whole, completed responses return a connection to the pool (both transports,
-    :class:`~rollcage.model.http.H11Transport` for plain HTTP and httpx's for HTTPS,
+    :class:`~rollcage.http.H11Transport` for plain HTTP and httpx's for HTTPS,
     close one whose response was cut off), so no bytes of one rollout's exchange
     reach another's. A pool has no connection cap of its own: each rollout's connections
     are already capped at accept, so no rollout can starve the others of upstream
@@ -435,62 +428,20 @@ def _header(pairs: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-async def _client_left(sock: socket.socket, work: asyncio.Future[Any]) -> bool:
-    """Wait for ``work``; ``True`` if the client closed its connection first (nothing is read).
-
-    Readability is only peeked at: end of stream (or an error) means the client left; bytes
-    mean a next request is on its way, so the client is there, and watching stops.
-    """
-    loop = asyncio.get_running_loop()
-    fd = sock.fileno()
-    while not work.done():
-        readable: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, _resolve, readable)
-        try:
-            await asyncio.wait({work, readable}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            loop.remove_reader(fd)
-            readable.cancel()
-        if work.done():
-            return False
-        try:
-            peeked = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            continue  # woken for nothing: watch again
-        except OSError:
-            return True
-        if peeked == b"":
-            return True
-        await asyncio.wait({work})  # the next request waits in the socket for its turn
-    return False
-
-
 @dataclass
-class _Exchange:
+class _Exchange(Exchange):
     """What one request/response pair was, filled in as it happens."""
 
-    method: str
-    target: str
-    request_headers: list[tuple[bytes, bytes]]
-    started_at: float
-    request_body: bytes = b""
     route: Route | None = None
+    """The allowed upstream it asked for; ``None``: denied (or its head could not be read)."""
+    rest: str = ""
+    """The target below the route's prefix."""
+    denied: str | None = None
+    """Why the request is refused (off the allow-list); ``None``: it is not."""
     upstream_url: str | None = None
-    status: int | None = None
-    response_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     response_body: _BodySink | None = None
     first_byte_at: float | None = None
-    error: str | None = None
     credential_added: bool = False
-    refusal: _Refusal | None = None
-    """Set when the request could not even be read (malformed, too slow): the proxy answers it."""
-    held: int = 0
-    """Request bytes of this exchange counted in the rollout's buffered bytes."""
 
     @property
     def kind(self) -> Literal["model", "resource", "denied"]:
@@ -610,20 +561,6 @@ class _CaptureFile:
                 await asyncio.to_thread(os.close, fd)
 
 
-class _Connection:
-    """One accepted socket and its share of the connection budget; ``close`` is idempotent."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._open = True
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self.sock.close()
-            connection_budget().release()
-
-
 class EgressProxy(AsyncClosing):
     """The egress proxy of one rollout, as an async context manager.
 
@@ -678,8 +615,7 @@ class EgressProxy(AsyncClosing):
         self._identity = [(k.lower().encode("latin-1"), encode_id(v)) for k, v in identity.items()]
         self._on_budget_exceeded = on_budget_exceeded
         self._on_capture = on_capture
-        self._model_call_limit = model_call_limit
-        self._model_calls = 0
+        self._calls = PolicyCalls(model_call_limit)
         self._model_routes = [_parse_model_route(route) for route in config.model_routes]
         self._capture = _CaptureFile(
             capture_path,
@@ -688,20 +624,31 @@ class EgressProxy(AsyncClosing):
             budget=config.max_capture_bytes,
         )
         self._listener: socket.socket | None = None
-        self._acceptor: asyncio.Task[None] | None = None
+        self._server: HttpServer[_Exchange] | None = None
         self._senders: dict[str, DirectSend] = {}
         self._borrowed: list[_Borrowed] = []
-        self._handlers: dict[asyncio.Task[None], _Connection] = {}
-        self._buffered = 0
         self._joined = False
         self._state: Literal["unopened", "open", "closed"] = "unopened"
         self._budget_reported = False
         self.exchanges: dict[str, int] = {"model": 0, "resource": 0, "denied": 0}
         """Exchanges so far, by route kind (whether or not their capture line could be written)."""
-        self.refused = 0
-        """Connections refused at accept (over the rollout's connection cap)."""
         self.first_request = asyncio.Event()
         """Set when the sandbox's first request arrives: the worker has started up."""
+
+    @property
+    def refused(self) -> int:
+        """Connections refused at accept (over the rollout's connection cap)."""
+        return 0 if self._server is None else self._server.refused
+
+    @property
+    def _handlers(self) -> dict[asyncio.Task[None], Any]:
+        """The connections being served."""
+        return {} if self._server is None else self._server.connections
+
+    @property
+    def _buffered(self) -> int:
+        """Request bytes held by the exchanges in progress."""
+        return 0 if self._server is None else self._server.held
 
     @property
     def captured(self) -> dict[str, int]:
@@ -759,7 +706,17 @@ class EgressProxy(AsyncClosing):
                 self._senders[route.prefix] = DirectSend(client, transport)
             connection_budget().join()
             self._joined = True
-            self._acceptor = asyncio.create_task(self._accept_loop())
+            listener, self._listener = self._listener, None
+            self._server = HttpServer(
+                listener,
+                self,
+                _limits(self._config),
+                name=f"rollout {self._rollout_id}: the egress proxy",
+                busy=_REFUSAL,
+                admit=self._admit,
+                on_release=connection_budget().release,
+            )
+            await self._server.__aenter__()
         except BaseException as exc:
             await self.aclose()
             if isinstance(exc, OSError):
@@ -798,20 +755,10 @@ class EgressProxy(AsyncClosing):
         await shielded(self._shut_down())
 
     async def _shut_down(self) -> None:
-        if self._acceptor is not None:
-            self._acceptor.cancel()
-            await asyncio.gather(self._acceptor, return_exceptions=True)
-        if self._listener is not None:
+        if self._server is not None:
+            await self._server.aclose()
+        elif self._listener is not None:
             self._listener.close()
-        handlers = list(self._handlers)
-        for task in handlers:
-            task.cancel()
-        if handlers:
-            await asyncio.gather(*handlers, return_exceptions=True)
-        # A handler cancelled before its first step never ran its own clean-up.
-        for connection in self._handlers.values():
-            connection.close()
-        self._handlers.clear()
         if self._joined:
             connection_budget().leave()
         for send in self._senders.values():
@@ -825,119 +772,49 @@ class EgressProxy(AsyncClosing):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 
-    def _closed(self) -> bool:
-        # A method, not an inline comparison: the state changes under an await.
-        return self._state == "closed"
+    async def _admit(self, open_connections: int) -> bool:
+        """Whether to serve one more connection of the sandbox's (it holds ``open_connections``)."""
+        # An exchange that has just answered its client may still be writing its capture line: the
+        # client's next request must find the budget spent if that line spends it, not slip in.
+        # (The line's task took the capture's lock before this accept could be seen.)
+        await self._capture.settled()
+        if self.over_budget:
+            return False
+        return connection_budget().try_acquire(open_connections, self._config.max_connections)
 
-    # ----------------------------------------------------------------- accepting
+    # ----------------------------------------------------------------- exchanges (rollcage.http.Service)
 
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        listener = self._listener
-        assert listener is not None
-        budget = connection_budget()
-        failing = False
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(listener)
-            except OSError as exc:
-                # Out of descriptors (EMFILE/ENFILE) or memory, or a connection that went away before
-                # it was accepted: the pending ones wait in the backlog; try again shortly.
-                if is_out_of_descriptors(exc) and not failing:
-                    logger.warning("rollout %s: the proxy cannot accept for now: %s", self._rollout_id, exc)
-                failing = True
-                await asyncio.sleep(_ACCEPT_RETRY_S)
-                continue
-            failing = False
-            # An exchange that has just answered its client may still be writing its capture line: the
-            # client's next request must find the budget spent if that line spends it, not slip in.
-            # (The line's task took the capture's lock before this accept could be seen.)
-            await self._capture.settled()
-            if self.over_budget or not budget.try_acquire(len(self._handlers), self._config.max_connections):
-                self._refuse(sock)
-                await asyncio.sleep(_REFUSE_PAUSE_S)
-                continue
-            connection = _Connection(sock)
-            task = asyncio.create_task(self._on_connection(connection))
-            self._handlers[task] = connection
+    def begin(
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        started_at: float,
+        *,
+        readable: bool,
+    ) -> _Exchange:
+        """A new exchange: its route, or why it is denied (part of :class:`rollcage.http.Service`)."""
+        self.first_request.set()
+        exchange = _Exchange(method=method, target=target, request_headers=headers, started_at=started_at)
+        if readable:
+            matched = self._match(method, target)
+            if isinstance(matched, str):
+                exchange.denied = matched
+            else:
+                exchange.route, exchange.rest = matched
+        return exchange
 
-    def _refuse(self, sock: socket.socket) -> None:
-        if self.refused == 0:
-            logger.warning(
-                "rollout %s: the sandbox holds %d connections to the proxy, its cap; refusing more",
-                self._rollout_id,
-                len(self._handlers),
-            )
-        self.refused += 1
-        with contextlib.suppress(OSError):
-            sock.send(_REFUSAL)
-        sock.close()
+    def answer(self, exchange: _Exchange, status: int, message: str) -> Answer:
+        """The proxy's own answer ``status`` saying ``message`` (part of :class:`rollcage.http.Service`)."""
+        return _text_answer(status, f"rollcage egress proxy: {message}")
 
-    # ----------------------------------------------------------------- connections
+    async def finish(self, exchange: _Exchange) -> bool:
+        """Capture ``exchange``; whether the connection may go on (part of :class:`rollcage.http.Service`).
 
-    async def _on_connection(self, connection: _Connection) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        try:
-            await self._serve(connection.sock)
-        except (OSError, h11.ProtocolError) as exc:
-            logger.debug("proxy connection ended: %r", exc)
-        except asyncio.CancelledError:
-            if not self._closed():
-                raise
-            # Our own shutdown cancelled this connection (its capture line is written): end quietly.
-        finally:
-            self._handlers.pop(task, None)
-            connection.close()
-
-    async def _recv(self, sock: socket.socket, deadline: float) -> bytes:
-        async with asyncio.timeout_at(deadline):
-            return await asyncio.get_running_loop().sock_recv(sock, _CHUNK)
-
-    async def _send(self, sock: socket.socket, data: bytes | None) -> None:
-        if data:
-            try:
-                async with asyncio.timeout(self._config.idle_timeout_s):
-                    await asyncio.get_running_loop().sock_sendall(sock, data)
-            except TimeoutError:
-                raise ConnectionAbortedError(
-                    f"the client read nothing of the response for {self._config.idle_timeout_s:g}s"
-                ) from None
-
-    async def _serve(self, sock: socket.socket) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
-        while True:
-            exchange = await self._next_request(conn, sock)
-            if exchange is None:
-                return
-            self.first_request.set()
-            reusable = False
-            try:
-                reusable = await self._exchange(conn, sock, exchange)
-            except asyncio.CancelledError:
-                exchange.error = (
-                    exchange.error or "aborted: the rollout ended while the exchange was in progress"
-                )
-                raise
-            except (OSError, h11.ProtocolError) as exc:
-                exchange.error = (
-                    exchange.error or f"the client connection failed: {type(exc).__name__}: {exc}"
-                )
-                raise
-            finally:
-                # Exactly one capture line per exchange, whatever ended it.
-                try:
-                    await shielded(self._record(exchange))
-                finally:
-                    self._buffered -= exchange.held
-            if (
-                not reusable
-                or self.over_budget
-                or conn.our_state is not h11.DONE
-                or conn.their_state is not h11.DONE
-            ):
-                return
-            conn.start_next_cycle()
+        **Cancellation:** the server shields it: the line is always written.
+        """
+        await self._record(exchange)
+        return not self.over_budget
 
     async def _record(self, exchange: _Exchange) -> None:
         self.exchanges[exchange.kind] += 1
@@ -956,127 +833,6 @@ class EgressProxy(AsyncClosing):
                     f"the rollout's capture_bytes budget ({self._config.max_capture_bytes} bytes of "
                     "model_capture.jsonl) was exceeded",
                 )
-
-    async def _next_request(self, conn: h11.Connection, sock: socket.socket) -> _Exchange | None:
-        """The next request's head as an exchange; ``None`` when the client is done (or idled out).
-
-        A head that is malformed or does not arrive in time is returned as an exchange with
-        its ``refusal`` (400, 408) for :meth:`_exchange` to answer, so that it is captured.
-        """
-        loop = asyncio.get_running_loop()
-        begun = bool(conn.trailing_data[0])
-        deadline = loop.time() + (self._config.header_timeout_s if begun else self._config.idle_timeout_s)
-        started_at = time.time()
-        try:
-            while True:
-                event = conn.next_event()
-                if isinstance(event, h11.Request):
-                    return _Exchange(
-                        method=event.method.decode("ascii", "replace"),
-                        target=event.target.decode("ascii", "replace"),
-                        request_headers=list(event.headers.raw_items()),
-                        started_at=started_at,
-                    )
-                if event is not h11.NEED_DATA:  # ConnectionClosed
-                    return None
-                try:
-                    data = await self._recv(sock, deadline)
-                except TimeoutError:
-                    if not begun:
-                        return None  # an idle connection: no request, nothing to capture
-                    raise _Refusal(
-                        408, f"the request head did not arrive within {self._config.header_timeout_s:g}s"
-                    ) from None
-                if data and not begun:
-                    begun, started_at = True, time.time()
-                    deadline = loop.time() + self._config.header_timeout_s
-                conn.receive_data(data)
-        except h11.RemoteProtocolError as exc:
-            if not begun:
-                return None
-            refusal = _Refusal(400, f"malformed HTTP request: {exc}")
-        except _Refusal as exc:
-            refusal = exc
-        method, target = _request_line(conn.trailing_data[0])
-        return _Exchange(
-            method=method, target=target, request_headers=[], started_at=started_at, refusal=refusal
-        )
-
-    async def _read_body(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bytes:
-        """The request body, whole and bounded; raises ``_Refusal`` past a bound or a timeout.
-
-        Its bytes count towards the rollout's buffered bytes (``ex.held``) until the
-        exchange has been captured.
-        """
-        limit = self._config.max_request_bytes
-        deadline = asyncio.get_running_loop().time() + self._config.body_timeout_s
-        body = bytearray()
-        while True:
-            event = conn.next_event()
-            if isinstance(event, h11.Data):
-                body += event.data
-                ex.held += len(event.data)
-                self._buffered += len(event.data)
-                if len(body) > limit:
-                    raise _Refusal(413, f"request body over {limit} bytes")
-                if self._buffered > 2 * limit:
-                    raise _Refusal(
-                        503, f"this rollout's requests in progress hold over {2 * limit} bytes; retry"
-                    )
-            elif isinstance(event, h11.EndOfMessage):
-                return bytes(body)
-            elif event is h11.NEED_DATA:
-                if conn.they_are_waiting_for_100_continue:
-                    await self._send(sock, conn.send(h11.InformationalResponse(status_code=100, headers=[])))
-                try:
-                    data = await self._recv(sock, deadline)
-                except TimeoutError:
-                    raise _Refusal(
-                        408, f"the request body did not arrive within {self._config.body_timeout_s:g}s"
-                    ) from None
-                conn.receive_data(data)
-            else:  # ConnectionClosed
-                raise ConnectionResetError("the client closed the connection in the middle of its request")
-
-    async def _answer(
-        self, conn: h11.Connection, sock: socket.socket, ex: _Exchange, refusal: _Refusal
-    ) -> None:
-        """Answer ``ex`` with the proxy's own ``refusal`` (the connection is closed afterwards)."""
-        ex.status = refusal.status
-        ex.error = refusal.message
-        ex.response_headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"x-rollcage-proxy", b"1")]
-        with contextlib.suppress(h11.LocalProtocolError):
-            await self._send_simple(conn, sock, refusal.status, f"rollcage egress proxy: {refusal.message}")
-        await self._discard_input(sock)
-
-    async def _discard_input(self, sock: socket.socket) -> None:
-        """Read and drop what the client still sends, briefly, before the connection is closed.
-
-        Closing a socket with unread input resets it, and the client would see the
-        reset instead of the answer (a 413 before the body was read). Bounded by a
-        second and by ``max_request_bytes``.
-        """
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_WR)
-        deadline = asyncio.get_running_loop().time() + min(1.0, self._config.body_timeout_s)
-        left = self._config.max_request_bytes
-        with contextlib.suppress(OSError, TimeoutError):
-            while left > 0 and (data := await self._recv(sock, deadline)):
-                left -= len(data)
-
-    async def _send_simple(
-        self, conn: h11.Connection, sock: socket.socket, status: int, text: str, *, json: bool = False
-    ) -> None:
-        body = (text + "\n").encode()
-        headers = [
-            ("content-type", "application/json" if json else "text/plain; charset=utf-8"),
-            ("content-length", str(len(body))),
-            ("x-rollcage-proxy", "1"),
-        ]
-        data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
-        data += conn.send(h11.Data(data=body)) or b""
-        data += conn.send(h11.EndOfMessage()) or b""
-        await self._send(sock, data)
 
     def _match(self, method: str, target: str) -> tuple[Route, str] | str:
         """The route and the rest of the target, or why the request is refused."""
@@ -1118,78 +874,32 @@ class EgressProxy(AsyncClosing):
             f"The sandbox has no network; allowed: {allowed}"
         )
 
-    async def _exchange(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bool:
-        """Serve one exchange; ``True`` if the connection can carry another request."""
-        if ex.refusal is not None:  # its head could not be read (malformed, timed out)
-            await self._answer(conn, sock, ex, ex.refusal)
-            return False
-        matched = self._match(ex.method, ex.target)
-        if not isinstance(matched, str):
-            ex.route = matched[0]
-        try:
-            length = _header(ex.request_headers, b"content-length")
-            if (
-                length is not None
-                and length.strip().isdigit()
-                and int(length) > self._config.max_request_bytes
-            ):
-                raise _Refusal(413, f"request body over {self._config.max_request_bytes} bytes")
-            ex.request_body = await self._read_body(conn, sock, ex)
-        except _Refusal as refusal:
-            await self._answer(conn, sock, ex, refusal)
-            return False
-        except h11.RemoteProtocolError as exc:
-            await self._answer(conn, sock, ex, _Refusal(400, f"malformed HTTP request body: {exc}"))
-            return False
-        if isinstance(matched, str):
-            ex.status = 403
-            ex.error = matched
-            ex.response_headers = [
-                (b"content-type", b"text/plain; charset=utf-8"),
-                (b"x-rollcage-proxy", b"1"),
-            ]
-            await self._send_simple(conn, sock, 403, self._refusal(ex, matched))
-            return True
-        if self._over_call_limit(ex.method, matched):
-            limit = self._model_call_limit
-            ex.status = 403
-            ex.error = f"refused: the rollout's {limit} model calls (max_policy_calls) are spent"
-            ex.response_headers = [(b"content-type", b"application/json"), (b"x-rollcage-proxy", b"1")]
-            await self._send_simple(conn, sock, 403, budget_refusal(limit or 0).decode(), json=True)
-            return True
-        ex.upstream_url = matched[0].upstream.rstrip("/") + matched[1]
-        return await self._run(conn, sock, ex)
+    async def respond(self, exchange: _Exchange, reply: Reply) -> bool:
+        """Forward an allowed request, refuse any other; whether the connection can carry another request.
 
-    def _over_call_limit(self, method: str, matched: tuple[Route, str]) -> bool:
-        """Count a model call; whether it is past ``model_call_limit`` (then it is not forwarded)."""
-        route, rest = matched
-        if self._model_call_limit is None or route.kind != "model" or model_call_api(method, rest) is None:
-            return False
-        if self._model_calls >= self._model_call_limit:
-            return True
-        self._model_calls += 1
-        return False
+        Part of :class:`rollcage.http.Service`.
 
-    async def _run(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bool:
-        # While the upstream answers, watch the client: if it goes away (worker killed or
-        # timed out), the upstream request is abandoned rather than left hanging. The watch only
-        # peeks: a client may send its next request the moment the response ends, and bytes read
-        # by a watch that is being cancelled would be lost (the proxy would then wait for a
-        # request it had swallowed until the idle timeout closed the connection).
-        forward = asyncio.create_task(self._forward(conn, sock, ex))
-        try:
-            if await _client_left(sock, forward):
-                forward.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await forward
-                ex.error = ex.error or "the client closed the connection before the response ended"
-                return False
-            return await forward
-        finally:
-            if not forward.done():
-                forward.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await forward
+        **Cancellation:** the upstream request is abandoned; the exchange is still captured.
+        """
+        ex, route = exchange, exchange.route
+        if route is None:
+            why = ex.denied or "no allowed upstream for this path"
+            ex.error = why
+            await reply.answer(ex, _text_answer(403, self._refusal(ex, why)))
+            return True
+        if route.kind == "model" and not self._calls.take_request(ex.method, ex.rest):
+            ex.error = f"refused: {self._calls.reason}"
+            headers = [(b"content-type", b"application/json"), (b"x-rollcage-proxy", b"1")]
+            await reply.answer(ex, Answer(REFUSAL_STATUS, headers, self._calls.refusal_body() + b"\n"))
+            return True
+        ex.upstream_url = route.upstream.rstrip("/") + ex.rest
+        # While the upstream answers, the client is watched: if it goes away, the upstream request
+        # is abandoned rather than left hanging.
+        keep = await reply.until_client_leaves(self._forward(ex, reply))
+        if keep is None:
+            ex.error = ex.error or "the client closed the connection before the response ended"
+            return False
+        return keep
 
     def _upstream_headers(self, ex: _Exchange, route: Route) -> list[tuple[bytes, bytes]]:
         drop = _REQUEST_DROP | _CREDENTIALS | _IDENTITY | hop_by_hop(ex.request_headers)
@@ -1208,7 +918,7 @@ class EgressProxy(AsyncClosing):
             ex.credential_added = True
         return headers
 
-    async def _forward(self, conn: h11.Connection, sock: socket.socket, ex: _Exchange) -> bool:
+    async def _forward(self, ex: _Exchange, reply: Reply) -> bool:
         route = ex.route
         assert route is not None and ex.upstream_url is not None
         send = self._senders[route.prefix]
@@ -1217,18 +927,16 @@ class EgressProxy(AsyncClosing):
                 ex.method, ex.upstream_url, headers=self._upstream_headers(ex, route), content=ex.request_body
             )
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
-            ex.status = 502
             ex.error = f"upstream {route.name} unreachable: {type(exc).__name__}: {exc}"
-            await self._send_simple(conn, sock, 502, f"rollcage egress proxy: {ex.error}")
+            await reply.answer(ex, self.answer(ex, 502, ex.error))
             return True
         try:
             ex.first_byte_at = time.time()
             limit = self._config.max_response_bytes
             length = response.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > limit:
-                ex.status = 502
                 ex.error = f"upstream response of {length} bytes is over the {limit}-byte bound"
-                await self._send_simple(conn, sock, 502, f"rollcage egress proxy: {ex.error}")
+                await reply.answer(ex, self.answer(ex, 502, ex.error))
                 return True
             ex.status = response.status_code
             drop = hop_by_hop(response.headers.raw)
@@ -1236,19 +944,15 @@ class EgressProxy(AsyncClosing):
                 (name, value) for name, value in response.headers.raw if name.lower() not in drop
             ]
             ex.response_body = sink = _BodySink(self._config.capture_body_bytes)
-            head = h11.Response(
-                status_code=response.status_code,
-                headers=ex.response_headers,
-                reason=response.reason_phrase.encode("latin-1", "replace"),
-            )
-            await self._send(sock, conn.send(head))
+            reason = response.reason_phrase.encode("latin-1", "replace")
+            await reply.head(response.status_code, ex.response_headers, reason)
             async for chunk in response.aiter_raw():
                 if sink.size + len(chunk) > limit:
                     ex.error = f"upstream response over the {limit}-byte bound; cut off"
                     return False
                 sink.feed(chunk)
-                await self._send(sock, conn.send(h11.Data(data=chunk)))
-            await self._send(sock, conn.send(h11.EndOfMessage()))
+                await reply.data(chunk)
+            await reply.end()
             return True
         except httpx.HTTPError as exc:
             ex.error = f"upstream {route.name} failed mid-response: {type(exc).__name__}: {exc}"
@@ -1262,12 +966,23 @@ class EgressProxy(AsyncClosing):
             await response.aclose()
 
 
-def _request_line(data: bytes | bytearray) -> tuple[str, str]:
-    """Method and target of a request head that could not be parsed, for the evidence ("" if none)."""
-    line = bytes(data[:8192]).split(b"\r\n", 1)[0].split(b" ")
-    if len(line) < 2:
-        return "", ""
-    return line[0][:32].decode("ascii", "replace"), line[1].decode("ascii", "replace")
+def _limits(config: ProxyConfig) -> ServerLimits:
+    """The proxy's bounds, as the server loop takes them."""
+    return ServerLimits(
+        max_body_bytes=config.max_request_bytes,
+        # What a rollout's requests in progress may hold at once: two whole bodies.
+        max_held_bytes=2 * config.max_request_bytes,
+        idle_timeout_s=config.idle_timeout_s,
+        head_timeout_s=config.header_timeout_s,
+        body_timeout_s=config.body_timeout_s,
+        max_connections=config.max_connections,
+    )
+
+
+def _text_answer(status: int, text: str) -> Answer:
+    """One of the proxy's own answers: ``text`` as plain text, marked as the proxy's."""
+    headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"x-rollcage-proxy", b"1")]
+    return Answer(status, headers, (text + "\n").encode())
 
 
 def _parse_model_route(route: str) -> tuple[str, str, bool]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from rollcage.errors import ConfigError, HeaderValueError, ResourceUnavailableError
 from rollcage.headers import cookie_header, encode_id, update_cookies
-from rollcage.model.http import httpx, transport_for
+from rollcage.http import httpx, transport_for
 from rollcage.procs import AsyncClosing
 from rollcage.protocol import ResourceEndpoint, ResourceToolSpec, ToolStatus
 

@@ -1,42 +1,16 @@
-"""httpx, imported without its command-line tool, and the transport to an endpoint: for every HTTP client
-that runs in the worker (the model client here, the resource tools in ``rollcage.tools``).
-
-``httpx/__init__`` imports its CLI (click, rich, pygments) whenever those are
-installed, as they are for rollcage's own CLI: CPU and memory in every worker
-process (``bench/imports.py``), for code the worker never runs. Marking those packages
-unimportable for the duration of this one import makes httpx fall back to its
-stub ``main``; the marks are removed at once, so a later ``import rich`` works as
-usual. Where httpx was already imported, this is a plain import.
+"""The transport to an endpoint, and what a proxy drops of a message's headers: for every HTTP client
+that runs in the worker (the model client, the resource tools in ``rollcage.tools``), the harness's
+forwarder and the egress proxy.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = [
-    "HOP_BY_HOP",
-    "DirectSend",
-    "H11Transport",
-    "exchange_in_memory",
-    "hop_by_hop",
-    "httpx",
-    "transport_for",
-]
+from rollcage.http._client import H11Transport
+from rollcage.http._httpx import httpx
 
-_blocked = (
-    [] if "httpx" in sys.modules else [n for n in ("click", "rich", "pygments") if n not in sys.modules]
-)
-for _name in _blocked:
-    sys.modules[_name] = None  # type: ignore[assignment]
-try:
-    import httpx
-finally:
-    for _name in _blocked:
-        if _name in sys.modules and sys.modules[_name] is None:
-            del sys.modules[_name]
-
-from rollcage.model._h11 import H11Transport, exchange_in_memory  # noqa: E402 - after httpx, without its CLI
+__all__ = ["HOP_BY_HOP", "DirectSend", "hop_by_hop", "transport_for"]
 
 
 def transport_for(base_url: str, *, uds: str | None, retries: int = 0) -> httpx.AsyncBaseTransport:

@@ -32,7 +32,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import h11
-import httpx
+
+from rollcage.http._httpx import httpx
 
 __all__ = ["H11Transport", "exchange_in_memory"]
 
