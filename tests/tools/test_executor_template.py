@@ -168,3 +168,30 @@ def test_refused_requests_leave_the_template_no_descriptor_and_no_child(template
     for message, fds in hostile * 4:
         assert _ask(worker, message, fds), (message, fds)
     assert _idle_descriptors(pid) == before
+
+
+@pytest.mark.parametrize(
+    "request_frame",
+    [_request(), _request(env={"TZ": "Europe/Paris"}), _frame(b"[]")],
+    ids=["unjoinable", "refused", "malformed"],
+)
+def test_a_worker_gone_in_the_middle_of_its_request_costs_the_template_nothing(
+    template: socket.socket, request_frame: bytes
+) -> None:
+    # Its request is taken off the socket and forked for (or refused) after the worker is gone: the
+    # answer finds no one. The template goes on serving the others, with no child and no descriptor
+    # of the gone worker's left.
+    other = _worker(template)
+    assert _ask(other, _frame(b"{}"), 4).endswith("is missing")  # the template is up and serving
+    pid = _template_pid()
+    before = _idle_descriptors(pid)
+    gone = _worker(template, cgroups=2)
+    files = [os.open("/dev/null", os.O_RDONLY) for _ in range(4)]
+    try:
+        socket.send_fds(gone, [request_frame], files)
+    finally:
+        for fd in files:
+            os.close(fd)
+    gone.close()
+    assert _ask(other, _request(env={"TZ": "Europe/Paris"}), 4) == "TZ differs from the template's"
+    assert _idle_descriptors(pid) == before
