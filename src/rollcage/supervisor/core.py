@@ -5,7 +5,8 @@ The sequence, for one rollout::
     check      the rollout directory and the sandbox (errors raised before anything is written)
     prepare    validate input.json, start the egress proxy, write the worker's view of the input,
                make the rollout's budgets (cgroups, bounded file systems; see budgets.py)
-    launch     the worker in a new session (bwrap or plain), stdout+stderr to worker.log
+    launch     the worker in a new session (bwrap or plain), stdout+stderr to worker.log; forked from
+               the warm template into its cage where it can be (launch.py, warm.py)
     watch      until it exits, the deadline passes, a budget is exceeded, or a stop arrives
     stop       SIGTERM to the worker's process group (at once, through a pidfd held since launch),
                grace, SIGKILL to the whole tree

@@ -4,11 +4,14 @@ Two sides:
 
 * in the warm worker template (:mod:`rollcage.warm`), :class:`TemplateLink` starts the executor
   template beside it (once, lazily) and, for each warm worker, hands the executor template
-  the rollout's ids, limits and ``cgroup.procs`` files with one end of a socket pair; the
-  worker is forked holding the other end (:func:`adopt`);
+  the rollout's ids, limits and ``cgroup.procs`` files with one end of a socket pair
+  (:class:`~rollcage.forkserver.ExecutorClient`); the worker is forked holding the other end
+  (:func:`adopt`);
 * in the worker, :func:`start` makes the executor's cage as before (the nested bubblewrap of
   :mod:`rollcage.cage._nested`) but around a holder (``sh``, a process start of a few hundred
-  microseconds), asks for the executor through that socket, and returns a
+  microseconds), asks for the executor through that socket
+  (:class:`~rollcage.forkserver.ExecutorStart`, answered by the codec of :mod:`rollcage.forkserver`),
+  and returns a
   :class:`ForkedExecutor` that looks as the started process did (``pid``, ``returncode``,
   ``wait()``). Where nothing can be forked (no template, a cold start, an environment that
   differs in what an interpreter reads at start-up, a template that died), it returns
