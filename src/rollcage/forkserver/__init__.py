@@ -22,7 +22,7 @@ The two servers themselves: :mod:`rollcage.warm` (workers) and
 
 from __future__ import annotations
 
-from rollcage.forkserver._client import Received, receive, receive_now
+from rollcage.forkserver._client import receive, receive_now
 from rollcage.forkserver._server import ForkServer
 from rollcage.forkserver._wire import (
     MESSAGES,
@@ -54,7 +54,6 @@ __all__ = [
     "ForkServer",
     "Forked",
     "Message",
-    "Received",
     "Refused",
     "Unforked",
     "WireError",

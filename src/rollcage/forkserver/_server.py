@@ -140,13 +140,6 @@ class ForkServer:
             if self._on_exit is not None:
                 self._on_exit(pid, code)
 
-    def close_in_child(self) -> None:
-        """In a fork: let go of what is the server's (its selector's descriptor, its wake-up)."""
-        if self._wake >= 0:
-            _signal.set_wakeup_fd(-1)
-            _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
-        self.selector.close()
-
 
 class _suppressed:
     """``contextlib.suppress(OSError)`` without importing :mod:`contextlib` into the server's heap."""
