@@ -258,12 +258,12 @@ def _controller_patches(meters: Meters) -> list[str]:
     """Meter the controller's and supervisor's phases; return the patch points that were not found."""
     from rollcage import procs
     from rollcage.controller import _graders, _ledger, _records, _run, _unit
-    from rollcage.supervisor import core, proxy, tree
+    from rollcage.supervisor import core, launch, proxy, tree
 
     supervision = core._Supervision
     points: list[tuple[Any, str, str]] = [
         (core, "supervise", "supervisor: supervise() coroutine"),
-        (supervision, "_read_bwrap_status", "supervisor: bwrap status, adopt the sandbox init"),
+        (launch.Launch, "_read_bwrap_status", "supervisor: bwrap status, adopt the sandbox init"),
         (procs.ChildProcess, "spawn", "supervisor: spawn bwrap (fork + exec)"),
         (proxy.EgressProxy, "__aenter__", "egress proxy"),
         (proxy.EgressProxy, "aclose", "egress proxy"),

@@ -9,14 +9,15 @@ and no event loop, holds no credential, and dies with its parent.
 
 For each rollout the supervisor has bubblewrap build the cage as for a cold start,
 with a holder in the worker's place (:data:`~rollcage.cage.HOLDER_SCRIPT`), and
-sends the template one :class:`WarmRequest` with three descriptors: a pidfd of
-the holder, a report socket, and ``worker.log``. The template joins the holder's
+sends the template one :class:`~rollcage.forkserver.WorkerStart` with three descriptors: a
+pidfd of the holder, a report socket, and ``worker.log``. The template (a
+:class:`~rollcage.forkserver.ForkServer` that pre-imported the worker) joins the holder's
 PID namespace for its next child only, forks the worker into it as the
 *supervisor's* child (``clone3`` with ``CLONE_PARENT``: no process stands between
 them), goes back to its own PID namespace, and sends the supervisor a pidfd of the
-worker on the report socket. The supervisor reaps the worker and writes its exit
-status to the holder, which exits with it: bwrap reports it as it would the
-worker's own.
+worker on the report socket (:class:`~rollcage.forkserver.Forked`). The supervisor
+reaps the worker and writes its exit status to the holder, which exits with it:
+bwrap reports it as it would the worker's own.
 
 The worker then, before it runs anything of the rollout's:
 
@@ -29,9 +30,9 @@ The worker then, before it runs anything of the rollout's:
    back on top, as bubblewrap had mounted it;
 3. joins the holder's user, network, IPC, UTS and cgroup namespaces at once
    (``setns`` on the pidfd);
-4. reports ``ok`` on the report socket, with the roots of the tmpfs it mounted
-   (the supervisor measures their budgets through them), or ``error ...`` and
-   exits.
+4. reports :class:`~rollcage.forkserver.Entered` on the report socket, with the roots of the
+   tmpfs it mounted (the supervisor measures their budgets through them), or
+   :class:`~rollcage.forkserver.EnterFailed` and exits.
 
 Then it drops every capability, takes the sandbox's uid and gid, sets
 ``no_new_privs``, takes the cage's resource limits, keeps only ``/dev/null`` and
@@ -52,90 +53,54 @@ same effect (:mod:`rollcage.supervisor.warm`).
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import json
 import locale
 import os
 import signal
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import rollcage.cage
 from rollcage.cage import (
     CAGE_ENV,
     JOIN,
     MOUNT_NS,
-    PID_NS,
     PR_SET_PDEATHSIG,
     Limits,
     attach_mounts,
     clone_mounts,
-    clone_sibling,
     drop_privileges,
     mount_tmpfs,
     prctl,
     setns,
     show_process,
 )
+from rollcage.forkserver import (
+    Entered,
+    EnterFailed,
+    Forked,
+    ForkServer,
+    Message,
+    Unforked,
+    WireError,
+    WorkerStart,
+    decode,
+    send,
+)
+from rollcage.procs import unpack_ancillary
 
 if TYPE_CHECKING:
     from rollcage.tools import ExecutorTemplateLink
 
-__all__ = ["MAX_REQUEST_BYTES", "REQUEST_FDS", "WarmRequest", "template_main"]
+__all__ = ["template_main"]
 
-MAX_REQUEST_BYTES = 1 << 20
-"""The largest request the template reads (a worker's argv and environment)."""
-
-REQUEST_FDS = 3
-"""Descriptors sent with each request: holder pidfd, report socket (``SOCK_SEQPACKET``), worker.log."""
-
-
-@dataclass(frozen=True)
-class WarmRequest:
-    """One worker to start in a cage (sent as JSON; the descriptors travel beside it).
-
-    Attributes:
-        argv: The worker's arguments (``INPUT RESULT --checkpoint PATH``, paths as the cage sees them).
-        env: Its entire environment.
-        cwd: Its working directory in the cage.
-        uid: The uid it runs as, in the cage's user namespace.
-        gid: Likewise, the gid.
-        limits: The cage's :class:`~rollcage.cage.Limits`, by field name (soft = hard).
-        umask: Its file-mode creation mask.
-        cgroups: The rollout's ``cgroup.procs`` files it is moved into before it runs.
-        clear_groups: Clear the supplementary groups first (the template is root).
-        mounts: Bounded tmpfs to mount in the cage before the worker starts, each
-            ``{"path", "size", "inodes", "uid", "gid"}`` (``/tmp``, ``/dev/shm``: mode 1777,
-            owned by the host's ``uid``); the report sends their roots back, in this order.
-        keep: Paths the cage shows under those places (a Python environment in ``/tmp``): their
-            mounts are copied before the tmpfs goes over them and put back on top of it.
-    """
-
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str
-    uid: int
-    gid: int
-    limits: dict[str, int | None] = field(default_factory=dict)
-    umask: int = 0o022
-    cgroups: list[str] = field(default_factory=list)
-    clear_groups: bool = True
-    mounts: list[dict[str, Any]] = field(default_factory=list)
-    keep: list[str] = field(default_factory=list)
-
-    def encode(self) -> bytes:
-        """The request as the template reads it."""
-        # Its fields hold JSON values only: no deep copy of them (dataclasses.asdict) to encode them.
-        return json.dumps({name: getattr(self, name) for name in self.__dataclass_fields__}).encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> WarmRequest:
-        """Parse a request (from the trusted supervisor; a malformed one raises)."""
-        return cls(**json.loads(data))
+_REQUEST_ROOM = 2 << 20
+"""Bytes a start is received with: more than :class:`WorkerStart`'s bound, so one over it is refused."""
+_REQUEST_FDS = 3
+"""Descriptors of a start: holder pidfd, report socket (``SOCK_SEQPACKET``), worker.log."""
 
 
 def template_main(argv: list[str]) -> int:
@@ -157,85 +122,90 @@ def template_main(argv: list[str]) -> int:
     modules = frozenset(sys.modules)
     gc.collect()
     gc.freeze()
-    # Where each worker is born is set for one fork at a time, and set back after.
-    home = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-    sock = socket.socket(fileno=fd)
-    while True:
-        try:
-            message, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST_BYTES, REQUEST_FDS + 1)
-        except InterruptedError:
-            continue
-        if not message:
-            return 0
-        if len(fds) == REQUEST_FDS:
-            _start(message, fds, home=home, listening=fd, modules=modules)
+    # Its forks are the supervisor's children (clone_sibling): none is this process's to reap.
+    server = ForkServer(socket.socket(fileno=fd), rollcage.cage)
+    server.serve(lambda: _serve(server, modules))
+    return 0
+
+
+def _serve(server: ForkServer, modules: frozenset[str]) -> bool:
+    """Take one start off the control socket and fork its worker; ``False`` once the socket has ended."""
+    try:
+        data, ancillary, flags, _ = server.control.recvmsg(
+            _REQUEST_ROOM, socket.CMSG_SPACE(4 * (_REQUEST_FDS + 1))
+        )
+    except InterruptedError:
+        return True
+    fds, _ = unpack_ancillary(ancillary)
+    if not data and not fds:
+        return False
+    try:
+        request: Message | WireError = decode(data, fds, flags, expect=[WorkerStart])
+    except WireError as exc:
+        request = exc
+    try:
+        if isinstance(request, WorkerStart):
+            _start(server, request, fds, modules=modules)
+        elif len(fds) == _REQUEST_FDS:
+            # Nothing is forked: the supervisor hears why on the start's report socket.
+            _report(fds[1], Unforked(reason=f"a malformed start: {request}"))
+    finally:
         for received in fds:
             os.close(received)
+    return True
 
 
-def _report(channel: int, text: str, fds: list[int] | None = None) -> bool:
+def _report(channel: int, message: Message, fds: list[int] | None = None) -> bool:
     """One message on the report socket (never blocks: one short message on a socket of its own); sent?
 
-    The template says ``pid N`` (with a pidfd) or ``unforked ...``; the worker ``ok`` (with the tmpfs
-    roots) or ``error ...``. The supervisor tells the two apart by the words.
+    The template says :class:`Forked` (with a pidfd) or :class:`Unforked`; the worker
+    :class:`Entered` (with the tmpfs roots) or :class:`EnterFailed`.
     """
     try:
-        with socket.fromfd(channel, socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-            socket.send_fds(sock, [text.encode(errors="replace")], fds or [], socket.MSG_DONTWAIT)
+        with socket.socket(fileno=os.dup(channel)) as sock:
+            send(sock, message, fds or [], socket.MSG_DONTWAIT)
     except OSError:
         return False
     return True
 
 
 def _say(fd: int, text: str) -> None:
-    with contextlib.suppress(OSError):
+    try:
         os.write(fd, text.encode(errors="replace"))
+    except OSError:
+        pass
 
 
 _executors: ExecutorTemplateLink | None = None
 """The executor template beside this one (started with the first worker that can use it)."""
 
 
-def _start(message: bytes, fds: list[int], *, home: int, listening: int, modules: frozenset[str]) -> None:
+def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules: frozenset[str]) -> None:
     """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
     holder, report, log = fds
-    # Decoded once, here: the worker is forked with it (a malformed one is the worker's to report).
-    request: WarmRequest | Exception
+    env = _worker_environment(request)
+    channel = _link(request, env)
     try:
-        request = WarmRequest.decode(message)
-    except (TypeError, ValueError) as exc:
-        request = exc
-    env = _worker_environment(request) if isinstance(request, WarmRequest) else {}
-    channel = _link(request, env) if isinstance(request, WarmRequest) else -1
-    pid, pidfd = _fork_into(holder, home=home, log=log, report=report)
-    if pid == 0:
-        os.close(listening)
-        _enter(request, env, holder=holder, report=report, log=log, modules=modules, channel=channel)
-    if channel >= 0:
-        # The worker's copy is its own (with it gone, or never forked, the executor template sees the end).
-        os.close(channel)
-    if pid < 0:
-        return
-    _go_home(home, log)
+        why = server.join(holder)
+        if why is not None:
+            _report(report, Unforked(reason=f"cannot enter the sandbox's PID namespace: {why}"))
+            return
+        try:
+            pid, pidfd = server.fork(sibling=True)
+        except OSError as exc:
+            _report(report, Unforked(reason=f"cannot fork the worker: {exc}"))
+            return
+        if pid == 0:
+            server.control.close()
+            _enter(request, env, holder=holder, report=report, log=log, modules=modules, channel=channel)
+    finally:
+        if channel >= 0:
+            # The worker's copy is its own (it gone, or never forked: the executor template sees the end).
+            os.close(channel)
     # The supervisor reaps the worker by this pidfd: until it does, the zombie holds the sandbox's PID
     # namespace (and so bwrap) open. It reads this message before it lets go of the socket.
-    _report(report, f"pid {pid}", [pidfd])
+    _report(report, Forked(pid=pid), [pidfd])
     os.close(pidfd)
-
-
-def _fork_into(holder: int, *, home: int, log: int, report: int) -> tuple[int, int]:
-    """``clone_sibling`` born in the holder's PID namespace: ``(pid, pidfd)``, or ``(-1, -1)`` reported."""
-    try:
-        setns(holder, PID_NS)
-    except OSError as exc:
-        _report(report, f"unforked cannot enter the sandbox's PID namespace: {exc}")
-        return -1, -1
-    try:
-        return clone_sibling()
-    except OSError as exc:
-        _go_home(home, log)
-        _report(report, f"unforked cannot fork the worker: {exc}")
-        return -1, -1
 
 
 _COERCION_TARGETS = ("C.UTF-8", "C.utf8", "UTF-8")
@@ -272,7 +242,7 @@ def _coerced_locale(env: Mapping[str, str]) -> dict[str, str]:
         locale.setlocale(locale.LC_CTYPE, before)
 
 
-def _link(request: WarmRequest, env: dict[str, str]) -> int:
+def _link(request: WorkerStart, env: dict[str, str]) -> int:
     """The worker's socket to the executor template, if its executors can be forked there; else -1.
 
     ``env`` is the worker's environment (:func:`_worker_environment`), its executors' too.
@@ -281,7 +251,7 @@ def _link(request: WarmRequest, env: dict[str, str]) -> int:
         return -1  # no executor's cage to fork into
     global _executors
     if _executors is None:
-        # Here, not at the top: the supervisor imports this module for WarmRequest, and the tools
+        # Here, not at the top: the tools
         # are the worker's side of the sandbox's wall (tests/core/test_architecture.py).
         from rollcage.tools import ExecutorTemplateLink
 
@@ -296,23 +266,13 @@ def _link(request: WarmRequest, env: dict[str, str]) -> int:
     )
 
 
-def _worker_environment(request: WarmRequest) -> dict[str, str]:
+def _worker_environment(request: WorkerStart) -> dict[str, str]:
     """The environment the worker runs with: the request's, and what a cold worker's start adds to it."""
     return {**request.env, **_coerced_locale(request.env)}
 
 
-def _go_home(home: int, log: int) -> None:
-    """Have the template's next children born in its own PID namespace again; exit if they cannot be."""
-    try:
-        setns(home, PID_NS)
-    except OSError as exc:
-        # They would be born in this cage: the supervisor starts a new template instead.
-        _say(log, f"rollcage: the warm worker template cannot return to its PID namespace: {exc}\n")
-        os._exit(1)
-
-
 def _enter(
-    request: WarmRequest | Exception,
+    request: WorkerStart,
     env: dict[str, str],
     *,
     holder: int,
@@ -324,8 +284,6 @@ def _enter(
     """The worker, born in the cage's PID namespace: move into its cgroups, join the cage, report, run."""
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        if isinstance(request, Exception):
-            raise request
         for path in request.cgroups:
             procs = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
             try:
@@ -339,11 +297,11 @@ def _enter(
         setns(holder, JOIN & ~MOUNT_NS)
     except BaseException as exc:
         _say(log, f"rollcage: the warm worker could not enter its cage: {exc}\n")
-        # "mount": the supervisor mounts on the host for its next rollouts instead.
-        _report(report, f"error {'mount: ' if isinstance(exc, _MountRefused) else ''}{exc}")
+        # A mount refused: the supervisor mounts on the host for its next rollouts instead.
+        _report(report, EnterFailed(reason=str(exc), mount=isinstance(exc, _MountRefused)))
         os._exit(1)
     # The supervisor measures the tmpfs through these roots, whoever outlives whom.
-    _report(report, "ok", roots)
+    _report(report, Entered(), roots)
     _become_worker(request, env, log=log, modules=modules, channel=channel)
 
 
@@ -351,7 +309,7 @@ class _MountRefused(OSError):
     """A bounded tmpfs could not be mounted in the cage."""
 
 
-def _mount_scratch(request: WarmRequest) -> list[int]:
+def _mount_scratch(request: WorkerStart) -> list[int]:
     """Mount the request's bounded tmpfs in the cage, keeping what the cage shows under them; their roots."""
     kept: list[tuple[str, int]] = []
     try:
@@ -388,7 +346,7 @@ def _mount(mount: dict[str, Any]) -> int:
 
 
 def _become_worker(
-    request: WarmRequest, env: dict[str, str], *, log: int, modules: frozenset[str], channel: int
+    request: WorkerStart, env: dict[str, str], *, log: int, modules: frozenset[str], channel: int
 ) -> NoReturn:
     """The worker, in its cage: become what a cold start runs, then run it."""
     out = log

@@ -45,6 +45,7 @@ LAYERS: tuple[str, ...] = (
     "filewatch",  # waiting for a file to appear
     "images",  # the image store and copy-on-write roots (the cage mounts them)
     "cage",  # the containment primitive
+    "forkserver",  # the fork servers: their messages and codec, loop and client (warm workers, executors)
     "model",  # the model client
     "tools",  # executor, resource tools
     "trajectory",  # recording and projecting calls

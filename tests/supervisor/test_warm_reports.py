@@ -1,7 +1,7 @@
 """A warm start's report socket (rollcage.supervisor.warm._Reports): every worker forked is known.
 
-The template names the worker it forked (``pid N`` with a pidfd); the worker says whether it
-entered its cage (``ok`` / ``error ...``). The two words come from two processes in either
+The template names the worker it forked (``Forked`` with a pidfd); the worker says whether it
+entered its cage (``Entered`` / ``EnterFailed``). The two words come from two processes in either
 order. The worker is the supervisor's own child, and until the supervisor reaps it, its zombie
 holds the sandbox's PID namespace, and so bwrap, open: a start must never end knowing one word
 and not the worker. Here a real child plays the worker and the test plays the template.
@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from rollcage.forkserver import Entered, EnterFailed, Forked, encode, send
 from rollcage.procs import PidfdChild
 from rollcage.supervisor.warm import _Reports
 from tests.helpers.waiting import reaped, wait_for_async
@@ -68,7 +69,8 @@ async def _end(worker: PidfdChild | None) -> None:
 async def test_a_workers_error_before_its_templates_word_waits_for_the_word_and_knows_the_worker() -> None:
     reports = _Reports()
     try:
-        pid = _worker_saying(b"error boom", reports.end, then="import signal; signal.pause()")
+        failed = encode(EnterFailed(reason="boom"))
+        pid = _worker_saying(failed, reports.end, then="import signal; signal.pause()")
         spoken = asyncio.ensure_future(reports.until(lambda: _both_spoken(reports)))
         await wait_for_async(lambda: reports.verdict is not None, what="the worker's word")
         # Known by the credentials of its message already, but the start waits for the template.
@@ -76,11 +78,11 @@ async def test_a_workers_error_before_its_templates_word_waits_for_the_word_and_
         assert not spoken.done()
         template = os.pidfd_open(pid)
         try:
-            socket.send_fds(reports.end, [f"pid {pid}".encode()], [template])
+            send(reports.end, Forked(pid=pid), [template])
         finally:
             os.close(template)
         assert await asyncio.wait_for(spoken, 30)
-        assert reports.template_spoke and reports.verdict == b"error boom"
+        assert reports.template_spoke and reports.verdict == EnterFailed(reason="boom")
         await _end(reports.worker)
     finally:
         reports.close()
@@ -89,7 +91,7 @@ async def test_a_workers_error_before_its_templates_word_waits_for_the_word_and_
 async def test_a_worker_whose_template_died_before_it_spoke_is_known_by_its_own_word() -> None:
     reports = _Reports()
     try:
-        pid = _worker_saying(b"ok", reports.end, then="import signal; signal.pause()")
+        pid = _worker_saying(encode(Entered()), reports.end, then="import signal; signal.pause()")
         reports.end.close()  # the template is gone without a word: only the worker holds the socket
         await wait_for_async(lambda: _heard(reports), what="the worker's word")
         assert reports.worker is not None and reports.worker.pid == pid and not reports.settled
@@ -105,13 +107,13 @@ async def test_a_worker_whose_template_died_before_it_spoke_is_known_by_its_own_
 
 
 async def test_a_start_whose_holder_never_came_leaves_nothing_to_settle() -> None:
+    from rollcage.forkserver import WorkerStart
     from rollcage.supervisor import warm
-    from rollcage.warm import WarmRequest
 
     before = list(warm._unsettled)
     start = warm.WarmStart()
     start.spawned()  # as if bwrap held its ends, then failed before its holder spoke
-    request = WarmRequest(argv=[], env={}, cwd="/", uid=0, gid=0)
+    request = WorkerStart(argv=[], env={}, cwd="/", uid=0, gid=0)
     worker = await start.start(warm.Template(None), request, log_fd=2, marked="X=y", timeout_s=0.05)
     assert worker is None
     await asyncio.wait_for(start.relay(), 10)
@@ -124,8 +126,8 @@ async def test_a_start_whose_holder_never_came_leaves_nothing_to_settle() -> Non
 async def test_a_start_whose_worker_fails_before_its_template_names_it_still_reaps_it() -> None:
     """The race of a real start, played in order: the worker's error is read, the template's
     ``pid N`` comes after. The start must wait for it, and its relay must reap that worker."""
+    from rollcage.forkserver import WorkerStart
     from rollcage.supervisor import warm
-    from rollcage.warm import WarmRequest
 
     start = warm.WarmStart()
     holder = _holder(start)
@@ -136,21 +138,21 @@ async def test_a_start_whose_worker_fails_before_its_template_names_it_still_rea
     class Template(warm.Template):
         """Forks a 'worker' that says ``error boom`` and exits; names it once that word was read."""
 
-        async def send(self, request: WarmRequest, fds: Sequence[int]) -> None:
+        async def send(self, request: WorkerStart, fds: Sequence[int]) -> None:
             channel = socket.socket(fileno=os.dup(fds[1]))
-            forked.append(_worker_saying(b"error boom", channel, then="pass"))
+            forked.append(_worker_saying(encode(EnterFailed(reason="boom")), channel, then="pass"))
 
             async def name_it() -> None:
                 await wait_for_async(lambda: start._reports.verdict is not None, what="the worker's word")
                 pidfd = os.pidfd_open(forked[0])
                 with channel:
-                    socket.send_fds(channel, [f"pid {forked[0]}".encode()], [pidfd])
+                    send(channel, Forked(pid=forked[0]), [pidfd])
                 os.close(pidfd)
 
             naming.append(asyncio.ensure_future(name_it()))
 
     try:
-        request = WarmRequest(argv=[], env={}, cwd="/", uid=0, gid=0)
+        request = WorkerStart(argv=[], env={}, cwd="/", uid=0, gid=0)
         worker = await start.start(Template(None), request, log_fd=2, marked="ROLE=holder", timeout_s=30)
         assert worker is None and start.failure is not None and "boom" in start.failure
         await asyncio.wait_for(start.relay(), 30)
@@ -165,8 +167,8 @@ async def test_a_start_whose_worker_fails_before_its_template_names_it_still_rea
 async def test_a_start_whose_worker_died_without_a_word_says_how_it_died() -> None:
     """A worker killed before it reported (its cgroup killed, its PID namespace ended): the failure
     says so, and the start still reaps it."""
+    from rollcage.forkserver import WorkerStart
     from rollcage.supervisor import warm
-    from rollcage.warm import WarmRequest
 
     start = warm.WarmStart()
     holder = _holder(start)
@@ -176,16 +178,16 @@ async def test_a_start_whose_worker_died_without_a_word_says_how_it_died() -> No
     class Template(warm.Template):
         """Forks a 'worker' that is killed before it says anything, and names it once it is dead."""
 
-        async def send(self, request: WarmRequest, fds: Sequence[int]) -> None:
+        async def send(self, request: WorkerStart, fds: Sequence[int]) -> None:
             with socket.socket(fileno=os.dup(fds[1])) as channel:
                 forked.append(_dying_worker(channel))
                 pidfd = os.pidfd_open(forked[0])
                 await wait_for_async(lambda: _exited(pidfd), what="the worker's death")
-                socket.send_fds(channel, [f"pid {forked[0]}".encode()], [pidfd])
+                send(channel, Forked(pid=forked[0]), [pidfd])
                 os.close(pidfd)
 
     try:
-        request = WarmRequest(argv=[], env={}, cwd="/", uid=0, gid=0)
+        request = WorkerStart(argv=[], env={}, cwd="/", uid=0, gid=0)
         worker = await start.start(Template(None), request, log_fd=2, marked="ROLE=holder", timeout_s=30)
         assert worker is None
         words = "no report (its worker was killed by SIGKILL before it spoke)"

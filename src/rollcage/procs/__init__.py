@@ -25,9 +25,9 @@ Stopping a child the way the executors do::
     gone = await stop_tree(GroupTree(proc.pid, exit_future), StopStrategy(grace_s=2, kill_wait_s=5))
 """
 
+from rollcage.procs._ancillary import CREDENTIALS_SPACE, unpack_ancillary
 from rollcage.procs._cancel import AsyncClosing, first_of, shielded, wait_shared, within
 from rollcage.procs._handles import (
-    CREDENTIALS_SPACE,
     ChildProcess,
     ExitStatus,
     PidfdChild,
@@ -42,10 +42,10 @@ from rollcage.procs._handles import (
     receive_message,
     signal_group,
     signal_name,
-    unpack_ancillary,
     wait_for_children_by_pidfd,
     wait_readable,
 )
+from rollcage.procs._reap import reap_children
 from rollcage.procs._stop import GroupTree, ProcessTree, StopPhase, StopStrategy, TreeStop, stop_tree
 from rollcage.procs._table import (
     ProcInfo,
@@ -96,6 +96,7 @@ __all__ = [
     "read_proc",
     "read_ready",
     "reap_abandoned",
+    "reap_children",
     "receive_message",
     "run_blocking_inline",
     "scan_processes",

@@ -12,7 +12,6 @@ Everything here acts on *verified* processes only:
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import errno
@@ -20,13 +19,13 @@ import os
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from rollcage.procs._ancillary import CREDENTIALS_SPACE, unpack_ancillary
 from rollcage.procs._cancel import first_of
 from rollcage.procs._table import ProcInfo, read_proc, started_children
 
@@ -298,23 +297,6 @@ def _status_from_siginfo(info: os.waitid_result) -> ExitStatus:
     if info.si_code == os.CLD_EXITED:
         return ExitStatus(code=info.si_status, signal=None)
     return ExitStatus(code=None, signal=info.si_status)
-
-
-_UCRED = struct.Struct("iII")
-CREDENTIALS_SPACE = socket.CMSG_SPACE(_UCRED.size)
-"""Ancillary room for one ``SCM_CREDENTIALS`` (the sender's PID, uid and gid; ``SO_PASSCRED`` on)."""
-
-
-def unpack_ancillary(ancillary: list[tuple[int, int, bytes]]) -> tuple[list[int], int]:
-    """(descriptors, sender's PID in this namespace, 0 if unknown) of a message's ancillary data."""
-    fds: list[int] = []
-    sender = 0
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds += array.array("i", payload[: len(payload) - len(payload) % 4])
-        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-            sender = _UCRED.unpack(payload[: _UCRED.size])[0]
-    return fds, sender
 
 
 async def receive_message(

@@ -5,7 +5,8 @@ The sequence, for one rollout::
     check      the rollout directory and the sandbox (errors raised before anything is written)
     prepare    validate input.json, start the egress proxy, write the worker's view of the input,
                make the rollout's budgets (cgroups, bounded file systems; see budgets.py)
-    launch     the worker in a new session (bwrap or plain), stdout+stderr to worker.log
+    launch     the worker in a new session (bwrap or plain), stdout+stderr to worker.log; forked from
+               the warm template into its cage where it can be (launch.py, warm.py)
     watch      until it exits, the deadline passes, a budget is exceeded, or a stop arrives
     stop       SIGTERM to the worker's process group (at once, through a pidfd held since launch),
                grace, SIGKILL to the whole tree
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import re
@@ -44,7 +44,6 @@ from typing import Literal, NamedTuple
 import orjson
 from pydantic import ValidationError
 
-from rollcage.cage import launcher
 from rollcage.durable import publish_bytes, publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import ConfigError, HeaderValueError, JournalCorruptError, RollcageError, SupervisorError
 from rollcage.harness import GRACE_ENV, RELAY_FD_ENV, CaptureJournal
@@ -59,7 +58,6 @@ from rollcage.procs import (
     ensure_subreaper,
     environ_has,
     first_of,
-    read_ready,
     scan_processes,
     shielded,
     within,
@@ -84,6 +82,7 @@ from rollcage.supervisor.budgets import (
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
+from rollcage.supervisor.launch import Launch
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.pacing import START_HOLD_S, start_gate
 from rollcage.supervisor.proxy import MODEL_PREFIX, EgressProxy, identity_headers, routes_for, sandbox_input
@@ -97,7 +96,6 @@ from rollcage.supervisor.sandbox import (
 )
 from rollcage.supervisor.stopfiles import watch_stop_file
 from rollcage.supervisor.tree import WorkerTree
-from rollcage.supervisor.warm import Template, WarmStart, cage_mounts, refuse_cage_mounts, template_for
 
 __all__ = ["Supervised", "default_worker_command", "kill_leftovers", "supervise", "supervise_rollout"]
 
@@ -106,8 +104,6 @@ logger = logging.getLogger("rollcage.supervisor")
 _Cause = Literal["deadline", "stop", "budget"]
 _MAX_RESULT_BYTES = 1 << 30
 _LOG_TAIL_BYTES = 4096
-_LAUNCH_TIMEOUT_S = 60.0
-"""How long a launch may wait for the launcher thread (milliseconds when all is well)."""
 
 
 def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
@@ -299,8 +295,8 @@ class _Supervision:
         self.rollout_id = root.name
         self.original: WorkerInput | None = None
         self.setup_failure: str | None = None
-        self.plan: LaunchPlan | None = None
-        self.child: ChildProcess | None = None
+        self.launch = Launch(config, self.launcher, token=self.token, rollout_id=root.name)
+        """The worker's plan, its spawn and (warm) its hand-over: :mod:`~rollcage.supervisor.launch`."""
         self.proxy: EgressProxy | None = None
         self.private_dir: str | None = None
         self.budgets: RolloutBudgets | None = None
@@ -310,11 +306,10 @@ class _Supervision:
         self.stop_requested = False
         self.deadline_fired = False
         self.tree: WorkerTree | None = None
-        """The worker's process tree, once it is started."""
+        """The worker's process tree, once it is started (the launch's)."""
         self.stopping: TreeStop | None = None
         """Where stopping the tree stands (one state machine), once it is started."""
         self._hurried = False
-        self.status_task: asyncio.Task[None] | None = None
         self.budget_task: asyncio.Task[None] | None = None
         self.start_task: asyncio.Task[None] | None = None
         self.turn: asyncio.Semaphore | None = None
@@ -334,11 +329,6 @@ class _Supervision:
         self.journal: CaptureJournal | None = None
         """A harness rollout's journal, written here from the capture (see :mod:`rollcage.harness`)."""
         self.relay_task: asyncio.Future[None] | None = None
-        self.warm: WarmStart | None = None
-        """A warm start's pipes (see :mod:`rollcage.warm`), from just before bwrap is spawned."""
-        self.warm_task: asyncio.Task[None] | None = None
-        self.template: Template | None = None
-        """The warm template this rollout's worker is forked from (its bytecode cache's); ``None``: cold."""
 
     # ----------------------------------------------------------------- check and prepare
 
@@ -519,15 +509,16 @@ class _Supervision:
         if harness is not None and harness.type != "builtin":
             # A harness gets part of the grace to report its partial episode; the worker needs the rest.
             env[GRACE_ENV] = repr(self.config.grace_s)
-        command = self.config.worker_command or default_worker_command(bytecode)
         relay_write = await self._open_journal()
-        self.template = self._warm_template(bytecode, relayed=relay_write is not None)
+        launch = self.launch
+        launch.rollout_id = self.rollout_id
+        launch.choose(bytecode, relayed=relay_write is not None)
         if relay_write is not None:
             env[RELAY_FD_ENV] = str(relay_write)
         harness_env = self.original.harness_env
-        harness_mounts = harness_env.mounts if harness_env is not None else []
         status_read, status_write = os.pipe() if self.launcher.kind == "bwrap" else (None, None)
         try:
+            scratch = None
             if isinstance(self.launcher, BwrapLauncher):
                 assert isinstance(self.config.sandbox, BwrapSandbox) and self.private_dir is not None
                 self.budgets = RolloutBudgets(
@@ -537,31 +528,22 @@ class _Supervision:
                     owner=self.launcher.owner,
                     name=f"rollcage-{owner_tag()}-{self.token[:12]}",
                 )
-                # A warm start mounts /tmp and /dev/shm in its cage: the host's mount table, which every
-                # launch copies and reads again, then holds one mount per rollout in flight, not three.
-                in_cage = self.template is not None and cage_mounts()
-                scratch = await asyncio.to_thread(self._prepare_budgets, self.budgets, in_cage)
-                self.plan = plan = self.launcher.plan(
-                    self.layout,
-                    worker_command=command,
-                    worker_env=env,
-                    token_env={TOKEN_ENV: self.token},
-                    status_fd=status_write,
-                    scratch=scratch,
-                    enter=self.budgets.enter_prefix(),
-                    extra_ro=[*harness_mounts, *([bytecode] if bytecode is not None else [])],
-                    worker_journal=self.journal is None,
-                    pass_fds=() if relay_write is None else (relay_write,),
-                    warm_cgroups=self.budgets.cgroup_procs() if self.template is not None else None,
-                )
-            else:
-                self.plan = plan = self.launcher.plan(
-                    self.layout,
-                    worker_command=command,
-                    worker_env=env,
-                    token_env={TOKEN_ENV: self.token},
-                    pass_fds=() if relay_write is None else (relay_write,),
-                )
+                scratch = await asyncio.to_thread(self._prepare_budgets, self.budgets, launch.scratch_in_cage)
+            plan = launch.plan_for(
+                self.layout,
+                command=self.config.worker_command or default_worker_command(bytecode),
+                env=env,
+                token_env={TOKEN_ENV: self.token},
+                status_fd=status_write,
+                pass_fds=() if relay_write is None else (relay_write,),
+                extra_ro=[
+                    *(harness_env.mounts if harness_env is not None else []),
+                    *([bytecode] if bytecode is not None else []),
+                ],
+                worker_journal=self.journal is None,
+                budgets=self.budgets,
+                scratch=scratch,
+            )
             await self._launch(plan, status_write)
         except BaseException:
             if status_read is not None:
@@ -572,32 +554,25 @@ class _Supervision:
             for fd in (status_write, relay_write):
                 if fd is not None:
                     os.close(fd)
-        if status_read is not None:
-            self.status_task = asyncio.ensure_future(self._read_bwrap_status(status_read))
+        assert self.log_fd is not None and launch.child is not None
+        launch.follow(
+            status_read,
+            log_fd=self.log_fd,
+            deadline_at=self.deadline_at,
+            budgets=self.budgets,
+            failed=self._warm_start_failed,
+        )
         if self.budgets is not None:
             self.budget_task = asyncio.ensure_future(self._watch_budgets())
-        assert self.child is not None
         if self.turn is not None:
             self.start_task = asyncio.ensure_future(self._hold_turn())
-        await self._watch(self.child)
+        await self._watch(launch.child)
 
-    def _warm_template(self, bytecode: str | None, *, relayed: bool) -> Template | None:
-        """The template to fork this rollout's worker from (:mod:`rollcage.warm`); ``None``: start it cold.
-
-        Warm only where its start is equivalent and tested: bwrap as root (two stages), rollcage's own
-        worker, no relay to the supervisor (a harness rollout).
-        """
-        sandbox = self.config.sandbox
-        if (
-            not isinstance(sandbox, BwrapSandbox)
-            or sandbox.worker_start != "warm"
-            or not isinstance(self.launcher, BwrapLauncher)
-            or self.launcher.owner is None
-            or self.config.worker_command is not None
-            or relayed
-        ):
-            return None
-        return template_for(bytecode)
+    def _warm_start_failed(self, failure: str) -> None:
+        """No warm worker was started: the receipt says why, as for any failed start; unless the rollout
+        was being stopped meanwhile (a start cut short by a deadline times out)."""
+        if self.stop_cause is None:
+            self.setup_failure = f"the worker was not started: {failure}"
 
     async def _open_journal(self) -> int | None:
         """For a harness rollout behind the proxy: this side's journal and the relay pipe's write end.
@@ -685,6 +660,7 @@ class _Supervision:
             self.turn = None
 
     async def _launch(self, plan: LaunchPlan, status_fd: int | None) -> None:
+        """Start the egress proxy, lay out the sandbox's files, then spawn (:meth:`Launch.start`)."""
         assert self.original is not None
         worker_input = self.original
         if self.config.proxy is not None:
@@ -705,109 +681,14 @@ class _Supervision:
             await self.proxy.__aenter__()
             worker_input = sandbox_input(self.original, plan.proxy_socket)
         self.log_fd = await asyncio.to_thread(self._stage, plan, worker_input)
-        pass_fds = (*(() if status_fd is None else (status_fd,)), *plan.pass_fds)
-        warm = None
-        try:
-            if plan.warm is not None:
-                assert self.template is not None
-                # Its imports overlap the making of the cage (the first time only). Started from this
-                # thread, not a pool's: it dies with the thread that started it (PR_SET_PDEATHSIG),
-                # and the loop's thread lives as long as the rollouts it supervises.
-                self.template.start()
-                self.warm = warm = WarmStart()
-            # A warm start's holder reads the worker's exit status on stdin and announces itself on
-            # stdout; bwrap's own words go to the log either way.
-            log_fd = self.log_fd
-            spawn = functools.partial(
-                ChildProcess.spawn,
-                plan.argv,
-                env=plan.env,
-                cwd=plan.cwd,
-                stdin=None if warm is None else warm.holder_stdin,
-                stdout=log_fd if warm is None else warm.holder_stdout,
-                stderr=log_fd,
-                pass_fds=pass_fds,
-            )
-            # bubblewrap from a mount namespace without the other rollouts' mounts (rollcage.cage's
-            # launcher): its launch then costs the same however many rollouts are in flight.
-            binds = self.budgets.launch_binds() if plan.sandbox == "bwrap" and self.budgets else None
-            self.child = launcher().run(spawn, binds, timeout_s=_LAUNCH_TIMEOUT_S, late=ChildProcess.abandon)
-            if warm is not None:
-                warm.spawned()
-        except OSError as exc:
-            raise SupervisorError(f"cannot start the worker ({plan.argv[0]}): {exc}") from exc
-        self.tree = WorkerTree(
-            self.child,
-            sandbox=plan.sandbox,
-            marked=f"{TOKEN_ENV}={self.token}",
-            budgets=self.budgets,
-            signals=self.signals,
-            warm=plan.warm is not None,
+        self.tree = self.launch.start(
+            plan, log_fd=self.log_fd, status_fd=status_fd, budgets=self.budgets, signals=self.signals
         )
-        if plan.warm is not None:
-            self.warm_task = asyncio.ensure_future(self._start_warm(plan))
         self.stopping = TreeStop(
             self.tree, StopStrategy(grace_s=self.config.grace_s, kill_wait_s=self.config.kill_wait_s)
         )
         if self._hurried:
             self.stopping.hurry()
-        logger.debug("rollout %s: worker started (pid %d, %s)", self.rollout_id, self.child.pid, plan.sandbox)
-
-    async def _start_warm(self, plan: LaunchPlan) -> None:
-        """Have the template fork the worker into the cage once its holder is there; hold the worker,
-        then pass its exit status to the holder (the worker is this process's child)."""
-        warm = self.warm
-        assert warm is not None and plan.warm is not None and self.log_fd is not None
-        assert self.tree is not None and self.template is not None
-        try:
-            worker = await warm.start(
-                self.template,
-                plan.warm,
-                log_fd=self.log_fd,
-                marked=f"{TOKEN_ENV}={self.token}",
-                timeout_s=max(self.deadline_at - time.monotonic(), 0.0),
-            )
-            roots = warm.take_roots()
-            if roots and self.budgets is not None:
-                self.budgets.hold_cage_scratch(roots)
-            else:
-                for fd in roots:
-                    os.close(fd)
-            if worker is not None:
-                self.tree.adopt_worker(worker)
-            elif warm.failure is not None:
-                if warm.mount_refused:
-                    refuse_cage_mounts(warm.failure)
-                # Its holder exits with 125 and no result: the receipt says why, as for any failed start;
-                # unless the rollout was being stopped meanwhile (a start cut short by a deadline times out).
-                logger.error("rollout %s: %s", self.rollout_id, warm.failure)
-                if self.stop_cause is None:
-                    self.setup_failure = f"the worker was not started: {warm.failure}"
-            await warm.relay()
-        finally:
-            warm.close()
-
-    async def _read_bwrap_status(self, fd: int) -> None:
-        """Read bwrap's JSON status: its first document names the sandbox's (outermost) init process."""
-        os.set_blocking(fd, False)
-        buffer = b""
-        try:
-            while True:
-                chunk = await read_ready(fd, 4096)
-                if not chunk:
-                    return
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    try:
-                        document = orjson.loads(line)
-                    except orjson.JSONDecodeError:
-                        continue
-                    if isinstance(document, dict) and isinstance(document.get("child-pid"), int):
-                        assert self.tree is not None  # read only once the worker is started
-                        self.tree.adopt_sandbox_init(document["child-pid"])
-        finally:
-            os.close(fd)
 
     async def _watch(self, child: ChildProcess) -> None:
         exited, stopped, _ = await first_of(
@@ -919,12 +800,11 @@ class _Supervision:
                     # Seen only at the end (the worker was quicker than a poll, or the kernel killed it).
                     self.budget_exceeded = (breach[0], f"{breach[0]}: {breach[1]}")
         finally:
-            for task in (self.status_task, self.budget_task, self.start_task, self.warm_task):
+            for task in (self.budget_task, self.start_task):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
-            if self.warm is not None:
-                self.warm.close()
+            await self.launch.aclose()
             self._end_turn()
             if tree is not None:
                 await tree.aclose()
@@ -946,17 +826,18 @@ class _Supervision:
         layout = self.layout
         present, result, problem = False, None, None
         swept = self.swept_at_start
-        if self.plan is not None:
-            present, result, problem = self._collect_result(self.plan)
+        plan = self.launch.plan
+        if plan is not None:
+            present, result, problem = self._collect_result(plan)
             self.result = result
-            swept += sum(map(sweep_temp_artifacts, {self.plan.result_dir, layout.root}))
+            swept += sum(map(sweep_temp_artifacts, {plan.result_dir, layout.root}))
         if layout.view is not None:
             # The private directory goes with its staged view, once the proxy socket and the budgets'
             # record are gone too (after a killed supervisor: by a later sweep).
             remove_staged_view(layout)
             with contextlib.suppress(OSError):
                 layout.view.rmdir()
-        if self.stop_cause is None and os.path.exists(layout.stop) and self.child is not None:
+        if self.stop_cause is None and os.path.exists(layout.stop) and self.launch.child is not None:
             # The worker saw the stop file itself (it polls it too) and exited before we acted.
             self.stop_requested = True
             if result is None or result.error is not None:

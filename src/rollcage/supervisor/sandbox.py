@@ -91,8 +91,8 @@ from rollcage.cage import (
     system_mounts,
     which,
 )
+from rollcage.forkserver import WorkerStart
 from rollcage.supervisor.config import BwrapSandbox, NoSandbox
-from rollcage.warm import WarmRequest
 
 __all__ = [
     "SANDBOX_PROXY_SOCKET",
@@ -231,7 +231,7 @@ class LaunchPlan:
     owner: tuple[int, int] | None = None
     pass_fds: tuple[int, ...] = ()
     worker_journal: bool = True
-    warm: WarmRequest | None = None
+    warm: WorkerStart | None = None
 
 
 @dataclass(frozen=True)
@@ -351,7 +351,7 @@ def worker_limits(config: BwrapSandbox) -> Limits:
 
 
 def _cage_mount(volume: CageTmpfs, owner: tuple[int, int] | None) -> dict[str, Any]:
-    """A :attr:`WarmRequest.mounts` entry: owned by the cage user's host ids, as a host-mounted tmpfs is."""
+    """A :attr:`WorkerStart.mounts` entry: owned by the cage user's host ids, as a host-mounted tmpfs is."""
     uid, gid = owner or (os.getuid(), os.getgid())
     size, inodes = volume.max_bytes, volume.mount_inodes
     return {"path": volume.inside, "size": size, "inodes": inodes, "uid": uid, "gid": gid}
@@ -486,9 +486,9 @@ class BwrapLauncher:
             ro.append(tools.bwrap)
         ro = [path for path in ro if os.path.exists(path)]
         config = _within_hard_nofile(self.config)
-        warm: WarmRequest | None = None
+        warm: WorkerStart | None = None
         if warm_cgroups is not None:
-            warm = WarmRequest(
+            warm = WorkerStart(
                 argv=args,
                 # As bwrap gives its payload (--chdir sets PWD).
                 env={**env, **token_env, "PWD": f"{root}/workspace"},

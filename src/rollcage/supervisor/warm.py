@@ -5,10 +5,14 @@ See :mod:`rollcage.warm` for what the template does with a request. Here:
 * :class:`Template`: one per supervising process and bytecode cache, started on
   first use (its imports overlap the first cage's making), started again when it
   has died, killed and started again when it stops answering (:data:`TEMPLATE_ANSWER_S`);
-* :class:`WarmStart`: one rollout's start: the holder's stdin (the worker's exit
-  status goes there), the socket on which the holder announces itself, and the
-  report socket on which the template hands over a pidfd of the worker (this
-  process's child, born in the cage) and the worker says it is in its cage.
+* :class:`WarmStart`: one rollout's start, on two channels of its own: the holder's
+  socket (its stdin and stdout: it announces itself there, and the worker's exit
+  status goes back there), and the report socket on which the template hands over
+  a pidfd of the worker (this process's child, born in the cage) and the worker
+  says it is in its cage. With the template's socket (shared) and the worker's to
+  the executor template (:mod:`rollcage.tools._forked`), a start takes four channels.
+
+Every message is one of :mod:`rollcage.forkserver`'s, through its one codec.
 
 The holder's PID comes from the kernel (``SO_PASSCRED``: the credentials of the
 process that wrote the byte, translated to this PID namespace), and is checked by
@@ -31,8 +35,18 @@ import time
 from collections.abc import Callable, Sequence
 
 from rollcage.errors import SupervisorError
+from rollcage.forkserver import (
+    Entered,
+    EnterFailed,
+    Forked,
+    Message,
+    Unforked,
+    WireError,
+    WorkerStart,
+    encode,
+    receive_now,
+)
 from rollcage.procs import (
-    CREDENTIALS_SPACE,
     PidfdChild,
     PidHandle,
     environ_has,
@@ -40,21 +54,19 @@ from rollcage.procs import (
     reap_abandoned,
     receive_message,
     signal_name,
-    unpack_ancillary,
     wait_readable,
     within,
 )
-from rollcage.warm import WarmRequest
 
 __all__ = ["Template", "WarmStart", "cage_mounts", "refuse_cage_mounts", "stop_templates", "template_for"]
 
 logger = logging.getLogger("rollcage.supervisor")
 
-_REPORT_MAX = 4096
-_MAX_ROOTS = 4
+_REPORTS = (Forked, Unforked, Entered, EnterFailed)
+"""What a start's report socket carries: the template's word on it, then the worker's."""
 
 TEMPLATE_ANSWER_S = 30.0
-"""How long a start waits for the template's word on it (``pid N`` or ``unforked ...``), whatever the
+"""How long a start waits for the template's word on it (:class:`Forked` or :class:`Unforked`), whatever the
 rollout's deadline: it answers in milliseconds once its imports are done (a second or two under load).
 A template that says nothing for this long is hung (stopped, deadlocked): it is killed and started
 again, and the start fails as the infrastructure's (``infra_failure``, retried), for no worker ran."""
@@ -112,7 +124,7 @@ class Template:
         """
         self._ensure()
 
-    async def send(self, request: WarmRequest, fds: Sequence[int]) -> int:
+    async def send(self, request: WorkerStart, fds: Sequence[int]) -> int:
         """Hand one start to the template; a dead template is started again, once. The PID of the
         template that took it (for :meth:`replace`).
 
@@ -124,7 +136,7 @@ class Template:
 
         **Cancellation:** a message is sent whole or not at all; the descriptors stay the caller's.
         """
-        data = request.encode()
+        data = encode(request)
         for attempt in (1, 2):
             sock, pid = self._ensure()
             try:
@@ -231,10 +243,12 @@ def stop_templates() -> int:
 class _Reports:
     """One start's report socket (``SOCK_SEQPACKET``): the template's word and the worker's.
 
-    The template says ``pid N`` with a pidfd of the worker (or ``unforked ...``: there is none);
-    the worker says ``ok`` with the roots of the tmpfs it mounted, or ``error ...``. Each message
-    comes with its sender's credentials (``SO_PASSCRED``), so a worker whose template died before
-    it spoke is known all the same: it is this process's child until reaped, so its PID is safe.
+    The template says :class:`Forked` with a pidfd of the worker (or :class:`Unforked`: there is
+    none); the worker says :class:`Entered` with the roots of the tmpfs it mounted, or
+    :class:`EnterFailed`. Each message comes with its sender's credentials (``SO_PASSCRED``), so a
+    worker whose template died before it spoke is known all the same: it is this process's child
+    until reaped, so its PID is safe. A datagram that is not one of these (the codec refuses it)
+    is a failed start, in its words.
     """
 
     def __init__(self) -> None:
@@ -242,7 +256,9 @@ class _Reports:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.sock.setblocking(False)
         self.worker: PidfdChild | None = None
-        self.verdict: bytes | None = None
+        self.verdict: Message | WireError | None = None
+        """The start's outcome: :class:`Entered`, or why not (:class:`EnterFailed`, :class:`Unforked`,
+        a :class:`~rollcage.forkserver.WireError`)."""
         self.roots: list[int] = []
         self.template_spoke = False
         self.ended = False
@@ -251,6 +267,23 @@ class _Reports:
     def settled(self) -> bool:
         """Whether every worker the start may have forked is known (the template spoke, or all are gone)."""
         return self.template_spoke or self.ended
+
+    @property
+    def entered(self) -> bool:
+        """Whether the worker said it stands in its cage."""
+        return isinstance(self.verdict, Entered)
+
+    def failure(self) -> tuple[str, bool] | None:
+        """Why the start failed, in the words it was given, and whether a mount was refused; ``None``:
+        no word of failure (yet)."""
+        verdict = self.verdict
+        if isinstance(verdict, EnterFailed):
+            return verdict.reason, verdict.mount
+        if isinstance(verdict, Unforked):
+            return verdict.reason, False
+        if isinstance(verdict, WireError):
+            return f"a malformed report: {verdict}", False
+        return None
 
     async def until(self, done: Callable[[], bool]) -> bool:
         """Read messages until ``done()`` or the socket's end; ``True``.
@@ -266,27 +299,33 @@ class _Reports:
         """Take the messages waiting now (never blocks)."""
         while not self.ended and self.sock.fileno() >= 0:
             try:
-                data, ancillary, _, _ = self.sock.recvmsg(_REPORT_MAX, _ANCILLARY)
+                got = receive_now(self.sock, _REPORTS, credentials=True)
             except BlockingIOError:
                 return
             except OSError:
-                data, ancillary = b"", []
-            fds, sender = unpack_ancillary(ancillary)
-            if not data and not fds:
                 self.ended = True
                 return
-            if data.startswith((b"pid ", b"unforked ")):
-                self.template_spoke = True
-            if data.startswith(b"pid ") and fds and self.worker is None:
-                self.worker = PidfdChild(int(data.split()[1]), fds.pop(0))
-            elif data.startswith((b"ok", b"error ")) and self.worker is None and sender:
-                self.worker = PidfdChild.of_child(sender)  # its template died before it spoke
-            if data == b"ok" and self.verdict is None:
-                self.verdict, self.roots, fds = data, self.roots + fds, []
-            elif data.startswith((b"error ", b"unforked ")) and self.verdict is None:
-                self.verdict = data
-            for fd in fds:
-                os.close(fd)
+            if got.ended:
+                self.ended = True
+                return
+            self._take(got.message, got.error, list(got.fds), got.sender)
+
+    def _take(self, message: Message | None, error: WireError | None, fds: list[int], sender: int) -> None:
+        if isinstance(message, Forked | Unforked):
+            self.template_spoke = True
+        if isinstance(message, Forked) and self.worker is None:
+            self.worker = PidfdChild(message.pid, fds.pop(0))
+        elif isinstance(message, Entered | EnterFailed) and self.worker is None and sender:
+            self.worker = PidfdChild.of_child(sender)  # its template died before it spoke
+        if self.verdict is None:
+            if isinstance(message, Entered):
+                self.verdict, self.roots, fds = message, self.roots + fds, []
+            elif isinstance(message, EnterFailed | Unforked):
+                self.verdict = message
+            elif error is not None:
+                self.verdict = error
+        for fd in fds:
+            os.close(fd)
 
     def close(self) -> None:
         """Close the socket and the roots not taken (idempotent)."""
@@ -295,9 +334,6 @@ class _Reports:
         for fd in self.roots:
             os.close(fd)
         self.roots = []
-
-
-_ANCILLARY = socket.CMSG_SPACE(_MAX_ROOTS * 4) + CREDENTIALS_SPACE
 
 
 _unsettled: list[_Reports] = []
@@ -337,41 +373,43 @@ def _silence(worker: PidfdChild | None) -> str:
 
 
 class WarmStart:
-    """One rollout's warm start: the pipes bwrap's holder, the template and the worker speak on.
+    """One rollout's warm start: the sockets bwrap's holder, the template and the worker speak on.
 
-    Make it before bwrap is spawned; give bwrap :attr:`holder_stdin` and
-    :attr:`holder_stdout`, call :meth:`spawned` once it is, then :meth:`start`, then
-    :meth:`relay` until the worker exits. :meth:`close` in every case: the write end of
-    the holder's stdin is ours, and closing it without a status makes the holder exit
-    (125: no worker).
+    Make it before bwrap is spawned; give bwrap :attr:`holder_stdin` and :attr:`holder_stdout`
+    (one socket: the holder announces itself on it, and reads the worker's exit status back),
+    call :meth:`spawned` once it is, then :meth:`start`, then :meth:`relay` until the worker
+    exits. :meth:`close` in every case: our end of the holder's socket closed without a status
+    makes the holder exit (125: no worker).
     """
 
     def __init__(self) -> None:
         _settle_leftovers()
-        self.holder_stdin, self._stdin_write = os.pipe()
-        self._ready, self._holder_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._ready.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self._ready.setblocking(False)
+        self._holder_sock, self._holder_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._holder_sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self._holder_sock.setblocking(False)
         self._reports = _Reports()
         self._handed_over = False
-        self._open = {self.holder_stdin, self._stdin_write}
         self.failure: str | None = None
         """Why the worker was not started, in words (its holder then exits with 125)."""
         self.mount_refused = False
         """The start failed because a tmpfs could not be mounted in the cage."""
 
     @property
+    def holder_stdin(self) -> int:
+        """The descriptor bwrap is given as stdin: the holder reads the worker's exit status on it."""
+        return self._holder_end.fileno()
+
+    @property
     def holder_stdout(self) -> int:
-        """The descriptor bwrap is given as stdout: the holder announces itself on it."""
+        """The descriptor bwrap is given as stdout: the holder announces itself on it (the same socket)."""
         return self._holder_end.fileno()
 
     def spawned(self) -> None:
-        """bwrap holds its ends now: close ours."""
-        self._close_fd(self.holder_stdin)
+        """bwrap holds its end now: close ours."""
         self._holder_end.close()
 
     async def start(
-        self, template: Template, request: WarmRequest, *, log_fd: int, marked: str, timeout_s: float
+        self, template: Template, request: WorkerStart, *, log_fd: int, marked: str, timeout_s: float
     ) -> PidHandle | None:
         """Wait for the holder, have the template fork the worker into its cage; the worker's handle.
 
@@ -401,10 +439,11 @@ class WarmStart:
                     self.failure = "the warm start did not report in time"
         finally:
             holder.close()
-        if reports.verdict != b"ok" or reports.worker is None:
-            words = (reports.verdict or b"").decode(errors="replace").partition(" ")[2]
-            self.mount_refused = words.startswith("mount: ")
-            words = words.removeprefix("mount: ") or f"no report ({_silence(reports.worker)})"
+        if not reports.entered or reports.worker is None:
+            words, self.mount_refused = reports.failure() or (
+                f"no report ({_silence(reports.worker)})",
+                False,
+            )
             self.failure = self.failure or f"the warm start failed: {words}"
             return None
         return reports.worker.handle()
@@ -470,23 +509,17 @@ class WarmStart:
             reports.worker = None
             if code is not None and self.failure is None:
                 with contextlib.suppress(OSError):  # a holder killed already: EPIPE
-                    os.write(self._stdin_write, f"{code}\n".encode())
-        self._close_fd(self._stdin_write)
+                    self._holder_sock.send(f"{code}\n".encode())
+        self._holder_sock.close()
 
     def take_roots(self) -> list[int]:
         """The roots of the tmpfs the start mounted in the cage (``O_PATH``; the caller's to close)."""
         roots, self._reports.roots = self._reports.roots, []
         return roots
 
-    def _close_fd(self, fd: int) -> None:
-        if fd in self._open:
-            self._open.discard(fd)
-            os.close(fd)
-
     def close(self) -> None:
         """Close every end still ours and end a worker not reaped yet (idempotent)."""
-        for fd in list(self._open):
-            self._close_fd(fd)
+        self._holder_sock.close()
         reports = self._reports
         if not self._handed_over:
             reports.ended = True  # nothing was sent to the template: nothing was forked
@@ -498,10 +531,9 @@ class WarmStart:
             reports.close()
         else:
             _settle_later(reports)
-        self._ready.close()
         self._holder_end.close()
 
     async def _holder_pid(self) -> int | None:
         """The PID of the process that wrote the holder's byte; ``None`` if the holder never came."""
-        data, _, sender = await receive_message(self._ready, 16, credentials=True)
+        data, _, sender = await receive_message(self._holder_sock, 16, credentials=True)
         return (sender or None) if data else None

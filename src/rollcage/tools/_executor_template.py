@@ -13,20 +13,22 @@ unchanged: the worker still makes it with the nested bubblewrap
 (:mod:`rollcage.cage._nested`), around a holder instead of the interpreter, and a fork of
 this process joins the holder's namespaces there, as a warm worker joins its sandbox's.
 
-Protocol (``SOCK_SEQPACKET``, one message each, JSON):
+It is a :class:`rollcage.forkserver.ForkServer`, and speaks its messages (``SOCK_SEQPACKET``,
+one codec: :mod:`rollcage.forkserver._wire`, loaded by path as the loop is):
 
-* on ``CTL``, from the warm template (trusted), once per warm worker: ``{"uid", "gid",
-  "limits", "umask"}`` (what the worker itself takes on: the cage's ids, ``[[RLIMIT, value],
-  ...]``) with this process's end of a socket pair whose other end the worker keeps, then the
-  rollout's ``cgroup.procs`` files, opened for writing;
-* on that socket, from the worker, once per executor start: ``{"cwd", "env", "argv",
-  "boot"}`` with four descriptors: a pidfd of the holder the executor joins, its control
-  socket, its stdout and its stderr. The answer is ``b"pid"`` with a pidfd of the executor,
-  or ``b"refused WHY"`` (the worker then starts one as before); later ``b"exit CODE"`` (as
-  ``os.waitstatus_to_exitcode``) once it is reaped.
+* on ``CTL``, from the warm template (trusted), once per warm worker:
+  :class:`~rollcage.forkserver.ExecutorClient` (what the worker itself takes on: the cage's ids,
+  limits and umask) with this process's end of a socket pair whose other end the worker keeps,
+  then the rollout's ``cgroup.procs`` files, opened for writing;
+* on that socket, from the worker, once per executor start:
+  :class:`~rollcage.forkserver.ExecutorStart` with four descriptors: a pidfd of the holder the
+  executor joins, its control socket, its stdout and its stderr. The answer is
+  :class:`~rollcage.forkserver.ExecutorStarted` with a pidfd of the executor, or
+  :class:`~rollcage.forkserver.Refused` saying why (the worker then starts one as before); later
+  :class:`~rollcage.forkserver.Exited` once it is reaped.
 
 A worker's request is read by the executor itself, never by this process: the template takes
-one byte of it and its descriptors (``MSG_PEEK``), joins the holder's PID namespace for one fork,
+its header and its descriptors (``MSG_PEEK``), joins the holder's PID namespace for one fork,
 and the fork, born there, reads the request, joins the rest of the cage and becomes the executor.
 So the heap every executor inherits holds no rollout's environment, paths or words (only
 descriptors and PIDs), and agent code reading its own memory finds nothing of another rollout.
@@ -46,13 +48,10 @@ import sys
 # Before anything else: the modules a fresh ``python -I -u`` has; each executor forgets the rest.
 _FRESH = frozenset(sys.modules) - {"__future__"}
 
-import array  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
-import selectors  # noqa: E402
 import socket  # noqa: E402
 
 TYPE_CHECKING = False
@@ -96,37 +95,35 @@ rollout sets): each executor starts from them, whatever this process raised for 
 __all__ = ["main"]
 
 _PR_SET_DUMPABLE = 4
-MAX_MESSAGE = 1 << 20
-WORKER_FDS = 4
 
 
-def _load_enter() -> Any:
-    """:mod:`rollcage.cage._enter` from its file, without the ``rollcage`` package's imports."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cage", "_enter.py")
-    module = type(sys)("_rollcage_enter")
+def _load(relative: str) -> Any:
+    """A module of ``rollcage`` from its file, without the package's imports (each imports nothing of it)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), relative)
+    module = type(sys)("_rollcage_" + relative.replace("/", "_").removesuffix(".py"))
     module.__file__ = path
     with open(path, "rb") as file:
         exec(compile(file.read(), path, "exec"), module.__dict__)
     return module
 
 
-enter: Any = _load_enter()
+enter: Any = _load("cage/_enter.py")
+"""The system calls that join a cage (:mod:`rollcage.cage._enter`)."""
+wire: Any = _load("forkserver/_wire.py")
+"""The fork servers' messages and codec (:mod:`rollcage.forkserver._wire`)."""
+_forkserver: Any = _load("forkserver/_server.py")
+_ancillary: Any = _load("procs/_ancillary.py")
+_reap: Any = _load("procs/_reap.py")
+
+_REQUEST_FDS = wire.ExecutorStart.FDS[1]
+_CLIENT_ROOM = wire.room([wire.ExecutorClient])
+_REQUEST_ROOM = wire.room([wire.ExecutorStart])
 
 
-def _refusal(request: object, fds: list[int]) -> str | None:
-    """Why ``request`` cannot be served as asked, if it cannot."""
-    if not isinstance(request, dict) or len(fds) != WORKER_FDS:
-        return "malformed request"
-    env = request.get("env")
-    if not isinstance(env, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        return "malformed environment"
-    if not (isinstance(request.get("cwd"), str) and isinstance(request.get("boot"), str)):
-        return "malformed request"
-    argv = request.get("argv")
-    if not isinstance(argv, list) or not all(isinstance(word, str) for word in argv):
-        return "malformed command line"
+def _refusal(request: Any) -> str | None:
+    """Why the (well-formed) ``request`` cannot be served as asked, if it cannot: an interpreter's
+    start-up environment that differs from this one's."""
+    env = request.env
     for name in sorted({*_STARTUP_ENV, *_STARTED_WITH}):
         if env.get(name) != _STARTED_WITH.get(name):
             return f"{name} differs from the template's"
@@ -147,23 +144,23 @@ def _join(cgroups: list[int], holder: int) -> None:
     enter.setns(holder, enter.JOIN)
 
 
-def _become_executor(meta: dict[str, Any], request: dict[str, Any], fds: list[int]) -> None:
+def _become_executor(client: Any, request: Any, fds: list[int]) -> None:
     """In the executor, born in its cage: what a warm worker takes on, then its boot program; never returns.
 
     The command line and environment it shows, no privilege, the worker's limits and umask, its
     own session, its descriptors, directory, environment and modules.
     """
-    argv = [*request["argv"][:-1], "3"]  # its control socket, as numbered below
+    argv = [*request.argv[:-1], "3"]  # its control socket, as numbered below
     try:
-        enter.show_process(argv, request["env"])
+        enter.show_process(argv, request.env)
         for which, (soft, hard) in _LIMITS.items():
             resource.setrlimit(which, (soft, hard))
-        enter.drop_privileges(meta["uid"], meta["gid"])
+        enter.drop_privileges(client.uid, client.gid)
         # The change of uid made it undumpable (its /proc files root's): an exec'd one is not.
         enter.prctl(_PR_SET_DUMPABLE, 1)
-        for which, value in meta["limits"]:
+        for which, value in client.limits:
             resource.setrlimit(which, (value, value))
-        os.umask(meta["umask"])
+        os.umask(client.umask)
         # SIGCHLD as a started executor has it: the template's handler and wake-up are not its own.
         _signal.set_wakeup_fd(-1)
         _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
@@ -177,13 +174,13 @@ def _become_executor(meta: dict[str, Any], request: dict[str, Any], fds: list[in
         # Every descriptor of the template (other workers' sockets among them) is closed here, whatever
         # this executor's own limit on open files: a descriptor numbered above it is still open.
         os.closerange(4, 1 << 20)
-        os.chdir(request["cwd"])
+        os.chdir(request.cwd)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.write(2, f"rollcage: the forked executor could not take its cage's place: {exc}\n".encode())
         os._exit(125)
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(request.env)
     os.environ.update(_ADDED_AT_START)
     sys.argv = ["-c", "3"]
     sys.orig_argv = argv
@@ -192,108 +189,90 @@ def _become_executor(meta: dict[str, Any], request: dict[str, Any], fds: list[in
     for name in set(sys.modules) - _FRESH:
         del sys.modules[name]
     sys.modules["__main__"] = main
-    exec(compile(request["boot"], "<string>", "exec"), main.__dict__)
+    exec(compile(request.boot, "<string>", "exec"), main.__dict__)
     os._exit(0)
 
 
 def _serve_one(
-    worker: socket.socket, rollout: tuple[dict[str, Any], list[int]], word: int, unjoinable: str | None
+    worker: socket.socket, rollout: tuple[Any, list[int]], word: int, unjoinable: str | None
 ) -> None:
     """In a fork of this process, born in the holder's PID namespace: read one request, become its executor.
 
-    Says ``ok`` on ``word`` once it stands in the cage (the template then hands the worker a
-    pidfd of it, reaps it and tells the worker its exit code), or answers the worker itself
-    and returns: the request's fault first, then ``unjoinable`` (why the template could not
-    join the holder's PID namespace for this fork, which was then born outside it).
+    Says ``ok`` on ``word`` (a pipe of the template's own) once it stands in the cage (the template
+    then hands the worker a pidfd of it, reaps it and tells the worker its exit code), or answers
+    the worker itself and returns: the request's fault first, then ``unjoinable`` (why the template
+    could not join the holder's PID namespace for this fork, which was then born outside it).
 
     Parsed here, not in the template: nothing of a rollout enters the heap every executor
-    inherits; and as JSON, which malformed or hostile bytes cannot turn into anything
+    inherits; and by the codec, which malformed or hostile bytes cannot turn into anything
     but an error (``marshal`` makes no such promise).
     """
-    meta, cgroups = rollout
+    client, cgroups = rollout
     try:
-        message, fds, flags, _ = socket.recv_fds(worker, MAX_MESSAGE, WORKER_FDS)
+        data, ancillary, flags, _ = worker.recvmsg(
+            _REQUEST_ROOM[0], socket.CMSG_SPACE(4 * (_REQUEST_FDS + 1))
+        )
     except OSError:
         return
+    fds, _ = _ancillary.unpack_ancillary(ancillary)
     try:
-        request = json.loads(message)
-    except ValueError:
-        request = None
-    why = "malformed request" if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) else _refusal(request, fds)
-    if why is not None or unjoinable is not None:
-        why = why or unjoinable
-        _send(worker, f"refused {why}".encode())
+        request = wire.decode(data, fds, flags, expect=[wire.ExecutorStart])
+        why = _refusal(request) or unjoinable
+    except wire.WireError as exc:
+        request, why = None, str(exc)
+    if why is not None:
+        _send(worker, wire.Refused(reason=why))
         return
     try:
         _join(cgroups, fds[0])
     except BaseException as exc:
-        _send(worker, f"refused cannot join the cage: {type(exc).__name__}: {exc}"[:1000].encode())
+        _send(worker, wire.Refused(reason=f"cannot join the cage: {type(exc).__name__}: {exc}"))
         return
     os.write(word, b"ok")
     os.close(word)
-    _become_executor(meta, request, fds)
+    _become_executor(client, request, fds)
 
 
 def _peek(sock: socket.socket) -> tuple[bytes, list[int], int]:
-    """The first byte of the next message and its descriptors, the message left where it is (``MSG_PEEK``).
+    """The header of the next message and its descriptors, the message left where it is (``MSG_PEEK``).
 
     The kernel gives a peek copies of the descriptors. ``socket.recv_fds`` drops its ``flags`` before
-    Python 3.12, so ``recvmsg`` here, unpacked as ``rollcage.procs.unpack_ancillary`` does (this
-    program imports nothing of ``rollcage``).
+    Python 3.12, so ``recvmsg`` here, unpacked by :func:`rollcage.procs.unpack_ancillary`.
     """
-    size = WORKER_FDS * array.array("i").itemsize
-    data, ancillary, flags, _ = sock.recvmsg(1, socket.CMSG_LEN(size), socket.MSG_PEEK)
-    fds = array.array("i")
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    return data, list(fds), flags
+    room = socket.CMSG_SPACE(4 * (_REQUEST_FDS + 1))
+    data, ancillary, flags, _ = sock.recvmsg(wire.HEADER.size, room, socket.MSG_PEEK)
+    return data, _ancillary.unpack_ancillary(ancillary)[0], flags
 
 
-def _send(sock: socket.socket, data: bytes, fds: list[int] | None = None) -> None:
+def _send(sock: socket.socket, message: Any, fds: list[int] | None = None) -> None:
     try:
-        socket.send_fds(sock, [data], fds or [], socket.MSG_DONTWAIT)
+        wire.send(sock, message, fds or [], socket.MSG_DONTWAIT)
     except OSError:
         pass  # the worker is gone, or not reading: its executor is killed with its sandbox
 
 
 class _Template:
-    """The serving loop's state: the template's socket, the workers', and the executors to reap."""
+    """The serving loop's state: the fork server, the workers' sockets, and the executors to reap."""
 
     def __init__(self, control: socket.socket) -> None:
-        self.control = control
-        self.selector = selectors.DefaultSelector()
         self.executors: dict[int, socket.socket] = {}
         """Each live executor's PID (this process's child) -> its worker's socket."""
-        self.home = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-        """This process's own PID namespace: its children are born there but for one fork at a time."""
-        # SIGCHLD wakes the loop (a handler must be set for the wake-up to be written).
-        self.wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_w, False)
-        _signal.set_wakeup_fd(wake_w)
-        _signal.signal(_signal.SIGCHLD, lambda *_: None)
-        self.selector.register(control, selectors.EVENT_READ, "control")
-        self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self.server = _forkserver.ForkServer(control, enter, reap=_reap.reap_children, on_exit=self._exited)
 
     def serve(self) -> None:
         """Serve until the template closes its socket."""
-        while True:
-            for key, _ in self.selector.select():
-                if key.data == "control":
-                    if not self._register():
-                        return
-                elif key.data == "wake":
-                    os.read(self.wake_r, 4096)
-                    self._reap()
-                else:
-                    self._start(*key.data)
+        self.server.serve(self._register)
 
     def _register(self) -> bool:
-        message, fds, flags, _ = socket.recv_fds(self.control, MAX_MESSAGE, 64)
-        if not message:
+        data, ancillary, flags, _ = self.server.control.recvmsg(
+            _CLIENT_ROOM[0], socket.CMSG_SPACE(4 * _CLIENT_ROOM[1])
+        )
+        fds, _ = _ancillary.unpack_ancillary(ancillary)
+        if not data and not fds:
             return False
-        meta = json.loads(message)
-        if flags & socket.MSG_CTRUNC or len(fds) != 1 + meta["cgroups"]:
+        try:
+            client = wire.decode(data, fds, flags, expect=[wire.ExecutorClient])
+        except wire.WireError:
             # Descriptors lost on the way (this process's limit): without all its cgroups an executor
             # would escape the rollout's budgets. Its worker, finding its socket closed, starts its own.
             for fd in fds:
@@ -301,12 +280,13 @@ class _Template:
             return True
         worker = socket.socket(fileno=fds[0])
         worker.setblocking(False)
-        self.selector.register(worker, selectors.EVENT_READ, (worker, (meta, fds[1:])))
+        rollout = (client, fds[1:])
+        self.server.watch(worker, lambda: self._start(worker, rollout))
         return True
 
-    def _start(self, worker: socket.socket, rollout: tuple[dict[str, Any], list[int]]) -> None:
+    def _start(self, worker: socket.socket, rollout: tuple[Any, list[int]]) -> None:
         try:
-            # One byte and the descriptors, peeked: whether the worker is gone, and the holder whose
+            # The header and the descriptors, peeked: whether the worker is gone, and the holder whose
             # PID namespace the executor is born in, without reading the request here.
             peeked, fds, flags = _peek(worker)
         except BlockingIOError:
@@ -317,29 +297,30 @@ class _Template:
             if not peeked:
                 self._drop(worker, rollout)
                 return
-            if flags & socket.MSG_CTRUNC or len(fds) != WORKER_FDS:
-                self._refuse(worker, "malformed request")
+            try:
+                kind, _ = wire.kind_of(peeked, expect=[wire.ExecutorStart])
+                lost = "descriptors were lost on the way (MSG_CTRUNC)" if flags & socket.MSG_CTRUNC else None
+                problem = lost or wire.descriptors_problem(kind, len(fds))
+            except wire.WireError as exc:
+                problem = str(exc)
+            if problem is not None:
+                self._refuse(worker, problem)
                 return
             self._fork(worker, rollout, fds[0])
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _fork(self, worker: socket.socket, rollout: tuple[dict[str, Any], list[int]], holder: int) -> None:
+    def _fork(self, worker: socket.socket, rollout: tuple[Any, list[int]], holder: int) -> None:
         """Fork the executor into ``holder``'s PID namespace; it reads its request (:func:`_serve_one`)."""
         # Not joinable: forked here all the same, to read the request and say what is wrong with it first.
-        unjoinable: str | None = None
-        try:
-            enter.setns(holder, enter.PID_NS)
-        except OSError as exc:
-            unjoinable = f"cannot join the cage: OSError: {exc}"
+        unjoinable = self.server.join(holder)
         word_r, word_w = os.pipe()
         try:
-            child, pidfd = enter.clone_child()
+            child, pidfd = self.server.fork(sibling=False)
         except OSError as exc:
             os.close(word_r)
             os.close(word_w)
-            self._go_home()
             self._refuse(worker, f"cannot fork the executor: {exc}")
             return
         if child == 0:
@@ -348,8 +329,6 @@ class _Template:
                 _serve_one(worker, rollout, word_w, unjoinable)
             finally:
                 os._exit(0)
-        if unjoinable is None:
-            self._go_home()
         os.close(word_w)
         word = b""
         try:
@@ -360,50 +339,33 @@ class _Template:
             os.close(word_r)
         try:
             if word != b"ok":
-                self._reap(until=child)  # it answered the worker itself
+                self.server.reap(until=child)  # it answered the worker itself
                 return
             self.executors[child] = worker  # before any reaping: it may be gone already
-            _send(worker, b"pid", [pidfd])
+            _send(worker, wire.ExecutorStarted(), [pidfd])
         finally:
             os.close(pidfd)
 
-    def _go_home(self) -> None:
-        """Have this process's next children born in its own PID namespace again; exit if they cannot be."""
-        try:
-            enter.setns(self.home, enter.PID_NS)
-        except OSError:
-            # They would be born in a cage: the warm template starts a new executor template instead.
-            os._exit(1)
-
     def _refuse(self, worker: socket.socket, why: str) -> None:
-        """Take the request off the socket unread (one byte of it, the rest cut) and tell the worker why."""
+        """Take the request off the socket unread (its header, the rest cut) and tell the worker why."""
         with contextlib.suppress(OSError):
-            _, fds, _, _ = socket.recv_fds(worker, 1, WORKER_FDS)
-            for fd in fds:
+            _, ancillary, _, _ = worker.recvmsg(1, socket.CMSG_SPACE(4 * (_REQUEST_FDS + 1)))
+            for fd in _ancillary.unpack_ancillary(ancillary)[0]:
                 os.close(fd)
-        _send(worker, f"refused {why}"[:1000].encode())
+        _send(worker, wire.Refused(reason=why))
 
-    def _drop(self, worker: socket.socket, rollout: tuple[dict[str, Any], list[int]]) -> None:
+    def _drop(self, worker: socket.socket, rollout: tuple[Any, list[int]]) -> None:
         """Forget a worker that is gone: its socket and its cgroups' files."""
-        self.selector.unregister(worker)
+        self.server.forget(worker)
         worker.close()
         for fd in rollout[1]:
             os.close(fd)
 
-    def _reap(self, until: int = 0) -> None:
-        """Reap every child that has exited (waiting for ``until`` first); say how each executor ended."""
-        while True:
-            try:
-                pid, status, _ = os.wait3(0 if until else os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            worker = self.executors.pop(pid, None)
-            if worker is not None and worker.fileno() >= 0:
-                _send(worker, f"exit {os.waitstatus_to_exitcode(status)}".encode())
-            if pid == until:
-                until = 0
+    def _exited(self, pid: int, code: int) -> None:
+        """Tell an executor's worker how it ended (a fork that answered its worker itself is no executor)."""
+        worker = self.executors.pop(pid, None)
+        if worker is not None and worker.fileno() >= 0:
+            _send(worker, wire.Exited(code=code))
 
 
 def main(argv: list[str]) -> int:

@@ -4,11 +4,14 @@ Two sides:
 
 * in the warm worker template (:mod:`rollcage.warm`), :class:`TemplateLink` starts the executor
   template beside it (once, lazily) and, for each warm worker, hands the executor template
-  the rollout's ids, limits and ``cgroup.procs`` files with one end of a socket pair; the
-  worker is forked holding the other end (:func:`adopt`);
+  the rollout's ids, limits and ``cgroup.procs`` files with one end of a socket pair
+  (:class:`~rollcage.forkserver.ExecutorClient`); the worker is forked holding the other end
+  (:func:`adopt`);
 * in the worker, :func:`start` makes the executor's cage as before (the nested bubblewrap of
   :mod:`rollcage.cage._nested`) but around a holder (``sh``, a process start of a few hundred
-  microseconds), asks for the executor through that socket, and returns a
+  microseconds), asks for the executor through that socket
+  (:class:`~rollcage.forkserver.ExecutorStart`, answered by the codec of :mod:`rollcage.forkserver`),
+  and returns a
   :class:`ForkedExecutor` that looks as the started process did (``pid``, ``returncode``,
   ``wait()``). Where nothing can be forked (no template, a cold start, an environment that
   differs in what an interpreter reads at start-up, a template that died), it returns
@@ -28,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import signal
@@ -41,6 +43,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rollcage.cage import Limits
+from rollcage.forkserver import (
+    ExecutorClient,
+    ExecutorStart,
+    ExecutorStarted,
+    Exited,
+    Refused,
+    WireError,
+    receive,
+    send,
+)
 from rollcage.procs import (
     PidfdChild,
     PidHandle,
@@ -124,10 +136,9 @@ class TemplateLink:
         try:
             for path in cgroups:
                 opened.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
-            meta = {"uid": uid, "gid": gid, "umask": umask, "limits": limits.rlimits()}
-            meta["cgroups"] = len(opened)
-            data = json.dumps(meta).encode()
-            socket.send_fds(control, [data], [theirs.fileno(), *opened], socket.MSG_DONTWAIT)
+            rlimits = [[which, value] for which, value in limits.rlimits()]
+            client = ExecutorClient(uid=uid, gid=gid, umask=umask, limits=rlimits, cgroups=len(opened))
+            send(control, client, [theirs.fileno(), *opened], socket.MSG_DONTWAIT)
             if self._unread_since is None:
                 self._unread_since = time.monotonic()
         except OSError as exc:
@@ -253,15 +264,21 @@ class ForkedExecutor:
         return code
 
 
+_REPLIES = (ExecutorStarted, Refused, Exited)
+"""What the executor template says to a worker."""
+
+
 async def _exit_code(channel: socket.socket) -> int | None:
-    with contextlib.suppress(TimeoutError, OSError, ValueError):
+    with contextlib.suppress(TimeoutError, OSError):
         async with asyncio.timeout(_EXIT_WAIT_S):
             while True:
-                message, _, _ = await receive_message(channel, 4096)
-                if not message:
+                got = await receive(channel, _REPLIES)
+                for fd in got.fds:
+                    os.close(fd)
+                if got.ended:
                     return None
-                if message.startswith(b"exit "):
-                    return int(message[5:])
+                if isinstance(got.message, Exited):
+                    return got.message.code
     return None
 
 
@@ -361,16 +378,14 @@ async def _ask(
     handle = None if info is None else PidHandle.open_checked(info, lambda pid: _is_holder(pid, info))
     if handle is None:
         return None
-    request = {"cwd": cwd, "env": dict(env), "boot": boot, "argv": list(argv)}
+    request = ExecutorStart(cwd=cwd, env=dict(env), boot=boot, argv=list(argv))
     try:
-        socket.send_fds(channel, [json.dumps(request).encode()], [handle.fd, *fds], socket.MSG_DONTWAIT)
+        send(channel, request, [handle.fd, *fds], socket.MSG_DONTWAIT)
         async with asyncio.timeout(answer_s):
             while True:
-                word, received, _ = await receive_message(channel, 4096, fds=1)
-                if not word.startswith(b"exit "):  # a previous executor's, if its end was not awaited
+                got = await receive(channel, _REPLIES)
+                if not isinstance(got.message, Exited):  # a previous executor's, if its end was not awaited
                     break
-                for fd in received:
-                    os.close(fd)
     except TimeoutError:
         # Hung: its answer may still come, and a later start would take it for its own. Not the
         # agent's to pay for: this executor, and this worker's next ones, are started instead.
@@ -380,7 +395,7 @@ async def _ask(
         )
         _channel = None
         return None
-    except OSError as exc:
+    except (OSError, WireError) as exc:
         log.warning("the executor template cannot be reached (%s): executors are started from here on", exc)
         _channel = None
         return None
@@ -391,17 +406,16 @@ async def _ask(
         raise
     finally:
         handle.close()
-    if word != b"pid" or len(received) != 1:
-        for fd in received:
-            os.close(fd)
-        if not word or b"differs from the template's" in word:
-            # Gone, or this worker's environment will differ every time: a cage made for nothing
-            # before each started executor would cost more than the fork saves.
+    if not isinstance(got.message, ExecutorStarted):
+        refused = got.message.reason if isinstance(got.message, Refused) else None
+        if refused is None or "differs from the template's" in refused:
+            # Gone, or speaking no reply of the codec's, or this worker's environment will differ every
+            # time: a cage made for nothing before each started executor would cost more than the fork saves.
             _channel = None
-        why = word.decode(errors="replace") or "it is gone"
+        why = f"refused {refused}" if refused is not None else str(got.error or "it is gone")
         log.info("the executor template did not fork an executor (%s): one is started", why)
         return None
-    executor = received[0]
+    executor = got.fds[0]
     pid = pidfd_pid(executor)
     if pid <= 0:
         os.close(executor)

@@ -1,0 +1,278 @@
+"""The ``launch`` step of one supervision: the worker's plan, its spawn, and a warm start's hand-over.
+
+:mod:`rollcage.supervisor.core` draws the sequence (check, prepare, launch, watch, stop, clean up,
+collect, receipt); this module is its launch, cold or warm:
+
+* :meth:`Launch.choose`: whether the worker is forked from a warm template
+  (:mod:`rollcage.warm`) or started cold;
+* :meth:`Launch.plan`: the launcher's plan (bubblewrap's command line, or a plain child);
+* :meth:`Launch.start`: bubblewrap (or the worker) spawned from the launcher's thread, held
+  as a :class:`~rollcage.supervisor.tree.WorkerTree`; for a warm start, its holder's socket
+  (:class:`~rollcage.supervisor.warm.WarmStart`);
+* :meth:`Launch.follow`: bubblewrap's status (the sandbox's init, held by the tree) and the
+  warm start itself: the template forks the worker into the cage, the tree adopts it, and its
+  exit status goes back to the holder;
+* :meth:`Launch.aclose`: the tasks ended, the warm start's sockets closed, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import orjson
+
+from rollcage.cage import launcher
+from rollcage.errors import SupervisorError
+from rollcage.procs import ChildProcess, read_ready
+from rollcage.protocol import SignalEvent
+from rollcage.supervisor.budgets import RolloutBudgets
+from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
+from rollcage.supervisor.sandbox import BwrapLauncher, LaunchPlan, NoSandboxLauncher, RolloutLayout, Scratch
+from rollcage.supervisor.tree import WorkerTree
+from rollcage.supervisor.warm import Template, WarmStart, cage_mounts, refuse_cage_mounts, template_for
+
+__all__ = ["Launch"]
+
+logger = logging.getLogger("rollcage.supervisor")
+
+_LAUNCH_TIMEOUT_S = 60.0
+"""How long a launch may wait for the launcher thread (milliseconds when all is well)."""
+
+
+class Launch:
+    """One rollout's launch: its plan, the process spawned, and (warm) the worker forked into the cage.
+
+    Args:
+        config: The supervision's configuration.
+        launcher: The sandbox's launcher (checked already).
+        token: The rollout's supervision token (its processes carry it in their environment).
+        rollout_id: For the log.
+    """
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        launcher: BwrapLauncher | NoSandboxLauncher,
+        *,
+        token: str,
+        rollout_id: str,
+    ) -> None:
+        self.config = config
+        self.launcher = launcher
+        self.marked = f"{TOKEN_ENV}={token}"
+        self.rollout_id = rollout_id
+        self.template: Template | None = None
+        """The warm template the worker is forked from (its bytecode cache's); ``None``: cold."""
+        self.plan: LaunchPlan | None = None
+        self.child: ChildProcess | None = None
+        """What was spawned: bubblewrap, or the worker itself."""
+        self.tree: WorkerTree | None = None
+        """The worker's process tree, once it is started."""
+        self._warm: WarmStart | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._failed: Callable[[str], None] = lambda _: None
+
+    def choose(self, bytecode: str | None, *, relayed: bool) -> None:
+        """Fork this rollout's worker from a warm template (:mod:`rollcage.warm`), or start it cold.
+
+        Warm only where its start is equivalent and tested: bwrap as root (two stages), rollcage's own
+        worker, no relay to the supervisor (a harness rollout).
+        """
+        sandbox = self.config.sandbox
+        warm = (
+            isinstance(sandbox, BwrapSandbox)
+            and sandbox.worker_start == "warm"
+            and isinstance(self.launcher, BwrapLauncher)
+            and self.launcher.owner is not None
+            and self.config.worker_command is None
+            and not relayed
+        )
+        self.template = template_for(bytecode) if warm else None
+
+    @property
+    def scratch_in_cage(self) -> bool:
+        """Whether the worker mounts the cage's ``/tmp`` and ``/dev/shm`` itself (a warm start, where no
+        earlier one was refused): the host's mount table, which every launch copies and reads again,
+        then holds one mount per rollout in flight, not three."""
+        return self.template is not None and cage_mounts()
+
+    def plan_for(
+        self,
+        layout: RolloutLayout,
+        *,
+        command: Sequence[str],
+        env: dict[str, str],
+        token_env: dict[str, str],
+        status_fd: int | None,
+        pass_fds: Sequence[int],
+        extra_ro: Sequence[str],
+        worker_journal: bool,
+        budgets: RolloutBudgets | None,
+        scratch: Scratch | None,
+    ) -> LaunchPlan:
+        """The launcher's plan for the worker (bwrap's needs ``budgets`` and ``scratch``)."""
+        if isinstance(self.launcher, BwrapLauncher):
+            assert budgets is not None
+            self.plan = self.launcher.plan(
+                layout,
+                worker_command=command,
+                worker_env=env,
+                token_env=token_env,
+                status_fd=status_fd,
+                scratch=scratch,
+                enter=budgets.enter_prefix(),
+                extra_ro=extra_ro,
+                worker_journal=worker_journal,
+                pass_fds=pass_fds,
+                warm_cgroups=budgets.cgroup_procs() if self.template is not None else None,
+            )
+        else:
+            self.plan = self.launcher.plan(
+                layout, worker_command=command, worker_env=env, token_env=token_env, pass_fds=pass_fds
+            )
+        return self.plan
+
+    def start(
+        self,
+        plan: LaunchPlan,
+        *,
+        log_fd: int,
+        status_fd: int | None,
+        budgets: RolloutBudgets | None,
+        signals: list[SignalEvent],
+    ) -> WorkerTree:
+        """Spawn what the plan runs (bubblewrap from the launcher's thread, or the worker); its tree.
+
+        A warm start's holder reads the worker's exit status on its socket and announces itself there;
+        bwrap's own words go to the log either way.
+
+        Raises:
+            SupervisorError: It could not be spawned.
+        """
+        pass_fds = (*(() if status_fd is None else (status_fd,)), *plan.pass_fds)
+        warm = None
+        try:
+            if plan.warm is not None:
+                assert self.template is not None
+                # Its imports overlap the making of the cage (the first time only). Started from this
+                # thread, not a pool's: it dies with the thread that started it (PR_SET_PDEATHSIG),
+                # and the loop's thread lives as long as the rollouts it supervises.
+                self.template.start()
+                self._warm = warm = WarmStart()
+            spawn = functools.partial(
+                ChildProcess.spawn,
+                plan.argv,
+                env=plan.env,
+                cwd=plan.cwd,
+                stdin=None if warm is None else warm.holder_stdin,
+                stdout=log_fd if warm is None else warm.holder_stdout,
+                stderr=log_fd,
+                pass_fds=pass_fds,
+            )
+            # bubblewrap from a mount namespace without the other rollouts' mounts (rollcage.cage's
+            # launcher): its launch then costs the same however many rollouts are in flight.
+            binds = budgets.launch_binds() if plan.sandbox == "bwrap" and budgets is not None else None
+            self.child = launcher().run(spawn, binds, timeout_s=_LAUNCH_TIMEOUT_S, late=ChildProcess.abandon)
+            if warm is not None:
+                warm.spawned()
+        except OSError as exc:
+            raise SupervisorError(f"cannot start the worker ({plan.argv[0]}): {exc}") from exc
+        self.tree = WorkerTree(
+            self.child,
+            sandbox=plan.sandbox,
+            marked=self.marked,
+            budgets=budgets,
+            signals=signals,
+            warm=plan.warm is not None,
+        )
+        logger.debug("rollout %s: worker started (pid %d, %s)", self.rollout_id, self.child.pid, plan.sandbox)
+        return self.tree
+
+    def follow(
+        self,
+        status_fd: int | None,
+        *,
+        log_fd: int,
+        deadline_at: float,
+        budgets: RolloutBudgets | None,
+        failed: Callable[[str], None],
+    ) -> None:
+        """Follow the start in the background: bwrap's status on ``status_fd`` (taken: closed when read),
+        and a warm start's hand-over (``failed`` is told why a warm worker was not started)."""
+        if status_fd is not None:
+            self._tasks.append(asyncio.ensure_future(self._read_bwrap_status(status_fd)))
+        if self._warm is not None:
+            start = self._start_warm(self._warm, log_fd=log_fd, deadline_at=deadline_at, budgets=budgets)
+            self._tasks.append(asyncio.ensure_future(start))
+            self._failed = failed
+
+    async def aclose(self) -> None:
+        """End the start's tasks and close the warm start's sockets (ending a worker not reaped yet).
+
+        **Cancellation:** run shielded by the caller (``finish``); what is left is left to ``close``.
+        """
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._warm is not None:
+            self._warm.close()
+
+    async def _start_warm(
+        self, warm: WarmStart, *, log_fd: int, deadline_at: float, budgets: RolloutBudgets | None
+    ) -> None:
+        """Have the template fork the worker into the cage once its holder is there; hold the worker,
+        then pass its exit status to the holder (the worker is this process's child)."""
+        plan, tree, template = self.plan, self.tree, self.template
+        assert plan is not None and plan.warm is not None and tree is not None and template is not None
+        try:
+            worker = await warm.start(
+                template,
+                plan.warm,
+                log_fd=log_fd,
+                marked=self.marked,
+                timeout_s=max(deadline_at - time.monotonic(), 0.0),
+            )
+            roots = warm.take_roots()
+            if roots and budgets is not None:
+                budgets.hold_cage_scratch(roots)
+            else:
+                for fd in roots:
+                    os.close(fd)
+            if worker is not None:
+                tree.adopt_worker(worker)
+            elif warm.failure is not None:
+                if warm.mount_refused:
+                    refuse_cage_mounts(warm.failure)
+                # Its holder exits with 125 and no result: the receipt says why, as for any failed start.
+                logger.error("rollout %s: %s", self.rollout_id, warm.failure)
+                self._failed(warm.failure)
+            await warm.relay()
+        finally:
+            warm.close()
+
+    async def _read_bwrap_status(self, fd: int) -> None:
+        """Read bwrap's JSON status: its first document names the sandbox's (outermost) init process."""
+        os.set_blocking(fd, False)
+        buffer = b""
+        try:
+            while True:
+                chunk = await read_ready(fd, 4096)
+                if not chunk:
+                    return
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    try:
+                        document = orjson.loads(line)
+                    except orjson.JSONDecodeError:
+                        continue
+                    if isinstance(document, dict) and isinstance(document.get("child-pid"), int):
+                        assert self.tree is not None  # read only once the worker is started
+                        self.tree.adopt_sandbox_init(document["child-pid"])
+        finally:
+            os.close(fd)

@@ -1,0 +1,244 @@
+"""The fork servers' codec against a hostile peer: every datagram is a whole message or a clear error.
+
+Real ``SOCK_SEQPACKET`` socket pairs, real descriptors: what one side sends, the other takes with
+:func:`rollcage.forkserver.receive_now`, the one place that parses. A malformed, cut, padded or
+oversized frame, or one whose descriptors do not add up, is a :class:`WireError` in words that
+name the problem, its descriptors closed; nothing else escapes, and nothing leaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollcage.forkserver import (
+    MESSAGES,
+    Entered,
+    EnterFailed,
+    ExecutorClient,
+    ExecutorStart,
+    Exited,
+    Forked,
+    Message,
+    Refused,
+    WireError,
+    WorkerStart,
+    decode,
+    encode,
+    receive_now,
+    send,
+)
+from rollcage.forkserver._wire import HEADER
+
+ALL = tuple(MESSAGES.values())
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    try:
+        yield ours, theirs
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _frame(kind: type[Message], body: bytes, *, length: int | None = None) -> bytes:
+    return HEADER.pack(b"rc", 1, kind.KIND, len(body) if length is None else length) + body
+
+
+def _sent_with(theirs: socket.socket, data: bytes, count: int) -> None:
+    files = [os.open("/dev/null", os.O_RDONLY) for _ in range(count)]
+    try:
+        socket.send_fds(theirs, [data], files)
+    finally:
+        for fd in files:
+            os.close(fd)
+
+
+def _error(ours: socket.socket, expect: tuple[type[Message], ...] = ALL) -> str:
+    got = receive_now(ours, expect)
+    assert got.message is None and got.fds == [] and got.error is not None, got
+    return str(got.error)
+
+
+_TEXT = st.text(max_size=40)
+_INTS = st.integers(min_value=-(2**40), max_value=2**40)
+
+worker_starts = st.builds(
+    WorkerStart,
+    argv=st.lists(_TEXT, max_size=5),
+    env=st.dictionaries(_TEXT, _TEXT, max_size=5),
+    cwd=_TEXT,
+    uid=_INTS,
+    gid=_INTS,
+    limits=st.dictionaries(_TEXT, st.none() | _INTS, max_size=4),
+    umask=_INTS,
+    cgroups=st.lists(_TEXT, max_size=3),
+    clear_groups=st.booleans(),
+    mounts=st.lists(
+        st.fixed_dictionaries({"path": _TEXT, "size": _INTS, "inodes": _INTS, "uid": _INTS, "gid": _INTS}),
+        max_size=2,
+    ),
+    keep=st.lists(_TEXT, max_size=3),
+)
+executor_starts = st.builds(
+    ExecutorStart,
+    cwd=_TEXT,
+    env=st.dictionaries(_TEXT, _TEXT, max_size=5),
+    boot=_TEXT,
+    argv=st.lists(_TEXT, max_size=5),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(message=worker_starts | executor_starts)
+def test_a_start_comes_back_as_it_was_sent(message: Message) -> None:
+    fds = 3 if isinstance(message, WorkerStart) else 4
+    assert decode(encode(message), list(range(fds)), expect=[type(message)]) == message
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=200), fds=st.integers(min_value=0, max_value=5))
+def test_any_bytes_from_a_hostile_peer_are_a_message_or_a_wire_error_and_leak_nothing(
+    data: bytes, fds: int
+) -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        before = _open_fds()
+        _sent_with(theirs, data, fds)
+        got = receive_now(ours, ALL)
+        for fd in got.fds:
+            os.close(fd)
+        assert got.message is not None or got.error is not None or (not data and not fds)
+        assert _open_fds() == before
+    finally:
+        ours.close()
+        theirs.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(message=worker_starts, cut=st.integers(min_value=1, max_value=50))
+def test_a_truncated_frame_is_refused_as_one(message: WorkerStart, cut: int) -> None:
+    frame = encode(message)
+    cut = min(cut, len(frame))
+    with pytest.raises(WireError, match=r"truncated frame|its header says"):
+        decode(frame[:-cut], [3, 4, 5])
+
+
+def test_a_padded_frame_is_refused(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, theirs = pair
+    theirs.send(encode(Exited(code=1)) + b" ")
+    assert _error(ours) == "Exited: a body of 11 bytes, its header says 10"
+
+
+def test_a_header_that_claims_more_than_a_kind_may_hold_is_refused_before_its_body(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    theirs.send(_frame(Exited, b"{}", length=1 << 30))
+    assert _error(ours) == f"Exited: its header says {1 << 30} bytes, over its bound of 4096"
+
+
+def test_a_datagram_larger_than_any_message_is_cut_on_receipt_and_refused(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
+    body = json.dumps({"reason": "x" * 10_000}).encode()
+    theirs.send(_frame(Refused, body, length=100))
+    # Received with room for the largest reply the receiver expects, and one byte more.
+    assert _error(ours, (Refused, Exited)) == "Refused: the frame was cut short on receipt (MSG_TRUNC)"
+
+
+def test_a_start_larger_than_its_bound_cannot_even_be_sent() -> None:
+    start = ExecutorStart(cwd="/", env={"BIG": "x" * (1 << 20)}, boot="", argv=[])
+    with pytest.raises(WireError, match="over its bound"):
+        encode(start)
+
+
+def test_a_long_reason_is_cut_to_fit() -> None:
+    message = decode(encode(Refused(reason="why " * 10_000)), [])
+    assert isinstance(message, Refused) and len(message.reason) == 1000
+
+
+@pytest.mark.parametrize(
+    ("frame", "words"),
+    [
+        (b"rc", "a truncated frame: 2 bytes, shorter than the 8-byte header"),
+        (b"GET / HTTP/1.1\r\n\r\n", "not a fork server's frame (it begins b'GE', not b'rc')"),
+        (HEADER.pack(b"rc", 2, Exited.KIND, 2) + b"{}", "a frame of version 2; this side speaks 1"),
+        (HEADER.pack(b"rc", 1, 99, 2) + b"{}", "a message of kind 99, where"),
+        (_frame(Exited, b"\x80"), "Exited: its body is not JSON"),
+        (_frame(Exited, b"[" * 100_0 + b"]" * 100_0), "Exited: its body is not"),
+        (_frame(Exited, b'"code"'), "Exited: its body is not a JSON object"),
+        (_frame(Exited, b"{}"), "Exited: its field 'code' is missing"),
+        (_frame(Exited, b'{"code": "1"}'), "Exited: its field 'code' is not an integer"),
+        (_frame(Exited, b'{"code": true}'), "Exited: its field 'code' is not an integer"),
+        (_frame(Exited, b'{"code": 1, "more": 2}'), "Exited: no field 'more'"),
+        (
+            _frame(EnterFailed, b'{"reason": "x", "mount": 1}'),
+            "EnterFailed: its field 'mount' is not true or",
+        ),
+    ],
+)
+def test_a_malformed_frame_is_refused_in_words_that_name_the_problem(
+    pair: tuple[socket.socket, socket.socket], frame: bytes, words: str
+) -> None:
+    ours, theirs = pair
+    theirs.send(frame)
+    assert _error(ours).startswith(words)
+
+
+def test_a_message_of_a_kind_not_expected_is_refused(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, theirs = pair
+    send(theirs, Exited(code=0))
+    assert _error(ours, (Forked, Entered)) == "a message of kind Exited, where Forked or Entered was expected"
+
+
+@pytest.mark.parametrize(("count", "words"), [(0, "came with 0 descriptors, it carries 1"), (2, "carries 1")])
+def test_descriptors_that_do_not_match_the_kind_are_refused_and_closed(
+    pair: tuple[socket.socket, socket.socket], count: int, words: str
+) -> None:
+    ours, theirs = pair
+    before = _open_fds()
+    _sent_with(theirs, encode(Forked(pid=1)), count)
+    assert words in _error(ours)
+    assert _open_fds() == before
+
+
+def test_descriptors_lost_on_the_way_are_refused_and_those_that_came_closed(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    before = _open_fds()
+    _sent_with(theirs, encode(Forked(pid=1)), 9)  # more than the receiver has room for: MSG_CTRUNC
+    assert _error(ours, (Forked,)).startswith("descriptors were lost on the way")
+    assert _open_fds() == before
+
+
+def test_a_client_whose_cgroups_do_not_add_up_is_refused(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, theirs = pair
+    client = ExecutorClient(uid=1, gid=1, umask=0o22, limits=[[7, 64]], cgroups=3)
+    _sent_with(theirs, encode(client), 2)
+    assert _error(ours) == "ExecutorClient: came with 2 descriptors, which its fields do not account for"
+    with pytest.raises(WireError, match="do not account for 2"):
+        send(theirs, client, [0, 1])
+
+
+def test_a_peer_gone_is_an_end_of_file_not_an_error(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, theirs = pair
+    theirs.close()
+    got = receive_now(ours, ALL)
+    assert got.ended and got.message is None and got.error is None
