@@ -208,6 +208,13 @@ def command(
             "nooa: the one 'rollcage harness install nooa' made."
         ),
     ] = None,
+    image: Annotated[
+        str | None,
+        typer.Option(
+            help="Task image for rows whose sandbox names none (docker://HOST/NAME:TAG, oci:PATH, "
+            "docker-archive:PATH, dir:PATH): agent code runs in a copy-on-write root of it (root only)."
+        ),
+    ] = None,
     grade_timeouts: Annotated[bool, typer.Option(help="Grade results of rollouts that timed out.")] = False,
     resume_rollouts: Annotated[
         bool,
@@ -302,6 +309,7 @@ def command(
             environment=environment,
             harness=run_harness,
             harness_env=harness_env,
+            image=image,
         )
     except ValidationError as exc:
         raise typer.BadParameter(describe_validation_error(exc)) from exc

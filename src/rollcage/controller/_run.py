@@ -61,10 +61,18 @@ from rollcage.controller._unit import (
     record_without_result,
     set_aside,
     set_aside_earlier,
+    task_image,
 )
-from rollcage.errors import ConfigError, DurableWriteError, SandboxError
+from rollcage.errors import ConfigError, DurableWriteError, RollcageError, SandboxError
 from rollcage.procs import shielded
-from rollcage.protocol import HarnessEnvironment, ModelEndpoint, RolloutRecord, RunMetrics
+from rollcage.protocol import (
+    HarnessEnvironment,
+    ImageSandbox,
+    ModelEndpoint,
+    PythonToolSpec,
+    RolloutRecord,
+    RunMetrics,
+)
 
 __all__ = [
     "EXIT_ALL_GRADER_ERRORS",
@@ -191,6 +199,10 @@ class _Scan:
     invalid_count: int = 0
     environments: dict[str, EnvironmentRef] = field(default_factory=dict)
     harnesses: set[str] = field(default_factory=set)
+    images: dict[str, Task] = field(default_factory=dict)
+    """Each task image the rows use, with the first row using it (named when it is refused)."""
+    python_images: dict[str, Task] = field(default_factory=dict)
+    """Each task image a row runs Python in (the python tool, codeact), with the first such row."""
 
 
 class _Slots:
@@ -291,6 +303,9 @@ class Controller:
         self._last_publish = 0.0
         self._endpoints: Endpoints | None = None
         self._harness_envs: dict[str, HarnessEnvironment | None] = {}
+        self._images: dict[str, ImageSandbox] = {}
+        self._image_leases = contextlib.ExitStack()
+        """The store leases of the run's images: held until the run ends, so no prune removes one."""
         self._log: RecordLog | None = None
         self._out = config.out
         # metrics.json is written only once earlier records are folded in: before that a
@@ -355,6 +370,7 @@ class Controller:
                 self._check_open_files()
             self._harness_envs = await asyncio.to_thread(self._resolve_harnesses)
             await asyncio.to_thread(self._check_sandbox)
+            await asyncio.to_thread(self._prepare_images)
             lock_fd = await asyncio.to_thread(self._lock_out_dir)
             await asyncio.to_thread(self._kill_leftovers)
             await asyncio.to_thread(self._sweep_leftovers)
@@ -378,6 +394,7 @@ class Controller:
                 os.close(lock_fd)
             if self._dataset is not None:
                 self._dataset.close()
+            self._image_leases.close()
         return self.summary()
 
     # ------------------------------------------------------------------ stages
@@ -405,6 +422,11 @@ class Controller:
                 scan.environments.setdefault(item.environment.key, item.environment)
             harness = item.row.agent.harness or self.config.harness
             scan.harnesses.add("builtin" if harness is None else harness.type)
+            image = task_image(item, self.config.image)
+            if image is not None:
+                scan.images.setdefault(image, item)
+                if item.row.agent.mode == "codeact" or any(isinstance(t, PythonToolSpec) for t in item.tools):
+                    scan.python_images.setdefault(image, item)
         return scan
 
     def _resolve_harnesses(self) -> dict[str, HarnessEnvironment | None]:
@@ -439,6 +461,48 @@ class Controller:
             build_supervisor_config(self.config.rollout_settings()).sandbox.launcher().check()
         except SandboxError as exc:
             raise ConfigError(str(exc)) from exc
+
+    def _prepare_images(self) -> None:
+        """Pull and unpack each task image the rows use, once, and lease it for the run (blocking).
+
+        Raises:
+            ConfigError: An image cannot be used here, or a row runs Python in an image without
+                ``python3``: one line naming the first row concerned; nothing has run.
+        """
+        if not self._scan.images:
+            return
+        first = next(iter(self._scan.images.values()))
+        if self.config.sandbox != "bwrap":
+            raise ConfigError(
+                f"line {first.line} (task {first.id}): a task image needs the bwrap sandbox, not --sandbox "
+                f"{self.config.sandbox}"
+            )
+        if isinstance(self.config.backend, LocalBackendConfig) and os.geteuid() != 0:
+            raise ConfigError(
+                f"line {first.line} (task {first.id}): a task image needs rollcage to run as root, which "
+                "mounts each rollout's copy-on-write root (bubblewrap 0.8 has no --overlay); run as root"
+            )
+        from rollcage.cage import image_environment
+        from rollcage.images import ImageStore, find_program, image_sandbox
+
+        store = ImageStore()
+        for ref, task in self._scan.images.items():
+            where = f"line {task.line} (task {task.id}): image {ref}"
+            try:
+                prepared = store.prepare(ref)
+                self._image_leases.enter_context(store.lease(prepared))
+                sandbox = image_sandbox(prepared)
+            except RollcageError as exc:
+                raise ConfigError(f"{where}: {exc}") from exc
+            python = self._scan.python_images.get(ref)
+            search = image_environment(sandbox)["PATH"]
+            if python is not None and find_program(sandbox.root, "python3", search) is None:
+                raise ConfigError(
+                    f"line {python.line} (task {python.id}): image {ref} has no python3 on its PATH "
+                    f"({search}), so the python tool (and codeact) cannot run in it: offer bash instead"
+                )
+            self._images[ref] = sandbox
+            self._reporter.notice(f"Image {ref}: {prepared.root}")
 
     def _rows(self) -> Iterator[Task | InvalidRow]:
         if self._given is not None:
@@ -551,6 +615,8 @@ class Controller:
                 environments=environments,
                 harness=self.config.harness,
                 harness_envs=self._harness_envs,
+                images=self._images,
+                image=self.config.image,
             )
             backend = self._backend or self.config.backend.build(self.config.rollout_settings())
             async with backend, RecordLog(self._out / "rollouts.jsonl") as log:

@@ -46,7 +46,14 @@ from pydantic import ValidationError
 
 from rollcage.cage import launcher
 from rollcage.durable import publish_bytes, publish_json, read_journal, sweep_temp_artifacts
-from rollcage.errors import ConfigError, HeaderValueError, JournalCorruptError, RollcageError, SupervisorError
+from rollcage.errors import (
+    ConfigError,
+    HeaderValueError,
+    JournalCorruptError,
+    RollcageError,
+    SandboxError,
+    SupervisorError,
+)
 from rollcage.harness import GRACE_ENV, RELAY_FD_ENV, CaptureJournal
 from rollcage.headers import header_value
 from rollcage.procs import (
@@ -84,6 +91,7 @@ from rollcage.supervisor.budgets import (
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
+from rollcage.supervisor.imageroot import ImageRoot, mount_image_root
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.pacing import START_HOLD_S, start_gate
 from rollcage.supervisor.proxy import MODEL_PREFIX, EgressProxy, identity_headers, routes_for, sandbox_input
@@ -339,6 +347,8 @@ class _Supervision:
         self.warm_task: asyncio.Task[None] | None = None
         self.template: Template | None = None
         """The warm template this rollout's worker is forked from (its bytecode cache's); ``None``: cold."""
+        self.image_root: ImageRoot | None = None
+        """An image rollout's mounted copy-on-write root (:mod:`rollcage.supervisor.imageroot`)."""
 
     # ----------------------------------------------------------------- check and prepare
 
@@ -541,6 +551,10 @@ class _Supervision:
                 # launch copies and reads again, then holds one mount per rollout in flight, not three.
                 in_cage = self.template is not None and cage_mounts()
                 scratch = await asyncio.to_thread(self._prepare_budgets, self.budgets, in_cage)
+                if self.original.image is not None:
+                    self.image_root = await asyncio.to_thread(
+                        mount_image_root, self.original.image, self.layout.root, self.launcher.owner
+                    )
                 self.plan = plan = self.launcher.plan(
                     self.layout,
                     worker_command=command,
@@ -553,8 +567,13 @@ class _Supervision:
                     worker_journal=self.journal is None,
                     pass_fds=() if relay_write is None else (relay_write,),
                     warm_cgroups=self.budgets.cgroup_procs() if self.template is not None else None,
+                    image_root=self.image_root.merged if self.image_root is not None else None,
                 )
             else:
+                if self.original.image is not None:
+                    raise SandboxError(
+                        "an image rollout needs the bwrap sandbox (--sandbox none has no cage)"
+                    )
                 self.plan = plan = self.launcher.plan(
                     self.layout,
                     worker_command=command,
@@ -731,6 +750,9 @@ class _Supervision:
             # bubblewrap from a mount namespace without the other rollouts' mounts (rollcage.cage's
             # launcher): its launch then costs the same however many rollouts are in flight.
             binds = self.budgets.launch_binds() if plan.sandbox == "bwrap" and self.budgets else None
+            if binds is not None and self.image_root is not None:
+                copy = self.image_root.launch_copy
+                binds = None if copy is None else [*binds, (copy, str(self.image_root.merged))]
             self.child = launcher().run(spawn, binds, timeout_s=_LAUNCH_TIMEOUT_S, late=ChildProcess.abandon)
             if warm is not None:
                 warm.spawned()
@@ -939,6 +961,9 @@ class _Supervision:
             if self.private_dir is not None:
                 with contextlib.suppress(OSError):
                     os.rmdir(self.private_dir)
+            if self.image_root is not None:
+                # Once nothing runs in it: unmounted, image.json written, changes/ kept as evidence.
+                await asyncio.to_thread(self.image_root.finish)
         return await asyncio.to_thread(self._conclude, status, confirmed, killed)
 
     def _conclude(self, status: ExitStatus | None, confirmed: bool, killed: int) -> SupervisorReceipt:
