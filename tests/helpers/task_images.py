@@ -128,8 +128,10 @@ def _layer(python: bool) -> bytes:
     return buffer.getvalue()
 
 
-def make_task_image(directory: Path, *, python: bool, user: str = "") -> TaskImage:
+def make_task_image(
+    directory: Path, *, python: bool, user: str = "", working_dir: str = WORKING_DIR
+) -> TaskImage:
     """Write a task image (see the module docstring) as an OCI layout in ``directory``."""
-    image = Image([_layer(python)], env=list(ENV), working_dir=WORKING_DIR, user=user, compress=False)
+    image = Image([_layer(python)], env=list(ENV), working_dir=working_dir, user=user, compress=False)
     image.write_oci(directory, tag="1")
-    return TaskImage(f"oci:{directory}:1", tuple(ENV), WORKING_DIR, python)
+    return TaskImage(f"oci:{directory}:1", tuple(ENV), working_dir, python)

@@ -260,9 +260,14 @@ def _mount(image: ImageSandbox, rollout_dir: Path, owner: tuple[int, int]) -> Im
     for place in MOUNT_POINTS:
         (skeleton / place).mkdir(mode=0o755, parents=True, exist_ok=True)
     os.chmod(scratch, 0o711)  # the sandbox's uid passes through to the merged root; nothing else
-    # The upper's top directory is the merged root's "/": the image root's mode, the image user's.
+    # The upper's top directory is the merged root's "/": the image root's mode, and its owner as the
+    # id-mapped lower shows it (the sandbox's uid where the image's user owns it, else host root's: nobody).
     st = os.stat(image.root)
-    os.chown(upper, *owner)
+    os.chown(
+        upper,
+        owner[0] if st.st_uid == image.uid else 0,
+        owner[1] if st.st_gid == image.gid else 0,
+    )
     os.chmod(upper, st.st_mode & 0o7777)
     userns = _mapping_namespace((image.uid, image.gid), owner)
     fd = _idmapped_copy(image.root, userns)
