@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,13 +51,13 @@ def _libraries(program: str) -> list[str]:
     for line in out.splitlines():
         parts = line.split()
         path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
-        if path.startswith("/"):
+        if path.startswith("/") and os.path.exists(path):
             found.append(path)
     return found
 
 
 def _filter(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-    if any(part in _SKIP_STDLIB for part in Path(info.name).parts):
+    if any(part in _SKIP_STDLIB for part in Path(info.name).parts) or ".opt-" in info.name:
         return None
     info.uid = info.gid = 0
     info.uname = info.gname = ""
@@ -64,7 +65,7 @@ def _filter(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
     return info
 
 
-def _layer(python: bool) -> bytes:
+def _layer(python: bool, programs: Sequence[str]) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
 
@@ -85,6 +86,7 @@ def _layer(python: bool) -> bytes:
             tar.addfile(info)
 
         made: set[str] = set()
+        libraries: set[str] = set()
 
         def parents(path: str) -> None:
             parts = path.strip("/").split("/")[:-1]
@@ -116,7 +118,10 @@ def _layer(python: bool) -> bytes:
         text("work/marker.txt", MARKER)
         if python:
             executable = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-            libraries = {*_libraries("/bin/bash"), *_libraries(executable)}
+            libraries |= {*_libraries("/bin/bash"), *_libraries(executable)}
+            dynload = Path(sysconfig.get_paths()["stdlib"]) / "lib-dynload"
+            for module in sorted(dynload.glob("*.so")):  # ctypes needs libffi, ssl libssl...
+                libraries |= set(_libraries(str(module)))
             host_file("/bin/bash", "/bin/bash")
             host_file(executable)
             for library in sorted(libraries):
@@ -125,13 +130,28 @@ def _layer(python: bool) -> bytes:
             parents(stdlib.lstrip("/") + "/x")
             tar.add(stdlib, arcname=stdlib.lstrip("/"), filter=_filter)
             link("usr/bin/python3", executable)
+        for program in programs:
+            for library in sorted(set(_libraries(program)) - libraries):
+                host_file(library)
+                libraries.add(library)
+            host_file(program)
     return buffer.getvalue()
 
 
 def make_task_image(
-    directory: Path, *, python: bool, user: str = "", working_dir: str = WORKING_DIR
+    directory: Path,
+    *,
+    python: bool,
+    user: str = "",
+    working_dir: str = WORKING_DIR,
+    programs: Sequence[str] = (),
 ) -> TaskImage:
-    """Write a task image (see the module docstring) as an OCI layout in ``directory``."""
-    image = Image([_layer(python)], env=list(ENV), working_dir=working_dir, user=user, compress=False)
+    """Write a task image (see the module docstring) as an OCI layout in ``directory``.
+
+    ``programs``: more host programs, with their libraries, at their host paths (made inert: no
+    setuid bit survives a test image, nor the store).
+    """
+    layer = _layer(python, programs)
+    image = Image([layer], env=list(ENV), working_dir=working_dir, user=user, compress=False)
     image.write_oci(directory, tag="1")
     return TaskImage(f"oci:{directory}:1", tuple(ENV), working_dir, python)

@@ -27,6 +27,7 @@ from rollcage.durable import read_journal
 from rollcage.errors import ConfigError
 from rollcage.policy import PolicyServer
 from rollcage.protocol import RolloutRecord, WorkerResult
+from rollcage.supervisor import BwrapSandbox
 from tests.helpers.oci import snapshot
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.task_images import MARKER, OS_RELEASE, TaskImage, make_task_image
@@ -163,6 +164,20 @@ def test_the_store_is_never_written_by_a_rollout(
     assert _outputs(records[0])[-1].strip().endswith("ok")
     assert snapshot(roots) == before
     assert (Path(records[0].rollout_dir) / "changes" / "new").is_dir()
+
+
+def test_writes_in_the_image_root_are_bounded_like_the_workspace(
+    tmp_path: Path, store: Path, python_image: TaskImage
+) -> None:
+    rows = [{"id": "fill", "input": "x", "tools": ["bash"], "sandbox": {"image": python_image.ref}}]
+    command = "dd if=/dev/zero of=/usr/fill bs=1M count=64 2>&1; echo rc=$?"
+    call = {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]}
+    script = {"tasks": {"*": [call, {"text": "d"}]}}
+    records, _ = _run(tmp_path / "run", rows, script, bwrap=BwrapSandbox(workspace_bytes=8 << 20))
+    out = _outputs(records[0])[0]
+    assert "No space left on device" in out and "rc=1" in out, out
+    kept = Path(records[0].rollout_dir) / "changes" / "usr" / "fill"
+    assert kept.stat().st_size <= 8 << 20
 
 
 def test_the_run_image_is_the_default_and_a_row_user_is_the_images(

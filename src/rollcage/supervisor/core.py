@@ -552,8 +552,17 @@ class _Supervision:
                 in_cage = self.template is not None and cage_mounts()
                 scratch = await asyncio.to_thread(self._prepare_budgets, self.budgets, in_cage)
                 if self.original.image is not None:
+                    sandbox = self.config.sandbox
                     self.image_root = await asyncio.to_thread(
-                        mount_image_root, self.original.image, self.layout.root, self.launcher.owner
+                        functools.partial(
+                            mount_image_root,
+                            self.original.image,
+                            self.layout.root,
+                            self.launcher.owner,
+                            # What the rollout writes in the image counts as its workspace does.
+                            max_bytes=sandbox.workspace_bytes,
+                            max_inodes=sandbox.workspace_inodes,
+                        )
                     )
                 self.plan = plan = self.launcher.plan(
                     self.layout,

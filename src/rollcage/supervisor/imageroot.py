@@ -2,8 +2,11 @@
 
 Layout, in the rollout directory ``R``::
 
-    R/changes/          the overlay's upper: every file the rollout wrote, whiteouts for deletions
-    R/.image/work/      overlayfs's scratch (same file system as changes/), removed at the end
+    R/changes/          the overlay's upper once the rollout ended: every file it wrote, whiteouts
+                        (0:0 character devices) for deletions, trusted.overlay.opaque on opaque dirs
+    R/.image/fs/        a tmpfs bounded like the workspace (workspace_bytes, workspace_inodes),
+                        holding upper/ and work/ while the rollout runs; upper/ is copied to
+                        changes/ at the end
     R/.image/lower/     where the id-mapped image is attached while the overlay is mounted
     R/.image/skel/      a lower layer above the image holding only mount points (see below)
     R/.image/root/      the merged root, bound into the worker's sandbox at IMAGE_ROOT
@@ -21,6 +24,9 @@ The mount points the agent's cage binds over the image (``/proc``, ``/dev``, ``/
 workspace, ``/rollout/workspace``, bound there as for a rollout without an image) come from a small
 layer above the image, so that bubblewrap finds them made and never writes them into ``changes/``.
 
+The upper is bounded: a rollout writes into the image's root what it writes into its workspace, at
+most as much (ENOSPC past it), on a file system of its own that costs O(bytes written).
+
 Mounting needs root (bubblewrap 0.8 has no ``--overlay``); a supervisor that is not root refuses
 an image rollout with one line.
 """
@@ -34,6 +40,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -190,7 +197,7 @@ class ImageRoot:
         return self.rollout_dir / "changes"
 
     def finish(self) -> None:
-        """Unmount, write ``image.json``, remove the scratch; ``changes/`` stays (idempotent)."""
+        """Unmount, keep the writes in ``changes/``, write ``image.json``, remove the scratch (idempotent)."""
         if self.launch_copy is not None:
             os.close(self.launch_copy)
             self.launch_copy = None
@@ -210,20 +217,102 @@ class ImageRoot:
 def release_image_root(rollout_dir: Path) -> None:
     """Unmount a rollout's image root (left by this or a killed supervisor) and remove its scratch.
 
-    ``changes/`` is kept: it is the rollout's evidence.
+    What the rollout wrote is copied into ``changes/`` first (once: a ``changes/`` already there is
+    whole), the rollout's evidence.
     """
     scratch = rollout_dir / ".image"
     if not scratch.is_dir():
         return
     for place in ("root", "lower"):
         _unmount(scratch / place)
+    fs = scratch / "fs"
+    changes = rollout_dir / "changes"
+    if (fs / "upper").is_dir() and not changes.exists():
+        partial = rollout_dir / ".changes.partial"
+        if partial.exists():
+            shutil.rmtree(partial)
+        copy_changes(fs / "upper", partial)
+        os.rename(partial, changes)
+    _unmount(fs)
+    for place in ("root", "lower", "fs"):
         if os.path.ismount(scratch / place):
-            # Never walk into a root still mounted: what is under it is the image's.
-            raise SandboxError(f"the image root at {scratch / place} is still mounted; it was left in place")
+            # Never walk into a file system still mounted: under root/ and lower/ is the image.
+            raise SandboxError(f"{scratch / place} is still mounted; the rollout's image scratch was left")
     shutil.rmtree(scratch)
 
 
-def mount_image_root(image: ImageSandbox, rollout_dir: Path, owner: tuple[int, int] | None) -> ImageRoot:
+_OPAQUE: Final = "trusted.overlay.opaque"
+
+
+def copy_changes(upper: Path, dest: Path) -> None:
+    """Copy an overlay upper directory to ``dest`` as overlayfs wrote it (links never followed).
+
+    Kept: directories, regular files, symbolic links, FIFOs, whiteouts (0:0 character devices),
+    modes, owners, modification times and the opaque-directory mark. Any other device is skipped
+    (overlayfs writes none; agent code in its cage cannot make one).
+    """
+    os.mkdir(dest, 0o700)
+    _copy_meta(upper, dest, os.lstat(upper))
+    stack = [(upper, dest)]
+    while stack:
+        source, target = stack.pop()
+        with os.scandir(source) as entries:
+            for entry in entries:
+                src, dst = Path(entry.path), target / entry.name
+                st = os.lstat(src)
+                mode = st.st_mode
+                if stat.S_ISDIR(mode):
+                    os.mkdir(dst, 0o700)
+                    stack.append((src, dst))
+                elif stat.S_ISREG(mode):
+                    _copy_file(src, dst)
+                elif stat.S_ISLNK(mode):
+                    os.symlink(os.readlink(src), dst)
+                elif stat.S_ISCHR(mode) and st.st_rdev == 0:
+                    os.mknod(dst, stat.S_IFCHR | 0o000, 0)
+                elif stat.S_ISFIFO(mode):
+                    os.mkfifo(dst, 0o600)
+                else:
+                    continue
+                _copy_meta(src, dst, st)
+    # Directories' times last: making their entries changed them.
+    for dirpath, _, _ in os.walk(upper):
+        relative = os.path.relpath(dirpath, upper)
+        st = os.lstat(dirpath)
+        os.utime(dest / relative, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            while os.sendfile(out, fd, None, 1 << 24):
+                pass
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+
+
+def _copy_meta(src: Path, dst: Path, st: os.stat_result) -> None:
+    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+        with contextlib.suppress(OSError):
+            os.setxattr(dst, _OPAQUE, os.getxattr(src, _OPAQUE, follow_symlinks=False), follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def mount_image_root(
+    image: ImageSandbox,
+    rollout_dir: Path,
+    owner: tuple[int, int] | None,
+    *,
+    max_bytes: int | None = None,
+    max_inodes: int | None = None,
+) -> ImageRoot:
     """Mount ``image`` copy-on-write for the rollout in ``rollout_dir`` (see the module docstring).
 
     Args:
@@ -231,6 +320,9 @@ def mount_image_root(image: ImageSandbox, rollout_dir: Path, owner: tuple[int, i
         rollout_dir: The rollout directory ``R``.
         owner: ``(uid, gid)`` the sandbox runs as on the host (the two-stage launch); the image's
             user's files are mapped to it.
+        max_bytes: Bound of what the rollout may write in the root (its workspace's); ``None``: the
+            kernel's default for a tmpfs.
+        max_inodes: Bound of the files it may make there; ``None``: the kernel's default.
 
     Raises:
         SandboxError: Not root, no unprivileged sandbox uid, or the kernel refused a step; one line.
@@ -244,19 +336,34 @@ def mount_image_root(image: ImageSandbox, rollout_dir: Path, owner: tuple[int, i
         raise SandboxError(f"the image root {image.root} of {image.ref} is gone (removed from the store?)")
     release_image_root(rollout_dir)  # an earlier, killed attempt's mounts in this directory
     try:
-        return _mount(image, rollout_dir, owner)
+        return _mount(image, rollout_dir, owner, max_bytes, max_inodes)
     except BaseException:
         release_image_root(rollout_dir)
         raise
 
 
-def _mount(image: ImageSandbox, rollout_dir: Path, owner: tuple[int, int]) -> ImageRoot:
+def _mount(
+    image: ImageSandbox,
+    rollout_dir: Path,
+    owner: tuple[int, int],
+    max_bytes: int | None,
+    max_inodes: int | None,
+) -> ImageRoot:
     scratch = rollout_dir / ".image"
     root = ImageRoot(image, rollout_dir)
-    lower, work, merged, upper = scratch / "lower", scratch / "work", root.merged, root.changes
-    skeleton = scratch / "skel"
-    for directory in (lower, work, merged, upper):
+    if root.changes.exists():
+        shutil.rmtree(root.changes)  # an attempt in this directory before (staged again): not this one's
+    fs, lower, merged, skeleton = scratch / "fs", scratch / "lower", root.merged, scratch / "skel"
+    for directory in (lower, merged, fs):
         directory.mkdir(parents=True, exist_ok=True)
+    bounds = "mode=0700" + (f",size={max_bytes}" if max_bytes else "")
+    bounds += f",nr_inodes={max_inodes}" if max_inodes else ""
+    # Its source names it rollcage's: launches leave it out of their base namespace (rollcage.cage).
+    if _libc.mount(b"rollcage-image", os.fsencode(fs), b"tmpfs", _MS_NOSUID | _MS_NODEV, bounds.encode()):
+        raise _fail(f"mounting the bounded file system of the image root at {fs}")
+    upper, work = fs / "upper", fs / "work"
+    upper.mkdir()
+    work.mkdir()
     for place in MOUNT_POINTS:
         (skeleton / place).mkdir(mode=0o755, parents=True, exist_ok=True)
     os.chmod(scratch, 0o711)  # the sandbox's uid passes through to the merged root; nothing else
