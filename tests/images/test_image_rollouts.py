@@ -200,6 +200,41 @@ def test_the_run_image_is_the_default_and_a_row_user_is_the_images(
     assert json.loads((Path(by_task["agent"].rollout_dir) / "image.json").read_text())["user"] == "agent"
 
 
+def test_the_editor_and_a_command_harness_work_in_the_image(
+    tmp_path: Path, store: Path, python_image: TaskImage, busybox_image: TaskImage
+) -> None:
+    editor = "str_replace_based_edit_tool"
+    marker = f"{python_image.working_dir}/marker.txt"
+    command = ["/bin/sh", "-c", "(head -1 /etc/os-release; pwd; echo $TASK_IMAGE_MARK) > made.txt; echo done"]
+    rows = [
+        {"id": "edit", "input": "x", "tools": [editor], "sandbox": {"image": python_image.ref}},
+        {
+            "id": "harness",
+            "input": "x",
+            "tools": [],
+            "agent": {"harness": {"type": "command", "argv": command}},
+            "sandbox": {"image": busybox_image.ref},
+        },
+    ]
+    edit = {"command": "str_replace", "path": marker, "old_str": "in-the", "new_str": "edited-in-the"}
+    calls = [
+        {"tool_calls": [{"name": editor, "arguments": edit}]},
+        {"tool_calls": [{"name": editor, "arguments": {"command": "view", "path": marker}}]},
+        {"text": "d"},
+    ]
+    records, _ = _run(tmp_path / "run", rows, {"tasks": {"edit": calls}})
+    by_task = {r.task_id: r for r in records}
+    edited, viewed = _outputs(by_task["edit"])
+    assert "edited-in-the-image" in viewed, (edited, viewed)
+    changes = Path(by_task["edit"].rollout_dir) / "changes"
+    assert (changes / marker.lstrip("/")).read_text() == "edited-in-the-image\n"
+    harness = by_task["harness"]
+    assert harness.outcome == "completed", harness.receipt.outcome_reason
+    made = Path(harness.rollout_dir) / "changes" / busybox_image.working_dir.lstrip("/") / "made.txt"
+    seen = made.read_text().splitlines()
+    assert seen == ["ID=rollcage-task-image", busybox_image.working_dir, "from-the-image-env"], seen
+
+
 def test_python_in_an_image_without_python3_is_refused_before_anything_runs(
     tmp_path: Path, store: Path, busybox_image: TaskImage
 ) -> None:

@@ -425,7 +425,9 @@ class Controller:
             image = task_image(item, self.config.image)
             if image is not None:
                 scan.images.setdefault(image, item)
-                if item.row.agent.mode == "codeact" or any(isinstance(t, PythonToolSpec) for t in item.tools):
+                python = item.row.agent.mode == "codeact"
+                python = python or any(isinstance(t, PythonToolSpec) for t in item.tools)
+                if (harness is None or harness.type == "builtin") and python:
                     scan.python_images.setdefault(image, item)
         return scan
 
