@@ -97,8 +97,9 @@ def _outputs(record: RolloutRecord) -> list[str]:
     return [call.output for call in result.trajectory.tool_calls]
 
 
+@pytest.mark.parametrize("start", ["warm", "cold"])
 def test_bash_and_python_see_the_image_and_their_writes_land_in_changes(
-    tmp_path: Path, store: Path, python_image: TaskImage
+    tmp_path: Path, store: Path, python_image: TaskImage, start: str
 ) -> None:
     host = tmp_path / "host-only"
     host.mkdir()
@@ -118,7 +119,7 @@ def test_bash_and_python_see_the_image_and_their_writes_land_in_changes(
             ]
         }
     }
-    records, _ = _run(tmp_path / "run", rows, script)
+    records, _ = _run(tmp_path / "run", rows, script, bwrap=BwrapSandbox(worker_start=start))
     (record,) = records
     assert record.outcome == "completed", record.receipt.outcome_reason
     bash, python = _outputs(record)
@@ -247,6 +248,10 @@ def test_python_in_an_image_without_python3_is_refused_before_anything_runs(
     message = str(refused.value)
     assert "line 2 (task py)" in message and "python3" in message and "\n" not in message
     assert not (tmp_path / "run" / "out" / "rollouts").exists()
+    rows[1] = {"id": "sh", "input": "x", "tools": ["bash"], "sandbox": {"image": busybox_image.ref}}
+    rows[0]["id"] = "quiet"
+    with pytest.raises(ConfigError, match=r"line 2 \(task sh\): image .* has no /bin/bash .* the bash tool"):
+        _run(tmp_path / "run2", rows, {"tasks": {"*": [{"text": "d"}]}})
 
 
 def test_a_bad_image_reference_is_refused_up_front_naming_the_row(tmp_path: Path, store: Path) -> None:

@@ -66,6 +66,8 @@ from rollcage.controller._unit import (
 from rollcage.errors import ConfigError, DurableWriteError, RollcageError, SandboxError
 from rollcage.procs import shielded
 from rollcage.protocol import (
+    BashToolSpec,
+    EditorToolSpec,
     HarnessEnvironment,
     ImageSandbox,
     ModelEndpoint,
@@ -201,8 +203,20 @@ class _Scan:
     harnesses: set[str] = field(default_factory=set)
     images: dict[str, Task] = field(default_factory=dict)
     """Each task image the rows use, with the first row using it (named when it is refused)."""
-    python_images: dict[str, Task] = field(default_factory=dict)
-    """Each task image a row runs Python in (the python tool, codeact), with the first such row."""
+    image_needs: dict[tuple[str, str], tuple[Task, str]] = field(default_factory=dict)
+    """(image, program) -> the first row that runs the program in the image, and what for."""
+
+
+def _programs_needed(task: Task) -> list[tuple[str, str]]:
+    """The programs the builtin loop runs in a task's image for its tools: (program, what for)."""
+    needed = []
+    if task.row.agent.mode == "codeact" or any(isinstance(t, PythonToolSpec) for t in task.tools):
+        needed.append(("python3", "the python tool (and codeact)"))
+    if any(isinstance(t, BashToolSpec) for t in task.tools):
+        needed.append(("/bin/bash", "the bash tool"))
+    if any(isinstance(t, EditorToolSpec) for t in task.tools):
+        needed.append(("python3", "the file editor"))
+    return needed
 
 
 class _Slots:
@@ -425,10 +439,9 @@ class Controller:
             image = task_image(item, self.config.image)
             if image is not None:
                 scan.images.setdefault(image, item)
-                python = item.row.agent.mode == "codeact"
-                python = python or any(isinstance(t, PythonToolSpec) for t in item.tools)
-                if (harness is None or harness.type == "builtin") and python:
-                    scan.python_images.setdefault(image, item)
+                if harness is None or harness.type == "builtin":
+                    for program, what in _programs_needed(item):
+                        scan.image_needs.setdefault((image, program), (item, what))
         return scan
 
     def _resolve_harnesses(self) -> dict[str, HarnessEnvironment | None]:
@@ -468,8 +481,9 @@ class Controller:
         """Pull and unpack each task image the rows use, once, and lease it for the run (blocking).
 
         Raises:
-            ConfigError: An image cannot be used here, or a row runs Python in an image without
-                ``python3``: one line naming the first row concerned; nothing has run.
+            ConfigError: An image cannot be used here, or a row runs a tool in an image that lacks
+                its program (the python tool, codeact and the editor need ``python3``, bash
+                ``/bin/bash``): one line naming the first row concerned; nothing has run.
         """
         if not self._scan.images:
             return
@@ -484,6 +498,11 @@ class Controller:
                 f"line {first.line} (task {first.id}): a task image needs rollcage to run as root, which "
                 "mounts each rollout's copy-on-write root (bubblewrap 0.8 has no --overlay); run as root"
             )
+        if self.config.bwrap.executor_cage != "bwrap":
+            raise ConfigError(
+                f"line {first.line} (task {first.id}): a task image needs agent code in a cage of its own "
+                f"(executor_cage 'bwrap', not {self.config.bwrap.executor_cage!r})"
+            )
         from rollcage.cage import image_environment
         from rollcage.images import ImageStore, find_program, image_sandbox
 
@@ -496,13 +515,16 @@ class Controller:
                 sandbox = image_sandbox(prepared)
             except RollcageError as exc:
                 raise ConfigError(f"{where}: {exc}") from exc
-            python = self._scan.python_images.get(ref)
             search = image_environment(sandbox)["PATH"]
-            if python is not None and find_program(sandbox.root, "python3", search) is None:
-                raise ConfigError(
-                    f"line {python.line} (task {python.id}): image {ref} has no python3 on its PATH "
-                    f"({search}), so the python tool (and codeact) cannot run in it: offer bash instead"
-                )
+            for (image, program), (needer, what) in self._scan.image_needs.items():
+                if image != ref:
+                    continue
+                where_found = os.path.dirname(program) if "/" in program else search
+                if find_program(sandbox.root, os.path.basename(program), where_found) is None:
+                    raise ConfigError(
+                        f"line {needer.line} (task {needer.id}): image {ref} has no {program} "
+                        f"(looked in {where_found}), so {what} cannot run in it"
+                    )
             self._images[ref] = sandbox
             self._reporter.notice(f"Image {ref}: {prepared.root}")
 
