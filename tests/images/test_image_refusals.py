@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,13 @@ def test_the_supervisor_refuses_to_mount_an_image_root_without_root(tmp_path: Pa
         mount_image_root(image, tmp_path / "rollout", None)
     assert "\n" not in str(refused.value)
     assert not (tmp_path / "rollout" / ".image").exists()
+
+
+def test_a_bad_run_image_is_refused_by_the_command_line(tmp_path: Path) -> None:
+    dataset = tmp_path / "dataset.jsonl"
+    dataset.write_text('{"id": "a", "input": "x"}\n')
+    args = [sys.executable, "-m", "rollcage", "run", str(dataset), "--image", "podman://x", "--quiet"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "unknown transport 'podman'" in done.stderr
+    assert not (tmp_path / "dataset-out").exists() and not list(tmp_path.glob("*/rollouts"))
