@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollcage.controller import Controller, RunConfig
+from rollcage.controller import Controller, RayBackendConfig, RunConfig
 from rollcage.errors import ConfigError, SandboxError
 from rollcage.protocol import ImageSandbox
 from rollcage.supervisor.imageroot import mount_image_root
@@ -40,6 +40,12 @@ def test_a_task_image_without_root_is_refused_naming_the_row(
     message = str(refused.value)
     assert "line 2 (task imaged)" in message and "root" in message and "\n" not in message
     assert not (tmp_path / "b" / "out" / "rollouts").exists()
+
+
+def test_a_task_image_with_the_ray_backend_is_refused_for_now(tmp_path: Path) -> None:
+    config = _config(tmp_path, backend=RayBackendConfig(address="ray://127.0.0.1:1"))
+    with pytest.raises(ConfigError, match=r"line 2 \(task imaged\): task images run with the local backend"):
+        asyncio.run(Controller(config).run())
 
 
 def test_the_supervisor_refuses_to_mount_an_image_root_without_root(tmp_path: Path) -> None:

@@ -493,7 +493,13 @@ class Controller:
                 f"line {first.line} (task {first.id}): a task image needs the bwrap sandbox, not --sandbox "
                 f"{self.config.sandbox}"
             )
-        if isinstance(self.config.backend, LocalBackendConfig) and os.geteuid() != 0:
+        if not isinstance(self.config.backend, LocalBackendConfig):
+            # Each node needs the image in its own store (issue 39, item 7): not there yet.
+            raise ConfigError(
+                f"line {first.line} (task {first.id}): task images run with the local backend only "
+                "for now (the image is prepared in this machine's store)"
+            )
+        if os.geteuid() != 0:
             raise ConfigError(
                 f"line {first.line} (task {first.id}): a task image needs rollcage to run as root, which "
                 "mounts each rollout's copy-on-write root (bubblewrap 0.8 has no --overlay); run as root"
