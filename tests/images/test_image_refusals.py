@@ -42,6 +42,17 @@ def test_a_task_image_without_root_is_refused_naming_the_row(
     assert not (tmp_path / "b" / "out" / "rollouts").exists()
 
 
+def test_the_jupyter_executor_in_a_task_image_is_refused_naming_the_row(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    rows = [json.loads(line) for line in config.dataset.read_text().splitlines()]  # type: ignore[union-attr]
+    rows[1].update(tools=["python"], executor={"backend": "jupyter"})
+    config.dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))  # type: ignore[union-attr]
+    if os.geteuid() != 0:
+        pytest.skip("refused for want of root first")
+    with pytest.raises(ConfigError, match=r"line 2 \(task imaged\): the jupyter executor cannot run"):
+        asyncio.run(Controller(config).run())
+
+
 def test_a_task_image_with_the_ray_backend_is_refused_for_now(tmp_path: Path) -> None:
     config = _config(tmp_path, backend=RayBackendConfig(address="ray://127.0.0.1:1"))
     with pytest.raises(ConfigError, match=r"line 2 \(task imaged\): task images run with the local backend"):

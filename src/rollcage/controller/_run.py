@@ -205,6 +205,8 @@ class _Scan:
     """Each task image the rows use, with the first row using it (named when it is refused)."""
     image_needs: dict[tuple[str, str], tuple[Task, str]] = field(default_factory=dict)
     """(image, program) -> the first row that runs the program in the image, and what for."""
+    image_jupyter: Task | None = None
+    """The first row that asks for the jupyter executor in an image (which has no ipykernel)."""
 
 
 def _programs_needed(task: Task) -> list[tuple[str, str]]:
@@ -442,6 +444,8 @@ class Controller:
                 if harness is None or harness.type == "builtin":
                     for program, what in _programs_needed(item):
                         scan.image_needs.setdefault((image, program), (item, what))
+                        if program == "python3" and item.row.executor.backend == "jupyter":
+                            scan.image_jupyter = scan.image_jupyter or item
         return scan
 
     def _resolve_harnesses(self) -> dict[str, HarnessEnvironment | None]:
@@ -508,6 +512,12 @@ class Controller:
             raise ConfigError(
                 f"line {first.line} (task {first.id}): a task image needs agent code in a cage of its own "
                 f"(executor_cage 'bwrap', not {self.config.bwrap.executor_cage!r})"
+            )
+        jupyter = self._scan.image_jupyter
+        if jupyter is not None:
+            raise ConfigError(
+                f"line {jupyter.line} (task {jupyter.id}): the jupyter executor cannot run in a task image "
+                "(it needs ipykernel there); use the repl executor, which needs only the image's python3"
             )
         from rollcage.cage import image_environment
         from rollcage.images import ImageStore, find_program, image_sandbox
