@@ -625,11 +625,18 @@ class _Session:
                 await stack.enter_async_context(resources)
             cells: _Cells | None = None
             swe: _Swe | None = None
+            if spec.image is not None and any(isinstance(t, BashToolSpec) for t in spec.tools):
+                self._image_program("/bin/bash", "the bash tool")
             if any(isinstance(t, BashToolSpec | EditorToolSpec) for t in spec.tools):
                 # In the executor's cage, as cells are; the shell in a session of its own, so the SIGINT
                 # that interrupts a command never reaches the cage's monitor.
                 swe = _Swe(
-                    spec, self.paths.workspace, self._executor_cage(ignore_sigint=False, new_session=True)
+                    spec,
+                    self.paths.workspace,
+                    self._executor_cage(ignore_sigint=False, new_session=True),
+                    python=self._image_program("python3", "the file editor")
+                    if spec.image is not None and any(isinstance(t, EditorToolSpec) for t in spec.tools)
+                    else None,
                 )
                 stack.push_async_callback(swe.aclose)
             agent = Agent(
@@ -649,7 +656,15 @@ class _Session:
                     bridged = {SUBMIT: ["answer"], **{t.name: tool_parameters(t) for t in resource_specs}}
                 # The repl executor starts its cage with SIGINT blocked: no sh to ignore it first.
                 cage = self._executor_cage(ignore_sigint=spec.executor.backend != "repl")
-                cells = _Cells(spec, self.paths.workspace, agent.bridge, bridged, cage)
+                python = None
+                if spec.image is not None:
+                    if spec.executor.backend != "repl":
+                        raise ConfigError(
+                            f"the {spec.executor.backend} executor cannot run in an image "
+                            f"({spec.image.ref}): use the repl backend, which needs only the image's python3"
+                        )
+                    python = self._image_program("python3", "the python tool")
+                cells = _Cells(spec, self.paths.workspace, agent.bridge, bridged, cage, python=python)
                 stack.push_async_callback(cells.aclose)
                 agent.attach_cells(cells)
             try:
@@ -685,6 +700,29 @@ class _Session:
         elif not await self.relay.send(record, after=after):
             self.checkpoint_failures += 1
 
+    def _image_program(self, name: str, needed_by: str) -> str:
+        """The image's ``name`` (on the image's ``PATH``), as agent code's cage sees it.
+
+        Raises:
+            ConfigError: The image has none: ``needed_by`` cannot run in it (said at the start,
+                before the model is asked anything).
+        """
+        from rollcage.cage import IMAGE_ROOT, image_environment
+        from rollcage.images import find_program
+
+        image = self.spec.image
+        assert image is not None
+        search = image_environment(image)["PATH"]
+        # An absolute name is looked for at that place only (bash at /bin/bash, as the bash tool runs it).
+        where = os.path.dirname(name) if "/" in name else search
+        found = find_program(IMAGE_ROOT, os.path.basename(name), where)
+        if found is None:
+            raise ConfigError(
+                f"the image {image.ref} has no {name} on its PATH ({where}), so {needed_by} cannot run "
+                f"in it: offer only tools the image can run (bash needs /bin/bash), or add {name} to it"
+            )
+        return found
+
     def _executor_cage(
         self, *, share_net: bool = False, ignore_sigint: bool = True, new_session: bool = False
     ) -> list[str]:
@@ -694,8 +732,18 @@ class _Session:
         socket) is hidden from the executor; the workspace stays. ``ignore_sigint``: see
         :meth:`rollcage.cage.NestedCage.prefix`, as is ``new_session``.
         """
-        from rollcage.cage import NestedCage
+        from rollcage.cage import NestedCage, image_cage_env, image_prefix
 
+        if self.spec.image is not None:
+            # Agent code in the rollout's image root: nothing of the worker's view is there.
+            return image_prefix(
+                image_cage_env(os.environ),
+                self.spec.image,
+                workspace=str(self.paths.workspace),
+                share_net=share_net,
+                ignore_sigint=ignore_sigint,
+                new_session=new_session,
+            )
         paths = self.paths
         private = [paths.input, paths.result, paths.checkpoint, paths.stop, paths.resume]
         private += [
@@ -778,6 +826,8 @@ class _Cells:
         bridge: Any,
         bridged: dict[str, list[str]],
         cage: list[str],
+        *,
+        python: str | None = None,
     ) -> None:
         from rollcage.tools import make_executor
 
@@ -788,6 +838,7 @@ class _Cells:
             bridged_tools=bridged,
             output_limit=spec.agent.tool_output_limit,
             prefix=cage,
+            python=python,
         )
         self._start: asyncio.Task[None] | None = None
 
@@ -821,7 +872,9 @@ class _Cells:
 class _Swe:
     """The agent's ``bash`` tool and file editor: both in the executor's cage, both closed at the end."""
 
-    def __init__(self, spec: WorkerInput, workspace: Path, cage: list[str]) -> None:
+    def __init__(
+        self, spec: WorkerInput, workspace: Path, cage: list[str], *, python: str | None = None
+    ) -> None:
         from rollcage.tools import FileEditor, ShellSession
 
         editor = next((t for t in spec.tools if isinstance(t, EditorToolSpec)), None)
@@ -836,6 +889,7 @@ class _Swe:
             prefix=cage,
             name=editor.name if editor is not None else "str_replace_based_edit_tool",
             output_limit=spec.agent.tool_output_limit,
+            python=python or sys.executable,
         )
 
     async def run_bash(self, command: str | None, restart: bool, timeout_s: float) -> tuple[ToolStatus, str]:

@@ -321,6 +321,61 @@ def test_inspect_samples_map_target_to_expected_and_choices_to_the_prompt(tmp_pa
     assert isinstance(tool, InvalidRow) and "role: 'tool'" in tool.reason
 
 
+def test_inspect_sandboxes_with_one_docker_image_map_to_the_task_image(tmp_path: Path) -> None:
+    (tmp_path / "compose.yaml").write_text("services:\n  default:\n    image: localhost:5000/task:1\n")
+    (tmp_path / "two.yaml").write_text("services:\n  a:\n    image: x\n  b:\n    image: y\n")
+    (tmp_path / "built.yml").write_text("services:\n  default:\n    build: .\n")
+    sample = {"input": "fix it", "target": "ok"}
+    samples = [
+        {**sample, "sandbox": ["docker", "compose.yaml"]},
+        {**sample, "sandbox": {"type": "docker", "config": {"image": "python:3.12"}}},
+        {**sample, "sandbox": "local"},
+        {**sample, "sandbox": "docker"},
+        {**sample, "sandbox": ["docker", "two.yaml"]},
+        {**sample, "sandbox": ["docker", "built.yml"]},
+        {**sample, "sandbox": ["docker", "Dockerfile"]},
+        {**sample, "sandbox": ["k8s", "values.yaml"]},
+        {**sample, "sandbox": ["docker", "missing.yaml"]},
+        {**sample, "sandbox": {"type": "docker", "config": {"image": "Not A Ref"}}},
+    ]
+    compose, direct, local, bare, two, built, dockerfile, k8s, missing, bad = rows_of(
+        tmp_path, samples, format="inspect"
+    )
+    assert isinstance(compose, Task) and compose.row.sandbox is not None
+    assert compose.row.sandbox.image == "docker://localhost:5000/task:1"
+    assert isinstance(direct, Task) and direct.row.sandbox is not None
+    assert direct.row.sandbox.image == "docker://docker.io/library/python:3.12"
+    assert isinstance(local, Task) and local.row.sandbox is None
+    refused = {
+        "bare": (bare, "names no image"),
+        "two": (two, "2 services"),
+        "built": (built, "has a build"),
+        "dockerfile": (dockerfile, "not a compose file"),
+        "k8s": (k8s, "type 'k8s' cannot be mapped"),
+        "missing": (missing, "cannot read the compose file"),
+        "bad": (bad, "repository component"),
+    }
+    for name, (item, reason) in refused.items():
+        assert isinstance(item, InvalidRow), name
+        assert reason in item.reason and "\n" not in item.reason, (name, item.reason)
+
+
+def test_a_row_sandbox_image_is_checked_and_made_canonical(tmp_path: Path) -> None:
+    rows = [
+        {"id": "a", "input": "x", "sandbox": {"image": "docker://localhost:5000/t:1"}},
+        {"id": "b", "input": "x", "sandbox": {"image": "docker://debian"}},
+        {"id": "c", "input": "x", "sandbox": {"image": "podman://x"}},
+        {"id": "d", "input": "x", "sandbox": {"image": "dir:/x", "cpus": 2}},
+    ]
+    first, second, third, fourth = rows_of(tmp_path, rows)
+    assert isinstance(first, Task) and first.row.sandbox is not None
+    assert first.row.sandbox.image == "docker://localhost:5000/t:1"
+    assert isinstance(second, Task) and second.row.sandbox is not None
+    assert second.row.sandbox.image == "docker://docker.io/library/debian"
+    assert isinstance(third, InvalidRow) and "unknown transport 'podman'" in third.reason
+    assert isinstance(fourth, InvalidRow) and "cpus" in fourth.reason
+
+
 def test_format_is_detected_from_the_first_rows(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     for rows, expected in [

@@ -9,6 +9,11 @@ untouched. Every test is named after its probe and says which probe failed. Unde
 pytest-xdist the first worker to need the run makes it and the others read it (a
 file under a lock: ``xdist_group`` does not keep a module on one worker here).
 
+The whole suite runs twice: agent code on the host's system view (``host``), and agent code in a task
+image's copy-on-write root (``image``, root only: tests/helpers/task_images.py, with the host's Python,
+WorkingDir ``/rollout/workspace`` so that findings land where they always do). In the image run every
+row names the image but the ``jupyter`` victim (a task image has no ipykernel).
+
 To check that a probe can fail, disable its defence and watch it go red, e.g.
 ``ROLLCAGE_ESCAPE_WEAKEN=executor_cage=shared pytest tests/supervisor/test_escape.py``
 (fields of :class:`rollcage.supervisor.BwrapSandbox`).
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -26,7 +32,7 @@ import shutil
 import socket
 import tempfile
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -37,10 +43,12 @@ import yaml
 from rollcage.controller import Controller, RunConfig
 from rollcage.durable import read_journal
 from rollcage.errors import ConfigError
+from rollcage.images import STORE_ENV
 from rollcage.protocol import BudgetName, RolloutRecord
 from rollcage.supervisor import BwrapSandbox
 from rollcage.supervisor.budgets import WEAK_MECHANISMS
 from tests.helpers.supervisor_env import requires_bwrap
+from tests.helpers.task_images import TaskImage, make_task_image
 from tests.helpers.waiting import processes_mentioning
 
 pytestmark = [
@@ -467,6 +475,8 @@ class EscapeRun:
     mounts_after: set[str]
     refused: str | None
     """What the same run said when its budgets were required (``require_budgets``); ``None``: it ran."""
+    view: str = "host"
+    """Where agent code ran: the host's system view, or a task image's root (``image``)."""
 
     def record(self, probe: str) -> RolloutRecord:
         assert probe in self.records, f"probe {probe}: no record (the run lost it)"
@@ -485,6 +495,7 @@ class EscapeRun:
                 "mounts_before": sorted(self.mounts_before),
                 "mounts_after": sorted(self.mounts_after),
                 "refused": self.refused,
+                "view": self.view,
             }
         )
 
@@ -528,26 +539,54 @@ def _mounts(base: Path) -> set[str]:
     return {p for p in points if any(tag in p for tag in ours) or p.startswith(str(base))}
 
 
-@pytest.fixture(scope="session")
-def escape(tmp_path_factory: pytest.TempPathFactory) -> EscapeRun:
-    """The one run, once per test session: pytest-xdist workers share it through a file, under a lock."""
+@pytest.fixture(scope="session", params=["host", "image"])
+def escape(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> EscapeRun:
+    """The one run per view, once per test session: pytest-xdist workers share it through a file, under a
+    lock."""
+    view: str = request.param
+    if view == "image" and os.geteuid() != 0:
+        pytest.skip("agent code in a task image needs root (the supervisor mounts its root)")
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # the session's directory, above every worker's
-    result = shared / "escape-run.json"
-    with open(shared / "escape-run.lock", "w") as lock:
+    result = shared / f"escape-run-{view}.json"
+    with open(shared / f"escape-run-{view}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if result.exists():
                 return EscapeRun.from_json(result.read_text())
-            run = _run_escape(tmp_path_factory.mktemp("escape"))
+            base = tmp_path_factory.mktemp(f"escape-{view}")
+            if view == "image":
+                with _image_store(base / "store"):
+                    run = _run_escape(base, _escape_image(base / "image"))
+            else:
+                run = _run_escape(base, None)
             result.write_text(run.to_json())
             return run
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _run_escape(base: Path) -> EscapeRun:
+def _escape_image(directory: Path) -> TaskImage:
+    """The host's Python in an image, working in the rollout's workspace, with the host's su (inert)."""
+    programs = [path for path in ("/usr/bin/su",) if os.path.exists(path)]
+    return make_task_image(directory, python=True, working_dir="/rollout/workspace", programs=programs)
+
+
+@contextlib.contextmanager
+def _image_store(path: Path) -> Iterator[None]:
+    before = os.environ.get(STORE_ENV)
+    os.environ[STORE_ENV] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[STORE_ENV]
+        else:
+            os.environ[STORE_ENV] = before
+
+
+def _run_escape(base: Path, image: TaskImage | None) -> EscapeRun:
     token = f"rollcage-escape-{secrets.token_hex(6)}"
     host_file = Path("/var/tmp") / token
     marker = f"rollcage-daemon-{secrets.token_hex(6)}"
@@ -582,6 +621,10 @@ def _run_escape(base: Path) -> EscapeRun:
         return text
 
     rows = [json.loads(fill(json.dumps(probe.row(name)))) for name, probe in PROBES.items()]
+    if image is not None:
+        for row, probe in zip(rows, PROBES.values(), strict=True):
+            if probe.backend != "jupyter":
+                row["sandbox"] = {"image": image.ref}
     dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     script = {
         "tasks": {name: [{"code": fill(cell)} for cell in probe.cells] for name, probe in PROBES.items()}
@@ -615,6 +658,7 @@ def _run_escape(base: Path) -> EscapeRun:
             mounts_before=mounts_before,
             mounts_after=_mounts(base),
             refused=refused,
+            view="host" if image is None else "image",
         )
     finally:
         del os.environ[SECRET_VAR]
@@ -867,8 +911,23 @@ CHECKS: dict[str, Callable[[EscapeRun], None]] = {
 }
 
 
+BY_DESIGN_IN_AN_IMAGE = {
+    "writable-places": (
+        "writable without a budget",
+        "a task image's root is writable by design, as a container's is: its writes go to the rollout's "
+        "copy-on-write layer, bounded like its workspace (tests/images/test_image_rollouts.py)",
+    ),
+}
+"""Checks whose finding is the point of a task image: there they must find what they refuse elsewhere."""
+
+
 @pytest.mark.parametrize("probe", sorted(CHECKS))
 def test_probe_is_blocked(escape: EscapeRun, probe: str) -> None:
+    if escape.view == "image" and probe in BY_DESIGN_IN_AN_IMAGE:
+        finding, _why = BY_DESIGN_IN_AN_IMAGE[probe]
+        with pytest.raises(AssertionError, match=finding):
+            CHECKS[probe](escape)
+        return
     CHECKS[probe](escape)
 
 

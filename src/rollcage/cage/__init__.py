@@ -76,6 +76,7 @@ from rollcage.cage._enter import (
     setns,
     show_process,
 )
+from rollcage.cage._image import IMAGE_ROOT, image_cage_env, image_environment, image_prefix
 from rollcage.cage._launch import Launcher, launcher, release_launcher
 from rollcage.cage._nested import CAGE_ENV, NestedCage
 from rollcage.cage._run_contained import PYTHON, ContainedRun, RunLimits, run_contained
@@ -83,6 +84,7 @@ from rollcage.cage._run_contained import PYTHON, ContainedRun, RunLimits, run_co
 __all__ = [
     "CAGE_ENV",
     "HOLDER_SCRIPT",
+    "IMAGE_ROOT",
     "JOIN",
     "MOUNT_NS",
     "PID_NS",
@@ -113,6 +115,9 @@ __all__ = [
     "detect_cgroups",
     "drop_privileges",
     "find_tools",
+    "image_cage_env",
+    "image_environment",
+    "image_prefix",
     "kill_cgroup",
     "launcher",
     "mount_tmpfs",

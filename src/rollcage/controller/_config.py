@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollcage.controller._unit import RolloutSettings
-from rollcage.errors import ConfigError
+from rollcage.errors import ConfigError, RollcageError
 from rollcage.protocol import HarnessSpec
 from rollcage.supervisor.config import BwrapSandbox
 
@@ -241,6 +241,23 @@ class RunConfig(_Config):
         description="The virtualenv a nooa or command harness runs with (mounted read-only in every "
         "sandbox); None: nooa's installed one ('rollcage harness install nooa'), none for a command.",
     )
+    image: str | None = Field(
+        default=None,
+        description="The task image (docker://, oci:, docker-archive:, dir:) of rows whose sandbox names "
+        "none: agent code runs in a copy-on-write root of it. None: such rows run on the host's system view.",
+    )
+
+    @field_validator("image")
+    @classmethod
+    def _image_ref(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from rollcage.images import parse_ref
+
+        try:
+            return str(parse_ref(value))
+        except RollcageError as exc:
+            raise ValueError(str(exc)) from exc
 
     def rollout_settings(self) -> RolloutSettings:
         """The per-rollout settings handed to the backend."""

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rollcage.controller._formats import DatasetFormat, detect_format_of, from_inspect, from_nemo_gym
 from rollcage.controller._graders import ExactGrader, GraderSpec, VerifyGrader, check_pattern
 from rollcage.environments import EnvironmentInfo, bundled_environments
-from rollcage.errors import ConfigError, ControllerOnlyFieldError
+from rollcage.errors import ConfigError, ControllerOnlyFieldError, RollcageError
 from rollcage.headers import id_problem
 from rollcage.protocol import (
     MAX_INPUT_BYTES,
@@ -148,6 +148,25 @@ _BUILTIN_TOOLS: dict[str, Callable[[], ToolSpec]] = {
 """Tools a row may ask for by name alone: the executor's own (they run in the rollout's cage)."""
 
 
+class RowSandbox(_Row):
+    """Where a row's agent code runs: a task image (a copy-on-write root of it per rollout)."""
+
+    image: str = Field(
+        description="The image: docker://HOST[:PORT]/NAME[:TAG|@sha256:...], oci:PATH[:TAG], "
+        "docker-archive:PATH or dir:PATH."
+    )
+
+    @field_validator("image")
+    @classmethod
+    def _image_ref(cls, value: str) -> str:
+        from rollcage.images import parse_ref
+
+        try:
+            return str(parse_ref(value))
+        except RollcageError as exc:
+            raise ValueError(str(exc)) from exc
+
+
 class DatasetRow(_Row):
     """One dataset row as written in the JSONL file (see the module docstring)."""
 
@@ -173,6 +192,9 @@ class DatasetRow(_Row):
     expected: Any = Field(default=None, description="Controller-only: the reference answer for the grader.")
     grader: GraderSpec | None = Field(default=None, description="Controller-only: how to grade.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Controller-only, free-form.")
+    sandbox: RowSandbox | None = Field(
+        default=None, description="The task image agent code runs in; None: the run's --image, if any."
+    )
     verifier: dict[str, Any] = Field(
         default_factory=dict,
         description="Controller-only: fields sent to the environment's /seed_session and /verify beside "
@@ -679,7 +701,12 @@ def _spool(fd: int, given: Path) -> DatasetSource:
 
 
 def validate_row(
-    line: int, raw: bytes | None, *, format: DatasetFormat = "rollcage", environment: str | None = None
+    line: int,
+    raw: bytes | None,
+    *,
+    format: DatasetFormat = "rollcage",
+    environment: str | None = None,
+    base: Path | None = None,
 ) -> Task | InvalidRow:
     """Parse and resolve one line (see ``iter_dataset``; duplicates are not checked here).
 
@@ -693,13 +720,22 @@ def validate_row(
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         return InvalidRow(line, f"not valid JSON: {exc}")
-    return validate_value(line, value, format=format, environment=environment)
+    return validate_value(line, value, format=format, environment=environment, base=base)
 
 
 def validate_value(
-    line: int, value: Any, *, format: DatasetFormat = "rollcage", environment: str | None = None
+    line: int,
+    value: Any,
+    *,
+    format: DatasetFormat = "rollcage",
+    environment: str | None = None,
+    base: Path | None = None,
 ) -> Task | InvalidRow:
-    """Resolve one parsed row, numbered ``line`` (1-based) in its source (duplicates are not checked here)."""
+    """Resolve one parsed row, numbered ``line`` (1-based) in its source (duplicates are not checked here).
+
+    ``base``: the directory relative paths in a row are read from (an Inspect sample's compose file);
+    ``None``: the working directory.
+    """
     if not isinstance(value, dict):
         return InvalidRow(line, f"a row must be a JSON object, got {type(value).__name__}")
     raw_id = value.get("id")
@@ -710,7 +746,7 @@ def validate_value(
         if format == "nemo-gym":
             value, verifier, params = from_nemo_gym(value, line, environment)
         elif format == "inspect":
-            value = from_inspect(value, line, environment)
+            value = from_inspect(value, line, environment, base=base)
         elif environment is not None and value.get("environment") is None:
             value = {**value, "environment": environment}
     except ConfigError as exc:
@@ -785,7 +821,11 @@ def iter_dataset(
     """
     handle = _open(path)
     with handle:
-        rows = (validate_row(n, raw, format=format, environment=environment) for n, raw in _lines(handle))
+        base = path.absolute().parent
+        rows = (
+            validate_row(n, raw, format=format, environment=environment, base=base)
+            for n, raw in _lines(handle)
+        )
         yield from _unique(rows)
 
 

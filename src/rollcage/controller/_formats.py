@@ -16,11 +16,15 @@ fields) and keeps apart what the sandbox must never see:
 * **Inspect** (``{"input", "target", "id", "metadata", "choices"}``): ``input`` (text or
   chat messages) is the model-visible input, ``choices`` are appended as lettered
   options, ``target`` is the controller-only ``expected``, graded by ``normalized``
-  (or by the environment's ``/verify`` when there is one).
+  (or by the environment's ``/verify`` when there is one). A ``sandbox`` naming docker with an
+  image (``{"type": "docker", "config": {"image": ...}}``, or a compose file whose single service has
+  an ``image:``) becomes the row's task image (``docker://`` that image); ``local`` is no image; any
+  other sandbox (a build, several services, another provider) is refused, naming what it holds.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ValidationError
@@ -183,8 +187,10 @@ def _inspect_content(content: Any, where: str) -> str:
     raise ConfigError(f"{where} must be a string or a list of content parts")
 
 
-def from_inspect(value: dict[str, Any], line: int, environment: str | None) -> dict[str, Any]:
-    """Map an Inspect sample to a rollcage row.
+def from_inspect(
+    value: dict[str, Any], line: int, environment: str | None, *, base: Path | None = None
+) -> dict[str, Any]:
+    """Map an Inspect sample to a rollcage row (``base``: where a relative compose file is read from).
 
     Raises:
         ConfigError: The sample is not usable here (the message names the field).
@@ -218,7 +224,86 @@ def from_inspect(value: dict[str, Any], line: int, environment: str | None) -> d
         row["expected"] = target
         if environment is None:
             row["grader"] = {"type": "normalized"}
+    if value.get("sandbox") is not None:
+        image = _inspect_image(value["sandbox"], base)
+        if image is not None:
+            row["sandbox"] = {"image": image}
     return row
+
+
+_COMPOSE_FILES = (".yaml", ".yml")
+
+
+def _inspect_image(sandbox: Any, base: Path | None) -> str | None:
+    """The task image an Inspect sample's ``sandbox`` names (``docker://``), ``None`` for ``local``.
+
+    Raises:
+        ConfigError: It names no single image (the message says what it holds instead).
+    """
+    kind: Any
+    config: Any
+    if isinstance(sandbox, str):
+        kind, config = sandbox, None
+    elif isinstance(sandbox, list) and 1 <= len(sandbox) <= 2:
+        kind, config = sandbox[0], sandbox[1] if len(sandbox) == 2 else None
+    elif isinstance(sandbox, dict):
+        kind, config = sandbox.get("type"), sandbox.get("config")
+    else:
+        raise ConfigError("sandbox: expected 'docker', ['docker', CONFIG] or {'type': ..., 'config': ...}")
+    if kind == "local" and config is None:
+        return None
+    if kind != "docker":
+        raise ConfigError(f"sandbox: type {kind!r} cannot be mapped (only docker with an image can)")
+    if config is None:
+        raise ConfigError(
+            "sandbox: docker without a config names no image (Inspect's default builds one): give a compose "
+            "file whose single service has an image"
+        )
+    if isinstance(config, str):
+        if not config.endswith(_COMPOSE_FILES):
+            raise ConfigError(
+                f"sandbox: config {config!r} is not a compose file (.yaml, .yml); a Dockerfile must be built "
+                "first: build and push the image, and name it in a compose file or the row's sandbox.image"
+            )
+        config = _read_compose(config, base)
+    if not isinstance(config, dict):
+        raise ConfigError("sandbox: config must be a compose file path or a mapping")
+    if "image" in config and "services" not in config:
+        return _docker_ref(config["image"], "sandbox: config.image")
+    services = config.get("services")
+    if not isinstance(services, dict) or len(services) != 1:
+        count = len(services) if isinstance(services, dict) else 0
+        raise ConfigError(
+            f"sandbox: the compose config has {count} services; only one, with an image, can be mapped"
+        )
+    ((name, service),) = services.items()
+    if not isinstance(service, dict) or "image" not in service:
+        what = "a build" if isinstance(service, dict) and "build" in service else "no image"
+        raise ConfigError(
+            f"sandbox: compose service {name!r} has {what}; build and push it, then name its image"
+        )
+    return _docker_ref(service["image"], f"sandbox: compose service {name!r} image")
+
+
+def _read_compose(path: str, base: Path | None) -> Any:
+    import yaml
+
+    file = Path(path) if base is None or Path(path).is_absolute() else base / path
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"sandbox: cannot read the compose file {file}: {exc}") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"sandbox: the compose file {file} is not valid YAML: {first}") from exc
+
+
+def _docker_ref(image: Any, where: str) -> str:
+    if not isinstance(image, str) or not image.strip():
+        raise ConfigError(f"{where} must be a non-empty string")
+    return image if image.startswith("docker://") else f"docker://{image.strip()}"
 
 
 def _inspect_input(raw: Any) -> str | list[dict[str, Any]]:

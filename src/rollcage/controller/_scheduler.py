@@ -61,10 +61,20 @@ from rollcage.controller._unit import (
     record_without_result,
     set_aside,
     set_aside_earlier,
+    task_image,
 )
-from rollcage.errors import ConfigError, DurableWriteError, SandboxError
+from rollcage.errors import ConfigError, DurableWriteError, RollcageError, SandboxError
 from rollcage.procs import shielded
-from rollcage.protocol import HarnessEnvironment, ModelEndpoint, RolloutRecord, RunMetrics
+from rollcage.protocol import (
+    BashToolSpec,
+    EditorToolSpec,
+    HarnessEnvironment,
+    ImageSandbox,
+    ModelEndpoint,
+    PythonToolSpec,
+    RolloutRecord,
+    RunMetrics,
+)
 
 __all__ = [
     "EXIT_ALL_GRADER_ERRORS",
@@ -191,6 +201,24 @@ class _Scan:
     invalid_count: int = 0
     environments: dict[str, EnvironmentRef] = field(default_factory=dict)
     harnesses: set[str] = field(default_factory=set)
+    images: dict[str, Task] = field(default_factory=dict)
+    """Each task image the rows use, with the first row using it (named when it is refused)."""
+    image_needs: dict[tuple[str, str], tuple[Task, str]] = field(default_factory=dict)
+    """(image, program) -> the first row that runs the program in the image, and what for."""
+    image_jupyter: Task | None = None
+    """The first row that asks for the jupyter executor in an image (which has no ipykernel)."""
+
+
+def _programs_needed(task: Task) -> list[tuple[str, str]]:
+    """The programs the builtin loop runs in a task's image for its tools: (program, what for)."""
+    needed = []
+    if task.row.agent.mode == "codeact" or any(isinstance(t, PythonToolSpec) for t in task.tools):
+        needed.append(("python3", "the python tool (and codeact)"))
+    if any(isinstance(t, BashToolSpec) for t in task.tools):
+        needed.append(("/bin/bash", "the bash tool"))
+    if any(isinstance(t, EditorToolSpec) for t in task.tools):
+        needed.append(("python3", "the file editor"))
+    return needed
 
 
 class _Slots:
@@ -291,6 +319,9 @@ class Controller:
         self._last_publish = 0.0
         self._endpoints: Endpoints | None = None
         self._harness_envs: dict[str, HarnessEnvironment | None] = {}
+        self._images: dict[str, ImageSandbox] = {}
+        self._image_leases = contextlib.ExitStack()
+        """The store leases of the run's images: held until the run ends, so no prune removes one."""
         self._log: RecordLog | None = None
         self._out = config.out
         # metrics.json is written only once earlier records are folded in: before that a
@@ -355,6 +386,7 @@ class Controller:
                 self._check_open_files()
             self._harness_envs = await asyncio.to_thread(self._resolve_harnesses)
             await asyncio.to_thread(self._check_sandbox)
+            await asyncio.to_thread(self._prepare_images)
             lock_fd = await asyncio.to_thread(self._lock_out_dir)
             await asyncio.to_thread(self._kill_leftovers)
             await asyncio.to_thread(self._sweep_leftovers)
@@ -378,6 +410,7 @@ class Controller:
                 os.close(lock_fd)
             if self._dataset is not None:
                 self._dataset.close()
+            self._image_leases.close()
         return self.summary()
 
     # ------------------------------------------------------------------ stages
@@ -405,6 +438,14 @@ class Controller:
                 scan.environments.setdefault(item.environment.key, item.environment)
             harness = item.row.agent.harness or self.config.harness
             scan.harnesses.add("builtin" if harness is None else harness.type)
+            image = task_image(item, self.config.image)
+            if image is not None:
+                scan.images.setdefault(image, item)
+                if harness is None or harness.type == "builtin":
+                    for program, what in _programs_needed(item):
+                        scan.image_needs.setdefault((image, program), (item, what))
+                        if program == "python3" and item.row.executor.backend == "jupyter":
+                            scan.image_jupyter = scan.image_jupyter or item
         return scan
 
     def _resolve_harnesses(self) -> dict[str, HarnessEnvironment | None]:
@@ -439,6 +480,69 @@ class Controller:
             build_supervisor_config(self.config.rollout_settings()).sandbox.launcher().check()
         except SandboxError as exc:
             raise ConfigError(str(exc)) from exc
+
+    def _prepare_images(self) -> None:
+        """Pull and unpack each task image the rows use, once, and lease it for the run (blocking).
+
+        Raises:
+            ConfigError: An image cannot be used here, or a row runs a tool in an image that lacks
+                its program (the python tool, codeact and the editor need ``python3``, bash
+                ``/bin/bash``): one line naming the first row concerned; nothing has run.
+        """
+        if not self._scan.images:
+            return
+        first = next(iter(self._scan.images.values()))
+        if self.config.sandbox != "bwrap":
+            raise ConfigError(
+                f"line {first.line} (task {first.id}): a task image needs the bwrap sandbox, not --sandbox "
+                f"{self.config.sandbox}"
+            )
+        if not isinstance(self.config.backend, LocalBackendConfig):
+            # Each node needs the image in its own store (issue 39, item 7): not there yet.
+            raise ConfigError(
+                f"line {first.line} (task {first.id}): task images run with the local backend only "
+                "for now (the image is prepared in this machine's store)"
+            )
+        if os.geteuid() != 0:
+            raise ConfigError(
+                f"line {first.line} (task {first.id}): a task image needs rollcage to run as root, which "
+                "mounts each rollout's copy-on-write root (bubblewrap 0.8 has no --overlay); run as root"
+            )
+        if self.config.bwrap.executor_cage != "bwrap":
+            raise ConfigError(
+                f"line {first.line} (task {first.id}): a task image needs agent code in a cage of its own "
+                f"(executor_cage 'bwrap', not {self.config.bwrap.executor_cage!r})"
+            )
+        jupyter = self._scan.image_jupyter
+        if jupyter is not None:
+            raise ConfigError(
+                f"line {jupyter.line} (task {jupyter.id}): the jupyter executor cannot run in a task image "
+                "(it needs ipykernel there); use the repl executor, which needs only the image's python3"
+            )
+        from rollcage.cage import image_environment
+        from rollcage.images import ImageStore, find_program, image_sandbox
+
+        store = ImageStore()
+        for ref, task in self._scan.images.items():
+            where = f"line {task.line} (task {task.id}): image {ref}"
+            try:
+                prepared = store.prepare(ref)
+                self._image_leases.enter_context(store.lease(prepared))
+                sandbox = image_sandbox(prepared)
+            except RollcageError as exc:
+                raise ConfigError(f"{where}: {exc}") from exc
+            search = image_environment(sandbox)["PATH"]
+            for (image, program), (needer, what) in self._scan.image_needs.items():
+                if image != ref:
+                    continue
+                where_found = os.path.dirname(program) if "/" in program else search
+                if find_program(sandbox.root, os.path.basename(program), where_found) is None:
+                    raise ConfigError(
+                        f"line {needer.line} (task {needer.id}): image {ref} has no {program} "
+                        f"(looked in {where_found}), so {what} cannot run in it"
+                    )
+            self._images[ref] = sandbox
+            self._reporter.notice(f"Image {ref}: {prepared.root}")
 
     def _rows(self) -> Iterator[Task | InvalidRow]:
         if self._given is not None:
@@ -551,6 +655,8 @@ class Controller:
                 environments=environments,
                 harness=self.config.harness,
                 harness_envs=self._harness_envs,
+                images=self._images,
+                image=self.config.image,
             )
             backend = self._backend or self.config.backend.build(self.config.rollout_settings())
             async with backend, RecordLog(self._out / "rollouts.jsonl") as log:

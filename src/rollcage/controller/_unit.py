@@ -50,10 +50,11 @@ from rollcage.controller._nemo_gym import (
     seed_session,
     to_nemo_response,
 )
-from rollcage.errors import ResumeRefusedError, RollcageError
+from rollcage.errors import ConfigError, ResumeRefusedError, RollcageError
 from rollcage.protocol import (
     HarnessEnvironment,
     HarnessSpec,
+    ImageSandbox,
     ModelEndpoint,
     Outcome,
     ResourceEndpoint,
@@ -88,6 +89,7 @@ __all__ = [
     "run_rollout",
     "set_aside",
     "set_aside_earlier",
+    "task_image",
 ]
 
 logger = logging.getLogger("rollcage.controller")
@@ -231,6 +233,24 @@ class Endpoints:
     environments: dict[str, EnvironmentEndpoint] = field(default_factory=dict)
     harness: HarnessSpec | None = None
     harness_envs: dict[str, HarnessEnvironment | None] = field(default_factory=dict)
+    images: dict[str, ImageSandbox] = field(default_factory=dict)
+    """The run's task images, prepared and leased, by reference."""
+    image: str | None = None
+    """The run's image for rows whose sandbox names none (``--image``)."""
+
+
+def task_image(task: Task, default: str | None) -> str | None:
+    """The task image ``task`` runs in: its row's ``sandbox.image``, else the run's, else none."""
+    return task.row.sandbox.image if task.row.sandbox is not None else default
+
+
+def _image_of(task: Task, endpoints: Endpoints) -> ImageSandbox | None:
+    ref = task_image(task, endpoints.image)
+    if ref is None:
+        return None
+    if ref not in endpoints.images:
+        raise ConfigError(f"task {task.id}: its image {ref} was not prepared for the run")
+    return endpoints.images[ref]
 
 
 def prepare_rollout(
@@ -279,6 +299,7 @@ def prepare_rollout(
         tools=list(task.tools),
         resources=resources,
         harness_env=harness_env,
+        image=_image_of(task, endpoints),
     )
     grading: GradingPlan | None = None
     if task.grader is not None:

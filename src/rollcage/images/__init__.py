@@ -14,7 +14,9 @@ tree guarded by flock (``_store``).
 """
 
 from rollcage.images._overlay import CowRoot, cow_root
+from rollcage.images._paths import find_program, resolve_in_root
 from rollcage.images._ref import ImageRef, parse_ref
+from rollcage.images._root import image_sandbox
 from rollcage.images._store import (
     STORE_ENV,
     ImageConfig,
@@ -38,8 +40,11 @@ __all__ = [
     "PruneReport",
     "cow_root",
     "default_store_path",
+    "find_program",
+    "image_sandbox",
     "parse_ref",
     "prepare",
+    "resolve_in_root",
 ]
 
 

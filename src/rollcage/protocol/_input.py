@@ -28,6 +28,7 @@ __all__ = [
     "ExecutorSettings",
     "HarnessEnvironment",
     "HarnessSpec",
+    "ImageSandbox",
     "ModelEndpoint",
     "NooaHarness",
     "PythonToolSpec",
@@ -387,6 +388,29 @@ class HarnessEnvironment(ArtifactModel):
         return [_absolute_path(path) for path in value]
 
 
+class ImageSandbox(ArtifactModel):
+    """The task image a rollout runs in: agent code sees this root, copy-on-write, not the host's.
+
+    Set by the controller (a row's ``sandbox.image`` or the run's ``--image``) once the image is
+    prepared in the node's store; the supervisor mounts the rollout's root over ``root``.
+    """
+
+    ref: str = Field(min_length=1, max_length=4096, description="The image reference, canonical.")
+    digest: str | None = Field(default=None, description="The image id (config digest); None for dir:.")
+    manifest_digest: str | None = Field(default=None, description="The manifest's digest, where known.")
+    root: str = Field(description="The unpacked image root in the store (host path, absolute).")
+    working_dir: str = Field(default="/", description="The image's WorkingDir ('/' when it sets none).")
+    env: list[str] = Field(default_factory=list, max_length=4096, description="The image's Env (NAME=value).")
+    user: str | None = Field(default=None, description="The image's User, as written.")
+    uid: int = Field(default=0, ge=0, lt=1 << 31, description="The uid agent code has in the image.")
+    gid: int = Field(default=0, ge=0, lt=1 << 31, description="The gid agent code has in the image.")
+
+    @field_validator("root", "working_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        return _absolute_path(value)
+
+
 def _absolute_path(value: str) -> str:
     parts = value.split("/")
     if not value.startswith("/") or "\0" in value or ".." in parts or len(value) > 4096:
@@ -498,6 +522,11 @@ class WorkerInput(ArtifactModel, VersionGate):
     resume: ResumeRequest | None = Field(
         default=None,
         description="Replay an earlier attempt's journal first; None: start from the first turn.",
+    )
+    image: ImageSandbox | None = Field(
+        default=None,
+        description="The task image agent code runs in (a copy-on-write root per rollout); None: the "
+        "host's system view.",
     )
 
     @model_validator(mode="before")

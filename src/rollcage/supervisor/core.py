@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -45,7 +46,13 @@ import orjson
 from pydantic import ValidationError
 
 from rollcage.durable import publish_bytes, publish_json, read_journal, sweep_temp_artifacts
-from rollcage.errors import ConfigError, HeaderValueError, JournalCorruptError, RollcageError, SupervisorError
+from rollcage.errors import (
+    ConfigError,
+    HeaderValueError,
+    JournalCorruptError,
+    RollcageError,
+    SupervisorError,
+)
 from rollcage.harness import GRACE_ENV, RELAY_FD_ENV, CaptureJournal
 from rollcage.headers import header_value
 from rollcage.procs import (
@@ -82,6 +89,7 @@ from rollcage.supervisor.budgets import (
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
+from rollcage.supervisor.imageroot import ImageRoot, mount_image_root
 from rollcage.supervisor.launch import Launch
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.pacing import START_HOLD_S, start_gate
@@ -329,6 +337,8 @@ class _Supervision:
         self.journal: CaptureJournal | None = None
         """A harness rollout's journal, written here from the capture (see :mod:`rollcage.harness`)."""
         self.relay_task: asyncio.Future[None] | None = None
+        self.image_root: ImageRoot | None = None
+        """An image rollout's mounted copy-on-write root (:mod:`rollcage.supervisor.imageroot`)."""
 
     # ----------------------------------------------------------------- check and prepare
 
@@ -529,6 +539,19 @@ class _Supervision:
                     name=f"rollcage-{owner_tag()}-{self.token[:12]}",
                 )
                 scratch = await asyncio.to_thread(self._prepare_budgets, self.budgets, launch.scratch_in_cage)
+                if self.original.image is not None:
+                    sandbox = self.config.sandbox
+                    self.image_root = await asyncio.to_thread(
+                        functools.partial(
+                            mount_image_root,
+                            self.original.image,
+                            self.layout.root,
+                            self.launcher.owner,
+                            # What the rollout writes in the image counts as its workspace does.
+                            max_bytes=sandbox.workspace_bytes,
+                            max_inodes=sandbox.workspace_inodes,
+                        )
+                    )
             plan = launch.plan_for(
                 self.layout,
                 command=self.config.worker_command or default_worker_command(bytecode),
@@ -543,6 +566,7 @@ class _Supervision:
                 worker_journal=self.journal is None,
                 budgets=self.budgets,
                 scratch=scratch,
+                image_root=None if self.image_root is None else str(self.image_root.merged),
             )
             await self._launch(plan, status_write)
         except BaseException:
@@ -682,7 +706,12 @@ class _Supervision:
             worker_input = sandbox_input(self.original, plan.proxy_socket)
         self.log_fd = await asyncio.to_thread(self._stage, plan, worker_input)
         self.tree = self.launch.start(
-            plan, log_fd=self.log_fd, status_fd=status_fd, budgets=self.budgets, signals=self.signals
+            plan,
+            log_fd=self.log_fd,
+            status_fd=status_fd,
+            budgets=self.budgets,
+            signals=self.signals,
+            image_root=self.image_root,
         )
         self.stopping = TreeStop(
             self.tree, StopStrategy(grace_s=self.config.grace_s, kill_wait_s=self.config.kill_wait_s)
@@ -819,6 +848,9 @@ class _Supervision:
             if self.private_dir is not None:
                 with contextlib.suppress(OSError):
                     os.rmdir(self.private_dir)
+            if self.image_root is not None:
+                # Once nothing runs in it: unmounted, image.json written, changes/ kept as evidence.
+                await asyncio.to_thread(self.image_root.finish)
         return await asyncio.to_thread(self._conclude, status, confirmed, killed)
 
     def _conclude(self, status: ExitStatus | None, confirmed: bool, killed: int) -> SupervisorReceipt:

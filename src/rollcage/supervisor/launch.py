@@ -27,11 +27,12 @@ from collections.abc import Callable, Sequence
 import orjson
 
 from rollcage.cage import launcher
-from rollcage.errors import SupervisorError
+from rollcage.errors import SandboxError, SupervisorError
 from rollcage.procs import ChildProcess, read_ready
 from rollcage.protocol import SignalEvent
 from rollcage.supervisor.budgets import RolloutBudgets
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
+from rollcage.supervisor.imageroot import ImageRoot
 from rollcage.supervisor.sandbox import BwrapLauncher, LaunchPlan, NoSandboxLauncher, RolloutLayout, Scratch
 from rollcage.supervisor.tree import WorkerTree
 from rollcage.supervisor.warm import Template, WarmStart, cage_mounts, refuse_cage_mounts, template_for
@@ -114,8 +115,12 @@ class Launch:
         worker_journal: bool,
         budgets: RolloutBudgets | None,
         scratch: Scratch | None,
+        image_root: str | None = None,
     ) -> LaunchPlan:
-        """The launcher's plan for the worker (bwrap's needs ``budgets`` and ``scratch``)."""
+        """The launcher's plan for the worker (bwrap's needs ``budgets`` and ``scratch``).
+
+        ``image_root``: an image rollout's mounted copy-on-write root, bound into the worker's cage.
+        """
         if isinstance(self.launcher, BwrapLauncher):
             assert budgets is not None
             self.plan = self.launcher.plan(
@@ -130,8 +135,11 @@ class Launch:
                 worker_journal=worker_journal,
                 pass_fds=pass_fds,
                 warm_cgroups=budgets.cgroup_procs() if self.template is not None else None,
+                image_root=image_root,
             )
         else:
+            if image_root is not None:
+                raise SandboxError("an image rollout needs the bwrap sandbox (--sandbox none has no cage)")
             self.plan = self.launcher.plan(
                 layout, worker_command=command, worker_env=env, token_env=token_env, pass_fds=pass_fds
             )
@@ -145,6 +153,7 @@ class Launch:
         status_fd: int | None,
         budgets: RolloutBudgets | None,
         signals: list[SignalEvent],
+        image_root: ImageRoot | None = None,
     ) -> WorkerTree:
         """Spawn what the plan runs (bubblewrap from the launcher's thread, or the worker); its tree.
 
@@ -177,6 +186,9 @@ class Launch:
             # bubblewrap from a mount namespace without the other rollouts' mounts (rollcage.cage's
             # launcher): its launch then costs the same however many rollouts are in flight.
             binds = budgets.launch_binds() if plan.sandbox == "bwrap" and budgets is not None else None
+            if binds is not None and image_root is not None:
+                copy = image_root.launch_copy
+                binds = None if copy is None else [*binds, (copy, str(image_root.merged))]
             self.child = launcher().run(spawn, binds, timeout_s=_LAUNCH_TIMEOUT_S, late=ChildProcess.abandon)
             if warm is not None:
                 warm.spawned()

@@ -77,6 +77,7 @@ from typing import Any, Literal
 from rollcage.cage import (
     CAGE_ENV,
     HOLDER_SCRIPT,
+    IMAGE_ROOT,
     Bind,
     BwrapTools,
     CageSpec,
@@ -266,6 +267,7 @@ def bwrap_argv(
     scratch: Scratch | None = None,
     worker_journal: bool = True,
     limits: Limits | None = None,
+    image_root: Path | None = None,
 ) -> list[str]:
     """The full command line that runs ``worker_argv`` in the sandbox (pure: nothing is checked on disk).
 
@@ -287,6 +289,8 @@ def bwrap_argv(
             supervisor writes it (a harness rollout) and the sandbox does not see it.
         limits: The per-process limits ``worker_argv`` starts under; ``None``: the worker's
             (:func:`worker_limits`). With none set, no ``prlimit`` runs.
+        image_root: An image rollout's copy-on-write root (:mod:`rollcage.supervisor.imageroot`),
+            bound writable at :data:`~rollcage.cage.IMAGE_ROOT` for the worker to cage agent code in.
 
     Returns:
         The argv to execute.
@@ -314,6 +318,8 @@ def bwrap_argv(
     if layout.resume_journal.is_file():
         # The controller's validated copy of an earlier attempt's journal (rollcage.resume): read-only.
         mounts.append(Bind(str(layout.resume_journal), f"{SANDBOX_ROLLOUT_DIR}/resume.jsonl"))
+    if image_root is not None:
+        mounts.append(Bind(str(image_root), IMAGE_ROOT, writable=True))
     run_as = (
         (config.run_as_uid, config.run_as_gid)
         if config.run_as_uid is not None and config.run_as_gid is not None
@@ -445,6 +451,7 @@ class BwrapLauncher:
         worker_journal: bool = True,
         pass_fds: Sequence[int] = (),
         warm_cgroups: Sequence[str] | None = None,
+        image_root: Path | None = None,
     ) -> LaunchPlan:
         """The launch plan for one rollout (call :meth:`check` first).
 
@@ -464,6 +471,7 @@ class BwrapLauncher:
             warm_cgroups: Start the worker warm (:mod:`rollcage.warm`: ``worker_command`` is then
                 only what the template runs), moving it into these ``cgroup.procs`` files;
                 ``None``: a cold start, ``worker_command`` in the cage.
+            image_root: An image rollout's mounted root (see :func:`bwrap_argv`).
         """
         tools = self.check()
         root = SANDBOX_ROLLOUT_DIR
@@ -517,6 +525,7 @@ class BwrapLauncher:
             # A warm worker takes the cage's limits itself (rollcage.warm) and is not the holder's
             # child: the holder, a shell that only relays an exit status, needs none (one exec less).
             limits=None if warm is None else Limits(core_bytes=None),
+            image_root=image_root,
         )
         return LaunchPlan(
             sandbox="bwrap",

@@ -89,6 +89,9 @@ class ExecutorOptions(TypedDict):
     """How long the child may take to become ready."""
     prefix: NotRequired[Sequence[str]]
     """A command-line prefix the child is started under (its cage); absent or empty: none."""
+    python: NotRequired[str | None]
+    """Another interpreter for the child, as its cage sees it (a task image's ``python3``): started
+    cold with the child's source, never forked from rollcage's; absent or ``None``: rollcage's own."""
 
 
 class ExecutorState(enum.Enum):
@@ -566,6 +569,7 @@ def make_executor(
     env: Mapping[str, str] | None = None,
     start_timeout_s: float | None = None,
     prefix: Sequence[str] = (),
+    python: str | None = None,
 ) -> Executor:
     """Build the executor ``settings.backend`` names; nothing starts until :meth:`Executor.start`.
 
@@ -581,6 +585,7 @@ def make_executor(
             means the backend's default (20 s for ``repl``, 60 s for ``jupyter``).
         prefix: A command-line prefix the child is started under: the executor's cage
             (:meth:`rollcage.cage.NestedCage.prefix`); empty: the child runs beside the worker.
+        python: See :attr:`ExecutorOptions.python` (``repl`` only).
 
     Raises:
         ConfigError: a bridged tool name is not a valid function name.
@@ -596,6 +601,7 @@ def make_executor(
         if start_timeout_s is None
         else start_timeout_s,
         prefix=prefix,
+        python=python,
     )
     if settings.backend == "repl":
         from rollcage.tools._repl import ReplExecutor

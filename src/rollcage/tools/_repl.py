@@ -94,6 +94,12 @@ _BOOT = (
 It reads exactly that frame, so the ``init`` frame after it is the child's own to read; a parent
 gone before sending it ends the child quietly, as the child does at EOF.
 """
+_BOOT_SOURCE = _BOOT.replace(
+    "c=marshal.loads(r(int.from_bytes(r(4),'big')))\n",
+    "c=compile(r(int.from_bytes(r(4),'big')),'_repl_child.py','exec')\n",
+)
+"""The boot program for another interpreter (a task image's): the first frame is the child's source,
+compiled there, since a code object is only readable by the Python version that made it."""
 _MAX_FRAME = 32 << 20
 """A longer frame from the child is a protocol violation: the session is killed."""
 _IO_TIMEOUT_S = 5.0
@@ -289,7 +295,9 @@ class ReplExecutor(Executor):
 
     def __init__(self, settings: ExecutorSettings, **options: Unpack[ExecutorOptions]) -> None:
         super().__init__(settings, **options)
-        self._python = sys.executable
+        self._python = options.get("python") or sys.executable
+        self._foreign = bool(options.get("python"))
+        """The child runs in another interpreter: started cold, sent its source (:data:`_BOOT_SOURCE`)."""
         self._proc: asyncio.subprocess.Process | ForkedExecutor | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -335,7 +343,7 @@ class ReplExecutor(Executor):
         self._pid_handle = PidHandle.of_child(self._proc.pid)
         self._exit_task = asyncio.create_task(self._watch_exit(self._proc))
         self._reader_task = asyncio.create_task(self._read_frames(reader))
-        code = child_code()
+        code = _CHILD.read_bytes() if self._foreign else child_code()
         self._writer.write(len(code).to_bytes(4, "big") + code)
         tools = {name: list(params) for name, params in self._tools.items()}
         await self._send({"op": "init", "limit": self._output_limit, "marker": marker, "tools": tools})
@@ -369,14 +377,17 @@ class ReplExecutor(Executor):
                 pipe = os.fdopen(fd, "rb", buffering=0)
                 transport, _ = await loop.connect_read_pipe(_factory(sink), pipe)
                 self._transports.append(transport)
-            argv = [self._python, "-I", "-u", "-c", _BOOT, str(child_sock.fileno())]
+            boot = _BOOT_SOURCE if self._foreign else _BOOT
+            # Another interpreter writes no bytecode: an image rollout's changes are the agent's alone.
+            flags = ["-I", "-u", "-B"] if self._foreign else ["-I", "-u"]
+            argv = [self._python, *flags, "-c", boot, str(child_sock.fileno())]
             # Started with SIGINT blocked (held pending, never lost; the child unblocks it once its
             # handler is set): an interrupt is SIGINT to the whole group, which holds a cage's bwrap
             # monitor too, and a blocked signal is what stays so across exec without a shell
             # to ignore it first (rollcage.cage._nested). Meanwhile this process's other threads
             # take a SIGINT sent to it, and the loop handles it as ever.
             with _sigint_blocked():
-                if self._prefix:
+                if self._prefix and not self._foreign:
                     # Forked into its cage by the executor template where there is one: a fresh
                     # interpreter's start is most of what a started executor costs.
                     async with asyncio.timeout(self._start_timeout_s):

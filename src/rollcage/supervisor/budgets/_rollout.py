@@ -54,7 +54,7 @@ from rollcage.cage import (
     remove_cgroup,
     unmount,
 )
-from rollcage.errors import SandboxError
+from rollcage.errors import RollcageError, SandboxError
 from rollcage.protocol import BudgetName, BudgetUse, RolloutUsage
 from rollcage.supervisor.budgets._plan import weak_budgets
 from rollcage.supervisor.config import BwrapSandbox
@@ -615,6 +615,10 @@ def release_leftovers(layout: RolloutLayout) -> None:
     the rollout's workspace is settled under its lock, waiting for another process settling it.
     The record stays while anything it names is left. Blocking; idempotent; never raises.
     """
+    from rollcage.supervisor.imageroot import release_image_root
+
+    with contextlib.suppress(OSError, RollcageError):
+        release_image_root(layout.root)  # an image rollout's root (changes/ stays: it is evidence)
     try:
         record = json.loads((layout.staging / _RECORD).read_text())
     except (OSError, ValueError):
