@@ -100,6 +100,8 @@ _MAX_RESUME_JOURNAL_BYTES = 1 << 30
 """The largest earlier journal resumed from (a journal is O(new content) per boundary: far below)."""
 # A built-in grade is linear in the answer (regex bounds itself): this only backstops it.
 _BUILTIN_GRADE_TIMEOUT_S = 30.0
+_IMAGE_GRADE_SLACK_S = 300.0
+"""Beyond a tests grader's timeout_s: making its fresh root and reading its JUnit file."""
 
 
 class _Model(BaseModel):
@@ -499,6 +501,18 @@ async def _grade(
     assert plan is not None
     spec: GraderSpec = plan.grader
     answer = result.response.output_text if result.response is not None else ""
+    if spec.type == "tests":
+        from rollcage.controller._image_grade import grade_tests
+
+        # Bounded by the grader's own timeout (the cage is killed at it); this backstops the rest
+        # (copying the changes, mounting, reading the JUnit file).
+        try:
+            async with asyncio.timeout(spec.timeout_s + _IMAGE_GRADE_SLACK_S):
+                return await grade_tests(spec, Path(prepared.rollout_dir))
+        except TimeoutError:
+            return GradeResult(
+                None, {"name": "tests"}, f"the tests grader did not finish within {spec.timeout_s:g} s"
+            )
     if spec.type != "verify":
         backstop = _BUILTIN_GRADE_TIMEOUT_S + (spec.timeout_s if spec.type == "regex" else 0.0)
         return await grade_builtin_off_loop(spec, expected=plan.expected, answer=answer, timeout_s=backstop)
