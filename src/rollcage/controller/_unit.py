@@ -101,6 +101,8 @@ _MAX_RESUME_JOURNAL_BYTES = 1 << 30
 # A built-in grade is linear in the answer (regex bounds itself): this only backstops it.
 _BUILTIN_GRADE_TIMEOUT_S = 30.0
 _IMAGE_GRADE_SLACK_S = 300.0
+_DIFF_TIMEOUT_S = 600.0
+"""The longest workspace.diff may take (git in a cage on a large repository, or a large file-level diff)."""
 """Beyond a tests grader's timeout_s: making its fresh root and reading its JUnit file."""
 
 
@@ -534,6 +536,19 @@ async def _grade(
     )
 
 
+async def _write_diff(rollout_dir: Path) -> None:
+    """The rollout's ``workspace.diff`` (evidence only: whatever happens, the outcome and grade stand)."""
+    from rollcage.controller._workspace_diff import write_workspace_diff
+
+    try:
+        async with asyncio.timeout(_DIFF_TIMEOUT_S):
+            await write_workspace_diff(rollout_dir)
+    except TimeoutError:
+        logger.warning(
+            "rollout %s: workspace.diff took over %g s; left out", rollout_dir.name, _DIFF_TIMEOUT_S
+        )
+
+
 async def _seed(prepared: PreparedRollout, client: Any) -> PreparedRollout:
     """Seed the environment's session; the cookies it sets join ``input.json``'s resource cookies."""
     import orjson
@@ -728,6 +743,8 @@ async def _run_and_grade(
         receipt = _failed_receipt(prepared, settings, exc, started, where="the controller")
     if not receipt.result_valid:
         result = None
+    if await asyncio.to_thread(rollout_dir.is_dir):
+        await _write_diff(rollout_dir)
     link = _resume_link(link, result)
     if prepared.resume_from is not None:
         receipt = receipt.model_copy(update={"resumed_from": prepared.resume_from.rollout_id})

@@ -220,8 +220,10 @@ def fresh_root(
     mounted: list[Path] = []
     try:
         try:
+            # Not named rollcage-...: the launcher leaves those out of the cages it starts, and
+            # run_contained (git on a fresh root) must see this one.
             mount_tmpfs(
-                scratch, size=size_bytes, inodes=inodes, uid=0, gid=0, mode=0o755, source="rollcage-fresh"
+                scratch, size=size_bytes, inodes=inodes, uid=0, gid=0, mode=0o755, source="fresh-root"
             )
         except OSError as exc:
             raise SandboxError(
