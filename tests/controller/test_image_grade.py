@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rollcage.controller import Controller, LocalBackend, ModelEndpointConfig, RunConfig
-from rollcage.controller._graders import TestsGrader as Tests
+from rollcage.controller._graders import TestsGrader as Spec
 from rollcage.controller._image_grade import grade_tests
 from rollcage.controller.testing import FakeSupervisor
 from rollcage.protocol import RolloutRecord
@@ -36,13 +36,13 @@ FILES = {"fix.txt": "broken\n", "run_tests.sh": RUNNER}
 FIX = "echo fixed > fix.txt"
 
 
-def _grade(spec: Tests, rollout_dir: Path) -> Any:
-    return asyncio.run(grade_tests(spec, rollout_dir))
+def _grade(spec: Spec, rollout_dir: Path, scratch: Path | None = None) -> Any:
+    return asyncio.run(grade_tests(spec, rollout_dir, scratch_parent=scratch))
 
 
 def test_the_exit_status_gives_the_reward(tmp_path: Path) -> None:
     image = make_image(tmp_path / "image", FILES)
-    spec = Tests(command='test "$(cat fix.txt)" = fixed && test "$TASK_ENV" = from-the-image')
+    spec = Spec(command='test "$(cat fix.txt)" = fixed && test "$TASK_ENV" = from-the-image')
     with agent_session(image, tmp_path / "fixed", FIX):
         pass
     with agent_session(image, tmp_path / "unfixed", "echo still broken > fix.txt"):
@@ -57,7 +57,7 @@ def test_fail_to_pass_and_pass_to_pass_come_from_the_junit_xml(tmp_path: Path) -
     with agent_session(image, tmp_path / "r", FIX):
         pass
     command = "sh run_tests.sh /tmp/junit.xml; exit 1"  # a failing test in the suite: exit 1, as pytest's
-    passing = Tests(
+    passing = Spec(
         command=command,
         junit_xml="/tmp/junit.xml",
         fail_to_pass=["tests/test_task.py::test_fixed"],
@@ -79,7 +79,7 @@ def test_an_unfixed_fail_to_pass_test_fails_the_grade(tmp_path: Path) -> None:
     image = make_image(tmp_path / "image", FILES)
     with agent_session(image, tmp_path / "r", "echo still broken > fix.txt"):
         pass
-    spec = Tests(
+    spec = Spec(
         command="sh run_tests.sh /tmp/junit.xml",
         junit_xml="/tmp/junit.xml",
         fail_to_pass=["tests/test_task.py::test_fixed"],
@@ -111,7 +111,7 @@ def test_a_hostile_junit_file_is_a_grader_error(tmp_path: Path, agent: str, why:
     image = make_image(tmp_path / "image", FILES)
     with agent_session(image, tmp_path / "r", agent):
         pass
-    spec = Tests(
+    spec = Spec(
         command="true", junit_xml="/testbed/junit.xml", fail_to_pass=["tests/test_task.py::test_fixed"]
     )
     grade = _grade(spec, tmp_path / "r")
@@ -127,20 +127,21 @@ def test_grading_never_sees_the_agent_s_live_root(tmp_path: Path) -> None:
         changes_log = rollout / "changes/testbed/log"
         wait_for(lambda: changes_log.stat().st_size > 100, what="the lingering process to write")
         # The log must not grow under the test command, and what the command writes stays in its root.
-        spec = Tests(
+        spec = Spec(
             command='a=$(wc -c < log); sleep 1; b=$(wc -c < log); echo "$a $b"; '
             'echo graded > /tmp/marker; test "$a" = "$b"'
         )
-        grade = _grade(spec, rollout)
+        grade = _grade(spec, rollout, tmp_path)
         assert grade.reward == 1.0, grade
         assert not (rollout / "changes/tmp/marker").exists()
         assert changes_log.stat().st_size > 0
-    assert not [line for line in Path("/proc/self/mounts").read_text().splitlines() if "fresh-root" in line]
+    assert f" {tmp_path}/" not in Path("/proc/self/mounts").read_text()  # the grading root is gone
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith("rollcage-grade-")]
 
 
 def test_a_grade_that_cannot_be_given_is_a_grader_error(tmp_path: Path) -> None:
     image = make_image(tmp_path / "image", FILES)
-    spec = Tests(command="true")
+    spec = Spec(command="true")
     no_image = tmp_path / "no-image"
     no_image.mkdir()
     assert "no image.json" in (_grade(spec, no_image).error or "")
@@ -161,15 +162,15 @@ def test_a_command_past_its_timeout_fails_the_tests(tmp_path: Path) -> None:
     image = make_image(tmp_path / "image", FILES)
     with agent_session(image, tmp_path / "r", FIX):
         pass
-    grade = _grade(Tests(command="sleep 600", timeout_s=1), tmp_path / "r")
+    grade = _grade(Spec(command="sleep 600", timeout_s=1), tmp_path / "r")
     assert grade.reward == 0.0 and grade.detail["timed_out"] is True
 
 
 def test_lists_without_junit_xml_are_refused_when_the_row_is_read() -> None:
     with pytest.raises(ValueError, match="need junit_xml"):
-        Tests(command="pytest", fail_to_pass=["tests/test_x.py::test_a"])
+        Spec(command="pytest", fail_to_pass=["tests/test_x.py::test_a"])
     with pytest.raises(ValueError, match="absolute"):
-        Tests(command="pytest", junit_xml="junit.xml")
+        Spec(command="pytest", junit_xml="junit.xml")
 
 
 def test_the_controller_grades_an_image_rollout_and_keeps_its_diff(tmp_path: Path) -> None:
@@ -204,3 +205,18 @@ def test_the_controller_grades_an_image_rollout_and_keeps_its_diff(tmp_path: Pat
     diff = (Path(record.rollout_dir) / "workspace.diff").read_text()
     assert "-broken\n+fixed\n" in diff and "diff --git a/fix.txt b/fix.txt" in diff
     assert os.listdir(Path(record.rollout_dir) / "changes")
+
+
+def test_the_command_may_write_what_root_owns_in_the_image_and_the_image_stays_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """As a container's root may: a SWE-bench evaluation applies its test patch inside the repository."""
+    image = make_image(tmp_path / "image", FILES)
+    with agent_session(image, tmp_path / "r", FIX):
+        pass
+    before = (image.root / "etc/hostname").read_bytes()
+    spec = Spec(command="echo patched >> /etc/hostname && mkdir /testbed/.cache && rm run_tests.sh")
+    grade = _grade(spec, tmp_path / "r")
+    assert grade.reward == 1.0, grade
+    assert (image.root / "etc/hostname").read_bytes() == before
+    assert (image.root / "testbed/run_tests.sh").exists() and not (image.root / "testbed/.cache").exists()

@@ -14,7 +14,11 @@ rebuild one here.
    given to ``owner`` (the uid the grading cage runs as), with setuid/setgid bits dropped;
    sockets and devices other than whiteouts are left out;
 3. mounts an overlay: lowers = the snapshot over the image, upper = the tmpfs (a scratch that
-   goes with it), ``nosuid,nodev``.
+   goes with it), ``nosuid,nodev``. The image is seen through an idmapped mount (Linux 5.12+,
+   overlayfs on idmapped layers 5.19+) in which what root owns belongs to :data:`FRESH_UID`, the
+   uid the command runs as: it may change the image's files as a container's root would (a
+   SWE-bench evaluation applies its test patch inside the repository), and the store is never
+   written either way. Where that mount is refused the image keeps its owners (logged once).
 
 :func:`run_in_root` runs one shell command with that tree as ``/``, in a cage made the way
 :func:`rollcage.cage.run_contained` makes its own (the two-stage launch as root: an outer bwrap
@@ -33,9 +37,12 @@ import contextlib
 import ctypes
 import errno
 import functools
+import logging
 import os
 import secrets
 import stat
+import subprocess
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +51,8 @@ from typing import Final
 from rollcage.cage import CgroupSet, ContainedRun, Limits, RunLimits, find_tools, mount_tmpfs, unmount
 from rollcage.errors import SandboxError
 from rollcage.procs import ChildProcess, GroupTree, StopStrategy, shielded, stop_tree, wait_shared
+
+logger = logging.getLogger("rollcage.images")
 
 __all__ = ["FRESH_UID", "ChangesError", "FreshRoot", "fresh_root", "run_in_root", "snapshot_changes"]
 
@@ -179,6 +188,115 @@ def _copy_opaque(fd: int, target: Path) -> None:
             return
 
 
+_SYS_OPEN_TREE: Final = 428  # the same numbers on every architecture
+_SYS_MOVE_MOUNT: Final = 429
+_SYS_MOUNT_SETATTR: Final = 442
+_AT_FDCWD: Final = -100
+_AT_EMPTY_PATH: Final = 0x1000
+_OPEN_TREE_CLONE: Final = 1
+_MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
+_MOUNT_ATTR_IDMAP: Final = 0x00100000
+_warned: set[str] = set()
+_userns_lock = threading.Lock()
+_userns: list[int] = []
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def _shift_userns() -> int:
+    """A user namespace (its descriptor, kept for the process) mapping uid/gid 0 to :data:`FRESH_UID`.
+
+    Every other id below it maps to itself, so an idmapped mount with it shows what root owns as
+    owned by the cage's uid and leaves other owners as they are. Made by a helper process (a
+    threaded process may not unshare a user namespace itself), which then exits.
+    """
+    with _userns_lock:
+        if _userns:
+            return _userns[0]
+        helper = subprocess.Popen(
+            ["unshare", "--user", "--", "/bin/sh", "-c", "echo ready; read line"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+        try:
+            assert helper.stdout is not None and helper.stdin is not None
+            if helper.stdout.readline() != b"ready\n":
+                raise OSError(errno.EPERM, "unshare --user did not start")
+            mapping = f"0 {FRESH_UID} 1\n1 1 {FRESH_UID - 1}\n"
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{helper.pid}/{name}", "w", encoding="ascii") as handle:
+                    handle.write(mapping)
+            _userns.append(os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC))
+        finally:
+            helper.kill()
+            helper.communicate()
+        return _userns[0]
+
+
+def _idmapped_bind(source: Path, target: Path) -> None:
+    """Bind ``source`` at ``target`` through an idmapped mount (:func:`_shift_userns`), read-only.
+
+    Raises:
+        OSError: The kernel (before 5.12) or ``source``'s file system refuses.
+    """
+    userns = _shift_userns()
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    fd = libc.syscall(
+        ctypes.c_long(_SYS_OPEN_TREE),
+        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(os.fsencode(source)),
+        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC),
+    )
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"open_tree({source}): {os.strerror(err)}")
+    try:
+        attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MS_RDONLY, 0, 0, userns)
+        if (
+            libc.syscall(
+                ctypes.c_long(_SYS_MOUNT_SETATTR),
+                ctypes.c_int(fd),
+                ctypes.c_char_p(b""),
+                ctypes.c_uint(_AT_EMPTY_PATH),
+                ctypes.byref(attr),
+                ctypes.c_size_t(ctypes.sizeof(attr)),
+            )
+            < 0
+        ):
+            err = ctypes.get_errno()
+            raise OSError(err, f"an idmapped mount of {source}: {os.strerror(err)}")
+        if (
+            libc.syscall(
+                ctypes.c_long(_SYS_MOVE_MOUNT),
+                ctypes.c_int(fd),
+                ctypes.c_char_p(b""),
+                ctypes.c_int(_AT_FDCWD),
+                ctypes.c_char_p(os.fsencode(target)),
+                ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
+            )
+            < 0
+        ):
+            err = ctypes.get_errno()
+            raise OSError(err, f"attaching the idmapped mount at {target}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True)
 class FreshRoot:
     """A mounted fresh root."""
@@ -198,12 +316,16 @@ def fresh_root(
     size_bytes: int,
     inodes: int = 1 << 20,
     writable: bool = True,
+    shift_owner: bool = True,
 ) -> Iterator[FreshRoot]:
     """Mount a fresh root of ``image_root`` plus ``changes`` under the new directory ``scratch`` (root only).
 
     Everything is unmounted and ``scratch`` removed when the block ends, whatever happened.
     ``size_bytes`` bounds the snapshot and whatever is written into the root together.
-    ``writable=False`` mounts the overlay read-only.
+    ``writable=False`` mounts the overlay read-only. ``shift_owner``: the image is seen through an
+    idmapped mount in which what root owns is owned by :data:`FRESH_UID` (the cage's uid), so the
+    command may write the image's root-owned files as a container's root would; where the kernel or
+    the store's file system refuses an idmapped mount, the image keeps its owners (logged once).
 
     Raises:
         ChangesError: ``changes`` cannot be used, or does not fit in ``size_bytes``.
@@ -237,13 +359,22 @@ def fresh_root(
                 raise ChangesError(
                     f"the rollout's changes {changes} do not fit in the grading scratch ({size_bytes} bytes)"
                 ) from exc
-            if isinstance(exc, ChangesError):
-                raise
             raise ChangesError(f"the rollout's changes {changes} cannot be copied: {exc}") from exc
         upper, work, merged = scratch / "upper", scratch / "work", scratch / "root"
         for directory in (upper, work, merged):
             directory.mkdir(mode=0o755)
-        options = f"lowerdir={scratch / 'changes'}:{image_root}"
+        lower = image_root
+        if shift_owner:
+            lower = scratch / "image"
+            lower.mkdir(mode=0o755)
+            try:
+                _idmapped_bind(image_root, lower)
+            except OSError as exc:
+                _warn_once(f"image roots are used with their own owners (no idmapped mount: {exc})")
+                lower = image_root
+            else:
+                mounted.append(lower)
+        options = f"lowerdir={scratch / 'changes'}:{lower}"
         if writable:
             options += f",upperdir={upper},workdir={work}"
         _mount(
