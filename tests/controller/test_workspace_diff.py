@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from rollcage.cli import _build_app
 from rollcage.controller._workspace_diff import file_level_diff, write_workspace_diff
 from rollcage.export import export_run
-from rollcage.viewer import load_rollout, render_rollout, render_text
+from rollcage.viewer import load_rollout, render_rollout, render_text, write_report
 from tests.helpers.image_rollouts import agent_session, make_image, needs_root
 from tests.helpers.viewer_fixtures import write_run
 
@@ -39,10 +41,11 @@ def _diff(rollout_dir: Path) -> str:
 @needs_root
 def test_a_git_working_directory_gets_git_s_diff_against_the_image_s_head(tmp_path: Path) -> None:
     image = make_image(tmp_path / "image", FILES, git=True)
-    with agent_session(image, tmp_path / "r", AGENT):
+    with agent_session(image, tmp_path / "r", AGENT + "echo changed > /etc/hostname\n"):
         pass
     diff = _diff(tmp_path / "r")
     assert diff.startswith("# git diff of /testbed against the image's HEAD ")
+    assert diff.endswith("# also changed outside /testbed (1): /etc/hostname\n")
     assert "diff --git a/src/app.py b/src/app.py" in diff and "-    return 41\n+    return 42\n" in diff
     assert "diff --git a/README b/README\ndeleted file mode 100644" in diff
     assert "+++ b/src/new_module.py\n@@ -0,0 +1 @@\n+new\n" in diff  # untracked, included
@@ -116,6 +119,10 @@ def test_show_and_the_atif_export_carry_the_diff(tmp_path: Path) -> None:
     )
     text = render_text(render_rollout(load_rollout(rollout)), width=160)
     assert "workspace.diff" in text and "+x = 4" in text and "-x = 3" in text
+    shown = CliRunner().invoke(_build_app(), ["show", str(rollout)])
+    assert shown.exit_code == 0 and "+x = 4" in shown.output
+    report = write_report(run.path).read_text()
+    assert "workspace.diff (what the rollout changed)" in report and "+x = 4" in report
     export_run(run.path, "atif")
     document = json.loads((run.path / "export/atif/calc-1-s0-t0.json").read_text())
     assert document["extra"]["workspace_diff"].endswith("+x = 4\n")

@@ -59,6 +59,7 @@ DIFF_LIMIT: Final = 4 << 20
 FILE_LIMIT: Final = 1 << 20
 """Files larger than this (either side) are named, not diffed."""
 _MAX_ENTRIES: Final = 200_000
+_LISTED_OUTSIDE: Final = 50
 _GIT_TIMEOUT_S: Final = 300.0
 _SCRATCH_BYTES: Final = 4 << 30
 _GIT_SCRIPT: Final = r"""
@@ -348,6 +349,34 @@ def file_level_diff(
     return out.text()
 
 
+def _outside(changes: Path, working_dir: str) -> bytes:
+    """A note naming what the rollout changed outside the working directory (git's diff covers only it)."""
+    inside = working_dir.strip("/")
+    found: list[str] = []
+    count = 0
+    stack: list[tuple[Path, str]] = [(changes, "")]
+    while stack and count <= _MAX_ENTRIES:
+        directory, base = stack.pop()
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            path = f"{base}{entry.name}"
+            if inside and (path == inside or path.startswith(inside + "/")):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                stack.append((Path(entry.path), path + "/"))
+                continue
+            count += 1
+            if len(found) < _LISTED_OUTSIDE:
+                found.append("/" + path)
+    if not count:
+        return b""
+    more = f" and {count - len(found)} more" if count > len(found) else ""
+    return f"# also changed outside {working_dir} ({count}): {', '.join(found)}{more}\n".encode()
+
+
 def _image_has_repo(info: ImageInfo) -> bool:
     parts = [p for p in info.working_dir.split("/") if p]
     fd = _open_dir(info.root, [*parts, ".git"])
@@ -376,7 +405,8 @@ async def make_workspace_diff(rollout_dir: Path, *, scratch_parent: Path | None 
     note = b""
     if await asyncio.to_thread(_image_has_repo, info):
         try:
-            return await _git_diff(info, changes, scratch_parent)
+            diff = await _git_diff(info, changes, scratch_parent)
+            return diff + await asyncio.to_thread(_outside, changes, info.working_dir)
         except (RollcageError, OSError, ValueError) as exc:
             logger.warning("git diff of %s failed, writing a file-level diff instead: %s", rollout_dir, exc)
             note = f"# git diff failed ({exc}); file-level diff instead\n".encode()[:2000]
