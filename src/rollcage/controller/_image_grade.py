@@ -4,7 +4,7 @@ Never in the agent's live cage: the rollout directory's ``image.json`` names the
 root, its ``WorkingDir`` and ``Env``; ``changes/`` is what the rollout wrote. Grading copies
 ``changes/`` and mounts a new overlay (the copy over the image, a scratch upper on a bounded
 tmpfs) and runs ``command`` there with ``/bin/sh -c`` in a cage of its own
-(:func:`rollcage.images.run_in_root`): no network, an unprivileged uid, bounds on time, CPU,
+(``run_in_root`` (``rollcage.controller._fresh_root``)): no network, an unprivileged uid, bounds on time, CPU,
 memory, processes, file size and output. Everything is unmounted and removed afterwards.
 
 The reward: with no ``junit_xml``, 1.0 when the command exits 0, else 0.0. With ``junit_xml``,
@@ -163,7 +163,7 @@ async def grade_tests(
     **Cancellation:** the cage is killed and reaped and the fresh root unmounted and removed before
     the cancellation propagates.
     """
-    from rollcage.images import fresh_root, run_in_root
+    from rollcage.controller._fresh_root import fresh_root, run_in_root
 
     detail: dict[str, Any] = {"name": "tests"}
     try:

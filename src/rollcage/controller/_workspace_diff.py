@@ -416,7 +416,7 @@ async def make_workspace_diff(rollout_dir: Path, *, scratch_parent: Path | None 
 
 async def _git_diff(info: ImageInfo, changes: Path, scratch_parent: Path | None) -> bytes:
     from rollcage.cage import RunLimits, run_contained
-    from rollcage.images import fresh_root
+    from rollcage.controller._fresh_root import fresh_root
 
     parent = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="rollcage-diff-", dir=scratch_parent))
     stack = contextlib.ExitStack()

@@ -13,14 +13,6 @@ are unpacked by rollcage's own hardened tar reader (``_unpack``), and the store 
 tree guarded by flock (``_store``).
 """
 
-from rollcage.images._fresh import (
-    FRESH_UID,
-    ChangesError,
-    FreshRoot,
-    fresh_root,
-    run_in_root,
-    snapshot_changes,
-)
 from rollcage.images._overlay import CowRoot, cow_root
 from rollcage.images._ref import ImageRef, parse_ref
 from rollcage.images._store import (
@@ -35,11 +27,8 @@ from rollcage.images._store import (
 from rollcage.images._unpack import Limits
 
 __all__ = [
-    "FRESH_UID",
     "STORE_ENV",
-    "ChangesError",
     "CowRoot",
-    "FreshRoot",
     "ImageConfig",
     "ImageEntry",
     "ImageRef",
@@ -49,11 +38,8 @@ __all__ = [
     "PruneReport",
     "cow_root",
     "default_store_path",
-    "fresh_root",
     "parse_ref",
     "prepare",
-    "run_in_root",
-    "snapshot_changes",
 ]
 
 

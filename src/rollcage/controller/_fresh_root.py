@@ -52,7 +52,7 @@ from rollcage.cage import CgroupSet, ContainedRun, Limits, RunLimits, find_tools
 from rollcage.errors import SandboxError
 from rollcage.procs import ChildProcess, GroupTree, StopStrategy, shielded, stop_tree, wait_shared
 
-logger = logging.getLogger("rollcage.images")
+logger = logging.getLogger("rollcage.controller")
 
 __all__ = ["FRESH_UID", "ChangesError", "FreshRoot", "fresh_root", "run_in_root", "snapshot_changes"]
 
