@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import stat
+import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from rollcage.cli import _build_app
@@ -138,3 +144,58 @@ def test_show_holds_only_the_start_of_a_large_diff(tmp_path: Path, size: int) ->
     view = load_rollout(rollout)
     assert view.workspace_diff is not None and len(view.workspace_diff) <= 64 * 1024 + 100
     assert "more bytes in workspace.diff" in view.workspace_diff
+
+
+_NAMES = st.sampled_from(["a.py", "b.txt", "dir/c.py", "dir/sub/d.md", "e"])
+_TEXT = st.lists(st.sampled_from(["x", "y = 1", "", "  indented", "z" * 30]), max_size=8).map(
+    lambda lines: "\n".join(lines)
+)
+
+
+@needs_root
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    image=st.dictionaries(_NAMES, _TEXT, max_size=5),
+    edits=st.dictionaries(_NAMES, st.one_of(st.none(), _TEXT), max_size=5),
+)
+def test_the_file_level_diff_applies_to_the_image_and_gives_the_rollout_s_tree(
+    tmp_path_factory: pytest.TempPathFactory, image: dict[str, str], edits: dict[str, str | None]
+) -> None:
+    """``git apply`` of the diff on a copy of the image yields the tree the rollout left (None: deleted)."""
+    base = tmp_path_factory.mktemp("prop")
+    for name, text in image.items():
+        _put(base / "image" / name, text)
+    changes = base / "changes"
+    changes.mkdir()
+    expected = dict(image)
+    for name, text in edits.items():
+        if text is None:
+            if name not in image:
+                continue
+            (changes / name).parent.mkdir(parents=True, exist_ok=True)
+            os.mknod(changes / name, stat.S_IFCHR, 0)  # a whiteout, as overlayfs makes one
+            expected.pop(name)
+        else:
+            _put(changes / name, text)
+            expected[name] = text
+    diff = file_level_diff(changes, base / "image")
+    shutil.copytree(base / "image", base / "applied") if image else (base / "applied").mkdir()
+    done = subprocess.run(
+        ["git", "apply", "--allow-empty", "-"],
+        cwd=base / "applied",
+        input=diff,
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, (done.stderr.decode(), diff.decode())
+    got = {
+        str(path.relative_to(base / "applied")): path.read_text()
+        for path in (base / "applied").rglob("*")
+        if path.is_file()
+    }
+    assert got == expected
+
+
+def _put(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
