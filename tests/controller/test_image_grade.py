@@ -16,7 +16,7 @@ from rollcage.controller._image_grade import grade_tests
 from rollcage.controller.testing import FakeSupervisor
 from rollcage.protocol import RolloutRecord
 from tests.helpers.image_rollouts import agent_session, make_image, needs_root, write_image_json
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import wait_for, wait_for_async
 
 pytestmark = needs_root
 
@@ -220,3 +220,29 @@ def test_the_command_may_write_what_root_owns_in_the_image_and_the_image_stays_a
     assert grade.reward == 1.0, grade
     assert (image.root / "etc/hostname").read_bytes() == before
     assert (image.root / "testbed/run_tests.sh").exists() and not (image.root / "testbed/.cache").exists()
+
+
+def test_a_cancelled_grade_leaves_no_mount_and_no_scratch(tmp_path: Path) -> None:
+    image = make_image(tmp_path / "image", FILES)
+    with agent_session(image, tmp_path / "r", FIX):
+        pass
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    started = tmp_path / "r/changes/testbed/started"
+
+    async def cancel_while_running() -> None:
+        spec = Spec(command="touch started; sleep 600")
+        grading = asyncio.ensure_future(grade_tests(spec, tmp_path / "r", scratch_parent=scratch))
+        # The command runs once its scratch is mounted and its shell answers in the fresh root.
+        await wait_for_async(
+            lambda: grading.done() or any(scratch.glob("rollcage-grade-*/scratch/upper/testbed/started")),
+            what="the test command to start",
+        )
+        assert not grading.done(), grading.result()
+        grading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await grading
+
+    asyncio.run(cancel_while_running())
+    assert f" {scratch}/" not in Path("/proc/self/mounts").read_text()
+    assert list(scratch.iterdir()) == [] and not started.exists()

@@ -182,9 +182,12 @@ async def grade_tests(
     stack = contextlib.ExitStack()
     try:
         try:
-            root = await asyncio.to_thread(
-                stack.enter_context,
-                fresh_root(info.root, changes, parent / "scratch", size_bytes=SCRATCH_BYTES),
+            # Shielded: a mount made after a cancellation would be left behind.
+            root = await shielded(
+                asyncio.to_thread(
+                    stack.enter_context,
+                    fresh_root(info.root, changes, parent / "scratch", size_bytes=SCRATCH_BYTES),
+                )
             )
             run = await run_in_root(
                 root.path,

@@ -421,9 +421,12 @@ async def _git_diff(info: ImageInfo, changes: Path, scratch_parent: Path | None)
     parent = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="rollcage-diff-", dir=scratch_parent))
     stack = contextlib.ExitStack()
     try:
-        root = await asyncio.to_thread(
-            stack.enter_context,
-            fresh_root(info.root, changes, parent / "scratch", size_bytes=_SCRATCH_BYTES, writable=False),
+        # Shielded: a mount made after a cancellation would be left behind.
+        root = await shielded(
+            asyncio.to_thread(
+                stack.enter_context,
+                fresh_root(info.root, changes, parent / "scratch", size_bytes=_SCRATCH_BYTES, writable=False),
+            )
         )
         work_tree = str(root.path / info.working_dir.lstrip("/"))
         image_tree = str(info.root / info.working_dir.lstrip("/"))
