@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from rollcage.controller import Controller, LocalBackend, ModelEndpointConfig, RunConfig
+from rollcage.controller import (
+    Controller,
+    InvalidRow,
+    LocalBackend,
+    ModelEndpointConfig,
+    RunConfig,
+    iter_dataset,
+)
 from rollcage.controller._graders import TestsGrader as Spec
 from rollcage.controller._image_grade import grade_tests
 from rollcage.controller.testing import FakeSupervisor
@@ -166,11 +173,24 @@ def test_a_command_past_its_timeout_fails_the_tests(tmp_path: Path) -> None:
     assert grade.reward == 0.0 and grade.detail["timed_out"] is True
 
 
-def test_lists_without_junit_xml_are_refused_when_the_row_is_read() -> None:
-    with pytest.raises(ValueError, match="need junit_xml"):
-        Spec(command="pytest", fail_to_pass=["tests/test_x.py::test_a"])
-    with pytest.raises(ValueError, match="absolute"):
-        Spec(command="pytest", junit_xml="junit.xml")
+@pytest.mark.parametrize(
+    ("grader", "reason"),
+    [
+        ({"command": "pytest", "fail_to_pass": ["tests/test_x.py::test_a"]}, "need junit_xml"),
+        ({"command": "pytest", "junit_xml": "junit.xml"}, "must be an absolute path"),
+        ({"command": ""}, "command"),
+        ({"command": "pytest", "timeout_s": 0}, "timeout_s"),
+    ],
+)
+def test_a_row_with_an_unusable_tests_grader_is_refused_naming_why(
+    tmp_path: Path, grader: dict[str, Any], reason: str
+) -> None:
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(
+        json.dumps({"id": "x", "input": "fix it", "grader": {"type": "tests", **grader}}) + "\n"
+    )
+    (item,) = list(iter_dataset(dataset))
+    assert isinstance(item, InvalidRow) and reason in item.reason, item
 
 
 def test_the_controller_grades_an_image_rollout_and_keeps_its_diff(tmp_path: Path) -> None:
