@@ -101,9 +101,9 @@ _MAX_RESUME_JOURNAL_BYTES = 1 << 30
 # A built-in grade is linear in the answer (regex bounds itself): this only backstops it.
 _BUILTIN_GRADE_TIMEOUT_S = 30.0
 _IMAGE_GRADE_SLACK_S = 300.0
+"""Beyond a tests grader's timeout_s: making its fresh root and reading its JUnit file."""
 _DIFF_TIMEOUT_S = 600.0
 """The longest workspace.diff may take (git in a cage on a large repository, or a large file-level diff)."""
-"""Beyond a tests grader's timeout_s: making its fresh root and reading its JUnit file."""
 
 
 class _Model(BaseModel):
