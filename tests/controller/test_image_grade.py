@@ -266,3 +266,17 @@ def test_a_cancelled_grade_leaves_no_mount_and_no_scratch(tmp_path: Path) -> Non
     asyncio.run(cancel_while_running())
     assert f" {scratch}/" not in Path("/proc/self/mounts").read_text()
     assert list(scratch.iterdir()) == [] and not started.exists()
+
+
+@pytest.mark.parametrize("user", ["1000", "app:app"])
+def test_an_image_user_s_files_are_the_grading_command_s_and_root_s_are_not(
+    tmp_path: Path, user: str
+) -> None:
+    image = make_image(tmp_path / "image", FILES)
+    (image.root / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n")
+    os.chown(image.root / "testbed", 1000, 1000)
+    with agent_session(image, tmp_path / "r", "true", user=user):
+        pass
+    mine = _grade(Spec(command="mkdir /testbed/.cache"), tmp_path / "r")
+    roots = _grade(Spec(command="echo no >> /etc/hostname"), tmp_path / "r")
+    assert (mine.reward, roots.reward) == (1.0, 0.0), (mine, roots)

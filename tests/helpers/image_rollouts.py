@@ -97,7 +97,7 @@ def _in_root(root: Path, script: str) -> list[str]:
     ]
 
 
-def write_image_json(rollout_dir: Path, image: PreparedImage) -> None:
+def write_image_json(rollout_dir: Path, image: PreparedImage, user: str | None = None) -> None:
     """``image.json`` as the controller writes it (the contract between i1 and i2)."""
     info = {
         "ref": image.ref,
@@ -105,21 +105,26 @@ def write_image_json(rollout_dir: Path, image: PreparedImage) -> None:
         "root": str(image.root),
         "working_dir": WORKDIR,
         "env": ["PATH=/usr/bin:/bin", "TASK_ENV=from-the-image"],
-        "user": None,
+        "user": user,
     }
     (rollout_dir / "image.json").write_text(json.dumps(info))
 
 
 @contextmanager
 def agent_session(
-    image: PreparedImage, rollout_dir: Path, script: str, *, linger: str | None = None
+    image: PreparedImage,
+    rollout_dir: Path,
+    script: str,
+    *,
+    linger: str | None = None,
+    user: str | None = None,
 ) -> Iterator[LiveRoot]:
     """Run ``script`` as the agent in a copy-on-write root of ``image``; its upper is ``changes/``.
 
     ``linger``: a command left running in the agent's root while the block runs (stopped after).
     """
     rollout_dir.mkdir(parents=True, exist_ok=True)
-    write_image_json(rollout_dir, image)
+    write_image_json(rollout_dir, image, user)
     root = cow_root(image, rollout_dir / "overlay", rollout_dir / "root")
     process = None
     try:

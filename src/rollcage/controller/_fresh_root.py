@@ -15,8 +15,9 @@ rebuild one here.
    sockets and devices other than whiteouts are left out;
 3. mounts an overlay: lowers = the snapshot over the image, upper = the tmpfs (a scratch that
    goes with it), ``nosuid,nodev``. The image is seen through an idmapped mount (Linux 5.12+,
-   overlayfs on idmapped layers 5.19+) in which what root owns belongs to :data:`FRESH_UID`, the
-   uid the command runs as: it may change the image's files as a container's root would (a
+   overlayfs on idmapped layers 5.19+) in which what the image's user owns (root, for most images)
+   belongs to :data:`FRESH_UID`, the uid the command runs as: it may change the image's files as
+   that user in a container would (a
    SWE-bench evaluation applies its test patch inside the repository), and the store is never
    written either way. Where that mount is refused the image keeps its owners (logged once).
 
@@ -198,7 +199,7 @@ _MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
 _MOUNT_ATTR_IDMAP: Final = 0x00100000
 _warned: set[str] = set()
 _userns_lock = threading.Lock()
-_userns: list[int] = []
+_userns: dict[int, int] = {}
 
 
 def _warn_once(message: str) -> None:
@@ -216,16 +217,17 @@ class _MountAttr(ctypes.Structure):
     ]
 
 
-def _shift_userns() -> int:
-    """A user namespace (its descriptor, kept for the process) mapping uid/gid 0 to :data:`FRESH_UID`.
+def _shift_userns(owner: int) -> int:
+    """A user namespace (its descriptor, kept for the process) mapping ``owner`` to :data:`FRESH_UID`.
 
-    Every other id below it maps to itself, so an idmapped mount with it shows what root owns as
-    owned by the cage's uid and leaves other owners as they are. Made by a helper process (a
-    threaded process may not unshare a user namespace itself), which then exits.
+    Every other id below :data:`FRESH_UID` maps to itself, so an idmapped mount with it shows what
+    ``owner`` (uid and gid alike) owns as owned by the cage's uid and leaves other owners as they
+    are. Made by a helper process (a threaded process may not unshare a user namespace itself),
+    which then exits.
     """
     with _userns_lock:
-        if _userns:
-            return _userns[0]
+        if owner in _userns:
+            return _userns[owner]
         helper = subprocess.Popen(
             ["unshare", "--user", "--", "/bin/sh", "-c", "echo ready; read line"],
             stdin=subprocess.PIPE,
@@ -236,24 +238,28 @@ def _shift_userns() -> int:
             assert helper.stdout is not None and helper.stdin is not None
             if helper.stdout.readline() != b"ready\n":
                 raise OSError(errno.EPERM, "unshare --user did not start")
-            mapping = f"0 {FRESH_UID} 1\n1 1 {FRESH_UID - 1}\n"
+            lines = [f"{owner} {FRESH_UID} 1"]
+            if owner > 0:
+                lines.append(f"0 0 {owner}")
+            if owner + 1 < FRESH_UID:
+                lines.append(f"{owner + 1} {owner + 1} {FRESH_UID - owner - 1}")
             for name in ("uid_map", "gid_map"):
                 with open(f"/proc/{helper.pid}/{name}", "w", encoding="ascii") as handle:
-                    handle.write(mapping)
-            _userns.append(os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC))
+                    handle.write("\n".join(lines) + "\n")
+            _userns[owner] = os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             helper.kill()
             helper.communicate()
-        return _userns[0]
+        return _userns[owner]
 
 
-def _idmapped_bind(source: Path, target: Path) -> None:
+def _idmapped_bind(source: Path, target: Path, owner: int) -> None:
     """Bind ``source`` at ``target`` through an idmapped mount (:func:`_shift_userns`), read-only.
 
     Raises:
         OSError: The kernel (before 5.12) or ``source``'s file system refuses.
     """
-    userns = _shift_userns()
+    userns = _shift_userns(owner)
     libc = _libc()
     libc.syscall.restype = ctypes.c_long
     fd = libc.syscall(
@@ -317,15 +323,17 @@ def fresh_root(
     inodes: int = 1 << 20,
     writable: bool = True,
     shift_owner: bool = True,
+    owner: int = 0,
 ) -> Iterator[FreshRoot]:
     """Mount a fresh root of ``image_root`` plus ``changes`` under the new directory ``scratch`` (root only).
 
     Everything is unmounted and ``scratch`` removed when the block ends, whatever happened.
     ``size_bytes`` bounds the snapshot and whatever is written into the root together.
     ``writable=False`` mounts the overlay read-only. ``shift_owner``: the image is seen through an
-    idmapped mount in which what root owns is owned by :data:`FRESH_UID` (the cage's uid), so the
-    command may write the image's root-owned files as a container's root would; where the kernel or
-    the store's file system refuses an idmapped mount, the image keeps its owners (logged once).
+    idmapped mount in which what ``owner`` owns (the uid of the image's ``User``; root when it names
+    none) is owned by :data:`FRESH_UID` (the cage's uid), so the command may write those files as
+    the image's user in a container would; where the kernel or the store's file system refuses an
+    idmapped mount, the image keeps its owners (logged once).
 
     Raises:
         ChangesError: ``changes`` cannot be used, or does not fit in ``size_bytes``.
@@ -368,7 +376,7 @@ def fresh_root(
             lower = scratch / "image"
             lower.mkdir(mode=0o755)
             try:
-                _idmapped_bind(image_root, lower)
+                _idmapped_bind(image_root, lower, owner)
             except OSError as exc:
                 _warn_once(f"image roots are used with their own owners (no idmapped mount: {exc})")
                 lower = image_root

@@ -64,6 +64,25 @@ class ImageInfo:
     root: Path
     working_dir: str
     env: dict[str, str]
+    user: str | None = None
+    """The image's ``User`` (``name``, ``uid``, ``uid:gid``); ``None``: root."""
+
+    def owner(self) -> int:
+        """The uid of the image's user: what it owns in the image the grading command may change."""
+        name = (self.user or "").partition(":")[0]
+        if not name or name == "root":
+            return 0
+        if name.isdigit():
+            return int(name) if int(name) < 65534 else 0
+        try:
+            passwd = safe_read(self.root, "etc/passwd", _IMAGE_JSON_LIMIT) or b""
+        except (OSError, ValueError):
+            return 0
+        for line in passwd.decode("utf-8", "replace").splitlines():
+            fields = line.split(":")
+            if len(fields) > 2 and fields[0] == name and fields[2].isdigit() and int(fields[2]) < 65534:
+                return int(fields[2])
+        return 0
 
 
 def read_image_info(rollout_dir: Path) -> ImageInfo | None:
@@ -89,7 +108,8 @@ def read_image_info(rollout_dir: Path) -> ImageInfo | None:
     if not root.is_absolute() or not working_dir.startswith("/"):
         raise ValueError(f"image.json of {rollout_dir}: root and working_dir must be absolute paths")
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-    return ImageInfo(str(info.get("ref", "")), root, working_dir, env)
+    user = info.get("user")
+    return ImageInfo(str(info.get("ref", "")), root, working_dir, env, str(user) if user else None)
 
 
 def safe_read(base: Path, relative: str, limit: int) -> bytes | None:
@@ -178,6 +198,7 @@ async def grade_tests(
     changes = rollout_dir / "changes"
     if changes.is_symlink() or not changes.is_dir():
         return GradeResult(None, detail, f"the rollout's changes {changes} are missing or no directory")
+    owner = await asyncio.to_thread(info.owner)
     parent = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="rollcage-grade-", dir=scratch_parent))
     stack = contextlib.ExitStack()
     try:
@@ -186,7 +207,9 @@ async def grade_tests(
             root = await shielded(
                 asyncio.to_thread(
                     stack.enter_context,
-                    fresh_root(info.root, changes, parent / "scratch", size_bytes=SCRATCH_BYTES),
+                    fresh_root(
+                        info.root, changes, parent / "scratch", size_bytes=SCRATCH_BYTES, owner=owner
+                    ),
                 )
             )
             run = await run_in_root(
