@@ -49,9 +49,13 @@ def test_a_git_working_directory_gets_git_s_diff_against_the_image_s_head(tmp_pa
     image = make_image(tmp_path / "image", FILES, git=True)
     with agent_session(image, tmp_path / "r", AGENT + "echo changed > /etc/hostname\n"):
         pass
+    (tmp_path / "r/workspace").mkdir()
+    (tmp_path / "r/workspace/notes.txt").write_text("kept in the workspace\n")
     diff = _diff(tmp_path / "r")
     assert diff.startswith("# git diff of /testbed against the image's HEAD ")
-    assert diff.endswith("# also changed outside /testbed (1): /etc/hostname\n")
+    assert "# also changed outside /testbed (1): /etc/hostname\n" in diff
+    # The rollout's workspace, bound at /rollout/workspace in its root, is evidence too.
+    assert diff.endswith("+++ b/rollout/workspace/notes.txt\n@@ -0,0 +1 @@\n+kept in the workspace\n")
     assert "diff --git a/src/app.py b/src/app.py" in diff and "-    return 41\n+    return 42\n" in diff
     assert "diff --git a/README b/README\ndeleted file mode 100644" in diff
     assert "+++ b/src/new_module.py\n@@ -0,0 +1 @@\n+new\n" in diff  # untracked, included

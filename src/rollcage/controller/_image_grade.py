@@ -207,9 +207,7 @@ async def grade_tests(
             root = await shielded(
                 asyncio.to_thread(
                     stack.enter_context,
-                    fresh_root(
-                        info.root, changes, parent / "scratch", size_bytes=SCRATCH_BYTES, owner=owner
-                    ),
+                    fresh_root(info.root, changes, parent / "scratch", size_bytes=SCRATCH_BYTES, owner=owner),
                 )
             )
             run = await run_in_root(

@@ -12,6 +12,9 @@ Made by the controller after the supervisor's receipt, whatever the outcome:
 * any other image rollout (or when git fails): a file-level unified diff computed here from
   ``changes/`` against the image (a whiteout is a deletion, an opaque directory deletes what the
   image had under it);
+* either way, for an image rollout: a line naming what changed outside a repository's working
+  directory, and the rollout's ``workspace/`` (bound at ``/rollout/workspace`` in its root)
+  against the empty one it started from, when it holds anything;
 * a rollout without an image: the final ``workspace/`` against the empty workspace each rollout
   starts from (every file is new).
 
@@ -288,12 +291,12 @@ def _opaque(fd: int) -> bool:
 
 
 def file_level_diff(
-    changes: Path, image: Path | None, *, overlay: bool = True, limit: int = DIFF_LIMIT
+    changes: Path, image: Path | None, *, overlay: bool = True, limit: int = DIFF_LIMIT, prefix: str = ""
 ) -> bytes:
     """The unified diff of ``changes`` over ``image`` (``None``: over nothing), see the module docstring.
 
     ``overlay``: ``changes`` is an overlay upper (whiteouts and opaque directories mean deletions).
-    Paths are relative to ``changes``. Blocking.
+    Paths are relative to ``changes``, after ``prefix``. Blocking.
 
     Raises:
         OSError: ``changes`` cannot be read.
@@ -309,7 +312,7 @@ def file_level_diff(
                 names = sorted(os.listdir(fd))
                 if overlay and image_fd is not None and parts and _opaque(fd):
                     for name in sorted(set(os.listdir(image_fd)) - set(names)):
-                        _deleted_tree(out, image_fd, name, "/".join([*parts, name]))
+                        _deleted_tree(out, image_fd, name, prefix + "/".join([*parts, name]))
                 subdirs = []
                 for name in names:
                     out.entries += 1
@@ -319,7 +322,7 @@ def file_level_diff(
                         )
                         out.cut = True
                         break
-                    path = "/".join([*parts, name])
+                    path = prefix + "/".join([*parts, name])
                     info = os.lstat(name, dir_fd=fd)
                     if overlay and _is_whiteout(info):
                         _deleted_tree(out, image_fd, name, path)
@@ -393,25 +396,45 @@ async def make_workspace_diff(rollout_dir: Path, *, scratch_parent: Path | None 
     cancellation propagates; a file-level diff in a thread finishes on its own.
     """
     info = await asyncio.to_thread(read_image_info, rollout_dir)
+    workspace = rollout_dir / "workspace"
     if info is None:
-        workspace = rollout_dir / "workspace"
-        if workspace.is_symlink() or not workspace.is_dir():
+        if not await asyncio.to_thread(_plain_dir, workspace):
             return b"# no workspace directory: nothing to diff\n"
         head = b"# the final workspace against the empty workspace the rollout started from\n"
         return head + await asyncio.to_thread(file_level_diff, workspace, None, overlay=False)
     changes = rollout_dir / "changes"
-    if changes.is_symlink() or not changes.is_dir():
+    if not await asyncio.to_thread(_plain_dir, changes):
         return f"# the rollout has no changes directory {changes}: nothing to diff\n".encode()
+    diff: bytes | None = None
     note = b""
     if await asyncio.to_thread(_image_has_repo, info):
         try:
             diff = await _git_diff(info, changes, scratch_parent)
-            return diff + await asyncio.to_thread(_outside, changes, info.working_dir)
+            diff += await asyncio.to_thread(_outside, changes, info.working_dir)
         except (RollcageError, OSError, ValueError) as exc:
             logger.warning("git diff of %s failed, writing a file-level diff instead: %s", rollout_dir, exc)
             note = f"# git diff failed ({exc}); file-level diff instead\n".encode()[:2000]
-    head = f"# file-level diff of the rollout's changes against the image {info.ref}\n".encode()
-    return head + note + await asyncio.to_thread(file_level_diff, changes, info.root)
+    if diff is None:
+        head = f"# file-level diff of the rollout's changes against the image {info.ref}\n".encode()
+        diff = head + note + await asyncio.to_thread(file_level_diff, changes, info.root)
+    return diff + await asyncio.to_thread(_image_workspace, workspace, DIFF_LIMIT - len(diff))
+
+
+def _plain_dir(path: Path) -> bool:
+    return not path.is_symlink() and path.is_dir()
+
+
+def _image_workspace(workspace: Path, room: int) -> bytes:
+    """The workspace of an image rollout (bound at /rollout/workspace in its root), when it holds anything."""
+    if not _plain_dir(workspace):
+        return b""
+    with os.scandir(workspace) as entries:
+        if not any(entries):
+            return b""
+    head = b"# the rollout's workspace (/rollout/workspace) against the empty one it started from\n"
+    return head + file_level_diff(
+        workspace, None, overlay=False, limit=max(room - len(head), 1024), prefix="rollout/workspace/"
+    )
 
 
 async def _git_diff(info: ImageInfo, changes: Path, scratch_parent: Path | None) -> bytes:
