@@ -30,7 +30,6 @@ from rollcage.controller._graders import (
     NormalizedGrader,
     NumericGrader,
     RegexGrader,
-    TestsGrader,
     VerifyGrader,
 )
 from rollcage.controller._health import HEALTH_ALIASES, HEALTH_CHECKS, rollout_health, rollout_metrics
@@ -102,7 +101,6 @@ __all__ = [
     "RunLedger",
     "RunSummary",
     "Task",
-    "TestsGrader",
     "VerifyGrader",
     "api_key_problem",
     "collect",
