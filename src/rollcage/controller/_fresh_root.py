@@ -200,6 +200,7 @@ _MOUNT_ATTR_IDMAP: Final = 0x00100000
 _warned: set[str] = set()
 _userns_lock = threading.Lock()
 _userns: dict[int, int] = {}
+_HELPER_EXIT_S: Final = 30.0
 
 
 def _warn_once(message: str) -> None:
@@ -228,14 +229,15 @@ def _shift_userns(owner: int) -> int:
     with _userns_lock:
         if owner in _userns:
             return _userns[owner]
+        # The helper waits for a line on stdin: closing it ends the helper, whatever happened here.
         helper = subprocess.Popen(
             ["unshare", "--user", "--", "/bin/sh", "-c", "echo ready; read line"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env={"PATH": "/usr/bin:/bin"},
         )
+        assert helper.stdout is not None and helper.stdin is not None
         try:
-            assert helper.stdout is not None and helper.stdin is not None
             if helper.stdout.readline() != b"ready\n":
                 raise OSError(errno.EPERM, "unshare --user did not start")
             lines = [f"{owner} {FRESH_UID} 1"]
@@ -248,8 +250,12 @@ def _shift_userns(owner: int) -> int:
                     handle.write("\n".join(lines) + "\n")
             _userns[owner] = os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         finally:
-            helper.kill()
-            helper.communicate()
+            helper.stdin.close()
+            helper.stdout.close()
+            try:
+                helper.wait(timeout=_HELPER_EXIT_S)
+            except subprocess.TimeoutExpired as exc:
+                raise OSError(errno.ETIMEDOUT, "the user namespace helper did not exit") from exc
         return _userns[owner]
 
 
