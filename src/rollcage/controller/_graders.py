@@ -41,7 +41,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     import httpx
@@ -54,6 +54,7 @@ __all__ = [
     "NormalizedGrader",
     "NumericGrader",
     "RegexGrader",
+    "TestsGrader",
     "VerifyGrader",
     "check_pattern",
     "checked_grade",
@@ -133,8 +134,45 @@ class RegexGrader(_Spec):
     )
 
 
+class TestsGrader(_Spec):
+    """Run the task's tests in a fresh root: the rollout's image plus its changes (see ``_image_grade``).
+
+    The reward is 1.0 when the command exits 0 (and, with ``junit_xml``, every test it reports
+    passed), else 0.0; with ``fail_to_pass`` or ``pass_to_pass`` (SWE-bench's lists), 1.0 exactly
+    when every listed test passed in the JUnit XML.
+    """
+
+    type: Literal["tests"] = "tests"
+    command: str = Field(min_length=1, max_length=100_000, description="Shell command run with /bin/sh -c.")
+    junit_xml: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="Absolute path in the root of the JUnit XML the command writes; None: exit status only.",
+    )
+    fail_to_pass: list[str] = Field(
+        default_factory=list, description="pytest ids that must pass (they failed before the fix)."
+    )
+    pass_to_pass: list[str] = Field(default_factory=list, description="pytest ids that must still pass.")
+    timeout_s: float = Field(
+        default=600.0, gt=0, le=24 * 3600, description="Wall-clock bound of the command."
+    )
+
+    @model_validator(mode="after")
+    def _lists_need_junit(self) -> TestsGrader:
+        if self.junit_xml is not None and not self.junit_xml.startswith("/"):
+            raise ValueError(f"junit_xml {self.junit_xml!r} must be an absolute path in the image root")
+        if (self.fail_to_pass or self.pass_to_pass) and self.junit_xml is None:
+            raise ValueError(
+                "fail_to_pass and pass_to_pass need junit_xml: the file that says which tests passed"
+            )
+        if any(not test or len(test) > 4096 for test in [*self.fail_to_pass, *self.pass_to_pass]):
+            raise ValueError("a test id in fail_to_pass or pass_to_pass is empty or over 4096 characters")
+        return self
+
+
 GraderSpec = Annotated[
-    VerifyGrader | ExactGrader | NormalizedGrader | NumericGrader | RegexGrader, Field(discriminator="type")
+    VerifyGrader | ExactGrader | NormalizedGrader | NumericGrader | RegexGrader | TestsGrader,
+    Field(discriminator="type"),
 ]
 """A row's ``grader``, tagged by ``type``."""
 

@@ -102,6 +102,10 @@ _MAX_RESUME_JOURNAL_BYTES = 1 << 30
 """The largest earlier journal resumed from (a journal is O(new content) per boundary: far below)."""
 # A built-in grade is linear in the answer (regex bounds itself): this only backstops it.
 _BUILTIN_GRADE_TIMEOUT_S = 30.0
+_IMAGE_GRADE_SLACK_S = 300.0
+"""Beyond a tests grader's timeout_s: making its fresh root and reading its JUnit file."""
+_DIFF_TIMEOUT_S = 600.0
+"""The longest workspace.diff may take (git in a cage on a large repository, or a large file-level diff)."""
 
 
 class _Model(BaseModel):
@@ -520,6 +524,18 @@ async def _grade(
     assert plan is not None
     spec: GraderSpec = plan.grader
     answer = result.response.output_text if result.response is not None else ""
+    if spec.type == "tests":
+        from rollcage.controller._image_grade import grade_tests
+
+        # Bounded by the grader's own timeout (the cage is killed at it); this backstops the rest
+        # (copying the changes, mounting, reading the JUnit file).
+        try:
+            async with asyncio.timeout(spec.timeout_s + _IMAGE_GRADE_SLACK_S):
+                return await grade_tests(spec, Path(prepared.rollout_dir))
+        except TimeoutError:
+            return GradeResult(
+                None, {"name": "tests"}, f"the tests grader did not finish within {spec.timeout_s:g} s"
+            )
     if spec.type != "verify":
         backstop = _BUILTIN_GRADE_TIMEOUT_S + (spec.timeout_s if spec.type == "regex" else 0.0)
         return await grade_builtin_off_loop(spec, expected=plan.expected, answer=answer, timeout_s=backstop)
@@ -539,6 +555,19 @@ async def _grade(
         cookies=result.resource_cookies,
         sent=sent,
     )
+
+
+async def _write_diff(rollout_dir: Path) -> None:
+    """The rollout's ``workspace.diff`` (evidence only: whatever happens, the outcome and grade stand)."""
+    from rollcage.controller._workspace_diff import write_workspace_diff
+
+    try:
+        async with asyncio.timeout(_DIFF_TIMEOUT_S):
+            await write_workspace_diff(rollout_dir)
+    except TimeoutError:
+        logger.warning(
+            "rollout %s: workspace.diff took over %g s; left out", rollout_dir.name, _DIFF_TIMEOUT_S
+        )
 
 
 async def _seed(prepared: PreparedRollout, client: Any) -> PreparedRollout:
@@ -735,6 +764,8 @@ async def _run_and_grade(
         receipt = _failed_receipt(prepared, settings, exc, started, where="the controller")
     if not receipt.result_valid:
         result = None
+    if await asyncio.to_thread(rollout_dir.is_dir):
+        await _write_diff(rollout_dir)
     link = _resume_link(link, result)
     if prepared.resume_from is not None:
         receipt = receipt.model_copy(update={"resumed_from": prepared.resume_from.rollout_id})

@@ -12,16 +12,20 @@ The mapping (one document per rollout; ``step_id`` from 1, ISO 8601 timestamps):
   ids, attempts, resolution, cumulative tool steps);
 * feedback the loop gave the model between turns (codeact's execution output, a
   cut-off notice): ``user`` steps before the turn that read them;
-* ``final_metrics``: the sums, and the reward, outcome and health in ``extra``.
+* ``final_metrics``: the sums, and the reward, outcome and health in ``extra``;
+* the rollout's ``workspace.diff`` (what it changed), where it has one: the document's own
+  ``extra.workspace_diff`` (ATIF has no field for a trajectory's resulting change).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+from pathlib import Path
 from typing import Any
 
 from rollcage import __version__
+from rollcage.durable import read_bounded
 from rollcage.protocol import (
     ModelCall,
     ResponseItem,
@@ -33,13 +37,30 @@ from rollcage.protocol import (
 )
 from rollcage.trajectory import message_text
 
-__all__ = ["ATIF_VERSION", "to_atif"]
+__all__ = ["ATIF_VERSION", "read_workspace_diff", "to_atif"]
 
 ATIF_VERSION = "ATIF-v1.7"
 
 
-def to_atif(record: RolloutRecord, result: WorkerResult, spec: WorkerInput) -> dict[str, Any]:
-    """The rollout as an ATIF v1.7 trajectory document (JSON-ready)."""
+_DIFF_LIMIT = 8 << 20
+"""The largest workspace.diff carried (the controller writes at most 4 MiB)."""
+
+
+def read_workspace_diff(directory: Path | None) -> str | None:
+    """The rollout directory's ``workspace.diff`` as text; ``None`` when it has none or it is unreadable."""
+    if directory is None:
+        return None
+    try:
+        data = read_bounded(directory / "workspace.diff", limit=_DIFF_LIMIT)
+    except OSError:
+        return None
+    return data.decode("utf-8", errors="replace")
+
+
+def to_atif(
+    record: RolloutRecord, result: WorkerResult, spec: WorkerInput, *, workspace_diff: str | None = None
+) -> dict[str, Any]:
+    """The rollout as an ATIF v1.7 trajectory document (JSON-ready); ``workspace_diff``: its change."""
     trajectory = result.trajectory
     tools = {tool.call_id: tool for tool in trajectory.tool_calls}
     calls = {call.id: call for call in trajectory.model_calls}
@@ -84,7 +105,12 @@ def to_atif(record: RolloutRecord, result: WorkerResult, spec: WorkerInput) -> d
                 "token_counts": record.metrics.token_counts,
             },
         },
-        "extra": {"task_id": record.task_id, "sample": record.sample, "try_index": record.try_index},
+        "extra": {
+            "task_id": record.task_id,
+            "sample": record.sample,
+            "try_index": record.try_index,
+            **({"workspace_diff": workspace_diff} if workspace_diff is not None else {}),
+        },
     }
 
 

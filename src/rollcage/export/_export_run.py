@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from rollcage.controller import load_records
 from rollcage.durable import StagedDirectory, open_regular, publish_bytes, read_bounded
 from rollcage.errors import ConfigError, DurableWriteError
-from rollcage.export._atif import to_atif
+from rollcage.export._atif import read_workspace_diff, to_atif
 from rollcage.export._nemo import to_nemo_gym_row
 from rollcage.protocol import RolloutRecord, WorkerInput, WorkerResult, describe_validation_error
 from rollcage.runfiles import check_output, file_name_problem, locate_rollout
@@ -143,7 +143,9 @@ def _documents(
         result, spec = loaded
         try:
             if format == "atif":
-                data = orjson.dumps(to_atif(record, result, spec), option=orjson.OPT_APPEND_NEWLINE)
+                diff = read_workspace_diff(locate_rollout(run_dir, record).directory)
+                document = to_atif(record, result, spec, workspace_diff=diff)
+                data = orjson.dumps(document, option=orjson.OPT_APPEND_NEWLINE)
             else:
                 data = orjson.dumps(
                     to_nemo_gym_row(record, result, spec, task_index=index), option=orjson.OPT_APPEND_NEWLINE

@@ -475,6 +475,12 @@ REPORT_JS = r"""
       det.append(el("pre", "", d.log_tail));
       sec.append(det);
     }
+    if (d.workspace_diff) {
+      const det = el("details", "diff");
+      det.append(el("summary", "", "workspace.diff (what the rollout changed)"));
+      det.append(el("pre", "", d.workspace_diff));
+      sec.append(det);
+    }
     return sec;
   }
 

@@ -225,6 +225,8 @@ class RolloutDigest:
     """Artifacts that failed to read."""
     log_tail: str | None = None
     """The end of worker.log."""
+    workspace_diff: str | None = None
+    """The start of workspace.diff: what the rollout changed."""
 
 
 def digest_rollout(view: RolloutView, *, text_limit: int = DEFAULT_TEXT_LIMIT) -> RolloutDigest:
@@ -276,6 +278,7 @@ def digest_rollout(view: RolloutView, *, text_limit: int = DEFAULT_TEXT_LIMIT) -
         capture=view.capture,
         problems=[clean_text(problem) for problem in view.problems],
         log_tail=clean_text(view.log_tail) if view.log_tail is not None else None,
+        workspace_diff=clean_text(view.workspace_diff) if view.workspace_diff is not None else None,
     )
     digest.findings = _findings(view, trajectory)
     return digest

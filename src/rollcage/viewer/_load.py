@@ -49,6 +49,7 @@ RECEIPT_NAME = "receipt.json"
 INPUT_NAME = "input.json"
 CAPTURE_NAME = "model_capture.jsonl"
 LOG_NAME = "worker.log"
+DIFF_NAME = "workspace.diff"
 RECORDS_NAME = "rollouts.jsonl"
 METRICS_NAME = "metrics.json"
 
@@ -58,6 +59,8 @@ _ROLLOUT_FILES = (RESULT_NAME, CHECKPOINT_NAME, RECEIPT_NAME, INPUT_NAME)
 MAX_ARTIFACT_BYTES = 1 << 30
 """The largest JSON artifact the viewer reads whole; only regular files are read (never a FIFO or device)."""
 _LOG_TAIL_BYTES = 4096
+DIFF_SHOWN_BYTES = 64 * 1024
+"""How much of ``workspace.diff`` a view holds (the file itself may be larger)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,8 @@ class RolloutView:
     """``model_capture.jsonl`` compared with the trajectory; ``None`` without a capture."""
     log_tail: str | None = None
     """The last few KiB of ``worker.log``."""
+    workspace_diff: str | None = None
+    """The start of ``workspace.diff`` (what the rollout changed), at most ``DIFF_SHOWN_BYTES``."""
     run_findings: dict[str, HealthFinding] = field(default_factory=dict)
     """The run's health findings (from ``metrics.json``) that name this rollout."""
     problems: list[str] = field(default_factory=list)
@@ -220,6 +225,7 @@ def load_rollout(
         except OSError as exc:
             view.problems.append(f"{CAPTURE_NAME}: cannot read: {exc}")
     view.log_tail = _read_tail(path / LOG_NAME, view.problems)
+    view.workspace_diff = _read_head(path / DIFF_NAME, view.problems)
     if metrics is not None:
         view.run_findings = {
             name: finding for name, finding in metrics.health.items() if view.rollout_id in finding.rollouts
@@ -334,6 +340,24 @@ def _read_tail(path: Path, problems: list[str]) -> str | None:
         # Start at a line boundary so the first line shown is not a fragment.
         newline = text.find("\n")
         text = f"… [{size - _LOG_TAIL_BYTES + newline + 1:,} earlier bytes]\n{text[newline + 1 :]}"
+    return text
+
+
+def _read_head(path: Path, problems: list[str]) -> str | None:
+    if not path.exists():
+        return None
+    try:
+        with open_regular(path) as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(0)
+            data = handle.read(DIFF_SHOWN_BYTES)
+    except OSError as exc:
+        problems.append(f"{path.name}: cannot read: {exc}")
+        return None
+    text = data.decode("utf-8", errors="replace")
+    if size > DIFF_SHOWN_BYTES:
+        # End at a line boundary so the last line shown is not a fragment.
+        text = text[: text.rfind("\n") + 1] + f"… [{size - len(data):,} more bytes in {path.name}]\n"
     return text
 
 

@@ -103,8 +103,36 @@ def render_rollout(view: RolloutView, *, excerpt: int = 600) -> RenderableType:
         node = tree.add(Text("worker.log (last lines)", style="bold"))
         for line in lines:
             node.add(Text(clip(line, 200), style="dim"))
+    if digest.workspace_diff:
+        _add_diff(tree, digest.workspace_diff)
     parts.append(tree)
     return Group(*parts)
+
+
+_DIFF_LINES = 400
+_DIFF_STYLES = (
+    ("+++", "bold"),
+    ("---", "bold"),
+    ("diff ", "bold"),
+    ("@@", "cyan"),
+    ("+", "green"),
+    ("-", "red"),
+)
+
+
+def _add_diff(tree: Tree, diff: str) -> None:
+    """``workspace.diff``'s first lines, coloured as a diff (the file holds the rest)."""
+    lines = diff.rstrip("\n").splitlines()
+    node = tree.add(Text("workspace.diff", style="bold"))
+    body = Text()
+    for line in lines[:_DIFF_LINES]:
+        style = next(
+            (s for prefix, s in _DIFF_STYLES if line.startswith(prefix)), "dim" if line[:1] == "#" else ""
+        )
+        body.append(clip(line, 400) + "\n", style=style)
+    if len(lines) > _DIFF_LINES:
+        body.append(f"… {len(lines) - _DIFF_LINES} more lines in workspace.diff\n", style="dim")
+    node.add(body)
 
 
 def _headline(digest: RolloutDigest) -> Text:

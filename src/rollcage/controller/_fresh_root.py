@@ -1,0 +1,653 @@
+"""A fresh root from an image and a rollout's changes, and one bounded command run in it.
+
+After a rollout in an image root, its rollout directory keeps ``changes/``: the upper directory of
+its overlay (overlayfs's format: a whiteout is a 0:0 character device, an opaque directory carries
+``trusted.overlay.opaque``). Grading and ``workspace.diff`` never use the agent's own root: they
+rebuild one here.
+
+``fresh_root(image_root, changes, scratch)`` (root only):
+
+1. mounts a size-bounded tmpfs at ``scratch``;
+2. copies ``changes/`` into it (a *snapshot*: a process the agent left behind, were there one,
+   could change ``changes/`` further, never the root made from the copy). Regular files,
+   directories, symbolic links, FIFOs, whiteouts and the opaque mark are kept; everything is
+   given to ``owner`` (the uid the grading cage runs as), with setuid/setgid bits dropped;
+   sockets and devices other than whiteouts are left out;
+3. mounts an overlay: lowers = the snapshot over the image, upper = the tmpfs (a scratch that
+   goes with it), ``nosuid,nodev``. The image is seen through an idmapped mount (Linux 5.12+,
+   overlayfs on idmapped layers 5.19+) in which what the image's user owns (root, for most images)
+   belongs to :data:`FRESH_UID`, the uid the command runs as: it may change the image's files as
+   that user in a container would (a
+   SWE-bench evaluation applies its test patch inside the repository), and the store is never
+   written either way. Where that mount is refused the image keeps its owners (logged once).
+
+:func:`run_in_root` runs one shell command with that tree as ``/``, in a cage made the way
+:func:`rollcage.cage.run_contained` makes its own (the two-stage launch as root: an outer bwrap
+with the host's programs only, ``setpriv`` to an unprivileged uid, ``prlimit``, and an inner bwrap
+with new user, PID, IPC, UTS and network namespaces whose root is the fresh tree), bounded in
+wall-clock time, CPU, memory (per process and, where a cgroup can be made, in total),
+processes, file size and kept output. A handshake printed from inside the image, before the
+command starts, tells a cage that could not be made (:class:`~rollcage.errors.SandboxError`)
+from a command that failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import functools
+import logging
+import os
+import secrets
+import stat
+import subprocess
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from rollcage.cage import CgroupSet, ContainedRun, Limits, RunLimits, find_tools, mount_tmpfs, unmount
+from rollcage.errors import SandboxError
+from rollcage.procs import ChildProcess, GroupTree, StopStrategy, shielded, stop_tree, wait_shared
+
+logger = logging.getLogger("rollcage.controller")
+
+__all__ = ["FRESH_UID", "ChangesError", "FreshRoot", "fresh_root", "run_in_root", "snapshot_changes"]
+
+FRESH_UID: Final = 65534
+"""The host uid (and gid) a fresh root's command runs as, and that owns the snapshot of the changes."""
+
+_MS_NOSUID: Final = 0x2
+_MS_NODEV: Final = 0x4
+_MS_RDONLY: Final = 0x1
+_MNT_DETACH: Final = 0x2
+_OPAQUE: Final = (b"trusted.overlay.opaque", b"user.overlay.opaque")
+_MAX_ENTRIES: Final = 1_000_000
+_KILL_AT_ONCE: Final = StopStrategy(grace_s=0.0, kill_wait_s=5.0)
+# As run_contained's: a marker printed by the image's own shell before the command starts.
+_HANDSHAKE: Final = 'printf "%s\\n" "$1" && shift && exec "$@"'
+_HOST_PATHS: Final = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
+_NEWROOT: Final = "/newroot"
+
+
+class ChangesError(SandboxError):
+    """A rollout's ``changes/`` cannot be used (missing, not a directory, too large for the scratch)."""
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(source: str, target: Path, fstype: str, flags: int, options: str) -> None:
+    libc = _libc()
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    if libc.mount(source.encode(), os.fsencode(target), fstype.encode(), flags, options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise SandboxError(f"mounting {fstype} at {target}: {os.strerror(err)}")
+
+
+def _umount(target: Path) -> None:
+    libc = _libc()
+    if libc.umount2(os.fsencode(target), 0) != 0 and ctypes.get_errno() == errno.EBUSY:
+        libc.umount2(os.fsencode(target), _MNT_DETACH)
+
+
+def snapshot_changes(changes: Path, dest: Path, *, owner: tuple[int, int] = (FRESH_UID, FRESH_UID)) -> int:
+    """Copy an overlay upper directory ``changes`` to the new directory ``dest`` (see the module docstring).
+
+    Nothing in ``changes`` is followed: every entry is opened relative to its directory without
+    following symbolic links. Returns the number of entries copied.
+
+    Raises:
+        ChangesError: ``changes`` is missing or no directory, or has over a million entries.
+        OSError: Copying failed (``ENOSPC``: the scratch is too small).
+    """
+    try:
+        top = os.open(changes, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ChangesError(f"the rollout's changes {changes} cannot be read: {exc.strerror or exc}") from exc
+    dest.mkdir(mode=0o755)
+    os.chown(dest, *owner)
+    count = 0
+    stack: list[tuple[int, Path]] = [(top, dest)]
+    try:
+        _copy_opaque(top, dest)
+        while stack:
+            fd, target = stack.pop()
+            try:
+                names = sorted(os.listdir(fd))
+                for name in names:
+                    count += 1
+                    if count > _MAX_ENTRIES:
+                        raise ChangesError(
+                            f"the rollout's changes {changes} hold over {_MAX_ENTRIES} entries"
+                        )
+                    child = _copy_entry(fd, name, target / name, owner)
+                    if child is not None:
+                        stack.append(child)
+            finally:
+                os.close(fd)
+    except BaseException:
+        for fd, _ in stack:
+            os.close(fd)
+        raise
+    return count
+
+
+def _copy_entry(parent: int, name: str, target: Path, owner: tuple[int, int]) -> tuple[int, Path] | None:
+    """Copy one entry; a directory is made and returned (opened) for the caller to walk."""
+    info = os.lstat(name, dir_fd=parent)
+    mode = stat.S_IMODE(info.st_mode) & 0o1777  # no setuid/setgid, whatever the agent set
+    if stat.S_ISDIR(info.st_mode):
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            target.mkdir(mode=0o700)
+            os.chmod(target, mode | 0o700 if mode else 0o755)
+            os.chown(target, *owner)
+            _copy_opaque(fd, target)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, target
+    if stat.S_ISREG(info.st_mode):
+        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                while chunk := os.read(src, 1 << 20):
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(dst, view) :]
+                os.fchmod(dst, mode)
+                os.fchown(dst, *owner)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+    elif stat.S_ISLNK(info.st_mode):
+        os.symlink(os.readlink(name, dir_fd=parent), target)
+        os.lchown(target, *owner)
+    elif stat.S_ISCHR(info.st_mode) and info.st_rdev == 0:
+        os.mknod(target, stat.S_IFCHR | 0o000, 0)  # a whiteout: the image's entry is deleted
+    elif stat.S_ISFIFO(info.st_mode):
+        os.mkfifo(target, mode)
+        os.chown(target, *owner)
+    return None
+
+
+def _copy_opaque(fd: int, target: Path) -> None:
+    for key in _OPAQUE:
+        try:
+            value = os.getxattr(fd, key)
+        except OSError:
+            continue
+        if value == b"y":
+            os.setxattr(target, b"trusted.overlay.opaque", b"y")
+            return
+
+
+_SYS_OPEN_TREE: Final = 428  # the same numbers on every architecture
+_SYS_MOVE_MOUNT: Final = 429
+_SYS_MOUNT_SETATTR: Final = 442
+_AT_FDCWD: Final = -100
+_AT_EMPTY_PATH: Final = 0x1000
+_OPEN_TREE_CLONE: Final = 1
+_MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
+_MOUNT_ATTR_IDMAP: Final = 0x00100000
+_warned: set[str] = set()
+_userns_lock = threading.Lock()
+_userns: dict[int, int] = {}
+_HELPER_EXIT_S: Final = 30.0
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def _shift_userns(owner: int) -> int:
+    """A user namespace (its descriptor, kept for the process) mapping ``owner`` to :data:`FRESH_UID`.
+
+    Every other id below :data:`FRESH_UID` maps to itself, so an idmapped mount with it shows what
+    ``owner`` (uid and gid alike) owns as owned by the cage's uid and leaves other owners as they
+    are. Made by a helper process (a threaded process may not unshare a user namespace itself),
+    which then exits.
+    """
+    with _userns_lock:
+        if owner in _userns:
+            return _userns[owner]
+        # The helper waits for a line on stdin: closing it ends the helper, whatever happened here.
+        helper = subprocess.Popen(
+            ["unshare", "--user", "--", "/bin/sh", "-c", "echo ready; read line"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+        assert helper.stdout is not None and helper.stdin is not None
+        try:
+            if helper.stdout.readline() != b"ready\n":
+                raise OSError(errno.EPERM, "unshare --user did not start")
+            lines = [f"{owner} {FRESH_UID} 1"]
+            if owner > 0:
+                lines.append(f"0 0 {owner}")
+            if owner + 1 < FRESH_UID:
+                lines.append(f"{owner + 1} {owner + 1} {FRESH_UID - owner - 1}")
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{helper.pid}/{name}", "w", encoding="ascii") as handle:
+                    handle.write("\n".join(lines) + "\n")
+            _userns[owner] = os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            helper.stdin.close()
+            helper.stdout.close()
+            try:
+                helper.wait(timeout=_HELPER_EXIT_S)
+            except subprocess.TimeoutExpired as exc:
+                raise OSError(errno.ETIMEDOUT, "the user namespace helper did not exit") from exc
+        return _userns[owner]
+
+
+def _idmapped_bind(source: Path, target: Path, owner: int) -> None:
+    """Bind ``source`` at ``target`` through an idmapped mount (:func:`_shift_userns`), read-only.
+
+    Raises:
+        OSError: The kernel (before 5.12) or ``source``'s file system refuses.
+    """
+    userns = _shift_userns(owner)
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    fd = libc.syscall(
+        ctypes.c_long(_SYS_OPEN_TREE),
+        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(os.fsencode(source)),
+        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC),
+    )
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"open_tree({source}): {os.strerror(err)}")
+    try:
+        attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MS_RDONLY, 0, 0, userns)
+        if (
+            libc.syscall(
+                ctypes.c_long(_SYS_MOUNT_SETATTR),
+                ctypes.c_int(fd),
+                ctypes.c_char_p(b""),
+                ctypes.c_uint(_AT_EMPTY_PATH),
+                ctypes.byref(attr),
+                ctypes.c_size_t(ctypes.sizeof(attr)),
+            )
+            < 0
+        ):
+            err = ctypes.get_errno()
+            raise OSError(err, f"an idmapped mount of {source}: {os.strerror(err)}")
+        if (
+            libc.syscall(
+                ctypes.c_long(_SYS_MOVE_MOUNT),
+                ctypes.c_int(fd),
+                ctypes.c_char_p(b""),
+                ctypes.c_int(_AT_FDCWD),
+                ctypes.c_char_p(os.fsencode(target)),
+                ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
+            )
+            < 0
+        ):
+            err = ctypes.get_errno()
+            raise OSError(err, f"attaching the idmapped mount at {target}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class FreshRoot:
+    """A mounted fresh root."""
+
+    path: Path
+    """The merged tree: the image, the rollout's changes over it, writable into a scratch."""
+    changes: int
+    """Entries copied from ``changes/``."""
+
+
+@contextlib.contextmanager
+def fresh_root(
+    image_root: Path,
+    changes: Path,
+    scratch: Path,
+    *,
+    size_bytes: int,
+    inodes: int = 1 << 20,
+    writable: bool = True,
+    shift_owner: bool = True,
+    owner: int = 0,
+) -> Iterator[FreshRoot]:
+    """Mount a fresh root of ``image_root`` plus ``changes`` under the new directory ``scratch`` (root only).
+
+    Everything is unmounted and ``scratch`` removed when the block ends, whatever happened.
+    ``size_bytes`` bounds the snapshot and whatever is written into the root together.
+    ``writable=False`` mounts the overlay read-only. ``shift_owner``: the image is seen through an
+    idmapped mount in which what ``owner`` owns (the uid of the image's ``User``; root when it names
+    none) is owned by :data:`FRESH_UID` (the cage's uid), so the command may write those files as
+    the image's user in a container would; where the kernel or the store's file system refuses an
+    idmapped mount, the image keeps its owners (logged once).
+
+    Raises:
+        ChangesError: ``changes`` cannot be used, or does not fit in ``size_bytes``.
+        SandboxError: A mount was refused (not root, no overlayfs).
+
+    **Cancellation:** blocking; run it in a thread.
+    """
+    if not image_root.is_dir():
+        raise SandboxError(f"the image root {image_root} is gone (was the image removed from the store?)")
+    for path in (image_root, scratch):
+        if any(c in str(path) for c in ",:\\\n"):
+            raise SandboxError(f"{path!r} holds one of , : \\ which overlay mount options cannot carry")
+    scratch.mkdir(mode=0o700)
+    mounted: list[Path] = []
+    try:
+        try:
+            # Not named rollcage-...: the launcher leaves those out of the cages it starts, and
+            # run_contained (git on a fresh root) must see this one.
+            mount_tmpfs(
+                scratch, size=size_bytes, inodes=inodes, uid=0, gid=0, mode=0o755, source="fresh-root"
+            )
+        except OSError as exc:
+            raise SandboxError(
+                f"a fresh root needs root (a tmpfs and an overlay are mounted): {exc}"
+            ) from exc
+        mounted.append(scratch)
+        try:
+            count = snapshot_changes(changes, scratch / "changes")
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise ChangesError(
+                    f"the rollout's changes {changes} do not fit in the grading scratch ({size_bytes} bytes)"
+                ) from exc
+            raise ChangesError(f"the rollout's changes {changes} cannot be copied: {exc}") from exc
+        upper, work, merged = scratch / "upper", scratch / "work", scratch / "root"
+        for directory in (upper, work, merged):
+            directory.mkdir(mode=0o755)
+        lower = image_root
+        if shift_owner:
+            lower = scratch / "image"
+            lower.mkdir(mode=0o755)
+            try:
+                _idmapped_bind(image_root, lower, owner)
+            except OSError as exc:
+                _warn_once(f"image roots are used with their own owners (no idmapped mount: {exc})")
+                lower = image_root
+            else:
+                mounted.append(lower)
+        options = f"lowerdir={scratch / 'changes'}:{lower}"
+        if writable:
+            options += f",upperdir={upper},workdir={work}"
+        _mount(
+            "overlay", merged, "overlay", _MS_NOSUID | _MS_NODEV | (0 if writable else _MS_RDONLY), options
+        )
+        mounted.append(merged)
+        yield FreshRoot(merged, count)
+    finally:
+        for path in reversed(mounted):
+            with contextlib.suppress(OSError):
+                unmount(path) if path == scratch else _umount(path)
+        with contextlib.suppress(OSError):
+            scratch.rmdir()
+
+
+async def run_in_root(
+    root: Path,
+    command: str,
+    *,
+    cwd: str,
+    env: Mapping[str, str],
+    timeout_s: float,
+    limits: RunLimits | None = None,
+) -> ContainedRun:
+    """Run ``/bin/sh -c command`` with ``root`` as ``/`` in a fresh cage (see the module docstring).
+
+    Args:
+        root: A mounted tree (:func:`fresh_root`); the command may write it.
+        command: The shell command.
+        cwd: Its working directory, in the root.
+        env: Its entire environment.
+        timeout_s: Wall-clock bound; past it the whole cage is killed (``timed_out``).
+        limits: CPU, memory, processes, file size, open files and kept output (``scratch_bytes`` unused).
+
+    Raises:
+        SandboxError: Not root, bubblewrap is missing, or the cage could not be made (the image has no
+            ``/bin/sh``, for one).
+
+    **Cancellation:** the whole cage is killed and reaped, and its cgroup removed, before the
+    cancellation propagates.
+    """
+    limits = limits or RunLimits()
+    if os.geteuid() != 0:
+        raise SandboxError("running a command in an image root needs root (the root is an overlay mount)")
+    run_as = (FRESH_UID, FRESH_UID)
+    tools = await asyncio.to_thread(find_tools, run_as=run_as, hint="grading in an image needs it")
+    if tools.setpriv is None:
+        raise SandboxError("setpriv (util-linux) is needed to drop root for the sandbox, and was not found")
+    for needed in ("proc", "dev", "tmp"):
+        # Mount points the inner bwrap needs; made (in the scratch) where the image has none.
+        path = root / needed
+        if not path.is_dir() and not path.is_symlink():
+            await asyncio.to_thread(path.mkdir)
+            await asyncio.to_thread(path.chmod, 0o1777 if needed == "tmp" else 0o755)
+    per_process = Limits(
+        address_space_bytes=limits.memory_bytes,
+        max_processes=limits.max_processes,
+        file_size_bytes=limits.file_size_bytes,
+        cpu_seconds=limits.cpu_seconds,
+        open_files=limits.open_files,
+    )
+    marker = f"rollcage-cage-started-{secrets.token_hex(8)}"
+    host = await asyncio.to_thread(_host_binds)
+    outer = [
+        tools.bwrap,
+        "--unshare-pid",
+        "--die-with-parent",
+        "--cap-drop",
+        "ALL",
+        "--cap-add",
+        "CAP_SETUID",
+        "--cap-add",
+        "CAP_SETGID",
+        *host,
+        # bwrap builds the inner root in a tmpfs it mounts on its own /tmp.
+        "--size",
+        str(1 << 20),
+        "--tmpfs",
+        "/tmp",
+        "--bind",
+        str(root),
+        _NEWROOT,
+        "--bind",
+        "/proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--",
+        tools.setpriv,
+        "--reuid",
+        str(run_as[0]),
+        "--regid",
+        str(run_as[1]),
+        "--clear-groups",
+        "--no-new-privs",
+        "--",
+        tools.prlimit,
+        *per_process.prlimit_args(),
+        "--",
+    ]
+    environment = ["--clearenv"]
+    for name, value in sorted(env.items()):
+        environment += ["--setenv", name, value]
+    inner = [
+        tools.bwrap,
+        "--unshare-user",
+        *(["--disable-userns"] if tools.disable_userns else []),
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--unshare-net",
+        "--hostname",
+        "rollcage",
+        "--die-with-parent",
+        "--new-session",
+        "--uid",
+        str(run_as[0]),
+        "--gid",
+        str(run_as[1]),
+        "--bind",
+        _NEWROOT,
+        "/",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--chdir",
+        cwd,
+        *environment,
+        "--",
+        "/bin/sh",
+        "-c",
+        _HANDSHAKE,
+        "rollcage-cage",
+        marker,
+        "/bin/sh",
+        "-c",
+        command,
+    ]
+    cgroups = await asyncio.to_thread(
+        CgroupSet.create,
+        f"rollcage-fresh-{os.getpid()}-{secrets.token_hex(6)}",
+        memory_bytes=limits.memory_bytes,
+        max_processes=limits.max_processes + 8,  # bubblewrap's own processes count too
+    )
+    try:
+        return await _supervise(
+            [*cgroups.enter_prefix(), *outer, *inner], marker.encode() + b"\n", timeout_s, limits, cgroups
+        )
+    finally:
+        await shielded(asyncio.to_thread(cgroups.remove))
+
+
+def _host_binds() -> list[str]:
+    """The outer stage's view of the host: its programs and libraries (bwrap, setpriv, prlimit), read-only."""
+    args: list[str] = []
+    for path in _HOST_PATHS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    return args
+
+
+class _Sink:
+    """What a stream delivered, kept up to a limit; read to the end so the command never blocks."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = bytearray()
+        self.dropped = False
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            room = self.limit - len(self.kept)
+            if room > 0:
+                self.kept += chunk[:room]
+            self.dropped = self.dropped or len(chunk) > room
+
+
+async def _supervise(
+    argv: list[str], marker: bytes, timeout_s: float, limits: RunLimits, cgroups: CgroupSet
+) -> ContainedRun:
+    out, err = _Sink(limits.output_limit + len(marker)), _Sink(limits.output_limit)
+    stdout_read, stdout_write = os.pipe()
+    stderr_read, stderr_write = os.pipe()
+    try:
+        child = ChildProcess.spawn(
+            argv,
+            env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
+            cwd="/",
+            stdout=stdout_write,
+            stderr=stderr_write,
+        )
+    except BaseException:
+        os.close(stdout_read)
+        os.close(stderr_read)
+        raise
+    finally:
+        os.close(stdout_write)
+        os.close(stderr_write)
+    loop = asyncio.get_running_loop()
+    exited = asyncio.ensure_future(child.wait())
+    transports: list[asyncio.BaseTransport] = []
+    pipes = [os.fdopen(stdout_read, "rb", buffering=0), os.fdopen(stderr_read, "rb", buffering=0)]
+    timed_out = False
+    try:
+        readers = []
+        for pipe in pipes:
+            reader = asyncio.StreamReader()
+            protocol = functools.partial(asyncio.StreamReaderProtocol, reader)
+            reading, _ = await loop.connect_read_pipe(protocol, pipe)
+            transports.append(reading)
+            readers.append(reader)
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(out.drain(readers[0]), err.drain(readers[1]), wait_shared(exited))
+    except TimeoutError:
+        timed_out = True
+    finally:
+
+        async def also_kill() -> None:
+            await asyncio.to_thread(cgroups.kill)
+
+        await stop_tree(GroupTree(child.pid, exited, also_kill=also_kill), _KILL_AT_ONCE)
+        exited.cancel()
+        status = child.release()
+        for each in transports:
+            each.close()
+        for pipe in pipes:
+            pipe.close()
+    if not out.kept.startswith(marker):
+        why = err.kept.decode("utf-8", "replace").strip()[-500:] or (
+            f"it did not start within {timeout_s:g} s" if timed_out else "no handshake"
+        )
+        raise SandboxError(f"the cage in the image root could not be made: {why}")
+    returncode = None if status is None else status.returncode
+    code, sig = _decode(returncode)
+    return ContainedRun(
+        exit_code=None if timed_out else code,
+        signal=sig,
+        stdout=bytes(out.kept[len(marker) :]),
+        stderr=bytes(err.kept),
+        truncated=out.dropped or err.dropped,
+        timed_out=timed_out,
+        memory_exceeded=cgroups.oom_kills() > 0,
+        contained=True,
+    )
+
+
+def _decode(returncode: int | None) -> tuple[int | None, str | None]:
+    import signal
+
+    if returncode is None:
+        return None, None
+    if returncode < 0:
+        return None, signal.Signals(-returncode).name
+    if returncode > 128:
+        # bubblewrap reports a command killed by signal N as exit code 128 + N.
+        with contextlib.suppress(ValueError):
+            return None, signal.Signals(returncode - 128).name
+    return returncode, None
