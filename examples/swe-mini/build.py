@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import io
 import json
@@ -462,42 +463,55 @@ def ensure_images(cache: Path, tasks: tuple[Task, ...] = TASKS) -> Built:
     """Every task's image as an OCI layout and as docker archives, cached by content key."""
     key = images_key(tasks)
     final = cache / "images" / key
-    if not (final / "done").exists():
-        need("umoci", "skopeo")
-        base = ensure_base(cache)
-        sdists = {task.name: ensure_sdist(cache, task) for task in tasks}
-        with staging(final) as tmp:
-            layout = tmp / "oci"
-            _base_layout(base, layout)
-            for task in tasks:
-                log(f"adding {task.name}'s /testbed layer")
-                layer = testbed_layer(task, sdists[task.name], tmp / f"{task.name}.layer.tar")
-                add = ["umoci", "raw", "add-layer", "--image", f"{layout}:base", "--tag", task.name]
-                run([*add, str(layer)], what=f"umoci raw add-layer ({task.name})")
-                run(
-                    [
-                        "umoci",
-                        "config",
-                        "--image",
-                        f"{layout}:{task.name}",
-                        "--config.workingdir=/testbed",
-                        f"--config.label=org.opencontainers.image.title={task.project} {task.version}",
-                        "--history.created_by=swe-mini: /testbed",
-                    ],
-                    what="umoci config",
-                )
-                layer.unlink()
-            run(["umoci", "gc", "--layout", str(layout)], what="umoci gc")
-            archives = tmp / "archives"
-            archives.mkdir()
-            for task in tasks:
-                log(f"writing {task.name}'s docker archive (skopeo)")
-                skopeo_copy(
-                    f"oci:{layout}:{task.name}",
-                    f"docker-archive:{archives / f'{task.name}.tar'}:{REPO}/{task.name}:{task.tag}",
-                )
-            (tmp / "done").write_text(key + "\n")
+    with _locked(cache / "build.lock"):  # two builds at once (test workers) do the work once
+        if not (final / "done").exists():
+            _build_images(cache, tasks, final, key)
     return Built(final / "oci", {t.name: final / "archives" / f"{t.name}.tar" for t in tasks}, key)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _build_images(cache: Path, tasks: tuple[Task, ...], final: Path, key: str) -> None:
+    need("umoci", "skopeo")
+    base = ensure_base(cache)
+    sdists = {task.name: ensure_sdist(cache, task) for task in tasks}
+    with staging(final) as tmp:
+        layout = tmp / "oci"
+        _base_layout(base, layout)
+        for task in tasks:
+            log(f"adding {task.name}'s /testbed layer")
+            layer = testbed_layer(task, sdists[task.name], tmp / f"{task.name}.layer.tar")
+            add = ["umoci", "raw", "add-layer", "--image", f"{layout}:base", "--tag", task.name]
+            run([*add, str(layer)], what=f"umoci raw add-layer ({task.name})")
+            run(
+                [
+                    "umoci",
+                    "config",
+                    "--image",
+                    f"{layout}:{task.name}",
+                    "--config.workingdir=/testbed",
+                    f"--config.label=org.opencontainers.image.title={task.project} {task.version}",
+                    "--history.created_by=swe-mini: /testbed",
+                ],
+                what="umoci config",
+            )
+            layer.unlink()
+        run(["umoci", "gc", "--layout", str(layout)], what="umoci gc")
+        archives = tmp / "archives"
+        archives.mkdir()
+        for task in tasks:
+            log(f"writing {task.name}'s docker archive (skopeo)")
+            skopeo_copy(
+                f"oci:{layout}:{task.name}",
+                f"docker-archive:{archives / f'{task.name}.tar'}:{REPO}/{task.name}:{task.tag}",
+            )
+        (tmp / "done").write_text(key + "\n")
 
 
 def _base_layout(base_tar: Path, layout: Path) -> None:
