@@ -237,7 +237,14 @@ def mirror_reachable(timeout_s: float = 15.0) -> bool:
 def link_tree(src: Path, dest: Path) -> None:
     """``dest`` as a copy of ``src`` whose files are hard links (content-addressed blobs never change),
     except ``index.json``, which umoci rewrites, copied."""
-    shutil.copytree(src, dest, copy_function=os.link)
+
+    def link_or_copy(source: str, target: str) -> None:
+        try:
+            os.link(source, target)
+        except OSError:  # another file system (a tmpfs /tmp): copy
+            shutil.copy2(source, target)
+
+    shutil.copytree(src, dest, copy_function=link_or_copy)
     for index in dest.rglob("index.json"):
         data = index.read_bytes()
         index.unlink()
