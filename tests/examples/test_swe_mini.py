@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from rollcage.images import ImageStore, PreparedImage, cow_root, parse_ref
+from rollcage.policy import load_script
 from rollcage.tools import FileEditor, ShellSession
 from tests.helpers.paths import EXAMPLES
 
@@ -260,6 +261,8 @@ def test_a_second_build_with_the_same_inputs_comes_from_the_cache(
 
 
 def test_the_dataset_and_the_policy_agree_with_the_tasks() -> None:
+    script = load_script(EXAMPLE / "policy.yaml")  # the scripted policy server's own reading of it
+    assert [(script.turns_for(name) or ("",))[0] for name in TASKS] == list(TASKS)
     refs = {name: f"docker://127.0.0.1:5000/swe-mini/{name}:{t.tag}" for name, t in TASKS.items()}
     rows = [build.dataset_row(task, refs[task.name]) for task in build.TASKS]
     for row in rows:
