@@ -473,6 +473,9 @@ def ensure_images(cache: Path, tasks: tuple[Task, ...] = TASKS) -> Built:
     with _locked(cache / "build.lock"):  # two builds at once (test workers) do the work once
         if not (final / "done").exists():
             _build_images(cache, tasks, final, key)
+            for stale in final.parent.iterdir():  # earlier recipes' images (~700 MB each); exports keep links
+                if stale != final and not stale.name.startswith("."):
+                    shutil.rmtree(stale, ignore_errors=True)
     return Built(final / "oci", {t.name: final / "archives" / f"{t.name}.tar" for t in tasks}, key)
 
 
