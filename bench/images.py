@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -60,6 +61,7 @@ ROLLCAGE = ROOT / ".venv" / "bin" / "rollcage"
 COMMAND = "touch /testbed/.started && echo started"
 TASK = "inflection"
 _PR_SET_CHILD_SUBREAPER = 36
+_MNT_DETACH = 2
 
 
 def _load_build() -> ModuleType:
@@ -175,7 +177,8 @@ class Podman:
         binary = shutil.which("podman")
         if binary is None or shutil.which("runc") is None:
             raise SystemExit("bench/images.py needs podman and runc: scripts/system-deps bench installs them")
-        self.base = [binary, "--root", str(directory / "storage"), "--runroot", str(directory / "run")]
+        self.storage = directory / "storage"
+        self.base = [binary, "--root", str(self.storage), "--runroot", str(directory / "run")]
         self.base += ["--cgroup-manager", "cgroupfs", "--runtime", "runc", "--log-level", "error"]
         self.driver = "overlay"
         loaded = self._load(archive)
@@ -191,6 +194,13 @@ class Podman:
         nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1048576)
         nproc = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], 32768)
         self.ulimits = ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
+
+    def close(self) -> None:
+        """Unmount what podman's storage left mounted (it bind-mounts its driver's directory), so the
+        bench's directory can be removed."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        for mounted in (self.storage / "overlay", self.storage / "vfs"):
+            libc.umount2(os.fsencode(mounted), _MNT_DETACH)
 
     def _load(self, archive: Path) -> str | None:
         done = subprocess.run(
@@ -362,6 +372,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rollcage-bench-images-"))
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    cleanups: list[Callable[[], None]] = []
     try:
         load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
         commit = subprocess.run(
@@ -370,6 +381,7 @@ def main() -> None:
         store = ImageStore(work / "store")
         image = store.prepare(built.oci_ref(task))
         podman = Podman(work / "podman", built.archives[task.name])
+        cleanups.append(podman.close)
         rc, pm = Starts("rollcage"), Starts("podman")
         rollcage_start(image, work, -1, Starts("warm-up"))
         podman_start(podman, Starts("warm-up"))
@@ -391,6 +403,8 @@ def main() -> None:
             args.write.parent.mkdir(parents=True, exist_ok=True)
             args.write.write_text(text + "\n")
     finally:
+        for cleanup in cleanups:
+            cleanup()
         if args.keep:
             print(f"kept {work}")
         else:
