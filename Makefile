@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # pytest-xdist workers: most tests wait on processes and sockets, so more workers than cores pays.
 TEST_WORKERS ?= 3
 
-.PHONY: run test test-under-load lint typecheck unit docs bench bytecode clean system-run system-test
+.PHONY: run test test-under-load lint typecheck unit docs bench bytecode clean system-run system-test swe-mini
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ bytecode: $(STAMP)
 
 run: system-run $(STAMP) bytecode
 	$(BIN)/rollcage run examples/calc-weather/dataset.jsonl --out runs/quickstart
+
+# examples/swe-mini end to end: task images built offline from Debian's packages and PyPI sdists,
+# pushed to a local registry, each bug fixed by the scripted policy and graded by the task's tests.
+swe-mini: system-test $(STAMP) bytecode
+	$(BIN)/python examples/swe-mini/run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
