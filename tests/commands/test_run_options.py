@@ -73,22 +73,22 @@ def _app() -> typer.Typer:
     return app
 
 
-class _WithImage(RunConfig):
-    image: str | None = Field(default=None, description="The image of rows that name none.")
+class _WithMore(RunConfig):
+    site_label: str | None = Field(default=None, description="The label of rows that name none.")
     tries: int = Field(default=3, ge=1, description="A bounded count.")
 
 
 def test_a_field_added_to_the_config_is_an_option_without_touching_the_command(tmp_path: Path) -> None:
     dataset = tmp_path / "d.jsonl"
     result, started = _invoke(
-        _WithImage, str(dataset), "--out", str(tmp_path / "o"), "--image", "docker://h/n:1", "--tries", "5"
+        _WithMore, str(dataset), "--out", str(tmp_path / "o"), "--site-label", "h/n:1", "--tries", "5"
     )
     assert result.exit_code == 0, result.output
     [config] = started
-    assert isinstance(config, _WithImage)
-    assert (config.image, config.tries) == ("docker://h/n:1", 5)
-    shown, _ = _invoke(_WithImage, "--help")
-    assert "--image" in shown.output and "The image of rows" in shown.output
+    assert isinstance(config, _WithMore)
+    assert (config.site_label, config.tries) == ("h/n:1", 5)
+    shown, _ = _invoke(_WithMore, "--help")
+    assert "--site-label" in shown.output and "The label of rows" in shown.output
 
 
 def test_an_invalid_value_names_its_option_not_the_field_path(tmp_path: Path) -> None:
@@ -101,7 +101,7 @@ def test_an_invalid_value_names_its_option_not_the_field_path(tmp_path: Path) ->
         (("--backend", "ray", "--ray-num-cpus-per-rollout", "-1"), "--ray-num-cpus-per-rollout:"),
         (("--model", "not a url", "--model-name", "m"), "--model:"),
     ]:
-        result, started = _invoke(_WithImage, dataset, *args)
+        result, started = _invoke(_WithMore, dataset, *args)
         assert result.exit_code == 2 and started == [], result.output
         assert flag in result.output, (args, result.output)
         assert "bwrap." not in result.output and "field '" not in result.output

@@ -385,11 +385,9 @@ PUBLIC_API: dict[str, dict[str, str]] = {
     # Names of a room's face that nothing outside the room imports, kept on purpose. Each says why;
     # a name that gains an importer, or leaves the face, must leave this list too.
     "cage": {
-        # w4-faces narrows rollcage.cage this round; until then its face stands as it was.
-        "ContainedRun": "w4-faces",
-        "CopyReport": "w4-faces",
-        "FileFromFd": "w4-faces",
-        "Symlink": "w4-faces",
+        # rollcage.forkserver is handed the cage module and reads these through it (enter=...).
+        "PID_NS": "the namespace a fork server joins, read through the module it is given",
+        "clone_sibling": "how a fork server forks a sibling, likewise",
     },
     "commands": {
         "fail": "the verbs' shared exit with a message, for a verb added outside the package",
@@ -405,7 +403,6 @@ PUBLIC_API: dict[str, dict[str, str]] = {
     },
     "images": {
         # i1..i3 build on the image store this round; these are its documented entry points.
-        "STORE_ENV": "the store's environment variable (docs/guides/images.md)",
         "CowRoot": "what cow_root returns",
         "ImageConfig": "an image's config as the store read it",
         "ImageEntry": "one image the store lists",
@@ -421,6 +418,7 @@ PUBLIC_API: dict[str, dict[str, str]] = {
         "RequestRecord": "what PolicyServer.requests holds",
         "ServeOptions": "the options of serve(), for a caller that builds them",
     },
+    "http": {"Service": "what a server on rollcage.http's loop implements (the proxy, the forwarder)"},
     "procs": {"ProcessTree": "the type of a process tree procs hands out"},
     "protocol": {
         "RESERVED_REQUEST_FIELDS": "the fields SamplingParams.extra_body may not set (its description says)",
@@ -529,8 +527,8 @@ _STOPS = frozenset({"kill", "terminate", "send_signal"})
 _SPAWNS = frozenset({"subprocess.Popen", "asyncio.create_subprocess_exec", "asyncio.create_subprocess_shell"})
 
 UNOWNED_STOPS = {
-    # Known: a template's Popen killed by hand. w3-fork moves the warm start onto procs this round.
-    "rollcage.supervisor.warm": "w3-fork",
+    # Known: a warm template's Popen killed by hand when it hangs; to move onto procs next.
+    "rollcage.supervisor.warm": "a hung template's kill, not yet through procs",
 }
 
 
@@ -599,10 +597,7 @@ def test_only_procs_stops_a_process_it_spawned_by_hand() -> None:
     assert sorted(set(UNOWNED_STOPS) - listed) == []  # a listed module that no longer does it leaves the list
 
 
-_WAIT_FOR_SPEAKERS = {
-    # w2-http rewrites this loop into the one HTTP/1.1 core this round (asyncio.timeout there).
-    "rollcage.harness._forwarder": "w2-http",
-}
+_WAIT_FOR_SPEAKERS: dict[str, str] = {}
 
 
 def test_asyncio_wait_for_is_spoken_only_by_the_cancellation_dialect() -> None:

@@ -17,8 +17,6 @@ from rollcage.controller._config import (
     ModelEndpointConfig,
     RayBackendConfig,
     RunConfig,
-    api_key_problem,
-    model_url_problem,
 )
 from rollcage.controller._dataset import InvalidRow, Task, iter_dataset
 from rollcage.controller._graders import ExactGrader, NormalizedGrader, NumericGrader, RegexGrader
@@ -66,13 +64,11 @@ __all__ = [
     "RunConfig",
     "RunSummary",
     "Task",
-    "api_key_problem",
     "collect",
     "create_params_for",
     "function_tools",
     "iter_dataset",
     "load_records",
-    "model_url_problem",
     "pass_at_k",
     "prepare_rollout",
     "rollout_health",

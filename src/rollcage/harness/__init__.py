@@ -37,9 +37,9 @@ the tools or the model client (``tests/core/test_architecture.py`` holds the rul
   agent's loop and the tools, and nothing outside the worker imports it.
 """
 
-from rollcage.harness._calls import WireCalls, WireExchange, model_call_api
+from rollcage.harness._calls import WireCalls, WireExchange
 from rollcage.harness._events import GRACE_ENV, RELAY_FD_ENV, RelayWriter, read_events, relay_line
-from rollcage.harness._forwarder import BUDGET_CODE, Forwarder, budget_refusal
+from rollcage.harness._forwarder import BUDGET_CODE, Forwarder
 from rollcage.harness._journal import CaptureJournal
 from rollcage.harness._venvs import (
     NOOA_VERSION,
@@ -58,10 +58,8 @@ __all__ = [
     "RelayWriter",
     "WireCalls",
     "WireExchange",
-    "budget_refusal",
     "default_environment_dir",
     "install_harness",
-    "model_call_api",
     "read_events",
     "relay_line",
     "resolve_environment",

@@ -14,7 +14,7 @@ tree guarded by flock (``_store``).
 """
 
 from rollcage.images._overlay import CowRoot, cow_root
-from rollcage.images._paths import find_program, resolve_in_root
+from rollcage.images._paths import find_program
 from rollcage.images._ref import ImageRef, parse_ref
 from rollcage.images._root import image_sandbox
 from rollcage.images._store import (
@@ -44,7 +44,6 @@ __all__ = [
     "image_sandbox",
     "parse_ref",
     "prepare",
-    "resolve_in_root",
 ]
 
 

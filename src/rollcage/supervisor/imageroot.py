@@ -127,10 +127,10 @@ def _mapping_namespace(inside: tuple[int, int], outside: tuple[int, int]) -> int
         except OSError as exc:
             raise SandboxError(f"cannot map the image's owner to the sandbox's uid: {exc}") from exc
         finally:
+            # Its cat ends at the end of its stdin: closing it ends the helper, whatever happened here.
             with contextlib.suppress(OSError):
                 if proc.stdin is not None:
                     proc.stdin.close()
-            proc.kill()
             proc.wait()
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:

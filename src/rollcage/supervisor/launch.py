@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import orjson
 
@@ -135,7 +136,7 @@ class Launch:
                 worker_journal=worker_journal,
                 pass_fds=pass_fds,
                 warm_cgroups=budgets.cgroup_procs() if self.template is not None else None,
-                image_root=image_root,
+                image_root=None if image_root is None else Path(image_root),
             )
         else:
             if image_root is not None:
