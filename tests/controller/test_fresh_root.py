@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rollcage.cage import ContainedRun, RunLimits
-from rollcage.controller._fresh_root import ChangesError, fresh_root, run_in_root
+from rollcage.controller._fresh_root import FRESH_UID, ChangesError, fresh_root, run_in_root
 from rollcage.errors import SandboxError
 from tests.helpers.image_rollouts import make_image, needs_root
 
@@ -40,7 +40,7 @@ def test_the_command_runs_as_the_image_says_with_no_network_and_no_host(tmp_path
     assert "from the image" in out
     assert "lo:" in out and "eth" not in out  # a network namespace of its own: loopback only
     assert "No such file or directory" in out  # nothing of the host beyond the image
-    assert out.rstrip().endswith("65534")
+    assert out.rstrip().endswith(str(FRESH_UID))
 
 
 def test_processes_and_output_are_bounded(tmp_path: Path) -> None:

@@ -545,7 +545,7 @@ def escape(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
     lock."""
     view: str = request.param
     if view == "image" and os.geteuid() != 0:
-        pytest.skip("agent code in a task image needs root (the supervisor mounts its root)")
+        pytest.skip("optional: agent code in a task image needs root (the supervisor mounts its root)")
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # the session's directory, above every worker's

@@ -57,8 +57,12 @@ logger = logging.getLogger("rollcage.controller")
 
 __all__ = ["FRESH_UID", "ChangesError", "FreshRoot", "fresh_root", "run_in_root", "snapshot_changes"]
 
-FRESH_UID: Final = 65534
-"""The host uid (and gid) a fresh root's command runs as, and that owns the snapshot of the changes."""
+FRESH_UID: Final = 65533
+"""The host uid (and gid) a fresh root's command runs as, and that owns the snapshot of the changes.
+
+Not 65534 ("nobody", the uid of ``run_contained``'s cages and, as root, of sandboxes): a process
+budget kept as ``RLIMIT_NPROC`` counts every process of its uid, so a fork bomb under another
+uid must not keep a grading cage from starting."""
 
 _MS_NOSUID: Final = 0x2
 _MS_NODEV: Final = 0x4

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from rollcage.cage import RunLimits
+from rollcage.controller._fresh_root import FRESH_UID
 from rollcage.controller._graders import GradeResult, TestsGrader
 from rollcage.controller._junit import JUNIT_LIMIT, JunitError, parse_junit
 from rollcage.errors import RollcageError
@@ -73,14 +74,14 @@ class ImageInfo:
         if not name or name == "root":
             return 0
         if name.isdigit():
-            return int(name) if int(name) < 65534 else 0
+            return int(name) if int(name) < FRESH_UID else 0
         try:
             passwd = safe_read(self.root, "etc/passwd", _IMAGE_JSON_LIMIT) or b""
         except (OSError, ValueError):
             return 0
         for line in passwd.decode("utf-8", "replace").splitlines():
             fields = line.split(":")
-            if len(fields) > 2 and fields[0] == name and fields[2].isdigit() and int(fields[2]) < 65534:
+            if len(fields) > 2 and fields[0] == name and fields[2].isdigit() and int(fields[2]) < FRESH_UID:
                 return int(fields[2])
         return 0
 

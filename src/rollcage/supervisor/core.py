@@ -711,7 +711,6 @@ class _Supervision:
             status_fd=status_fd,
             budgets=self.budgets,
             signals=self.signals,
-            image_root=self.image_root,
         )
         self.stopping = TreeStop(
             self.tree, StopStrategy(grace_s=self.config.grace_s, kill_wait_s=self.config.kill_wait_s)

@@ -398,8 +398,4 @@ def _mount(
     finally:
         # The overlay holds its own reference to the lower: the attached copy is no longer needed.
         _unmount(lower)
-    copy = _libc.syscall(
-        _SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(merged), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC
-    )
-    root.launch_copy = int(copy) if copy >= 0 else None
     return root

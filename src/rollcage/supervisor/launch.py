@@ -33,7 +33,6 @@ from rollcage.procs import ChildProcess, read_ready
 from rollcage.protocol import SignalEvent
 from rollcage.supervisor.budgets import RolloutBudgets
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
-from rollcage.supervisor.imageroot import ImageRoot
 from rollcage.supervisor.sandbox import BwrapLauncher, LaunchPlan, NoSandboxLauncher, RolloutLayout, Scratch
 from rollcage.supervisor.tree import WorkerTree
 from rollcage.supervisor.warm import Template, WarmStart, cage_mounts, refuse_cage_mounts, template_for
@@ -154,7 +153,6 @@ class Launch:
         status_fd: int | None,
         budgets: RolloutBudgets | None,
         signals: list[SignalEvent],
-        image_root: ImageRoot | None = None,
     ) -> WorkerTree:
         """Spawn what the plan runs (bubblewrap from the launcher's thread, or the worker); its tree.
 
@@ -187,9 +185,9 @@ class Launch:
             # bubblewrap from a mount namespace without the other rollouts' mounts (rollcage.cage's
             # launcher): its launch then costs the same however many rollouts are in flight.
             binds = budgets.launch_binds() if plan.sandbox == "bwrap" and budgets is not None else None
-            if binds is not None and image_root is not None:
-                copy = image_root.launch_copy
-                binds = None if copy is None else [*binds, (copy, str(image_root.merged))]
+            # An image rollout's root (an overlay, not one of rollcage's tmpfs) is in the host's
+            # mount table, so the launcher's base, made again when that table changes, holds it: no
+            # bind here (a detached copy of an overlay cannot be attached in the launch's namespace).
             self.child = launcher().run(spawn, binds, timeout_s=_LAUNCH_TIMEOUT_S, late=ChildProcess.abandon)
             if warm is not None:
                 warm.spawned()
