@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from rollcage.cage import launcher
 from rollcage.controller import Controller, RunConfig
 from rollcage.controller._ids import rollout_id
 from rollcage.durable import read_journal
@@ -165,6 +166,9 @@ def test_the_store_is_never_written_by_a_rollout(
     assert _outputs(records[0])[-1].strip().endswith("ok")
     assert snapshot(roots) == before
     assert (Path(records[0].rollout_dir) / "changes" / "new").is_dir()
+    # An image rollout's launch must not send the launcher to the host's namespace for every later
+    # launch (a failed bind of the image root once did: other rollouts' mounts were then copied).
+    assert launcher().plain_reason is None
 
 
 def test_writes_in_the_image_root_are_bounded_like_the_workspace(

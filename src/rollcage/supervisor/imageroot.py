@@ -183,8 +183,6 @@ class ImageRoot:
 
     image: ImageSandbox
     rollout_dir: Path
-    launch_copy: int | None = None
-    """A detached copy of the merged root, for a launch from another mount namespace."""
 
     @property
     def merged(self) -> Path:
@@ -198,9 +196,6 @@ class ImageRoot:
 
     def finish(self) -> None:
         """Unmount, keep the writes in ``changes/``, write ``image.json``, remove the scratch (idempotent)."""
-        if self.launch_copy is not None:
-            os.close(self.launch_copy)
-            self.launch_copy = None
         release_image_root(self.rollout_dir)
         record = {
             "ref": self.image.ref,
