@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 # pytest-xdist workers: most tests wait on processes and sockets, so more workers than cores pays.
 TEST_WORKERS ?= 3
 
-.PHONY: run test test-under-load lint typecheck unit docs bench bytecode clean system-run system-test swe-mini
+.PHONY: run test test-under-load lint typecheck unit docs bench bytecode clean system-run system-test swe-mini \
+	upstream
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +46,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: system-test $(STAMP)
+# Side environments with the upstream projects' own code (NeMo Gym, Harbor, Inspect AI) for the
+# conformance tests; on a machine without Python 3.13 it says so and those tests skip.
+upstream:
+	@scripts/upstream-envs
+
+unit: system-test $(STAMP) upstream
 	ROLLCAGE_TEST_NO_SKIPS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The documentation site, into site/: --strict turns a broken link, a missing page or an API
