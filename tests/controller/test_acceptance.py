@@ -33,6 +33,7 @@ from rollcage.protocol import ModelCall, ResponseItem, RolloutRecord, RunMetrics
 from rollcage.wire import build_request, chat_messages, function_tools
 from tests.environments.test_nemo_gym_conformance import GymVerifyResponse
 from tests.helpers.formats import AtifTrajectory, NgTrajectoryRecord, check_training_items
+from tests.helpers.upstream import harbor_atif_errors
 
 SANDBOX = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
 pytestmark = [
@@ -326,6 +327,13 @@ def test_atif_export_validates_and_carries_the_token_data(run: Run, tmp_path: Pa
         assert first.observation is not None and len(first.observation.results) == 3
         assert document.final_metrics is not None and document.final_metrics.extra is not None
         assert (document.final_metrics.extra["reward"], document.final_metrics.total_steps) == (1.0, 5)
+
+
+def test_atif_export_is_accepted_by_harbors_own_validator_and_models(run: Run, tmp_path: Path) -> None:
+    export_run(run.out, "atif", tmp_path / "atif")
+    files = sorted((tmp_path / "atif").glob("*.json"))
+    assert len(files) == len(run.records)
+    assert harbor_atif_errors(files) == {}
 
 
 def test_nemo_gym_export_validates_with_tokens_on_the_generating_items(run: Run, tmp_path: Path) -> None:

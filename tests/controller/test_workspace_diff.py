@@ -20,6 +20,7 @@ from rollcage.controller._workspace_diff import file_level_diff, write_workspace
 from rollcage.export import export_run
 from rollcage.viewer import load_rollout, render_rollout, render_text, write_report
 from tests.helpers.image_rollouts import agent_session, make_image, needs_root
+from tests.helpers.upstream import harbor_atif_errors
 from tests.helpers.viewer_fixtures import write_run
 
 FILES = {
@@ -138,6 +139,8 @@ def test_show_and_the_atif_export_carry_the_diff(tmp_path: Path) -> None:
     assert document["extra"]["workspace_diff"].endswith("+x = 4\n")
     other = json.loads((run.path / "export/atif/calc-1-s1-t0.json").read_text())
     assert "workspace_diff" not in other["extra"]
+    # Where the diff sits must be a place Harbor's own ATIF code accepts.
+    assert harbor_atif_errors(sorted((run.path / "export/atif").glob("*.json"))) == {}
 
 
 @pytest.mark.parametrize("size", [70 * 1024])

@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers.paths import REPO
 
-__all__ = ["UPSTREAM_DIR", "run_upstream", "upstream_python"]
+__all__ = ["UPSTREAM_DIR", "harbor_atif_errors", "run_upstream", "upstream_python"]
 
 UPSTREAM_DIR = Path(os.environ.get("ROLLCAGE_UPSTREAM_DIR", REPO / ".upstream"))
 """Where scripts/upstream-envs puts the side environments."""
@@ -72,6 +72,30 @@ def run_upstream(name: str, script: str, *args: str, stdin: str | None = None, t
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert lines, f"{name} side script printed nothing; stderr: {done.stderr[-2000:]}"
     return json.loads(lines[-1])
+
+
+_HARBOR_VALIDATE = """
+import json, sys
+from harbor.models.trajectories import Trajectory
+from harbor.utils.trajectory_validator import TrajectoryValidator
+answer = {}
+for path in sys.argv[1:]:
+    validator = TrajectoryValidator()
+    errors = [] if validator.validate(path) else list(validator.get_errors())
+    try:
+        Trajectory.model_validate_json(open(path).read())
+    except Exception as error:
+        errors.append(f"Trajectory model: {error}")
+    answer[path] = errors
+print(json.dumps(answer))
+"""
+
+
+def harbor_atif_errors(paths: list[Path]) -> dict[str, list[str]]:
+    """What Harbor's own ATIF validator and ``Trajectory`` model say of each file: path -> errors."""
+    assert paths, "no ATIF files to validate"
+    answer: dict[str, list[str]] = run_upstream("harbor", _HARBOR_VALIDATE, *(str(p) for p in paths))
+    return {path: errors for path, errors in answer.items() if errors}
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual probe
