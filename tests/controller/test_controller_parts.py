@@ -235,3 +235,15 @@ def _fd_names(fd: int, path: Path) -> bool:
         return os.readlink(f"/proc/self/fd/{fd}") == str(path)
     except FileNotFoundError:
         return False
+
+
+def test_a_stale_rollout_directory_that_cannot_be_moved_is_kept_never_deleted(
+    tiny_tmpfs: Path, tmp_path: Path
+) -> None:
+    # A mount point cannot be renamed (EBUSY): the stale directory must survive, journal and all.
+    from rollcage.controller._unit import set_aside
+
+    (tiny_tmpfs / "checkpoint.jsonl").write_text('{"seq": 1}\n')
+    with pytest.raises(DurableWriteError, match=r"cannot set aside .*tiny.*move it out of the run directory"):
+        set_aside(tiny_tmpfs, tmp_path / "interrupted")
+    assert (tiny_tmpfs / "checkpoint.jsonl").read_text() == '{"seq": 1}\n'

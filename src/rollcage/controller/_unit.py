@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from rollcage.controller._nemo_gym import (
     seed_session,
     to_nemo_response,
 )
-from rollcage.errors import ConfigError, ResumeRefusedError, RollcageError
+from rollcage.errors import ConfigError, DurableWriteError, ResumeRefusedError, RollcageError
 from rollcage.protocol import (
     HarnessEnvironment,
     HarnessSpec,
@@ -850,6 +849,9 @@ def set_aside(rollout_dir: Path, attic: Path) -> Path | None:
 
     Returns:
         Its new path, or ``None`` when there was nothing to move.
+
+    Raises:
+        DurableWriteError: it could not be moved (it is left where it is, untouched).
     """
     from rollcage.durable import sweep_temp_artifacts
 
@@ -866,7 +868,12 @@ def set_aside(rollout_dir: Path, attic: Path) -> Path | None:
         target = attic / f"{rollout_dir.name}.{stamp}.{n}"
     try:
         os.replace(rollout_dir, target)
-    except OSError:
-        shutil.rmtree(rollout_dir, ignore_errors=True)
-        return None
+    except OSError as error:
+        # Never delete it instead: the directory holds the journal a retry resumes from, and the
+        # evidence of what the killed run did (and, under a mount point, maybe not only its own files).
+        raise DurableWriteError(
+            f"cannot set aside the unfinished rollout directory {rollout_dir} into {attic} "
+            f"({error.strerror or error}); it is kept as it is: move it out of the run directory "
+            "by hand, then run again"
+        ) from error
     return target
