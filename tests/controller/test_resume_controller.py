@@ -177,6 +177,7 @@ def _kill_mid_rollout_then_rerun(
     *,
     change_task: bool,
     between: Callable[[Path], None] | None = None,
+    rerun_fails: bool = False,
 ) -> Path:
     """Run two tasks with ``--resume-rollouts``, SIGKILL the controller while t0's 4th model call hangs,
     then run the same command again (after changing t0's prompt, with ``change_task``; after
@@ -204,7 +205,11 @@ def _kill_mid_rollout_then_rerun(
     if between is not None:
         between(out)
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=240)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    if rerun_fails:
+        assert rerun.returncode == 1, rerun.stdout + rerun.stderr
+        (out / "rerun.log").write_text(rerun.stdout + rerun.stderr)
+    else:
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     return out
 
 
@@ -353,6 +358,39 @@ def test_a_harness_rollout_is_not_resumed(tmp_path: Path, harness: dict[str, Any
     assert link.reason is not None and "harness" in link.reason
     assert not (tmp_path / "new" / "resume.jsonl").exists()
     assert WorkerInput.model_validate_json((tmp_path / "new" / "input.json").read_bytes()).resume is None
+
+
+@pytest.mark.parametrize("server", [[f"rollout={FIRST}:call={FAILS_AT}:kind=hang"]], indirect=True)
+def test_an_interrupted_attempt_that_cannot_be_set_aside_stops_the_run_and_is_kept(
+    tmp_path: Path, server: PolicyServer
+) -> None:
+    """A stale directory that cannot be moved (here a mount point: rename gives EBUSY) stops the rerun
+    with a message naming it; its journal stays, and once freed the next run continues from it."""
+    if os.geteuid() != 0:
+        pytest.skip("optional: a bind mount needs root")
+    stale = tmp_path / "out" / "rollouts" / FIRST
+
+    def pinned(out: Path) -> None:
+        subprocess.run(["mount", "--bind", str(stale), str(stale)], check=True)
+
+    try:
+        out = _kill_mid_rollout_then_rerun(
+            tmp_path, server, change_task=False, between=pinned, rerun_fails=True
+        )
+        assert f"cannot set aside the unfinished rollout directory {stale}" in (out / "rerun.log").read_text()
+        journal = (stale / "checkpoint.jsonl").read_bytes()
+        assert journal and FIRST not in {r.rollout_id for r in _records(out)}
+    finally:
+        subprocess.run(["umount", str(stale)], check=False)
+    args = [
+        sys.executable, "-m", "rollcage", "run", str(_dataset(tmp_path / "data", 2)), "--out", str(out),
+        "--quiet", "--model", server.base_url, "--model-name", "scripted", "--sandbox", SANDBOX,
+        "--resume-rollouts", "--concurrency", "2",
+    ]  # fmt: skip
+    rerun = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    resumed = {r.task_id: r for r in _records(out)}["t0"]
+    assert resumed.outcome == "completed" and resumed.resume is not None and resumed.resume.resumed
 
 
 @pytest.mark.parametrize("server", [[f"rollout={FIRST}:call={FAILS_AT}:kind=hang"]], indirect=True)

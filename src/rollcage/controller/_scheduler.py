@@ -707,9 +707,13 @@ class Controller:
                 prepared = prepare_rollout(
                     task, sample, try_index, out_dir=self._out, endpoints=self._endpoints
                 )
-                moved = await asyncio.to_thread(
-                    set_aside, Path(prepared.rollout_dir), self._out / "interrupted"
-                )
+                try:
+                    moved = await asyncio.to_thread(
+                        set_aside, Path(prepared.rollout_dir), self._out / "interrupted"
+                    )
+                except DurableWriteError as exc:
+                    self._stop_for(str(exc))
+                    return
                 if moved is not None:
                     logger.info(
                         "set aside the unfinished %s from an earlier run: %s", prepared.rollout_id, moved
@@ -733,9 +737,7 @@ class Controller:
                 try:
                     await self._log.append(record)
                 except DurableWriteError as exc:
-                    self._error = f"cannot record rollouts: {exc}"
-                    self._reporter.notice(f"Stopping: {self._error}")
-                    self.stop.set()
+                    self._stop_for(f"cannot record rollouts: {exc}")
                     return
                 state = self._ledger.add(record)
                 self._attempts_run += 1
@@ -757,6 +759,12 @@ class Controller:
                     return
         finally:
             slots.release()
+
+    def _stop_for(self, error: str) -> None:
+        """Stop the run for a fault of the run's own files: no new attempt, the summary says why."""
+        self._error = error
+        self._reporter.notice(f"Stopping: {error}")
+        self.stop.set()
 
     async def _attempt(self, backend: Backend, prepared: Any) -> RolloutRecord:
         """Run one attempt; whatever it raises is that attempt's infra_failure, never its neighbours' loss.
