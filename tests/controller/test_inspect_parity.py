@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -262,6 +263,33 @@ CHOICE_CASES: list[tuple[str, int, bool, str | list[str]]] = [
     ("My answer: C then ANSWER: B", 3, False, "B"),
 ]
 
+
+def _random_cases(seed: int, count: int) -> tuple[list[tuple[str, str]], list[tuple[str, int, bool, str]]]:
+    """More answers, drawn from the characters the rules treat specially (seeded: the same every run)."""
+    rng = random.Random(seed)
+    alphabet = "aAbBcC ß.!,()'\n\t42*$:-"
+
+    def text(limit: int) -> str:
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, limit)))
+
+    matches = [(text(10), text(4)) for _ in range(count)]
+    choices = []
+    for _ in range(count):
+        letters = rng.choice(["", " ", ", ", " and ", ","]).join(rng.sample("ABCabcD", rng.randint(1, 3)))
+        wrap = rng.choice(["{}", "**{}**", "${}$", "({})", "{}.", "{},", " {} "])
+        head = rng.choice(["", "I think B.\n", "x ", "**"])
+        label = rng.choice(["ANSWER", "answer", "Answer", "ANS", ""]) + rng.choice([":", ": ", " :", ""])
+        completion = head + label + wrap.format(letters) + rng.choice(["", "\n", ".", " ok", "!"])
+        named = sorted({c for c in letters.upper() if c in "ABC"})
+        drawn = rng.sample("ABC", rng.randint(1, 2))
+        # Most targets are what the answer names, so both outcomes are drawn often.
+        target = ", ".join(named if named and rng.random() < 0.7 else sorted(drawn))
+        choices.append((completion, 3, rng.random() < 0.5, target))
+    return matches, choices
+
+
+RANDOM_MATCH, RANDOM_CHOICE = _random_cases(40, 150)
+
 SCORERS_SIDE = r"""
 import asyncio, json, sys
 from inspect_ai.model import ModelOutput
@@ -303,9 +331,11 @@ asyncio.run(main())
 
 
 def test_match_includes_and_choice_follow_inspects_own_rules() -> None:
-    given = json.dumps({"match": MATCH_CASES, "choice": CHOICE_CASES})
+    match_cases = [*MATCH_CASES, *RANDOM_MATCH]
+    choice_cases: list[tuple[str, int, bool, str | list[str]]] = [*CHOICE_CASES, *RANDOM_CHOICE]
+    given = json.dumps({"match": match_cases, "choice": choice_cases})
     inspect = run_upstream("inspect-ai", SCORERS_SIDE, stdin=given, timeout=300)
-    for (answer, target), theirs in zip(MATCH_CASES, inspect["match"], strict=True):
+    for (answer, target), theirs in zip(match_cases, inspect["match"], strict=True):
         for location in ("begin", "end", "any", "exact"):
             for ignore_case in (True, False):
                 spec = MatchGrader(location=location, ignore_case=ignore_case)
@@ -321,7 +351,7 @@ def test_match_includes_and_choice_follow_inspects_own_rules() -> None:
                 IncludesGrader(ignore_case=ignore_case), expected=target, answer=answer
             ).reward
             assert ours == SCORE[theirs[f"includes-{ignore_case}"]], (answer, target, ignore_case)
-    for (answer, n, multiple, target), theirs in zip(CHOICE_CASES, inspect["choice"], strict=True):
+    for (answer, n, multiple, target), theirs in zip(choice_cases, inspect["choice"], strict=True):
         spec = ChoiceGrader(choices=n, multiple_correct=multiple)
         ours = grade_builtin(spec, expected=target, answer=answer).reward
         assert ours == SCORE[theirs], (answer, n, multiple, target, theirs)
