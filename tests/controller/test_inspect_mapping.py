@@ -15,6 +15,7 @@ import pytest
 
 from rollcage.controller import iter_dataset
 from rollcage.controller._dataset import InvalidRow, Task
+from rollcage.controller._formats import ASSUMED_SCORER
 from rollcage.controller._graders import ChoiceGrader
 
 
@@ -65,14 +66,16 @@ def test_only_plain_samples_lose_the_python_tool_and_others_carry_a_notice(tmp_p
         format="inspect",
     )
     for task in (plain, local):
-        assert isinstance(task, Task) and task.tools == () and task.notice is None
+        assert isinstance(task, Task) and task.tools == () and task.notices == (ASSUMED_SCORER,)
     assert isinstance(imaged, Task) and [t.name for t in imaged.tools] == ["python"]
-    assert imaged.notice is not None and "sandbox" in imaged.notice and "not reproduced" in imaged.notice
+    assumed, left_out = imaged.notices
+    assert assumed == ASSUMED_SCORER and left_out.startswith("Not reproduced: ") and "sandbox" in left_out
     (served,) = rows_of(
         tmp_path, [{"id": "e", "input": "x", "target": "y"}], format="inspect", environment="calc-weather"
     )
     assert isinstance(served, Task) and served.grader is not None and served.grader.type == "verify"
-    assert served.notice is not None and "--environment" in served.notice
+    (left_out,) = served.notices  # graded by the environment: no scorer is assumed
+    assert left_out.startswith("Not reproduced: ") and "--environment" in left_out
 
 
 @pytest.mark.parametrize(
@@ -116,6 +119,34 @@ def test_a_run_says_up_front_what_it_does_not_reproduce_naming_the_first_row(tmp
         check=False,
         cwd=tmp_path,
     )
-    notices = [line for line in done.stdout.splitlines() if line.startswith("Not reproduced:")]
+    notices = [line for line in done.stdout.splitlines() if line.startswith(("Not reproduced:", "Assumed:"))]
     assert len(notices) == 1, done.stdout + done.stderr
     assert "--environment" in notices[0] and "(3 row(s), first line 1, id plain)" in notices[0]
+    assert notices[0].startswith("Not reproduced: ")
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (CI installs it)")
+@pytest.mark.timeout(300)
+def test_a_run_says_which_solver_and_scorer_it_assumed(tmp_path: Path) -> None:
+    samples = [
+        {"id": "untargeted", "input": "x"},
+        {"id": "plain", "input": "x", "target": "y"},
+        {"id": "mc", "input": "x", "choices": ["a", "b"], "target": "B"},
+    ]
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "rollcage", "run", str(dataset), "--format", "inspect"),
+            *("--quiet", "--out", str(tmp_path / "out")),
+            *("--sandbox", os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        cwd=tmp_path,
+    )
+    lines = done.stdout.splitlines()
+    assert f"{ASSUMED_SCORER} (2 row(s), first line 2, id plain)" in lines, done.stdout + done.stderr
+    assert not any(line.startswith("Not reproduced:") for line in lines), done.stdout

@@ -48,7 +48,7 @@ from rollcage.controller._formats import (
     detect_format_of,
     from_inspect,
     from_nemo_gym,
-    inspect_notice,
+    inspect_notices,
 )
 from rollcage.controller._graders import ExactGrader, GraderSpec, VerifyGrader, check_pattern
 from rollcage.controller._inspect_scoring import choice_positions
@@ -287,8 +287,8 @@ class Task:
         verifier: Controller-only fields sent to the environment (seed, verify, close).
         create_params: The row's own ``responses_create_params`` (NeMo Gym rows); ``None``:
             built from the row when the rollout is prepared.
-        notice: What of the row, written for another harness, is not run as that harness would
-            (said once per run, naming the first such row); ``None``: nothing.
+        notices: What a run says up front of a row written for another harness: what is assumed of
+            it and what is not run as that harness would (each said once, naming the first such row).
     """
 
     line: int
@@ -298,7 +298,7 @@ class Task:
     grader: GraderSpec | None
     verifier: dict[str, Any] = field(default_factory=dict)
     create_params: dict[str, Any] | None = None
-    notice: str | None = None
+    notices: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -766,12 +766,12 @@ def validate_value(
     task_id = str(raw_id) if isinstance(raw_id, str | int) and not isinstance(raw_id, bool) else None
     verifier: dict[str, Any] | None = None
     params: dict[str, Any] | None = None
-    notice: str | None = None
+    notices: tuple[str, ...] = ()
     try:
         if format == "nemo-gym":
             value, verifier, params = from_nemo_gym(value, line, environment)
         elif format == "inspect":
-            notice = inspect_notice(value, environment)
+            notices = inspect_notices(value, environment)
             value = from_inspect(value, line, environment, base=base)
         elif environment is not None and value.get("environment") is None:
             value = {**value, "environment": environment}
@@ -803,7 +803,7 @@ def validate_value(
         grader=grader,
         verifier=verifier,
         create_params=params,
-        notice=notice,
+        notices=notices,
     )
 
 

@@ -39,7 +39,7 @@ from rollcage.controller._nemo_gym import CREATE_PARAMS_KEYS
 from rollcage.errors import ConfigError
 from rollcage.protocol import SamplingParams
 
-__all__ = ["FORMATS", "DatasetFormat", "detect_format_of", "from_inspect", "from_nemo_gym", "inspect_notice"]
+__all__ = ["FORMATS", "DatasetFormat", "detect_format_of", "from_inspect", "from_nemo_gym", "inspect_notices"]
 
 DatasetFormat = Literal["rollcage", "nemo-gym", "inspect"]
 """How a dataset's rows are written."""
@@ -243,19 +243,31 @@ def from_inspect(
     return row
 
 
-def inspect_notice(value: dict[str, Any], environment: str | None) -> str | None:
-    """What of an (accepted) Inspect sample rollcage does not run as Inspect would; ``None``: nothing."""
+ASSUMED_SCORER = (
+    "Assumed: Inspect samples name no solver or scorer (their task does); samples without choices run as "
+    "generate() and are scored by match(), samples with choices run as multiple_choice() (multiple_correct "
+    "when the target names several letters) and are scored by choice()"
+)
+"""Said once per run with Inspect samples graded here: which of Inspect's solvers and scorers they get."""
+
+
+def inspect_notices(value: dict[str, Any], environment: str | None) -> tuple[str, ...]:
+    """What a run says up front of an Inspect sample: what is assumed, what is not run as Inspect would."""
+    notices: list[str] = []
+    target = value.get("target")
+    if environment is None and target is not None and target != []:
+        notices.append(ASSUMED_SCORER)
     if value.get("sandbox") is not None and not _local(value["sandbox"]):
-        return (
-            "an Inspect sample with a sandbox runs rollcage's agent with its python tool in the sandbox's "
-            "image; Inspect's solver, its sandbox tools and the rest of the compose file are not reproduced"
+        notices.append(
+            "Not reproduced: the solver, sandbox tools and other compose services of Inspect samples with "
+            "a sandbox (rollcage's agent runs them with its python tool in the sandbox's image)"
         )
     if environment is not None:
-        return (
-            "Inspect samples run against --environment: its tools are offered and its /verify grades; "
-            "Inspect's generate() and scorers are not reproduced"
+        notices.append(
+            "Not reproduced: Inspect samples run against --environment: its tools are offered and its "
+            "/verify grades; Inspect's generate() and scorers are not reproduced"
         )
-    return None
+    return tuple(notices)
 
 
 def _local(sandbox: Any) -> bool:

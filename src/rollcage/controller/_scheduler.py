@@ -376,9 +376,7 @@ class Controller:
             for bad in self._scan.invalid:
                 self._reporter.invalid_row(bad)
             for message, (row, count) in self._scan.notices.items():
-                self._reporter.notice(
-                    f"Not reproduced: {message} ({count} row(s), first line {row.line}, id {row.id})"
-                )
+                self._reporter.notice(f"{message} ({count} row(s), first line {row.line}, id {row.id})")
             self._ledger.invalid_rows = self._scan.invalid_count
             if self.config.strict and self._scan.invalid_count:
                 first = self._scan.invalid[0]
@@ -440,9 +438,9 @@ class Controller:
                     scan.invalid.append(item)
                 continue
             scan.tasks += 1
-            if item.notice is not None:
-                first, count = scan.notices.get(item.notice, (item, 0))
-                scan.notices[item.notice] = (first, count + 1)
+            for notice in item.notices:
+                first, count = scan.notices.get(notice, (item, 0))
+                scan.notices[notice] = (first, count + 1)
             if item.environment is not None:
                 scan.environments.setdefault(item.environment.key, item.environment)
             harness = item.row.agent.harness or self.config.harness
