@@ -28,10 +28,7 @@ from rollcage.policy import PolicyServer
 from rollcage.protocol import RolloutRecord
 from tests.helpers.upstream import run_upstream
 
-pytestmark = [
-    pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (CI installs it)"),
-    pytest.mark.timeout(600),
-]
+pytestmark = pytest.mark.timeout(600)
 
 # Plain samples (no sandbox, files or setup), each with the answer the scripted policy gives.
 SAMPLES: list[tuple[dict[str, Any], str]] = [
@@ -194,6 +191,7 @@ def _rollcage_run(dataset: Path, out: Path, base_url: str, api: str) -> list[Rol
     return [RolloutRecord.model_validate_json(line) for line in lines]
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (CI installs it)")
 def test_plain_inspect_samples_get_inspects_prompts_tools_and_scores(tmp_path: Path) -> None:
     script = {"tasks": {sample["id"]: [{"text": answer}] for sample, answer in SAMPLES}}
     dataset = tmp_path / "samples.jsonl"
