@@ -311,11 +311,13 @@ def test_inspect_samples_map_target_to_expected_and_choices_to_the_prompt(tmp_pa
     ]
     first, second, third, files, tool = rows_of(tmp_path, samples, format="inspect")
     assert isinstance(first, Task) and first.id == "7" and first.row.expected == "4"
-    assert (
-        first.grader is not None and first.grader.type == "normalized" and first.row.metadata == {"src": "x"}
-    )
+    assert first.grader is not None and first.grader.type == "match" and first.row.metadata == {"src": "x"}
+    assert first.tools == ()  # generate() offers no tools
     assert isinstance(second, Task) and second.id == "line-2"
-    assert second.row.input[-1]["content"] == "Pick\n\nA) red\nB) blue"  # type: ignore[index]
+    prompt = second.row.input[-1]["content"]  # type: ignore[index]
+    assert prompt.startswith("Answer the following multiple choice question.") and "one of A,B." in prompt
+    assert prompt.endswith("Pick\n\nA) red\nB) blue")
+    assert second.grader is not None and second.grader.type == "choice"
     assert isinstance(third, Task) and third.grader is None
     assert isinstance(files, InvalidRow) and "files" in files.reason
     assert isinstance(tool, InvalidRow) and "role: 'tool'" in tool.reason

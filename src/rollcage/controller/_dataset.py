@@ -43,8 +43,15 @@ from typing import Annotated, Any, BinaryIO, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rollcage.controller._formats import DatasetFormat, detect_format_of, from_inspect, from_nemo_gym
+from rollcage.controller._formats import (
+    DatasetFormat,
+    detect_format_of,
+    from_inspect,
+    from_nemo_gym,
+    inspect_notices,
+)
 from rollcage.controller._graders import ExactGrader, GraderSpec, VerifyGrader, check_pattern
+from rollcage.controller._inspect_scoring import choice_positions
 from rollcage.environments import EnvironmentInfo, bundled_environments
 from rollcage.errors import ConfigError, ControllerOnlyFieldError, RollcageError
 from rollcage.headers import id_problem
@@ -280,6 +287,8 @@ class Task:
         verifier: Controller-only fields sent to the environment (seed, verify, close).
         create_params: The row's own ``responses_create_params`` (NeMo Gym rows); ``None``:
             built from the row when the rollout is prepared.
+        notices: What a run says up front of a row written for another harness: what is assumed of
+            it and what is not run as that harness would (each said once, naming the first such row).
     """
 
     line: int
@@ -289,6 +298,7 @@ class Task:
     grader: GraderSpec | None
     verifier: dict[str, Any] = field(default_factory=dict)
     create_params: dict[str, Any] | None = None
+    notices: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -543,8 +553,22 @@ def _grader(row: DatasetRow, env: EnvironmentRef | None) -> GraderSpec | None:
         return None if row.expected is None else ExactGrader()
     if spec.type == "verify" and env is None:
         raise ConfigError("grader 'verify' needs an 'environment' to send the rollout to")
-    if spec.type in ("exact", "normalized", "numeric") and row.expected is None:
+    if spec.type in ("exact", "normalized", "numeric", "match", "includes") and row.expected is None:
         raise ConfigError(f"grader {spec.type!r} needs 'expected'")
+    if spec.type == "choice":
+        # Inspect refuses a target naming no option when it scores; here it is named before anything runs.
+        expected = row.expected
+        if not (
+            isinstance(expected, str)
+            or (isinstance(expected, list) and expected and all(isinstance(x, str) for x in expected))
+        ):
+            raise ConfigError(
+                'grader \'choice\' needs \'expected\': the correct letter(s), e.g. "B" or ["A", "C"]'
+            )
+        try:
+            choice_positions(expected, spec.choices)
+        except ValueError as exc:
+            raise ConfigError(f"grader 'choice': {exc}") from None
     if spec.type == "regex":
         pattern = spec.pattern if spec.pattern is not None else row.expected
         if not isinstance(pattern, str):
@@ -742,10 +766,12 @@ def validate_value(
     task_id = str(raw_id) if isinstance(raw_id, str | int) and not isinstance(raw_id, bool) else None
     verifier: dict[str, Any] | None = None
     params: dict[str, Any] | None = None
+    notices: tuple[str, ...] = ()
     try:
         if format == "nemo-gym":
             value, verifier, params = from_nemo_gym(value, line, environment)
         elif format == "inspect":
+            notices = inspect_notices(value, environment)
             value = from_inspect(value, line, environment, base=base)
         elif environment is not None and value.get("environment") is None:
             value = {**value, "environment": environment}
@@ -777,6 +803,7 @@ def validate_value(
         grader=grader,
         verifier=verifier,
         create_params=params,
+        notices=notices,
     )
 
 

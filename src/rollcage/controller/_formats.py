@@ -13,13 +13,18 @@ fields) and keeps apart what the sandbox must never see:
   ``id``, ``task_id``, ``instance_id``, ``problem_id``, ``_ng_task_index``, else
   ``line-<n>``. The environment is the run's ``--environment`` (NeMo Gym rows name
   their resource server in the NeMo Gym config, not in the row).
-* **Inspect** (``{"input", "target", "id", "metadata", "choices"}``): ``input`` (text or
-  chat messages) is the model-visible input, ``choices`` are appended as lettered
-  options, ``target`` is the controller-only ``expected``, graded by ``normalized``
-  (or by the environment's ``/verify`` when there is one). A ``sandbox`` naming docker with an
-  image (``{"type": "docker", "config": {"image": ...}}``, or a compose file whose single service has
-  an ``image:``) becomes the row's task image (``docker://`` that image); ``local`` is no image; any
-  other sandbox (a build, several services, another provider) is refused, naming what it holds.
+* **Inspect** (``{"input", "target", "id", "metadata", "choices"}``): run as Inspect runs a
+  plain sample (``rollcage.controller._inspect_scoring``): ``input`` (text or chat messages)
+  as it is, with no tools and no system prompt (``generate()``), scored by ``match()``; with
+  ``choices``, the last user message becomes ``multiple_choice()``'s prompt and ``choice()``
+  scores it. ``target`` is the controller-only ``expected`` (graded by the environment's
+  ``/verify`` instead when there is one, and then the environment's tools are offered). A
+  ``sandbox`` naming docker with an image (``{"type": "docker", "config": {"image": ...}}``, or a
+  compose file whose single service has an ``image:``) becomes the row's task image (``docker://``
+  that image) and the row gets rollcage's agent and its python tool there (a notice says so: Inspect's
+  solver and sandbox tools are not reproduced); ``local`` is no image; any other sandbox (a build,
+  several services, another provider) is refused, naming what it holds. ``files`` and ``setup`` are
+  refused: they are not reproduced.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from rollcage.controller._inspect_scoring import choice_positions, choice_prompt
 from rollcage.controller._nemo_gym import CREATE_PARAMS_KEYS
 from rollcage.errors import ConfigError
 from rollcage.protocol import SamplingParams
 
-__all__ = ["FORMATS", "DatasetFormat", "detect_format_of", "from_inspect", "from_nemo_gym"]
+__all__ = ["FORMATS", "DatasetFormat", "detect_format_of", "from_inspect", "from_nemo_gym", "inspect_notices"]
 
 DatasetFormat = Literal["rollcage", "nemo-gym", "inspect"]
 """How a dataset's rows are written."""
@@ -183,7 +189,8 @@ def _inspect_content(content: Any, where: str) -> str:
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ConfigError(f"{where}[{index}]: only text content is supported, got {kind!r}")
-        return "".join(texts)
+        # Inspect's ChatMessage.text: the text parts, a line apart (what its solvers rewrite).
+        return "\n".join(texts)
     raise ConfigError(f"{where} must be a string or a list of content parts")
 
 
@@ -201,18 +208,21 @@ def from_inspect(
     for key in ("files", "setup"):
         if value.get(key):
             raise ConfigError(
-                f"{key}: Inspect's sample {key} are not supported; rollcage starts every rollout in an "
+                f"{key}: Inspect's sample {key} are not reproduced; rollcage starts every rollout in an "
                 "empty workspace (put what the agent needs in the input, or serve it from an environment)"
             )
     model_input = _inspect_input(value.get("input"))
-    choices = value.get("choices")
-    if choices is not None:
-        model_input = _with_choices(model_input, choices)
     target = value.get("target")
     if target is not None and not (
         isinstance(target, str) or (isinstance(target, list) and all(isinstance(t, str) for t in target))
     ):
         raise ConfigError("target must be a string or a list of strings")
+    choices = value.get("choices")
+    grader: dict[str, Any] = {"type": "match"}
+    if choices is not None:
+        multiple = _multiple_correct(choices, target)
+        model_input = _with_choices(model_input, choices, multiple_correct=multiple)
+        grader = {"type": "choice", "choices": len(choices), "multiple_correct": multiple}
     raw_id = value.get("id")
     ok_id = (isinstance(raw_id, str) and raw_id) or (isinstance(raw_id, int) and not isinstance(raw_id, bool))
     row: dict[str, Any] = {"id": raw_id if ok_id else f"line-{line}", "input": model_input}
@@ -223,12 +233,66 @@ def from_inspect(
     if target is not None and target != []:
         row["expected"] = target
         if environment is None:
-            row["grader"] = {"type": "normalized"}
-    if value.get("sandbox") is not None:
-        image = _inspect_image(value["sandbox"], base)
-        if image is not None:
-            row["sandbox"] = {"image": image}
+            row["grader"] = grader
+    image = _inspect_image(value["sandbox"], base) if value.get("sandbox") is not None else None
+    if image is not None:
+        row["sandbox"] = {"image": image}
+    elif environment is None:
+        # generate() offers the model no tools; rollcage's default would be its python tool.
+        row["tools"] = []
     return row
+
+
+ASSUMED_SCORER = (
+    "Assumed: Inspect samples name no solver or scorer (their task does); samples without choices run as "
+    "generate() and are scored by match(), samples with choices run as multiple_choice() (multiple_correct "
+    "when the target names several letters) and are scored by choice()"
+)
+"""Said once per run with Inspect samples graded here: which of Inspect's solvers and scorers they get."""
+
+
+def inspect_notices(value: dict[str, Any], environment: str | None) -> tuple[str, ...]:
+    """What a run says up front of an Inspect sample: what is assumed, what is not run as Inspect would."""
+    notices: list[str] = []
+    target = value.get("target")
+    if environment is None and target is not None and target != []:
+        notices.append(ASSUMED_SCORER)
+    if value.get("sandbox") is not None and not _local(value["sandbox"]):
+        notices.append(
+            "Not reproduced: the solver, sandbox tools and other compose services of Inspect samples with "
+            "a sandbox (rollcage's agent runs them with its python tool in the sandbox's image)"
+        )
+    if environment is not None:
+        notices.append(
+            "Not reproduced: Inspect samples run against --environment: its tools are offered and its "
+            "/verify grades; Inspect's generate() and scorers are not reproduced"
+        )
+    return tuple(notices)
+
+
+def _local(sandbox: Any) -> bool:
+    return (
+        sandbox == "local"
+        or sandbox == ["local"]
+        or (isinstance(sandbox, dict) and sandbox == {"type": "local"})
+    )
+
+
+def _multiple_correct(choices: Any, target: Any) -> bool:
+    """Whether the target names several options: Inspect's ``multiple_correct``, which the sample cannot say.
+
+    Raises:
+        ConfigError: The target names no option of the choices (``choice()`` would refuse it).
+    """
+    if not isinstance(choices, list) or not choices:
+        raise ConfigError("choices must be a non-empty list of strings")
+    if target is None or target == []:
+        return False
+    try:
+        positions = choice_positions(target, len(choices))
+    except ValueError as exc:
+        raise ConfigError(f"target: {exc}") from None
+    return len(positions) > 1
 
 
 _COMPOSE_FILES = (".yaml", ".yml")
@@ -324,16 +388,21 @@ def _inspect_input(raw: Any) -> str | list[dict[str, Any]]:
     return items
 
 
-def _with_choices(model_input: str | list[dict[str, Any]], choices: Any) -> str | list[dict[str, Any]]:
-    """The input with a multiple-choice sample's options (``A) ...``) after its (last) user message."""
+def _with_choices(
+    model_input: str | list[dict[str, Any]], choices: Any, *, multiple_correct: bool
+) -> str | list[dict[str, Any]]:
+    """The input with its (last) user message made ``multiple_choice()``'s prompt for ``choices``."""
     if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices) or len(choices) > 26:
         raise ConfigError("choices must be a list of at most 26 strings")
-    options = "\n\n" + "\n".join(f"{chr(65 + i)}) {c}" for i, c in enumerate(choices))
     if isinstance(model_input, str):
-        return model_input + options
+        return choice_prompt(model_input, choices, multiple_correct=multiple_correct)
     last = max((i for i, m in enumerate(model_input) if m["role"] == "user"), default=None)
     if last is None:
         raise ConfigError("choices need a user message in input to go with")
     items = list(model_input)
-    items[last] = {**items[last], "content": items[last]["content"] + options}
+    question = items[last]["content"]
+    items[last] = {
+        **items[last],
+        "content": choice_prompt(question, choices, multiple_correct=multiple_correct),
+    }
     return items

@@ -10,7 +10,15 @@ only ``expected`` by ``exact``, and a row with neither is not graded.
 ``normalized`` the same after case folding, collapsing whitespace, dropping a final ``.``
 ``numeric``    the last number in the answer is within ``tolerance`` of ``expected``
 ``regex``      ``pattern`` (or ``expected``) is found in the answer
+``match``      Inspect's ``match()``: ``expected`` at the answer's end (``location``), after
+               case folding and stripping whitespace and punctuation from both ends
+``includes``   Inspect's ``includes()``: ``expected`` occurs in the answer (case folded)
+``choice``     Inspect's ``choice()``: the ``ANSWER: X`` letters equal ``expected``'s
 =============  ==========================================================================
+
+``match``, ``includes`` and ``choice`` are Inspect AI's scorers, rule for rule
+(``rollcage.controller._inspect_scoring``): an Inspect sample is scored by ``choice``
+when it has choices, else by ``match``.
 
 Built-in graders give 1.0 or 0.0. A grader that cannot give a grade (the verify
 endpoint is down, answers garbage, a pattern runs past its timeout, the grader
@@ -43,14 +51,26 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollcage.controller._inspect_scoring import (
+    MatchLocation,
+    answer_character,
+    choice_positions,
+    includes,
+    match_str,
+    selected_positions,
+)
+
 if TYPE_CHECKING:
     import httpx
 
 __all__ = [
     "REWARD_LIMIT",
+    "ChoiceGrader",
     "ExactGrader",
     "GradeResult",
     "GraderSpec",
+    "IncludesGrader",
+    "MatchGrader",
     "NormalizedGrader",
     "NumericGrader",
     "RegexGrader",
@@ -134,6 +154,34 @@ class RegexGrader(_Spec):
     )
 
 
+class MatchGrader(_Spec):
+    """Inspect's ``match()``: ``expected`` (or one of a list) found at ``location`` in the answer."""
+
+    type: Literal["match"] = "match"
+    location: MatchLocation = Field(
+        default="end",
+        description="Where the target must be: begin, end, any or exact (Inspect's default: end).",
+    )
+    ignore_case: bool = Field(default=True, description="Compare case-folded (Inspect's default).")
+
+
+class IncludesGrader(_Spec):
+    """Inspect's ``includes()``: ``expected`` (or one of a list) occurs in the answer."""
+
+    type: Literal["includes"] = "includes"
+    ignore_case: bool = Field(default=True, description="Compare case-folded (Inspect's default).")
+
+
+class ChoiceGrader(_Spec):
+    """Inspect's ``choice()``: the letters after ``ANSWER:`` are exactly the ``expected`` letters."""
+
+    type: Literal["choice"] = "choice"
+    choices: int = Field(ge=1, le=1000, description="How many options the question offers (A, B, ...).")
+    multiple_correct: bool = Field(
+        default=False, description="Several letters may be answered (Inspect's multiple_correct)."
+    )
+
+
 class TestsGrader(_Spec):
     """Run the task's tests in a fresh root: the rollout's image plus its changes (see ``_image_grade``).
 
@@ -171,7 +219,15 @@ class TestsGrader(_Spec):
 
 
 GraderSpec = Annotated[
-    VerifyGrader | ExactGrader | NormalizedGrader | NumericGrader | RegexGrader | TestsGrader,
+    VerifyGrader
+    | ExactGrader
+    | NormalizedGrader
+    | NumericGrader
+    | RegexGrader
+    | MatchGrader
+    | IncludesGrader
+    | ChoiceGrader
+    | TestsGrader,
     Field(discriminator="type"),
 ]
 """A row's ``grader``, tagged by ``type``."""
@@ -271,6 +327,10 @@ def grade_builtin(spec: GraderSpec, *, expected: Any, answer: str) -> GradeResul
         return _grade_numeric(spec, expected, answer)
     if isinstance(spec, RegexGrader):
         return _grade_regex(spec, expected, answer)
+    if isinstance(spec, MatchGrader | IncludesGrader):
+        return _grade_inspect_match(spec, expected, answer)
+    if isinstance(spec, ChoiceGrader):
+        return _grade_choice(spec, expected, answer)
     return GradeResult(None, {"name": spec.type}, f"{spec.type} is not a built-in grader")
 
 
@@ -283,6 +343,44 @@ def _grade_match(spec: ExactGrader | NormalizedGrader, expected: Any, answer: st
     else:
         ok = _normalise(answer) in [_normalise(a) for a in accepted]
     return GradeResult(1.0 if ok else 0.0, {"name": spec.type, "match": ok})
+
+
+def _grade_inspect_match(spec: MatchGrader | IncludesGrader, expected: Any, answer: str) -> GradeResult:
+    """Inspect's ``str_match_scorer``: correct when any accepted target matches."""
+    accepted = _accepted(expected)
+    if accepted is None:
+        return GradeResult(None, {"name": spec.type}, "expected must be a string or a list of strings")
+    if isinstance(spec, MatchGrader):
+        ok = any(match_str(answer, t, spec.location, ignore_case=spec.ignore_case) for t in accepted)
+    else:
+        ok = any(includes(answer, t, ignore_case=spec.ignore_case) for t in accepted)
+    detail: dict[str, Any] = {"name": spec.type, "match": ok}
+    if not answer.strip():
+        detail["reason"] = "no_response"  # Inspect's word for an empty completion, whatever its value
+    return GradeResult(1.0 if ok else 0.0, detail)
+
+
+def _grade_choice(spec: ChoiceGrader, expected: Any, answer: str) -> GradeResult:
+    """Inspect's ``choice()`` on an unshuffled question (NOANSWER and INCORRECT both give 0.0)."""
+    if not (
+        isinstance(expected, str)
+        or (isinstance(expected, list) and all(isinstance(x, str) for x in expected))
+    ):
+        return GradeResult(None, {"name": spec.type}, "expected must be a letter or a list of letters")
+    try:
+        wanted = sorted(choice_positions(expected, spec.choices))
+    except ValueError as exc:
+        return GradeResult(None, {"name": spec.type}, str(exc))
+    selected = selected_positions(answer, spec.choices, multiple_correct=spec.multiple_correct)
+    ok = selected == wanted
+    detail: dict[str, Any] = {
+        "name": spec.type,
+        "match": ok,
+        "selected": [answer_character(i) for i in selected],
+    }
+    if not ok and not selected:
+        detail["reason"] = "no_response" if not answer.strip() else "invalid_response_format"
+    return GradeResult(1.0 if ok else 0.0, detail)
 
 
 def _grade_numeric(spec: NumericGrader, expected: Any, answer: str) -> GradeResult:

@@ -207,6 +207,8 @@ class _Scan:
     """(image, program) -> the first row that runs the program in the image, and what for."""
     image_jupyter: Task | None = None
     """The first row that asks for the jupyter executor in an image (which has no ipykernel)."""
+    notices: dict[str, tuple[Task, int]] = field(default_factory=dict)
+    """What rows written for another harness do not run as it would: the first such row, and how many."""
 
 
 def _programs_needed(task: Task) -> list[tuple[str, str]]:
@@ -373,6 +375,8 @@ class Controller:
             self._scan = await asyncio.to_thread(self._prescan_rows)
             for bad in self._scan.invalid:
                 self._reporter.invalid_row(bad)
+            for message, (row, count) in self._scan.notices.items():
+                self._reporter.notice(f"{message} ({count} row(s), first line {row.line}, id {row.id})")
             self._ledger.invalid_rows = self._scan.invalid_count
             if self.config.strict and self._scan.invalid_count:
                 first = self._scan.invalid[0]
@@ -434,6 +438,9 @@ class Controller:
                     scan.invalid.append(item)
                 continue
             scan.tasks += 1
+            for notice in item.notices:
+                first, count = scan.notices.get(notice, (item, 0))
+                scan.notices[notice] = (first, count + 1)
             if item.environment is not None:
                 scan.environments.setdefault(item.environment.key, item.environment)
             harness = item.row.agent.harness or self.config.harness
