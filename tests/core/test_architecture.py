@@ -2,7 +2,7 @@
 
 A *room* is a top-level module or package of ``rollcage`` (``rollcage.supervisor``,
 ``rollcage.durable``). Rooms are layered as DESIGN.md lists them, with the
-shared ground (``errors``, ``procs``, ``cage``) at the bottom: a module imports
+shared ground (``errors``, ``procs``, ``budgets``, ``cage``) at the bottom: a module imports
 its own room and rooms below it, never one above (the protocol is how the upper
 rooms speak to the lower). What a module names with a leading underscore is its
 own: no other module imports it, and no other room imports a room's private
@@ -43,6 +43,7 @@ LAYERS: tuple[str, ...] = (
     "durable",  # atomic publication, the journal
     "runfiles",  # a run directory's own files: read inside it, never write over it
     "filewatch",  # waiting for a file to appear
+    "budgets",  # the budgets: cgroup and tmpfs mechanisms, a rollout's budgets planned, made and read
     "images",  # the image store and copy-on-write roots (the cage mounts them)
     "cage",  # the containment primitive
     "forkserver",  # the fork servers: their messages and codec, loop and client (warm workers, executors)
