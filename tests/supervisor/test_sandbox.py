@@ -39,7 +39,8 @@ from rollcage.cage import (
     cage_argv,
     run_contained,
 )
-from rollcage.commands._sandbox_options import CgroupsChoice, ExecutorCageChoice, bwrap_fields, parse_size
+from rollcage.commands._config_options import parse_size
+from rollcage.commands._sandbox_options import ExecutorCageChoice, bwrap_fields
 from rollcage.environments import create_app
 from rollcage.errors import SandboxError
 from rollcage.procs import ensure_subreaper
@@ -641,7 +642,7 @@ def test_budget_flags_are_the_config_fields() -> None:
         "max_processes": 64,
         "workspace_budget": "8M",
         "shm_inodes": 500,
-        "cgroups": CgroupsChoice.off,
+        "cgroups": "off",
         "executor_cage": ExecutorCageChoice.shared,
         "tmp_budget": None,
         "unrelated": "ignored",
