@@ -26,8 +26,10 @@ class BudgetSettings(BaseModel):
     peak use (see :mod:`rollcage.budgets`).
     """
 
-    # Infinity and NaN are never a meaningful bound or poll period.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # Infinity and NaN are never a meaningful bound or poll period. Built on first use, as the
+    # protocol's models are: the cage imports this room, and building a model loads pydantic's
+    # plugins (importlib.metadata and the email package, ~40 modules) into every process that does.
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
 
     memory_bytes: int | None = Field(
         default=4 * _GIB,
