@@ -640,3 +640,22 @@ def test_no_task_is_created_without_an_owner() -> None:
         )
     ]
     assert orphans == []
+
+
+# --- what the templates' heaps hold -------------------------------------------------------------
+
+
+def test_importing_the_warm_template_builds_no_pydantic_model() -> None:
+    # Every warm worker is forked from the template's heap. Building a pydantic model at import
+    # loads pydantic's plugin loader (importlib.metadata, the email package, zipfile: ~40 modules)
+    # into it; the models the template imports are built on first use (defer_build).
+    done = subprocess.run(
+        [sys.executable, "-I", "-B", "-c", "import sys, rollcage.warm; print(sorted(sys.modules))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    loaded = set(ast.literal_eval(done.stdout.strip()))
+    assert "rollcage.warm" in loaded  # the listing is what it claims to be
+    assert sorted(loaded & {"pydantic.plugin._loader", "importlib.metadata"}) == []
