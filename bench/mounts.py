@@ -3,7 +3,7 @@
 As root, every rollout in flight has bounded tmpfs mounted on the host: its
 workspace, and, for a cold start, its ``/tmp`` and ``/dev/shm`` too; a warm
 start (the default) mounts those two inside
-the cage, where no other launch sees them (see ``rollcage.supervisor.budgets``).
+the cage, where no other launch sees them (see ``rollcage.budgets``).
 Each outer bubblewrap stage starts from a copy of its caller's mount table and
 reads ``/proc/self/mountinfo`` once per bind, so started from the host's namespace
 its cost grows with the number of rollouts in flight elsewhere on the machine;
@@ -35,7 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _measure import CpuGroup
-from rollcage.cage import Launcher, launcher, mount_tmpfs, mount_tmpfs_with_copy, unmount
+from rollcage.budgets import mount_tmpfs, mount_tmpfs_with_copy, unmount
+from rollcage.cage import Launcher, launcher
 
 # bench/profile.py by path: imported as "profile" it would shadow the standard library's (cProfile uses it).
 _spec = importlib.util.spec_from_file_location("bench_profile", Path(__file__).with_name("profile.py"))

@@ -108,7 +108,7 @@ def _run_in_group(group: CpuGroup | None, argv: list[str], **kwargs: Any) -> tup
 
 
 def _scratch_layout(base: Path) -> Any:
-    from rollcage.supervisor.sandbox import RolloutLayout
+    from rollcage.runfiles import RolloutLayout
 
     root = base / "rollout"
     layout = RolloutLayout(root)

@@ -53,6 +53,7 @@ from rollcage.protocol import RolloutRecord
 __all__ = [
     "ROLLOUTS_DIR",
     "RUN_OWN_NAMES",
+    "RolloutLayout",
     "RolloutLocation",
     "check_output",
     "file_name_problem",
@@ -214,3 +215,84 @@ def _kind(mode: int) -> str:
         (stat.S_ISSOCK, "socket"),
     )
     return next((name for test, name in kinds if test(mode)), "special file")
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    """Where one rollout's files live on the host (the sandbox's view: :mod:`rollcage.supervisor.sandbox`).
+
+    Attributes:
+        root: The rollout directory ``R``.
+        proxy_socket: The egress proxy's socket on the host; ``None`` without a proxy.
+        view: Where the worker's view (its ``input.json`` and ``/rollout``) is staged: the
+            supervisor's private directory; ``None``: the staging area in ``R``.
+    """
+
+    root: Path
+    proxy_socket: Path | None = None
+    view: Path | None = None
+
+    @property
+    def input(self) -> Path:
+        """The controller's ``input.json`` (never visible in the sandbox)."""
+        return self.root / "input.json"
+
+    @property
+    def staging(self) -> Path:
+        """The supervisor's staging area, removed at the end."""
+        return self.root / ".sandbox"
+
+    @property
+    def token(self) -> Path:
+        """This rollout's supervision token, for finding its processes after a supervisor died."""
+        return self.staging / "token"
+
+    @property
+    def worker_input(self) -> Path:
+        """The input as rewritten for the worker's view."""
+        return (self.view or self.staging) / "input.json"
+
+    @property
+    def worker_root(self) -> Path:
+        """The writable directory mounted as ``/rollout`` (bwrap only)."""
+        return (self.view or self.staging) / "root"
+
+    @property
+    def workspace(self) -> Path:
+        """The agent's working directory."""
+        return self.root / "workspace"
+
+    @property
+    def checkpoint(self) -> Path:
+        """The checkpoint journal."""
+        return self.root / "checkpoint.jsonl"
+
+    @property
+    def resume_journal(self) -> Path:
+        """An earlier attempt's journal the controller copied in to be resumed from (may not exist)."""
+        return self.root / "resume.jsonl"
+
+    @property
+    def result(self) -> Path:
+        """Where ``result.json`` ends up."""
+        return self.root / "result.json"
+
+    @property
+    def receipt(self) -> Path:
+        """``receipt.json``, written last."""
+        return self.root / "receipt.json"
+
+    @property
+    def capture(self) -> Path:
+        """The egress proxy's ``model_capture.jsonl``."""
+        return self.root / "model_capture.jsonl"
+
+    @property
+    def log(self) -> Path:
+        """The worker's stdout and stderr."""
+        return self.root / "worker.log"
+
+    @property
+    def stop(self) -> Path:
+        """The external stop file."""
+        return self.root / "stop"

@@ -64,16 +64,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import rollcage.cage
+from rollcage.budgets import attach_mounts, clone_mounts, mount_tmpfs
 from rollcage.cage import (
     CAGE_ENV,
     JOIN,
     MOUNT_NS,
     PR_SET_PDEATHSIG,
     Limits,
-    attach_mounts,
-    clone_mounts,
     drop_privileges,
-    mount_tmpfs,
     prctl,
     setns,
     show_process,

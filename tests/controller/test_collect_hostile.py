@@ -291,9 +291,9 @@ def test_a_copy_of_a_live_runs_directory_never_kills_the_originals_processes(tmp
     import subprocess
     import sys
 
+    from rollcage.runfiles import RolloutLayout
     from rollcage.supervisor.config import TOKEN_ENV
     from rollcage.supervisor.core import _write_token
-    from rollcage.supervisor.sandbox import RolloutLayout
 
     original = tmp_path / "original"
     layout = RolloutLayout(original / "rollouts" / "x-s0-t0")

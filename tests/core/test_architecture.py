@@ -2,7 +2,7 @@
 
 A *room* is a top-level module or package of ``rollcage`` (``rollcage.supervisor``,
 ``rollcage.durable``). Rooms are layered as DESIGN.md lists them, with the
-shared ground (``errors``, ``procs``, ``cage``) at the bottom: a module imports
+shared ground (``errors``, ``procs``, ``budgets``, ``cage``) at the bottom: a module imports
 its own room and rooms below it, never one above (the protocol is how the upper
 rooms speak to the lower). What a module names with a leading underscore is its
 own: no other module imports it, and no other room imports a room's private
@@ -43,6 +43,7 @@ LAYERS: tuple[str, ...] = (
     "durable",  # atomic publication, the journal
     "runfiles",  # a run directory's own files: read inside it, never write over it
     "filewatch",  # waiting for a file to appear
+    "budgets",  # the budgets: cgroup and tmpfs mechanisms, a rollout's budgets planned, made and read
     "images",  # the image store and copy-on-write roots (the cage mounts them)
     "cage",  # the containment primitive
     "forkserver",  # the fork servers: their messages and codec, loop and client (warm workers, executors)
@@ -518,18 +519,15 @@ def test_every_name_a_face_offers_is_used_outside_its_room_or_listed_as_public_a
 _REAP_ANY = frozenset({"os.wait", "os.wait3", "os.wait4"})
 """Calls that reap whichever child ended first: only the process that forked every child may."""
 
-FORK_SERVERS = {
-    # Its own program (python -I, imports nothing of rollcage): it reaps the children it forked.
-    "rollcage.tools._executor_template": "the executor template, a fork server (w3-fork moves it)",
-}
+FORK_SERVERS: dict[str, str] = {}
+"""Programs of their own allowed to reap any child, each with why (none: the fork servers reap through
+``rollcage.procs``' ``reap_children``, loaded by path)."""
 
 _STOPS = frozenset({"kill", "terminate", "send_signal"})
 _SPAWNS = frozenset({"subprocess.Popen", "asyncio.create_subprocess_exec", "asyncio.create_subprocess_shell"})
 
-UNOWNED_STOPS = {
-    # Known: a warm template's Popen killed by hand when it hangs; to move onto procs next.
-    "rollcage.supervisor.warm": "a hung template's kill, not yet through procs",
-}
+UNOWNED_STOPS: dict[str, str] = {}
+"""Modules allowed to stop a process they spawned by hand, each with why (none: procs stops them all)."""
 
 
 def _spawned(tree: ast.Module) -> set[str]:
@@ -564,14 +562,18 @@ def _spawned(tree: ast.Module) -> set[str]:
 def test_only_procs_reaps_whichever_child_ended() -> None:
     # os.wait3 and its kin reap a child the caller may not own (the procs table's, a tool's):
     # that child's owner then waits for a PID that is gone, or reused.
-    callers = [
-        f"{module}:{node.lineno}: {ast.unparse(node.func)}"
-        for module, tree in _trees()
-        if _room(module) != "procs" and module not in FORK_SERVERS
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and ast.unparse(node.func) in _REAP_ANY
-    ]
+    callers, listed = [], set()
+    for module, tree in _trees():
+        if _room(module) == "procs":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in _REAP_ANY:
+                if module in FORK_SERVERS:
+                    listed.add(module)
+                else:
+                    callers.append(f"{module}:{node.lineno}: {ast.unparse(node.func)}")
     assert callers == []
+    assert sorted(set(FORK_SERVERS) - listed) == []  # a listed module that no longer does it leaves the list
 
 
 def test_only_procs_stops_a_process_it_spawned_by_hand() -> None:
@@ -638,3 +640,22 @@ def test_no_task_is_created_without_an_owner() -> None:
         )
     ]
     assert orphans == []
+
+
+# --- what the templates' heaps hold -------------------------------------------------------------
+
+
+def test_importing_the_warm_template_builds_no_pydantic_model() -> None:
+    # Every warm worker is forked from the template's heap. Building a pydantic model at import
+    # loads pydantic's plugin loader (importlib.metadata, the email package, zipfile: ~40 modules)
+    # into it; the models the template imports are built on first use (defer_build).
+    done = subprocess.run(
+        [sys.executable, "-I", "-B", "-c", "import sys, rollcage.warm; print(sorted(sys.modules))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    loaded = set(ast.literal_eval(done.stdout.strip()))
+    assert "rollcage.warm" in loaded  # the listing is what it claims to be
+    assert sorted(loaded & {"pydantic.plugin._loader", "importlib.metadata"}) == []

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollcage.cage._budget import unmount
+from rollcage.budgets._mechanisms import unmount
 from tests.helpers.waiting import alive, wait_for
 
 __all__ = ["NodeGate", "RayCluster", "RayNode", "free_port", "free_ports", "peer_process"]

@@ -111,7 +111,7 @@ _DELEGATED_FILES = ("cgroup.procs", "cgroup.subtree_control", "cgroup.threads", 
 
 def can_delegate() -> bool:
     """Whether this machine gives root memory and pids cgroups to delegate (:func:`delegated_cgroups`)."""
-    from rollcage.cage import detect_cgroups
+    from rollcage.budgets import detect_cgroups
 
     support = detect_cgroups()
     return support.memory is not None and support.pids is not None
@@ -126,7 +126,7 @@ def delegated_cgroups(user: UnprivilegedUser) -> Iterator[list[str]]:
     a leaf the process starts in, so the cages go beside it; with v1, one owned cgroup per
     hierarchy. Everything in it is killed and removed at the end.
     """
-    from rollcage.cage import detect_cgroups, kill_cgroup, remove_cgroup
+    from rollcage.budgets import detect_cgroups, kill_cgroup, remove_cgroup
 
     if not can_delegate():
         pytest.skip("optional: this machine gives root no memory and pids cgroups to delegate")

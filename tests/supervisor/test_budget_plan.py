@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from rollcage.cage._budget import _v2_candidates
+from rollcage.budgets import RolloutBudgets, check_budgets, planned_mechanisms
+from rollcage.budgets import _plan as budgetplan
+from rollcage.budgets._mechanisms import _v2_candidates
 from rollcage.errors import SandboxError
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
-from rollcage.supervisor.budgets import RolloutBudgets, check_budgets, planned_mechanisms
-from rollcage.supervisor.budgets import _plan as budgetplan
 from tests.helpers.supervisor_env import make_rollout, requires_bwrap
 
 

@@ -1,4 +1,4 @@
-"""The budgets of a loop's supervisions, read together by one poller (rollcage.supervisor.budgets)."""
+"""The budgets of a loop's supervisions, read together by one poller (rollcage.budgets)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from rollcage.supervisor.budgets import _polls as budgetpolls
-from rollcage.supervisor.budgets import watch_budget
+from rollcage.budgets import _polls as budgetpolls
+from rollcage.budgets import watch_budget
 from tests.helpers.waiting import wait_for_async
 
 PERIOD_S = 0.4

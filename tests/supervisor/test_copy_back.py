@@ -23,7 +23,7 @@ from tests.helpers.supervisor_env import HELPERS, fake, make_rollout, requires_b
 
 pytestmark = [requires_bwrap(), pytest.mark.bwrap]
 
-SWEEP = "from rollcage.supervisor.budgets import sweep_orphans; sweep_orphans()"
+SWEEP = "from rollcage.budgets import sweep_orphans; sweep_orphans()"
 
 
 @pytest.fixture

@@ -40,13 +40,13 @@ from typing import Any, get_args
 import pytest
 import yaml
 
+from rollcage.budgets import WEAK_MECHANISMS
 from rollcage.controller import Controller, RunConfig
 from rollcage.durable import read_journal
 from rollcage.errors import ConfigError
 from rollcage.images import STORE_ENV
 from rollcage.protocol import BudgetName, RolloutRecord
 from rollcage.supervisor import BwrapSandbox
-from rollcage.supervisor.budgets import WEAK_MECHANISMS
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.task_images import TaskImage, make_task_image
 from tests.helpers.waiting import processes_mentioning

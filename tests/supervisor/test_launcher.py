@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from rollcage.cage import PYTHON, Launcher, mount_tmpfs, mount_tmpfs_with_copy, run_contained, unmount
+from rollcage.budgets import mount_tmpfs, mount_tmpfs_with_copy, owner_tag, unmount
+from rollcage.cage import PYTHON, Launcher, run_contained
 from rollcage.cage import _launch as launch_module
 from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
-from rollcage.supervisor.budgets import owner_tag
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.waiting import wait_for, wait_for_async
 from tests.helpers.worker_env import worker_input

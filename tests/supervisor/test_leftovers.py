@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from rollcage.budgets import _rollout as budgets
 from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
-from rollcage.supervisor.budgets import _rollout as budgets
 from tests.helpers.supervisor_env import make_rollout, requires_bwrap
 
 GONE = "1.999999999"

@@ -26,6 +26,7 @@ import httpx
 import pytest
 import typer
 
+from rollcage.budgets import copy_tree, detect_cgroups, planned_mechanisms
 from rollcage.cage import (
     CAGE_ENV,
     PYTHON,
@@ -36,11 +37,10 @@ from rollcage.cage import (
     RunLimits,
     Tmpfs,
     cage_argv,
-    copy_tree,
-    detect_cgroups,
     run_contained,
 )
-from rollcage.commands._sandbox_options import CgroupsChoice, ExecutorCageChoice, bwrap_fields, parse_size
+from rollcage.commands._config_options import parse_size
+from rollcage.commands._sandbox_options import ExecutorCageChoice, bwrap_fields
 from rollcage.environments import create_app
 from rollcage.errors import SandboxError
 from rollcage.procs import ensure_subreaper
@@ -53,7 +53,6 @@ from rollcage.supervisor import (
     classify_outcome,
     supervise,
 )
-from rollcage.supervisor.budgets import planned_mechanisms
 from rollcage.supervisor.sandbox import BwrapTools, bwrap_argv
 from rollcage.tools import make_executor
 from tests.helpers.supervisor_env import (
@@ -643,7 +642,7 @@ def test_budget_flags_are_the_config_fields() -> None:
         "max_processes": 64,
         "workspace_budget": "8M",
         "shm_inodes": 500,
-        "cgroups": CgroupsChoice.off,
+        "cgroups": "off",
         "executor_cage": ExecutorCageChoice.shared,
         "tmp_budget": None,
         "unrelated": "ignored",
@@ -694,7 +693,7 @@ def test_what_a_killed_supervisor_left_is_released_by_the_next_one(tmp_path: Pat
     support = detect_cgroups()
     parents = [found[1] for found in (support.memory, support.pids) if found is not None]
     # Another supervisor (a fresh process: the sweep runs once per process) releases them.
-    sweep = "from rollcage.supervisor.budgets import sweep_orphans; sweep_orphans()"
+    sweep = "from rollcage.budgets import sweep_orphans; sweep_orphans()"
     subprocess.run([sys.executable, "-c", sweep], check=True, timeout=60)
     assert not os.path.ismount(root / "workspace")
     assert kept.stat().st_size == 1 << 20  # the agent's files, kept on the disk as evidence

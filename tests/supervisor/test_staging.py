@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from rollcage.cage import copy_tree
+from rollcage.budgets import _rollout as budgets
+from rollcage.budgets import copy_tree
 from rollcage.policy import PolicyServer
+from rollcage.runfiles import RolloutLayout
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
-from rollcage.supervisor.budgets import _rollout as budgets
-from rollcage.supervisor.sandbox import RolloutLayout
 from tests.helpers.supervisor_env import config, fake, gone_mount_source, make_rollout, requires_bwrap
 from tests.helpers.waiting import wait_for_async
 
@@ -286,7 +286,7 @@ def test_a_settle_killed_at_any_step_is_carried_on_by_the_next_one(tmp_path: Pat
     """Whatever step a killed sweeper reached, the next one ends with the agent's files in place."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    from rollcage.supervisor.leftovers import settle_workspace
+    from rollcage.budgets import settle_workspace
 
     root = make_rollout(tmp_path)
     workspace, staging = root / "workspace", root / ".sandbox"

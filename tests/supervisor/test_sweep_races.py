@@ -30,7 +30,7 @@ from tests.helpers.waiting import wait_for
 
 pytestmark = [requires_bwrap(), pytest.mark.bwrap]
 
-SWEEP = "from rollcage.supervisor.budgets import sweep_orphans; sweep_orphans()"
+SWEEP = "from rollcage.budgets import sweep_orphans; sweep_orphans()"
 """What every rollcage process does at its start."""
 RELEASE = (
     "import sys; from rollcage.supervisor import kill_leftovers; [kill_leftovers(p) for p in sys.argv[1:]]"

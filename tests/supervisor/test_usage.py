@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollcage.cage import detect_cgroups
+from rollcage.budgets import detect_cgroups
 from rollcage.supervisor import supervise
 from tests.helpers.supervisor_env import HELPERS, config, make_rollout, requires_bwrap
 

@@ -245,7 +245,7 @@ async def test_a_dead_template_fails_no_running_rollout_and_the_next_start_makes
 async def test_a_start_that_cannot_enter_the_cage_is_an_infra_failure_that_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rollcage.supervisor.budgets import RolloutBudgets
+    from rollcage.budgets import RolloutBudgets
 
     missing = tmp_path / "no-such-cgroup" / "cgroup.procs"
     monkeypatch.setattr(RolloutBudgets, "cgroup_procs", lambda self: [str(missing)])
@@ -359,7 +359,7 @@ async def test_a_warm_cage_mounts_its_bounded_tmp_and_shm_inside_and_the_host_ho
     tmp_path: Path, shows_a_path_in_tmp: bool
 ) -> None:
     """A path the cage shows under /tmp (a Python environment there) stays shown, read-only, on top."""
-    from rollcage.supervisor.leftovers import mount_source
+    from rollcage.budgets import mount_source
 
     root = tmp_path / "r"
     with contextlib.ExitStack() as stack:
@@ -435,9 +435,9 @@ async def test_the_kernel_bounds_the_inodes_of_a_warm_cages_tmp(tmp_path: Path) 
 async def test_a_cage_that_refuses_its_mounts_fails_one_start_and_the_next_mount_on_the_host(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rollcage.cage import CageTmpfs
+    from rollcage.budgets import CageTmpfs
+    from rollcage.budgets import _rollout as budgets
     from rollcage.supervisor import warm
-    from rollcage.supervisor.budgets import _rollout as budgets
 
     monkeypatch.setattr(warm, "_cage_mounts_refused", [])
     # Where the cage has no such directory, the worker cannot mount: as a kernel that refused.

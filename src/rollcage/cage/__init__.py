@@ -9,15 +9,15 @@ output. Three callers share it:
 
 * the supervisor cages the **worker** (:mod:`rollcage.supervisor.sandbox`), with
   per-rollout budgets on total memory, processes, workspace, ``/tmp`` and
-  ``/dev/shm`` (the mechanisms in :mod:`rollcage.cage._budget`; planned, made and read per
-  rollout by :mod:`rollcage.supervisor.budgets`);
+  ``/dev/shm`` (:mod:`rollcage.budgets`: the mechanisms, planned, made and read per rollout);
 * the worker cages its **Python executor** inside its own cage
   (:meth:`NestedCage.prefix`): agent code cannot see, signal, trace or write the
   worker, its journal or its result;
 * a **grader** that runs or imports the agent's files calls
   :func:`run_contained`: the interpreter, the files given, nothing else.
 
-This room sits low in the import graph (it needs only :mod:`rollcage.errors`),
+This room sits low in the import graph (it needs only :mod:`rollcage.errors`, :mod:`rollcage.procs`
+and the budgets' mechanisms, :mod:`rollcage.budgets`),
 so environments, tools and the supervisor all use it without reaching up.
 
 Writing a grader step that runs agent code::
@@ -32,24 +32,6 @@ Writing a grader step that runs agent code::
     # run.exit_code, run.stdout (bounded), run.timed_out; SandboxError if no cage could be made
 """
 
-from rollcage.cage._budget import (
-    CageTmpfs,
-    CgroupSet,
-    CgroupSupport,
-    PolledTree,
-    ProcRootTmpfs,
-    TmpfsVolume,
-    Volume,
-    attach_mounts,
-    clone_mounts,
-    copy_tree,
-    detect_cgroups,
-    kill_cgroup,
-    mount_tmpfs,
-    mount_tmpfs_with_copy,
-    remove_cgroup,
-    unmount,
-)
 from rollcage.cage._bwrap import (
     Bind,
     BwrapTools,
@@ -93,44 +75,28 @@ __all__ = [
     "Bind",
     "BwrapTools",
     "CageSpec",
-    "CageTmpfs",
-    "CgroupSet",
-    "CgroupSupport",
     "ContainedRun",
     "Launcher",
     "Limits",
     "Mount",
     "NestedCage",
-    "PolledTree",
-    "ProcRootTmpfs",
     "RunLimits",
     "Tmpfs",
-    "TmpfsVolume",
-    "Volume",
-    "attach_mounts",
     "cage_argv",
-    "clone_mounts",
     "clone_sibling",
-    "copy_tree",
-    "detect_cgroups",
     "drop_privileges",
     "find_tools",
     "image_cage_env",
     "image_environment",
     "image_prefix",
-    "kill_cgroup",
     "launcher",
-    "mount_tmpfs",
-    "mount_tmpfs_with_copy",
     "outermost",
     "prctl",
     "python_paths",
     "release_launcher",
-    "remove_cgroup",
     "run_contained",
     "setns",
     "show_process",
     "system_mounts",
-    "unmount",
     "which",
 ]

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from rollcage.cage._budget import CgroupSet, unique_name
+from rollcage.budgets import CgroupSet, unique_name
 from rollcage.cage._bwrap import (
     Bind,
     CageSpec,

@@ -20,6 +20,7 @@ option of each error (``--concurrency: ...``), not the field's path.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -31,11 +32,23 @@ import typer
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
-from rollcage.commands._sandbox_options import parse_size
-
-__all__ = ["FieldOption", "Spelling", "describe_errors", "field_options", "given_values"]
+__all__ = ["FieldOption", "Spelling", "describe_errors", "field_options", "given_values", "parse_size"]
 
 _SCALARS: tuple[type, ...] = (bool, int, float, str, Path)
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``'512M'`` -> bytes (K, M, G, T are powers of 1024; an optional ``iB``/``B`` is accepted).
+
+    Raises:
+        typer.BadParameter: Not a size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if match is None:
+        raise typer.BadParameter(f"{text!r} is not a size (e.g. 512M, 4G, 1048576)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 @dataclass(frozen=True)

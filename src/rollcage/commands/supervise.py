@@ -7,32 +7,20 @@ run (bad directory or configuration, bubblewrap missing without ``--sandbox none
 
 from __future__ import annotations
 
+import inspect
 import shlex
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from rollcage.commands import fail, finite
-from rollcage.commands._sandbox_options import (
-    Cgroups,
-    DiskBudgets,
-    ExecutorCage,
-    MaxProcesses,
-    MemoryBudget,
-    RequireBudgets,
-    ShmBudget,
-    ShmInodes,
-    TmpBudget,
-    TmpInodes,
-    WorkerStart,
-    WorkspaceBudget,
-    WorkspaceInodes,
-    bwrap_fields,
-)
+from rollcage.commands._config_options import describe_errors
+from rollcage.commands._sandbox_options import ExecutorCage, WorkerStart, bwrap_fields, sandbox_options
 
-__all__ = ["EXIT_CODES", "SandboxChoice", "command"]
+__all__ = ["EXIT_CODES", "SandboxChoice", "build_command", "command"]
 
 EXIT_CODES = {"completed": 0, "agent_error": 0, "infra_failure": 1, "timeout": 3, "cancelled": 4}
 """Exit code of ``rollcage supervise`` per outcome."""
@@ -45,7 +33,7 @@ class SandboxChoice(StrEnum):
     none = "none"
 
 
-def command(
+def _supervise(
     rollout_dir: Annotated[
         Path, typer.Argument(metavar="ROLLOUT_DIR", help="A prepared rollout directory (with input.json).")
     ],
@@ -78,22 +66,11 @@ def command(
         ),
     ] = 256,
     json_output: Annotated[bool, typer.Option("--json", help="Print the receipt as JSON.")] = False,
-    memory_budget: MemoryBudget = None,
-    max_processes: MaxProcesses = None,
-    workspace_budget: WorkspaceBudget = None,
-    workspace_inodes: WorkspaceInodes = None,
-    tmp_budget: TmpBudget = None,
-    tmp_inodes: TmpInodes = None,
-    shm_budget: ShmBudget = None,
-    shm_inodes: ShmInodes = None,
-    cgroups: Cgroups = None,
-    disk_budgets: DiskBudgets = None,
-    require_budgets: RequireBudgets = None,
     executor_cage: ExecutorCage = None,
     worker_start: WorkerStart = None,
+    **budget_flags: Any,
 ) -> None:
     """Run one prepared rollout under a supervisor; always ends with receipt.json."""
-    flags = dict(locals())  # the parameters, before anything else is bound: the budget flags among them
     import asyncio
     import logging
     import signal
@@ -102,15 +79,18 @@ def command(
 
     from rollcage.errors import ConfigError, SandboxError
     from rollcage.protocol import SupervisorReceipt
-    from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig, supervise
+    from rollcage.supervisor import NoSandbox, ProxyConfig, SupervisorConfig, supervise
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    budgets = bwrap_fields(flags, sandbox=sandbox.value)  # refuses budget flags with --sandbox none
+    options = sandbox_options()
+    flags = {**budget_flags, "executor_cage": executor_cage, "worker_start": worker_start}
+    budgets = bwrap_fields(flags, sandbox=sandbox.value, options=options)  # refused with --sandbox none
     try:
         config = SupervisorConfig(
             deadline_s=deadline,
             grace_s=grace,
-            sandbox=BwrapSandbox(extra_ro_paths=[str(p.absolute()) for p in ro_path or []], **budgets)
+            # As the config's input, not a model: an error is then reported where its flag lands.
+            sandbox={"type": "bwrap", "extra_ro_paths": [str(p.absolute()) for p in ro_path or []], **budgets}
             if sandbox is SandboxChoice.bwrap
             else NoSandbox(),
             api_key_env=api_key_env,
@@ -118,9 +98,7 @@ def command(
             proxy=ProxyConfig(max_capture_bytes=max_capture_mib * 1024 * 1024),
         )
     except ValidationError as exc:
-        from rollcage.protocol import describe_validation_error
-
-        fail("supervise", describe_validation_error(exc))
+        fail("supervise", describe_errors(exc, {option.loc: option.flag for option in options}))
     except ValueError as exc:  # --worker-command that does not split into words
         fail("supervise", f"--worker-command: {exc}")
 
@@ -157,3 +135,30 @@ def command(
         typer.echo(f"receipt: {rollout_dir / 'receipt.json'}")
         typer.echo(f"outcome: {receipt.outcome} ({receipt.outcome_reason})")
     raise typer.Exit(EXIT_CODES[receipt.outcome])
+
+
+def build_command() -> Callable[..., None]:
+    """``rollcage supervise``: its own options, and one flag per budget of the budgets' model
+    (:func:`~rollcage.commands._sandbox_options.sandbox_options`), generated as ``rollcage run``'s are."""
+
+    def command(**given: Any) -> None:
+        _supervise(**given)
+
+    own = inspect.signature(_supervise, eval_str=True).parameters.values()
+    params = [param for param in own if param.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {param.name for param in params}
+    for option in sandbox_options():
+        if option.param in taken:
+            raise TypeError(f"{option.flag} is spelled twice: rename the budget or its flag")
+        params.append(
+            inspect.Parameter(
+                option.param, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=option.annotation
+            )
+        )
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__doc__ = _supervise.__doc__
+    return command
+
+
+command = build_command()
+"""``rollcage supervise``, as typer registers it."""

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from rollcage.cage import CgroupSet, ContainedRun, Limits, RunLimits, find_tools, mount_tmpfs, unmount
+from rollcage.budgets import CgroupSet, mount_tmpfs, unmount
+from rollcage.cage import ContainedRun, Limits, RunLimits, find_tools
 from rollcage.errors import SandboxError
 from rollcage.procs import ChildProcess, GroupTree, StopStrategy, shielded, stop_tree, wait_shared
 

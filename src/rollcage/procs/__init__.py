@@ -16,7 +16,9 @@ not outlive them. What they share lives here, at the bottom of the import graph
   on any :class:`ProcessTree`, its progress an explicit :class:`TreeStop` state;
 * the one cancellation dialect: :func:`shielded` (shield and finish: the work
   runs to its end, a cancellation is remembered and re-raised after),
-  :func:`wait_shared`, :func:`within` and :func:`first_of`.
+  :func:`wait_shared`, :func:`within` and :func:`first_of`;
+* one task per event loop serving many watches (:class:`LoopPoller`, :func:`poller_for`): the
+  supervisor's stop files and the budgets' polls.
 
 Stopping a child the way the executors do::
 
@@ -45,6 +47,7 @@ from rollcage.procs._handles import (
     wait_for_children_by_pidfd,
     wait_readable,
 )
+from rollcage.procs._loops import LoopPoller, poller_for
 from rollcage.procs._reap import reap_children
 from rollcage.procs._stop import GroupTree, ProcessTree, StopPhase, StopStrategy, TreeStop, stop_tree
 from rollcage.procs._table import (
@@ -71,6 +74,7 @@ __all__ = [
     "ChildProcess",
     "ExitStatus",
     "GroupTree",
+    "LoopPoller",
     "PidHandle",
     "PidfdChild",
     "ProcInfo",
@@ -93,6 +97,7 @@ __all__ = [
     "ns_pids",
     "pid_exists",
     "pidfd_pid",
+    "poller_for",
     "read_proc",
     "read_ready",
     "reap_abandoned",

@@ -583,6 +583,19 @@ class ChildProcess:
         self.signal_group(signal.SIGKILL)
         self.release()
 
+    def kill_alone(self) -> ExitStatus | None:
+        """SIGKILL the child alone (through its pidfd, not its group), wait for it to end, reap it, let go.
+
+        For a fork server: what it forked may still share its group on the way to a session of its
+        own, and must not die with it. Blocking, briefly: SIGKILL ends even a stopped process.
+        """
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOWAIT)  # ended, still unreaped
+        return self.release()
+
     def release(self) -> ExitStatus | None:
         """Reap the child (if it exited) and close the pidfd; after this the PID is no longer ours."""
         status = self.poll()

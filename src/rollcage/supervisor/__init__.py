@@ -13,7 +13,7 @@ behind this face: :mod:`~rollcage.supervisor.config` (the configs),
 :mod:`~rollcage.supervisor.sandbox` (the sandbox layout and the bwrap command
 line), :mod:`~rollcage.supervisor.proxy` (the egress proxy and the capture),
 :mod:`~rollcage.supervisor.tree` (a rollout's process tree, stopped through :mod:`rollcage.procs`),
-:mod:`~rollcage.supervisor.budgets` (per-rollout budgets), :mod:`~rollcage.supervisor.fds` (open files),
+:mod:`rollcage.budgets` (per-rollout budgets), :mod:`~rollcage.supervisor.fds` (open files),
 :mod:`~rollcage.supervisor.pacing` (how many rollouts start up at once),
 :mod:`~rollcage.supervisor.bytecode` (the worker's compiled bytecode),
 :mod:`~rollcage.supervisor.warm` (workers forked warm into their cages),
@@ -21,6 +21,7 @@ line), :mod:`~rollcage.supervisor.proxy` (the egress proxy and the capture),
 :mod:`~rollcage.supervisor.core` (the sequence).
 """
 
+from rollcage.runfiles import RolloutLayout
 from rollcage.supervisor.config import BwrapSandbox, NoSandbox, ProxyConfig, SandboxConfig, SupervisorConfig
 from rollcage.supervisor.core import (
     Supervised,
@@ -30,7 +31,6 @@ from rollcage.supervisor.core import (
     supervise_rollout,
 )
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
-from rollcage.supervisor.sandbox import RolloutLayout
 from rollcage.supervisor.warm import stop_templates
 
 __all__ = [

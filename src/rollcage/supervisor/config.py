@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rollcage.budgets import BudgetSettings
+
 if TYPE_CHECKING:
     from rollcage.supervisor.sandbox import BwrapLauncher, NoSandboxLauncher
 
@@ -40,7 +42,7 @@ class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-class BwrapSandbox(_Config):
+class BwrapSandbox(BudgetSettings):
     """Run the worker under bubblewrap (the default, and required for untrusted agent code).
 
     The worker gets new user, PID, IPC, UTS, cgroup and network namespaces, a
@@ -59,28 +61,10 @@ class BwrapSandbox(_Config):
     """
 
     type: Literal["bwrap"] = "bwrap"
-    memory_bytes: int | None = Field(
-        default=4 * _GIB,
-        ge=64 * _MIB,
-        description=(
-            "Budget: total memory of the sandbox, all processes together (a cgroup where the machine allows "
-            "one; otherwise only address_space_bytes per process bounds it). Exceeding it ends the rollout. "
-            "None: no total bound."
-        ),
-    )
     address_space_bytes: int | None = Field(
         default=4 * _GIB,
         ge=64 * _MIB,
         description="RLIMIT_AS of every process in the sandbox (a memory bomb gets MemoryError/ENOMEM).",
-    )
-    max_processes: int | None = Field(
-        default=256,
-        ge=8,
-        description=(
-            "Budget: processes and threads in the sandbox together (a pids cgroup where the machine "
-            "allows one, else RLIMIT_NPROC, counted per user namespace). Reaching it under a cgroup ends "
-            "the rollout."
-        ),
     )
     file_size_bytes: int | None = Field(
         default=1 * _GIB, ge=_MIB, description="RLIMIT_FSIZE: the largest file any sandbox process may write."
@@ -89,55 +73,6 @@ class BwrapSandbox(_Config):
         default=None, ge=1, description="RLIMIT_CPU of each process; None: only the deadline bounds it."
     )
     open_files: int | None = Field(default=1024, ge=64, description="RLIMIT_NOFILE of each process.")
-    workspace_bytes: int = Field(
-        default=1 * _GIB,
-        ge=_MIB,
-        description=(
-            "Budget: bytes in the workspace. As root a tmpfs of this size (memory-backed: it counts toward "
-            "memory_bytes too), copied to the rollout directory at the end; otherwise a poll of the host "
-            "directory (late by up to budget_poll_s)."
-        ),
-    )
-    workspace_inodes: int = Field(
-        default=65_536, ge=64, description="Budget: files, directories and links in the workspace."
-    )
-    tmp_size_bytes: int = Field(
-        default=256 * _MIB, ge=_MIB, description="Budget: bytes in the private /tmp (memory-backed)."
-    )
-    tmp_inodes: int = Field(
-        default=16_384, ge=64, description="Budget: files, directories and links in /tmp."
-    )
-    shm_bytes: int = Field(
-        default=64 * _MIB, ge=_MIB, description="Budget: bytes in the private /dev/shm (memory-backed)."
-    )
-    shm_inodes: int = Field(default=1024, ge=16, description="Budget: files and directories in /dev/shm.")
-    budget_poll_s: float = Field(
-        default=0.5, gt=0, le=60, description="How often the supervisor reads the budgets' counters."
-    )
-    cgroups: Literal["auto", "off"] = Field(
-        default="auto",
-        description=(
-            "auto: a cgroup per rollout for memory_bytes and max_processes where the machine allows it "
-            "(cgroup v2 with delegated controllers, or writable v1 memory/pids hierarchies); off: rlimits "
-            "only."
-        ),
-    )
-    disk_budgets: Literal["auto", "poll"] = Field(
-        default="auto",
-        description=(
-            "auto: as root, size- and inode-bounded tmpfs mounts for the workspace, /tmp and /dev/shm (a "
-            "hard bound); poll: bubblewrap's size-bounded tmpfs and a poll (the only way without root)."
-        ),
-    )
-    require_budgets: bool = Field(
-        default=False,
-        description=(
-            "Refuse to run (a SandboxError before anything starts) when a budget asked for cannot be a hard "
-            "bound here: memory_bytes or max_processes without a cgroup (a per-process rlimit only), or a "
-            "disk budget that is only polled (no bounded tmpfs without root). False: such budgets are "
-            "named in one warning when the run starts, and in every receipt."
-        ),
-    )
     executor_cage: Literal["bwrap", "shared"] = Field(
         default="bwrap",
         description=(

@@ -45,6 +45,17 @@ from typing import Literal, NamedTuple
 import orjson
 from pydantic import ValidationError
 
+from rollcage.budgets import (
+    BUDGETS_RECORD,
+    RolloutBudgets,
+    Scratch,
+    owner_tag,
+    private_parent,
+    release_leftovers,
+    remove_staged_view,
+    sweep_orphans,
+    watch_budget,
+)
 from rollcage.durable import publish_bytes, publish_json, read_journal, sweep_temp_artifacts
 from rollcage.errors import (
     ConfigError,
@@ -76,20 +87,11 @@ from rollcage.protocol import (
     WorkerResult,
     describe_validation_error,
 )
-from rollcage.supervisor.budgets import (
-    BUDGETS_RECORD,
-    RolloutBudgets,
-    owner_tag,
-    private_parent,
-    release_leftovers,
-    remove_staged_view,
-    sweep_orphans,
-    watch_budget,
-)
+from rollcage.runfiles import RolloutLayout
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
 from rollcage.supervisor.fds import raise_open_file_limit, retry_on_emfile
-from rollcage.supervisor.imageroot import ImageRoot, mount_image_root
+from rollcage.supervisor.imageroot import ImageRoot, mount_image_root, release_image_root
 from rollcage.supervisor.launch import Launch
 from rollcage.supervisor.outcome import OutcomeEvidence, classify_outcome
 from rollcage.supervisor.pacing import START_HOLD_S, start_gate
@@ -98,8 +100,6 @@ from rollcage.supervisor.sandbox import (
     BwrapLauncher,
     LaunchPlan,
     NoSandboxLauncher,
-    RolloutLayout,
-    Scratch,
     worker_environment,
 )
 from rollcage.supervisor.stopfiles import watch_stop_file
@@ -128,7 +128,7 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
     try:
         token, home = _read_token(layout)
     except OSError:
-        release_leftovers(layout)
+        _release_leftovers(layout)
         return 0
     if _copied_from_live_original(layout, token, home):
         # A copy of a rollout directory whose original still holds the token: the processes,
@@ -149,10 +149,20 @@ def kill_leftovers(rollout_dir: str | os.PathLike[str]) -> int:
         finally:
             handle.close()
     # Its mounts and cgroups go once nothing is left inside.
-    release_leftovers(layout)
+    _release_leftovers(layout)
     with contextlib.suppress(OSError):
         layout.token.unlink()
     return killed
+
+
+def _release_leftovers(layout: RolloutLayout) -> None:
+    """Release what a killed supervisor left for this rollout: its image root, then its budgets' leftovers.
+
+    Blocking; idempotent; never raises (the image root's ``changes/`` stays: it is evidence).
+    """
+    with contextlib.suppress(OSError, RollcageError):
+        release_image_root(layout.root)
+    release_leftovers(layout)
 
 
 def _write_token(layout: RolloutLayout, token: str) -> None:

@@ -27,13 +27,14 @@ from pathlib import Path
 
 import orjson
 
+from rollcage.budgets import RolloutBudgets, Scratch
 from rollcage.cage import launcher
 from rollcage.errors import SandboxError, SupervisorError
 from rollcage.procs import ChildProcess, read_ready
 from rollcage.protocol import SignalEvent
-from rollcage.supervisor.budgets import RolloutBudgets
+from rollcage.runfiles import RolloutLayout
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
-from rollcage.supervisor.sandbox import BwrapLauncher, LaunchPlan, NoSandboxLauncher, RolloutLayout, Scratch
+from rollcage.supervisor.sandbox import BwrapLauncher, LaunchPlan, NoSandboxLauncher
 from rollcage.supervisor.tree import WorkerTree
 from rollcage.supervisor.warm import Template, WarmStart, cage_mounts, refuse_cage_mounts, template_for
 

@@ -10,7 +10,7 @@ On the host, the rollout directory ``R`` keeps its documented names
 (docs/reference/artifacts.md). The worker
 sees a different, smaller tree, staged in the supervisor's private directory
 (``<private>``, on a memory file system where there is one: see
-:func:`rollcage.supervisor.budgets.private_parent`); ``R/.sandbox/`` holds what a
+:func:`rollcage.budgets.private_parent`); ``R/.sandbox/`` holds what a
 later run needs to clean up after a killed supervisor (the token, the budgets'
 record). Both are removed when the rollout ends::
 
@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rollcage.budgets import CageTmpfs, Place, Scratch
 from rollcage.cage import (
     CAGE_ENV,
     HOLDER_SCRIPT,
@@ -81,7 +82,6 @@ from rollcage.cage import (
     Bind,
     BwrapTools,
     CageSpec,
-    CageTmpfs,
     Limits,
     Mount,
     Tmpfs,
@@ -93,6 +93,7 @@ from rollcage.cage import (
     which,
 )
 from rollcage.forkserver import WorkerStart
+from rollcage.runfiles import RolloutLayout
 from rollcage.supervisor.config import BwrapSandbox, NoSandbox
 
 __all__ = [
@@ -102,8 +103,6 @@ __all__ = [
     "BwrapTools",
     "LaunchPlan",
     "NoSandboxLauncher",
-    "RolloutLayout",
-    "Scratch",
     "bwrap_argv",
     "python_paths",
     "worker_environment",
@@ -119,87 +118,6 @@ SANDBOX_PROXY_SOCKET = "/run/rollcage/proxy.sock"
 """The egress proxy's Unix socket as the worker sees it under bwrap."""
 
 _SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
-
-
-@dataclass(frozen=True)
-class RolloutLayout:
-    """Where one rollout's files live on the host (see the module docstring for the sandbox's view).
-
-    Attributes:
-        root: The rollout directory ``R``.
-        proxy_socket: The egress proxy's socket on the host; ``None`` without a proxy.
-        view: Where the worker's view (its ``input.json`` and ``/rollout``) is staged: the
-            supervisor's private directory; ``None``: the staging area in ``R``.
-    """
-
-    root: Path
-    proxy_socket: Path | None = None
-    view: Path | None = None
-
-    @property
-    def input(self) -> Path:
-        """The controller's ``input.json`` (never visible in the sandbox)."""
-        return self.root / "input.json"
-
-    @property
-    def staging(self) -> Path:
-        """The supervisor's staging area, removed at the end."""
-        return self.root / ".sandbox"
-
-    @property
-    def token(self) -> Path:
-        """This rollout's supervision token, for finding its processes after a supervisor died."""
-        return self.staging / "token"
-
-    @property
-    def worker_input(self) -> Path:
-        """The input as rewritten for the worker's view."""
-        return (self.view or self.staging) / "input.json"
-
-    @property
-    def worker_root(self) -> Path:
-        """The writable directory mounted as ``/rollout`` (bwrap only)."""
-        return (self.view or self.staging) / "root"
-
-    @property
-    def workspace(self) -> Path:
-        """The agent's working directory."""
-        return self.root / "workspace"
-
-    @property
-    def checkpoint(self) -> Path:
-        """The checkpoint journal."""
-        return self.root / "checkpoint.jsonl"
-
-    @property
-    def resume_journal(self) -> Path:
-        """An earlier attempt's journal the controller copied in to be resumed from (may not exist)."""
-        return self.root / "resume.jsonl"
-
-    @property
-    def result(self) -> Path:
-        """Where ``result.json`` ends up."""
-        return self.root / "result.json"
-
-    @property
-    def receipt(self) -> Path:
-        """``receipt.json``, written last."""
-        return self.root / "receipt.json"
-
-    @property
-    def capture(self) -> Path:
-        """The egress proxy's ``model_capture.jsonl``."""
-        return self.root / "model_capture.jsonl"
-
-    @property
-    def log(self) -> Path:
-        """The worker's stdout and stderr."""
-        return self.root / "worker.log"
-
-    @property
-    def stop(self) -> Path:
-        """The external stop file."""
-        return self.root / "stop"
 
 
 @dataclass(frozen=True)
@@ -233,25 +151,6 @@ class LaunchPlan:
     pass_fds: tuple[int, ...] = ()
     worker_journal: bool = True
     warm: WorkerStart | None = None
-
-
-@dataclass(frozen=True)
-class Scratch:
-    """Where the sandbox's writable places come from (the budgets decide; see :mod:`rollcage.cage`).
-
-    Attributes:
-        workspace: Host directory mounted as ``/rollout/workspace``: the rollout's own
-            ``workspace/``, or a bounded tmpfs copied back into it at the end.
-        tmp: ``/tmp``: a bubblewrap tmpfs of a size, or a bounded host tmpfs.
-        shm: ``/dev/shm``, likewise.
-        in_cage: Bounded tmpfs that a warm start mounts inside the cage (:mod:`rollcage.warm`)
-            over ``tmp`` and ``shm``, which then only hold their places.
-    """
-
-    workspace: Path
-    tmp: Tmpfs | Bind
-    shm: Tmpfs | Bind
-    in_cage: tuple[CageTmpfs, ...] = ()
 
 
 def bwrap_argv(
@@ -298,8 +197,8 @@ def bwrap_argv(
     if scratch is None:
         scratch = Scratch(
             workspace=layout.workspace,
-            tmp=Tmpfs("/tmp", config.tmp_size_bytes),
-            shm=Tmpfs("/dev/shm", config.shm_bytes),
+            tmp=Place("/tmp", size=config.tmp_size_bytes),
+            shm=Place("/dev/shm", size=config.shm_bytes),
         )
     mounts: list[Mount] = [*system_mounts(config.system_paths)]
     mounts += [Bind(path, path) for path in outermost(ro_paths)]
@@ -330,8 +229,8 @@ def bwrap_argv(
         env=worker_env,
         cwd=f"{SANDBOX_ROLLOUT_DIR}/workspace",
         mounts=mounts,
-        tmp=scratch.tmp,
-        shm=scratch.shm,
+        tmp=_mount(scratch.tmp),
+        shm=_mount(scratch.shm),
         limits=worker_limits(config) if limits is None else limits,
         uid=config.sandbox_uid,
         gid=config.sandbox_gid,
@@ -342,6 +241,13 @@ def bwrap_argv(
         status_fd=status_fd,
     )
     return cage_argv(spec, tools=tools, as_root=as_root)
+
+
+def _mount(place: Place) -> Tmpfs | Bind:
+    """The cage's mount of one writable place the budgets chose."""
+    if place.host is not None:
+        return Bind(str(place.host), place.dest, writable=True)
+    return Tmpfs(place.dest, place.size)
 
 
 def worker_limits(config: BwrapSandbox) -> Limits:
@@ -405,7 +311,7 @@ class BwrapLauncher:
         """Find bwrap, prlimit and setpriv, and try a trivial sandbox once per process (blocking).
 
         A budget that cannot be a hard bound here is named in one warning per process, or, with
-        ``require_budgets``, refused (:func:`~rollcage.supervisor.budgets.check_budgets`).
+        ``require_budgets``, refused (:func:`~rollcage.budgets.check_budgets`).
 
         Raises:
             SandboxError: bubblewrap, prlimit or setpriv is missing, or bubblewrap cannot create
@@ -425,7 +331,7 @@ class BwrapLauncher:
             nested=self.config.executor_cage == "bwrap",
         )
         # Imported here: the budgets room imports this module (its layout), not the other way.
-        from rollcage.supervisor.budgets import check_budgets
+        from rollcage.budgets import check_budgets
 
         check_budgets(self.config)
         self._tools = tools

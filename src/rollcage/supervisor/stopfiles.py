@@ -22,7 +22,7 @@ import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from rollcage.supervisor._loops import LoopPoller, poller_for
+from rollcage.procs import LoopPoller, poller_for
 
 __all__ = ["watch_stop_file"]
 

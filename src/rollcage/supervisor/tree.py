@@ -26,6 +26,7 @@ import signal
 import time
 from typing import Literal, cast, get_args
 
+from rollcage.budgets import RolloutBudgets
 from rollcage.procs import (
     ChildProcess,
     PidHandle,
@@ -40,7 +41,6 @@ from rollcage.procs import (
     within,
 )
 from rollcage.protocol import SignalEvent
-from rollcage.supervisor.budgets import RolloutBudgets
 
 __all__ = ["SignalReason", "WorkerTree"]
 

@@ -47,6 +47,7 @@ from rollcage.forkserver import (
     receive_now,
 )
 from rollcage.procs import (
+    ChildProcess,
     PidfdChild,
     PidHandle,
     environ_has,
@@ -83,7 +84,7 @@ class Template:
     def __init__(self, bytecode: str | None) -> None:
         self.bytecode = bytecode
         self._lock = threading.Lock()
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: ChildProcess | None = None
         self._socket: socket.socket | None = None
 
     def _ensure(self) -> tuple[socket.socket, int]:
@@ -96,15 +97,14 @@ class Template:
             prefix = ["-X", f"pycache_prefix={self.bytecode}"] if self.bytecode is not None else []
             argv = [sys.executable, "-I", "-B", *prefix, "-m", "rollcage", "template"]
             try:
-                self._process = subprocess.Popen(
+                self._process = ChildProcess.spawn(
                     [*argv, str(theirs.fileno()), str(os.getpid())],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    # Its own failures (an import that breaks) are the supervisor's to see.
                     env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"},
                     cwd="/",
+                    stdout=subprocess.DEVNULL,
+                    # Its own failures (an import that breaks) are the supervisor's to see: its stderr.
+                    stderr=2,
                     pass_fds=(theirs.fileno(),),
-                    start_new_session=True,
                 )
             except OSError as exc:
                 ours.close()
@@ -186,9 +186,9 @@ class Template:
             self._socket = None
         process, self._process = self._process, None
         if process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            process.wait()
+            # The template alone: a worker it forked may still be in its group, not yet in a session
+            # of its own, and goes on.
+            process.kill_alone()
 
 
 _cage_mounts_refused: list[str] = []

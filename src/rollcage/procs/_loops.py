@@ -1,6 +1,6 @@
 """One task per event loop serving a set of watches: started with the first watch, ended with the last.
 
-The stop files (:mod:`.stopfiles`) and the budgets (:mod:`.budgets`) of a loop's
+The stop files (:mod:`rollcage.supervisor.stopfiles`) and the budgets (:mod:`rollcage.budgets`) of a loop's
 supervisions are each looked at by one such task, in one thread hop per look.
 """
 

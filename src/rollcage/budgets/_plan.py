@@ -1,6 +1,6 @@
 """How each budget will be enforced on this machine, known before anything runs.
 
-:class:`~rollcage.supervisor.budgets.RolloutBudgets` decides per rollout (a cgroup
+:class:`~rollcage.budgets.RolloutBudgets` decides per rollout (a cgroup
 where this process may make one, a bounded tmpfs as root, else a per-process rlimit
 or a poll) and the receipt names the mechanism. A run needs the answer before its
 first rollout: a budget that is not a hard bound here is said once, loudly, when
@@ -16,10 +16,10 @@ import logging
 import os
 import threading
 
-from rollcage.cage import CgroupSupport, detect_cgroups
+from rollcage.budgets._mechanisms import CgroupSupport, detect_cgroups
+from rollcage.budgets._settings import BudgetSettings
 from rollcage.errors import SandboxError
 from rollcage.protocol import BudgetMechanism, BudgetName
-from rollcage.supervisor.config import BwrapSandbox
 
 __all__ = ["WEAK_MECHANISMS", "check_budgets", "planned_mechanisms", "weak_budgets"]
 
@@ -34,10 +34,12 @@ _HOW_TO = (
 )
 
 
-def planned_mechanisms(config: BwrapSandbox, *, euid: int | None = None) -> dict[BudgetName, BudgetMechanism]:
+def planned_mechanisms(
+    config: BudgetSettings, *, euid: int | None = None
+) -> dict[BudgetName, BudgetMechanism]:
     """The mechanism each budget asked for will have here (blocking: reads the cgroup tree once).
 
-    Mirrors :meth:`RolloutBudgets.prepare <rollcage.supervisor.budgets.RolloutBudgets.prepare>`:
+    Mirrors :meth:`RolloutBudgets.prepare <rollcage.budgets.RolloutBudgets.prepare>`:
     cgroups where :func:`~rollcage.cage.detect_cgroups` finds them (``cgroups="auto"``), bounded
     tmpfs mounts as root (``disk_budgets="auto"``), otherwise bubblewrap's size-bounded tmpfs for
     ``/tmp`` and ``/dev/shm`` and a poll for the rest. A budget set to ``None`` is left out.
@@ -62,7 +64,7 @@ def planned_mechanisms(config: BwrapSandbox, *, euid: int | None = None) -> dict
     return planned
 
 
-def weak_budgets(mechanisms: dict[BudgetName, BudgetMechanism], config: BwrapSandbox) -> list[str]:
+def weak_budgets(mechanisms: dict[BudgetName, BudgetMechanism], config: BudgetSettings) -> list[str]:
     """One phrase per budget whose mechanism is weak: its name and what bounds it instead."""
     words: list[str] = []
     for budget, mechanism in mechanisms.items():
@@ -87,7 +89,7 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
-def check_budgets(config: BwrapSandbox) -> list[str]:
+def check_budgets(config: BudgetSettings) -> list[str]:
     """Say which budgets are weak here, once per process; refuse if ``require_budgets`` (blocking).
 
     Returns:

@@ -1,7 +1,7 @@
 """What a killed supervisor left: whose it is, whether its maker is provably gone, one owner to release it.
 
 Every rollcage process sweeps, at its start, what supervisors that are gone left on the
-machine (:func:`rollcage.supervisor.budgets.sweep_orphans`), and a controller resuming a
+machine (:func:`rollcage.budgets.sweep_orphans`), and a controller resuming a
 run releases what its interrupted rollouts left (``kill_leftovers``). Several of them may
 start at once, and some in a private mount namespace (``unshare -m``) or a PID namespace
 of their own. Three rules keep the agent's files, the evidence, whole:
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from rollcage.cage import copy_tree, unmount
+from rollcage.budgets._mechanisms import copy_tree, unmount
 from rollcage.procs import read_proc
 
 __all__ = [

@@ -17,8 +17,7 @@ import contextlib
 import weakref
 from collections.abc import AsyncIterator, Callable
 
-from rollcage.procs import within
-from rollcage.supervisor._loops import LoopPoller, poller_for
+from rollcage.procs import LoopPoller, poller_for, within
 
 __all__ = ["watch_budget"]
 

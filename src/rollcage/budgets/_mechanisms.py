@@ -1,7 +1,7 @@
 """Budgets of one cage: memory and processes in total, bytes and inodes of each writable file system.
 
 The mechanisms only: a rollout's budgets (planned before the run, made before its launch, read
-while it runs, reported in its receipt) are :mod:`rollcage.supervisor.budgets`.
+while it runs, reported in its receipt) are :mod:`._rollout`, :mod:`._plan` and :mod:`._polls` beside it.
 
 Memory and processes (:class:`CgroupSet`)
 =========================================

@@ -22,7 +22,7 @@ Whatever a supervisor makes carries its owner (``PID.STARTTIME.PIDNS`` of the su
 process; a mount its mount namespace too) in its name, so that any later supervisor on the
 machine can tell what was left by one that is provably gone (SIGKILLed, its Ray node lost)
 and release it (:func:`sweep_orphans`, once per process): a workspace by one owner at a
-time, never overwriting the evidence (:mod:`rollcage.supervisor.leftovers`).
+time, never overwriting the evidence (:mod:`rollcage.budgets._leftovers`).
 """
 
 from __future__ import annotations
@@ -37,28 +37,10 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from rollcage.cage import (
-    Bind,
-    CageTmpfs,
-    CgroupSet,
-    PolledTree,
-    ProcRootTmpfs,
-    Tmpfs,
-    TmpfsVolume,
-    Volume,
-    copy_tree,
-    detect_cgroups,
-    kill_cgroup,
-    remove_cgroup,
-    unmount,
-)
-from rollcage.errors import RollcageError, SandboxError
-from rollcage.protocol import BudgetName, BudgetUse, RolloutUsage
-from rollcage.supervisor.budgets._plan import weak_budgets
-from rollcage.supervisor.config import BwrapSandbox
-from rollcage.supervisor.leftovers import (
+from rollcage.budgets._leftovers import (
     mount_source,
     name_owner_gone,
     owner_tag,
@@ -68,12 +50,31 @@ from rollcage.supervisor.leftovers import (
     settle_workspace,
     source_owner_gone,
 )
-from rollcage.supervisor.sandbox import RolloutLayout, Scratch
+from rollcage.budgets._mechanisms import (
+    CageTmpfs,
+    CgroupSet,
+    PolledTree,
+    ProcRootTmpfs,
+    TmpfsVolume,
+    Volume,
+    copy_tree,
+    detect_cgroups,
+    kill_cgroup,
+    remove_cgroup,
+    unmount,
+)
+from rollcage.budgets._plan import weak_budgets
+from rollcage.budgets._settings import BudgetSettings
+from rollcage.errors import SandboxError
+from rollcage.protocol import BudgetName, BudgetUse, RolloutUsage
+from rollcage.runfiles import RolloutLayout
 
 __all__ = [
     "BUDGETS_RECORD",
     "MEMORY_DIR",
+    "Place",
     "RolloutBudgets",
+    "Scratch",
     "owner_tag",
     "private_parent",
     "release_leftovers",
@@ -82,6 +83,42 @@ __all__ = [
 ]
 
 logger = logging.getLogger("rollcage.supervisor")
+
+
+@dataclass(frozen=True)
+class Place:
+    """One writable place of the sandbox (``/tmp``, ``/dev/shm``) as the budgets chose it.
+
+    Attributes:
+        dest: Where the sandbox sees it.
+        host: A bounded tmpfs on the host, bound writable at ``dest``; ``None``: a fresh tmpfs that
+            bubblewrap makes there, of at most ``size`` bytes.
+        size: The bubblewrap tmpfs's size (``None``: the kernel's); unused with ``host``.
+    """
+
+    dest: str
+    host: Path | None = None
+    size: int | None = None
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """Where the sandbox's writable places come from (what :meth:`RolloutBudgets.prepare` chose).
+
+    Attributes:
+        workspace: Host directory mounted as ``/rollout/workspace``: the rollout's own
+            ``workspace/``, or a bounded tmpfs copied back into it at the end.
+        tmp: ``/tmp``: a bubblewrap tmpfs of a size, or a bounded host tmpfs.
+        shm: ``/dev/shm``, likewise.
+        in_cage: Bounded tmpfs that a warm start mounts inside the cage (:mod:`rollcage.warm`)
+            over ``tmp`` and ``shm``, which then only hold their places.
+    """
+
+    workspace: Path
+    tmp: Place
+    shm: Place
+    in_cage: tuple[CageTmpfs, ...] = ()
+
 
 _RECORD = "budgets.json"
 BUDGETS_RECORD = _RECORD
@@ -158,7 +195,7 @@ class RolloutBudgets:
 
     def __init__(
         self,
-        config: BwrapSandbox,
+        config: BudgetSettings,
         layout: RolloutLayout,
         private_dir: Path,
         *,
@@ -234,8 +271,8 @@ class RolloutBudgets:
             self.volumes = [workspace, tmp, shm]
             scratch = Scratch(
                 workspace=self.layout.workspace,
-                tmp=Tmpfs("/tmp", config.tmp_size_bytes),
-                shm=Tmpfs("/dev/shm", config.shm_bytes),
+                tmp=Place("/tmp", size=config.tmp_size_bytes),
+                shm=Place("/dev/shm", size=config.shm_bytes),
             )
         self._record()
         if config.require_budgets:
@@ -319,15 +356,15 @@ class RolloutBudgets:
             # bubblewrap's own tmpfs hold the places until the warm start mounts the bounded ones.
             return Scratch(
                 workspace=workspace.path,
-                tmp=Tmpfs("/tmp", config.tmp_size_bytes),
-                shm=Tmpfs("/dev/shm", config.shm_bytes),
+                tmp=Place("/tmp", size=config.tmp_size_bytes),
+                shm=Place("/dev/shm", size=config.shm_bytes),
                 in_cage=in_the_cage,
             )
         tmp, shm = mounted[1:]
         return Scratch(
             workspace=workspace.path,
-            tmp=Bind(str(tmp.path), "/tmp", writable=True),
-            shm=Bind(str(shm.path), "/dev/shm", writable=True),
+            tmp=Place("/tmp", host=tmp.path),
+            shm=Place("/dev/shm", host=shm.path),
         )
 
     def hold_cage_scratch(self, roots: list[int]) -> None:
@@ -611,14 +648,10 @@ def _max(*values: int | None) -> int | None:
 def release_leftovers(layout: RolloutLayout) -> None:
     """Release what a killed supervisor left for this rollout: its workspace onto the disk, mounts, cgroups.
 
-    Only what is provably a gone supervisor's is touched (see :mod:`~rollcage.supervisor.leftovers`);
+    Only what is provably a gone supervisor's is touched (see :mod:`~rollcage.budgets._leftovers`);
     the rollout's workspace is settled under its lock, waiting for another process settling it.
     The record stays while anything it names is left. Blocking; idempotent; never raises.
     """
-    from rollcage.supervisor.imageroot import release_image_root
-
-    with contextlib.suppress(OSError, RollcageError):
-        release_image_root(layout.root)  # an image rollout's root (changes/ stays: it is evidence)
     try:
         record = json.loads((layout.staging / _RECORD).read_text())
     except (OSError, ValueError):
@@ -716,7 +749,7 @@ _sweep_lock = threading.Lock()
 def sweep_orphans() -> None:
     """Release what supervisors that are gone left on this machine: mounts, cgroups (once per process).
 
-    Found by name (see :func:`~rollcage.supervisor.leftovers.owner_tag`): the tmpfs mounts named
+    Found by name (see :func:`owner_tag`): the tmpfs mounts named
     ``rollcage-PID.START.PIDNS-mMNTNS`` in this mount namespace and the cgroups beside this
     process's, whose maker is provably gone. A workspace still mounted is copied onto the disk
     in its place first, by whichever sweeper holds its rollout's lock (one that finds it held
