@@ -21,26 +21,22 @@ rebuild one here.
    SWE-bench evaluation applies its test patch inside the repository), and the store is never
    written either way. Where that mount is refused the image keeps its owners (logged once).
 
-:func:`run_in_root` runs one shell command with that tree as ``/``, in a cage made the way
-:func:`rollcage.cage.run_contained` makes its own (the two-stage launch as root: an outer bwrap
-with the host's programs only, ``setpriv`` to an unprivileged uid, ``prlimit``, and an inner bwrap
+:func:`run_in_root` runs one shell command with that tree as ``/``: it is
+:func:`rollcage.cage.run_contained` with ``root`` (the two-stage launch as root: an outer bwrap
+with the host's programs only, ``setpriv`` to :data:`FRESH_UID`, ``prlimit``, and an inner bwrap
 with new user, PID, IPC, UTS and network namespaces whose root is the fresh tree), bounded in
-wall-clock time, CPU, memory (per process and, where a cgroup can be made, in total),
-processes, file size and kept output. A handshake printed from inside the image, before the
-command starts, tells a cage that could not be made (:class:`~rollcage.errors.SandboxError`)
-from a command that failed.
+wall-clock time, CPU, memory, processes, file size and kept output, with the same handshake that
+tells a cage that could not be made (:class:`~rollcage.errors.SandboxError`) from a command that
+failed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import errno
-import functools
 import logging
 import os
-import secrets
 import stat
 import subprocess
 import threading
@@ -49,9 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from rollcage.cage import CgroupSet, ContainedRun, Limits, RunLimits, find_tools, mount_tmpfs, unmount
+from rollcage.cage import ContainedRun, RunLimits, mount_tmpfs, run_contained, unmount
 from rollcage.errors import SandboxError
-from rollcage.procs import ChildProcess, GroupTree, StopStrategy, shielded, stop_tree, wait_shared
 
 logger = logging.getLogger("rollcage.controller")
 
@@ -70,11 +65,6 @@ _MS_RDONLY: Final = 0x1
 _MNT_DETACH: Final = 0x2
 _OPAQUE: Final = (b"trusted.overlay.opaque", b"user.overlay.opaque")
 _MAX_ENTRIES: Final = 1_000_000
-_KILL_AT_ONCE: Final = StopStrategy(grace_s=0.0, kill_wait_s=5.0)
-# As run_contained's: a marker printed by the image's own shell before the command starts.
-_HANDSHAKE: Final = 'printf "%s\\n" "$1" && shift && exec "$@"'
-_HOST_PATHS: Final = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
-_NEWROOT: Final = "/newroot"
 
 
 class ChangesError(SandboxError):
@@ -417,7 +407,10 @@ async def run_in_root(
     timeout_s: float,
     limits: RunLimits | None = None,
 ) -> ContainedRun:
-    """Run ``/bin/sh -c command`` with ``root`` as ``/`` in a fresh cage (see the module docstring).
+    """Run ``/bin/sh -c command`` with ``root`` as ``/`` in a fresh cage, as :data:`FRESH_UID`.
+
+    :func:`rollcage.cage.run_contained` over ``root`` (see the module docstring): one contained-run
+    path for graders in images and plain graders alike.
 
     Args:
         root: A mounted tree (:func:`fresh_root`); the command may write it.
@@ -434,224 +427,12 @@ async def run_in_root(
     **Cancellation:** the whole cage is killed and reaped, and its cgroup removed, before the
     cancellation propagates.
     """
-    limits = limits or RunLimits()
-    if os.geteuid() != 0:
-        raise SandboxError("running a command in an image root needs root (the root is an overlay mount)")
-    run_as = (FRESH_UID, FRESH_UID)
-    tools = await asyncio.to_thread(find_tools, run_as=run_as, hint="grading in an image needs it")
-    if tools.setpriv is None:
-        raise SandboxError("setpriv (util-linux) is needed to drop root for the sandbox, and was not found")
-    for needed in ("proc", "dev", "tmp"):
-        # Mount points the inner bwrap needs; made (in the scratch) where the image has none.
-        path = root / needed
-        if not path.is_dir() and not path.is_symlink():
-            await asyncio.to_thread(path.mkdir)
-            await asyncio.to_thread(path.chmod, 0o1777 if needed == "tmp" else 0o755)
-    per_process = Limits(
-        address_space_bytes=limits.memory_bytes,
-        max_processes=limits.max_processes,
-        file_size_bytes=limits.file_size_bytes,
-        cpu_seconds=limits.cpu_seconds,
-        open_files=limits.open_files,
+    return await run_contained(
+        ["/bin/sh", "-c", command],
+        root=root,
+        cwd=cwd,
+        env=env,
+        timeout_s=timeout_s,
+        limits=limits,
+        host_uid=FRESH_UID,
     )
-    marker = f"rollcage-cage-started-{secrets.token_hex(8)}"
-    host = await asyncio.to_thread(_host_binds)
-    outer = [
-        tools.bwrap,
-        "--unshare-pid",
-        "--die-with-parent",
-        "--cap-drop",
-        "ALL",
-        "--cap-add",
-        "CAP_SETUID",
-        "--cap-add",
-        "CAP_SETGID",
-        *host,
-        # bwrap builds the inner root in a tmpfs it mounts on its own /tmp.
-        "--size",
-        str(1 << 20),
-        "--tmpfs",
-        "/tmp",
-        "--bind",
-        str(root),
-        _NEWROOT,
-        "--bind",
-        "/proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--",
-        tools.setpriv,
-        "--reuid",
-        str(run_as[0]),
-        "--regid",
-        str(run_as[1]),
-        "--clear-groups",
-        "--no-new-privs",
-        "--",
-        tools.prlimit,
-        *per_process.prlimit_args(),
-        "--",
-    ]
-    environment = ["--clearenv"]
-    for name, value in sorted(env.items()):
-        environment += ["--setenv", name, value]
-    inner = [
-        tools.bwrap,
-        "--unshare-user",
-        *(["--disable-userns"] if tools.disable_userns else []),
-        "--unshare-pid",
-        "--unshare-ipc",
-        "--unshare-uts",
-        "--unshare-cgroup-try",
-        "--unshare-net",
-        "--hostname",
-        "rollcage",
-        "--die-with-parent",
-        "--new-session",
-        "--uid",
-        str(run_as[0]),
-        "--gid",
-        str(run_as[1]),
-        "--bind",
-        _NEWROOT,
-        "/",
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--chdir",
-        cwd,
-        *environment,
-        "--",
-        "/bin/sh",
-        "-c",
-        _HANDSHAKE,
-        "rollcage-cage",
-        marker,
-        "/bin/sh",
-        "-c",
-        command,
-    ]
-    cgroups = await asyncio.to_thread(
-        CgroupSet.create,
-        f"rollcage-fresh-{os.getpid()}-{secrets.token_hex(6)}",
-        memory_bytes=limits.memory_bytes,
-        max_processes=limits.max_processes + 8,  # bubblewrap's own processes count too
-    )
-    try:
-        return await _supervise(
-            [*cgroups.enter_prefix(), *outer, *inner], marker.encode() + b"\n", timeout_s, limits, cgroups
-        )
-    finally:
-        await shielded(asyncio.to_thread(cgroups.remove))
-
-
-def _host_binds() -> list[str]:
-    """The outer stage's view of the host: its programs and libraries (bwrap, setpriv, prlimit), read-only."""
-    args: list[str] = []
-    for path in _HOST_PATHS:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.exists(path):
-            args += ["--ro-bind", path, path]
-    return args
-
-
-class _Sink:
-    """What a stream delivered, kept up to a limit; read to the end so the command never blocks."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.kept = bytearray()
-        self.dropped = False
-
-    async def drain(self, stream: asyncio.StreamReader) -> None:
-        while chunk := await stream.read(65536):
-            room = self.limit - len(self.kept)
-            if room > 0:
-                self.kept += chunk[:room]
-            self.dropped = self.dropped or len(chunk) > room
-
-
-async def _supervise(
-    argv: list[str], marker: bytes, timeout_s: float, limits: RunLimits, cgroups: CgroupSet
-) -> ContainedRun:
-    out, err = _Sink(limits.output_limit + len(marker)), _Sink(limits.output_limit)
-    stdout_read, stdout_write = os.pipe()
-    stderr_read, stderr_write = os.pipe()
-    try:
-        child = ChildProcess.spawn(
-            argv,
-            env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
-            cwd="/",
-            stdout=stdout_write,
-            stderr=stderr_write,
-        )
-    except BaseException:
-        os.close(stdout_read)
-        os.close(stderr_read)
-        raise
-    finally:
-        os.close(stdout_write)
-        os.close(stderr_write)
-    loop = asyncio.get_running_loop()
-    exited = asyncio.ensure_future(child.wait())
-    transports: list[asyncio.BaseTransport] = []
-    pipes = [os.fdopen(stdout_read, "rb", buffering=0), os.fdopen(stderr_read, "rb", buffering=0)]
-    timed_out = False
-    try:
-        readers = []
-        for pipe in pipes:
-            reader = asyncio.StreamReader()
-            protocol = functools.partial(asyncio.StreamReaderProtocol, reader)
-            reading, _ = await loop.connect_read_pipe(protocol, pipe)
-            transports.append(reading)
-            readers.append(reader)
-        async with asyncio.timeout(timeout_s):
-            await asyncio.gather(out.drain(readers[0]), err.drain(readers[1]), wait_shared(exited))
-    except TimeoutError:
-        timed_out = True
-    finally:
-
-        async def also_kill() -> None:
-            await asyncio.to_thread(cgroups.kill)
-
-        await stop_tree(GroupTree(child.pid, exited, also_kill=also_kill), _KILL_AT_ONCE)
-        exited.cancel()
-        status = child.release()
-        for each in transports:
-            each.close()
-        for pipe in pipes:
-            pipe.close()
-    if not out.kept.startswith(marker):
-        why = err.kept.decode("utf-8", "replace").strip()[-500:] or (
-            f"it did not start within {timeout_s:g} s" if timed_out else "no handshake"
-        )
-        raise SandboxError(f"the cage in the image root could not be made: {why}")
-    returncode = None if status is None else status.returncode
-    code, sig = _decode(returncode)
-    return ContainedRun(
-        exit_code=None if timed_out else code,
-        signal=sig,
-        stdout=bytes(out.kept[len(marker) :]),
-        stderr=bytes(err.kept),
-        truncated=out.dropped or err.dropped,
-        timed_out=timed_out,
-        memory_exceeded=cgroups.oom_kills() > 0,
-        contained=True,
-    )
-
-
-def _decode(returncode: int | None) -> tuple[int | None, str | None]:
-    import signal
-
-    if returncode is None:
-        return None, None
-    if returncode < 0:
-        return None, signal.Signals(-returncode).name
-    if returncode > 128:
-        # bubblewrap reports a command killed by signal N as exit code 128 + N.
-        with contextlib.suppress(ValueError):
-            return None, signal.Signals(returncode - 128).name
-    return returncode, None
