@@ -38,8 +38,6 @@ import errno
 import logging
 import os
 import stat
-import subprocess
-import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +45,7 @@ from typing import Final
 
 from rollcage.cage import ContainedRun, RunLimits, mount_tmpfs, run_contained, unmount
 from rollcage.errors import SandboxError
+from rollcage.images._idmap import IdMap, idmapped_bind, mapping_namespace
 
 logger = logging.getLogger("rollcage.controller")
 
@@ -183,18 +182,7 @@ def _copy_opaque(fd: int, target: Path) -> None:
             return
 
 
-_SYS_OPEN_TREE: Final = 428  # the same numbers on every architecture
-_SYS_MOVE_MOUNT: Final = 429
-_SYS_MOUNT_SETATTR: Final = 442
-_AT_FDCWD: Final = -100
-_AT_EMPTY_PATH: Final = 0x1000
-_OPEN_TREE_CLONE: Final = 1
-_MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
-_MOUNT_ATTR_IDMAP: Final = 0x00100000
 _warned: set[str] = set()
-_userns_lock = threading.Lock()
-_userns: dict[int, int] = {}
-_HELPER_EXIT_S: Final = 30.0
 
 
 def _warn_once(message: str) -> None:
@@ -203,104 +191,18 @@ def _warn_once(message: str) -> None:
         logger.warning("%s", message)
 
 
-class _MountAttr(ctypes.Structure):
-    _fields_ = [
-        ("attr_set", ctypes.c_uint64),
-        ("attr_clr", ctypes.c_uint64),
-        ("propagation", ctypes.c_uint64),
-        ("userns_fd", ctypes.c_uint64),
-    ]
+def _shift_map(owner: int) -> IdMap:
+    """``owner`` -> :data:`FRESH_UID`, every other id below :data:`FRESH_UID` to itself.
 
-
-def _shift_userns(owner: int) -> int:
-    """A user namespace (its descriptor, kept for the process) mapping ``owner`` to :data:`FRESH_UID`.
-
-    Every other id below :data:`FRESH_UID` maps to itself, so an idmapped mount with it shows what
-    ``owner`` (uid and gid alike) owns as owned by the cage's uid and leaves other owners as they
-    are. Made by a helper process (a threaded process may not unshare a user namespace itself),
-    which then exits.
+    An id-mapped mount with it shows what ``owner`` owns (uid and gid alike) as owned by the cage's
+    uid and leaves other owners as they are.
     """
-    with _userns_lock:
-        if owner in _userns:
-            return _userns[owner]
-        # The helper waits for a line on stdin: closing it ends the helper, whatever happened here.
-        helper = subprocess.Popen(
-            ["unshare", "--user", "--", "/bin/sh", "-c", "echo ready; read line"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env={"PATH": "/usr/bin:/bin"},
-        )
-        assert helper.stdout is not None and helper.stdin is not None
-        try:
-            if helper.stdout.readline() != b"ready\n":
-                raise OSError(errno.EPERM, "unshare --user did not start")
-            lines = [f"{owner} {FRESH_UID} 1"]
-            if owner > 0:
-                lines.append(f"0 0 {owner}")
-            if owner + 1 < FRESH_UID:
-                lines.append(f"{owner + 1} {owner + 1} {FRESH_UID - owner - 1}")
-            for name in ("uid_map", "gid_map"):
-                with open(f"/proc/{helper.pid}/{name}", "w", encoding="ascii") as handle:
-                    handle.write("\n".join(lines) + "\n")
-            _userns[owner] = os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        finally:
-            helper.stdin.close()
-            helper.stdout.close()
-            try:
-                helper.wait(timeout=_HELPER_EXIT_S)
-            except subprocess.TimeoutExpired as exc:
-                raise OSError(errno.ETIMEDOUT, "the user namespace helper did not exit") from exc
-        return _userns[owner]
-
-
-def _idmapped_bind(source: Path, target: Path, owner: int) -> None:
-    """Bind ``source`` at ``target`` through an idmapped mount (:func:`_shift_userns`), read-only.
-
-    Raises:
-        OSError: The kernel (before 5.12) or ``source``'s file system refuses.
-    """
-    userns = _shift_userns(owner)
-    libc = _libc()
-    libc.syscall.restype = ctypes.c_long
-    fd = libc.syscall(
-        ctypes.c_long(_SYS_OPEN_TREE),
-        ctypes.c_int(_AT_FDCWD),
-        ctypes.c_char_p(os.fsencode(source)),
-        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC),
-    )
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"open_tree({source}): {os.strerror(err)}")
-    try:
-        attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MS_RDONLY, 0, 0, userns)
-        if (
-            libc.syscall(
-                ctypes.c_long(_SYS_MOUNT_SETATTR),
-                ctypes.c_int(fd),
-                ctypes.c_char_p(b""),
-                ctypes.c_uint(_AT_EMPTY_PATH),
-                ctypes.byref(attr),
-                ctypes.c_size_t(ctypes.sizeof(attr)),
-            )
-            < 0
-        ):
-            err = ctypes.get_errno()
-            raise OSError(err, f"an idmapped mount of {source}: {os.strerror(err)}")
-        if (
-            libc.syscall(
-                ctypes.c_long(_SYS_MOVE_MOUNT),
-                ctypes.c_int(fd),
-                ctypes.c_char_p(b""),
-                ctypes.c_int(_AT_FDCWD),
-                ctypes.c_char_p(os.fsencode(target)),
-                ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
-            )
-            < 0
-        ):
-            err = ctypes.get_errno()
-            raise OSError(err, f"attaching the idmapped mount at {target}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
+    lines = [(owner, FRESH_UID, 1)]
+    if owner > 0:
+        lines.append((0, 0, owner))
+    if owner + 1 < FRESH_UID:
+        lines.append((owner + 1, owner + 1, FRESH_UID - owner - 1))
+    return tuple(lines)
 
 
 @dataclass(frozen=True)
@@ -376,8 +278,9 @@ def fresh_root(
             lower = scratch / "image"
             lower.mkdir(mode=0o755)
             try:
-                _idmapped_bind(image_root, lower, owner)
-            except OSError as exc:
+                shift = _shift_map(owner)
+                idmapped_bind(image_root, lower, mapping_namespace(shift, shift))
+            except SandboxError as exc:
                 _warn_once(f"image roots are used with their own owners (no idmapped mount: {exc})")
                 lower = image_root
             else:
