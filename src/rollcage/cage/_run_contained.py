@@ -159,7 +159,8 @@ async def run_contained(
             ``files``, ``ro_paths`` and ``allow_uncontained`` do not apply and are refused.
         cwd: The working directory in the cage: default ``/work`` (``/`` with ``root``).
         host_uid: The host uid (and gid) the command runs as, when this process is root; default
-            65534 ("nobody").
+            65534 ("nobody"). With ``root`` and no pids cgroup, the process budget is this uid's
+            ``RLIMIT_NPROC``: give each concurrent cage a uid of its own.
 
     Returns:
         How it ended; a command that fails is an ordinary result.
@@ -209,7 +210,7 @@ async def run_contained(
         )
         per_process = Limits(
             address_space_bytes=limits.memory_bytes,
-            max_processes=limits.max_processes,
+            max_processes=_nproc(limits, root is not None, cgroups),
             file_size_bytes=limits.file_size_bytes,
             cpu_seconds=limits.cpu_seconds,
             open_files=limits.open_files,
@@ -237,6 +238,20 @@ async def run_contained(
             os.close(fd)
         if cgroups is not None:
             await shielded(asyncio.to_thread(cgroups.remove))
+
+
+def _nproc(limits: RunLimits, own_root: bool, cgroups: CgroupSet) -> int | None:
+    """The ``RLIMIT_NPROC`` of a cage, ``None`` for none: each cage's process budget must be its own.
+
+    ``RLIMIT_NPROC`` counts every process of a uid. The minimal tree's cage sets it from inside its
+    own user namespace (the host's ``prlimit`` runs there), where only that cage's processes count.
+    A cage over a root of its own sets it before (the root has no ``prlimit``), where every process
+    of its host uid counts: its pids cgroup bounds it instead where one is made; else the limit stays,
+    on a uid the caller gives it alone (``host_uid``, ``rollcage.controller._fresh_root.lease_uid``).
+    """
+    if own_root and cgroups.pids is not None:
+        return None
+    return limits.max_processes
 
 
 async def _minimal_spec(

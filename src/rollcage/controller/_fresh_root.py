@@ -11,15 +11,16 @@ rebuild one here.
 2. copies ``changes/`` into it (a *snapshot*: a process the agent left behind, were there one,
    could change ``changes/`` further, never the root made from the copy). Regular files,
    directories, symbolic links, FIFOs, whiteouts and the opaque mark are kept; everything is
-   given to ``owner`` (the uid the grading cage runs as), with setuid/setgid bits dropped;
+   given to ``uid`` (the uid the grading cage runs as), with setuid/setgid bits dropped;
    sockets and devices other than whiteouts are left out;
 3. mounts an overlay: lowers = the snapshot over the image, upper = the tmpfs (a scratch that
    goes with it), ``nosuid,nodev``. The image is seen through an idmapped mount (Linux 5.12+,
    overlayfs on idmapped layers 5.19+) in which what the image's user owns (root, for most images)
-   belongs to :data:`FRESH_UID`, the uid the command runs as: it may change the image's files as
-   that user in a container would (a
-   SWE-bench evaluation applies its test patch inside the repository), and the store is never
-   written either way. Where that mount is refused the image keeps its owners (logged once).
+   belongs to ``uid`` (default :data:`FRESH_UID`; the tests grader leases one per grade,
+   :func:`lease_uid`), the uid the command runs as: it may change the image's files as that user
+   in a container would (a SWE-bench evaluation applies its test patch inside the repository),
+   and the store is never written either way. Where that mount is refused the image keeps its
+   owners (logged once).
 
 :func:`run_in_root` runs one shell command with that tree as ``/``: it is
 :func:`rollcage.cage.run_contained` with ``root`` (the two-stage launch as root: an outer bwrap
@@ -35,8 +36,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import logging
 import os
+import secrets
 import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -49,10 +52,20 @@ from rollcage.images._idmap import IdMap, idmapped_bind, mapping_namespace
 
 logger = logging.getLogger("rollcage.controller")
 
-__all__ = ["FRESH_UID", "ChangesError", "FreshRoot", "fresh_root", "run_in_root", "snapshot_changes"]
+__all__ = [
+    "CAGE_UIDS",
+    "FRESH_UID",
+    "ChangesError",
+    "FreshRoot",
+    "fresh_root",
+    "lease_uid",
+    "run_in_root",
+    "snapshot_changes",
+]
 
 FRESH_UID: Final = 65533
-"""The host uid (and gid) a fresh root's command runs as, and that owns the snapshot of the changes.
+"""The host uid (and gid) a fresh root's command runs as, and that owns the snapshot of the changes,
+unless the caller gives one (the tests grader gives each grade its own, :func:`lease_uid`).
 
 Not 65534 ("nobody", the uid of ``run_contained``'s cages and, as root, of sandboxes): a process
 budget kept as ``RLIMIT_NPROC`` counts every process of its uid, so a fork bomb under another
@@ -191,18 +204,57 @@ def _warn_once(message: str) -> None:
         logger.warning("%s", message)
 
 
-def _shift_map(owner: int) -> IdMap:
-    """``owner`` -> :data:`FRESH_UID`, every other id below :data:`FRESH_UID` to itself.
+def _shift_map(owner: int, uid: int) -> IdMap:
+    """``owner`` -> ``uid``, every other id below ``uid`` to itself.
 
     An id-mapped mount with it shows what ``owner`` owns (uid and gid alike) as owned by the cage's
     uid and leaves other owners as they are.
     """
-    lines = [(owner, FRESH_UID, 1)]
+    lines = [(owner, uid, 1)]
     if owner > 0:
         lines.append((0, 0, owner))
-    if owner + 1 < FRESH_UID:
-        lines.append((owner + 1, owner + 1, FRESH_UID - owner - 1))
+    if owner + 1 < uid:
+        lines.append((owner + 1, owner + 1, uid - owner - 1))
     return tuple(lines)
+
+
+CAGE_UIDS: Final = range(0x70000000, 0x70000000 + 0x10000)
+"""Host uids (and gids) a grading cage in a fresh root may have one of for itself (:func:`lease_uid`).
+
+Above every id an image maps to itself (:data:`FRESH_UID` and below), in a range systemd leaves
+unused (``0x70000000``...), owned by no account."""
+_LEASES: Final = Path("/run/rollcage/cage-uids")
+
+
+@contextlib.contextmanager
+def lease_uid(directory: Path = _LEASES) -> Iterator[int]:
+    """A uid of :data:`CAGE_UIDS` that no other holder (of any process) has while the block runs.
+
+    Why: a process budget kept as ``RLIMIT_NPROC`` counts every process of its uid, and a cage over a
+    root of its own sets it before its user namespace exists (the image has no ``prlimit``), so two
+    cages under one uid share one budget: a fork bomb in one would keep the other from starting.
+    With a uid each, no cage can hurt another. The lease is an flock'ed file: a holder killed by
+    SIGKILL releases it.
+
+    Raises:
+        SandboxError: Every uid of the range is held.
+    """
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    start = secrets.randbelow(len(CAGE_UIDS))
+    for step in range(len(CAGE_UIDS)):
+        uid = CAGE_UIDS[(start + step) % len(CAGE_UIDS)]
+        fd = os.open(directory / f"{uid}.lease", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield uid
+        finally:
+            os.close(fd)
+        return
+    raise SandboxError(f"every grading uid ({len(CAGE_UIDS)}, from {CAGE_UIDS[0]}) is in use")
 
 
 @dataclass(frozen=True)
@@ -226,6 +278,7 @@ def fresh_root(
     writable: bool = True,
     shift_owner: bool = True,
     owner: int = 0,
+    uid: int = FRESH_UID,
 ) -> Iterator[FreshRoot]:
     """Mount a fresh root of ``image_root`` plus ``changes`` under the new directory ``scratch`` (root only).
 
@@ -233,9 +286,9 @@ def fresh_root(
     ``size_bytes`` bounds the snapshot and whatever is written into the root together.
     ``writable=False`` mounts the overlay read-only. ``shift_owner``: the image is seen through an
     idmapped mount in which what ``owner`` owns (the uid of the image's ``User``; root when it names
-    none) is owned by :data:`FRESH_UID` (the cage's uid), so the command may write those files as
-    the image's user in a container would; where the kernel or the store's file system refuses an
-    idmapped mount, the image keeps its owners (logged once).
+    none) is owned by ``uid`` (the cage's; it owns the snapshot too), so the command may write
+    those files as the image's user in a container would; where the kernel or the store's file
+    system refuses an idmapped mount, the image keeps its owners (logged once).
 
     Raises:
         ChangesError: ``changes`` cannot be used, or does not fit in ``size_bytes``.
@@ -263,7 +316,7 @@ def fresh_root(
             ) from exc
         mounted.append(scratch)
         try:
-            count = snapshot_changes(changes, scratch / "changes")
+            count = snapshot_changes(changes, scratch / "changes", owner=(uid, uid))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise ChangesError(
@@ -278,7 +331,7 @@ def fresh_root(
             lower = scratch / "image"
             lower.mkdir(mode=0o755)
             try:
-                shift = _shift_map(owner)
+                shift = _shift_map(owner, uid)
                 idmapped_bind(image_root, lower, mapping_namespace(shift, shift))
             except SandboxError as exc:
                 _warn_once(f"image roots are used with their own owners (no idmapped mount: {exc})")
@@ -309,8 +362,9 @@ async def run_in_root(
     env: Mapping[str, str],
     timeout_s: float,
     limits: RunLimits | None = None,
+    uid: int = FRESH_UID,
 ) -> ContainedRun:
-    """Run ``/bin/sh -c command`` with ``root`` as ``/`` in a fresh cage, as :data:`FRESH_UID`.
+    """Run ``/bin/sh -c command`` with ``root`` as ``/`` in a fresh cage, as host uid ``uid``.
 
     :func:`rollcage.cage.run_contained` over ``root`` (see the module docstring): one contained-run
     path for graders in images and plain graders alike.
@@ -322,6 +376,9 @@ async def run_in_root(
         env: Its entire environment.
         timeout_s: Wall-clock bound; past it the whole cage is killed (``timed_out``).
         limits: CPU, memory, processes, file size, open files and kept output (``scratch_bytes`` unused).
+        uid: The host uid (and gid) it runs as: the one :func:`fresh_root` gave the root (its
+            ``uid``). Its process budget is its own where a pids cgroup is made; else it is that
+            uid's ``RLIMIT_NPROC``: give each concurrent cage a uid of its own (:func:`lease_uid`).
 
     Raises:
         SandboxError: Not root, bubblewrap is missing, or the cage could not be made (the image has no
@@ -337,5 +394,5 @@ async def run_in_root(
         env=env,
         timeout_s=timeout_s,
         limits=limits,
-        host_uid=FRESH_UID,
+        host_uid=uid,
     )

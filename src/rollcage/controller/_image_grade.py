@@ -184,7 +184,7 @@ async def grade_tests(
     **Cancellation:** the cage is killed and reaped and the fresh root unmounted and removed before
     the cancellation propagates.
     """
-    from rollcage.controller._fresh_root import fresh_root, run_in_root
+    from rollcage.controller._fresh_root import fresh_root, lease_uid, run_in_root
 
     detail: dict[str, Any] = {"name": "tests"}
     try:
@@ -204,13 +204,13 @@ async def grade_tests(
     stack = contextlib.ExitStack()
     try:
         try:
+            # A uid of its own: its process budget is never another grade's (lease_uid says why).
+            uid = await shielded(asyncio.to_thread(stack.enter_context, lease_uid()))
             # Shielded: a mount made after a cancellation would be left behind.
-            root = await shielded(
-                asyncio.to_thread(
-                    stack.enter_context,
-                    fresh_root(info.root, changes, parent / "scratch", size_bytes=SCRATCH_BYTES, owner=owner),
-                )
+            made = fresh_root(
+                info.root, changes, parent / "scratch", size_bytes=SCRATCH_BYTES, owner=owner, uid=uid
             )
+            root = await shielded(asyncio.to_thread(stack.enter_context, made))
             run = await run_in_root(
                 root.path,
                 spec.command,
@@ -218,6 +218,7 @@ async def grade_tests(
                 env=info.env,
                 timeout_s=spec.timeout_s,
                 limits=GRADE_LIMITS,
+                uid=uid,
             )
         except RollcageError as exc:
             return GradeResult(None, detail, f"the tests could not be run in the image: {exc}")
