@@ -1215,6 +1215,9 @@ async def test_image_rows_run_and_are_graded_on_ray_pulling_each_image_once_per_
             row["id"]: ("completed", 0.0 if row["id"].endswith("0") else 1.0) for row in rows
         }, {t: r.receipt.outcome_reason for t, r in got.items()}
         assert summary.exit_code == EXIT_OK
+        for record in got.values():  # the change as evidence, made on the node from its image
+            diff = (Path(record.rollout_dir) / "workspace.diff").read_text()
+            assert "+++ b/work/fixed.txt" in diff, (record.task_id, diff)
         log = registry.log.read_text(errors="replace").splitlines()
         used = set()
         for which, name in names.items():

@@ -4,8 +4,10 @@ Never in the agent's live cage: the rollout directory's ``image.json`` names the
 root, its ``WorkingDir`` and ``Env``; ``changes/`` is what the rollout wrote. Grading copies
 ``changes/`` and mounts a new overlay (the copy over the image, a scratch upper on a bounded
 tmpfs) and runs ``command`` there with ``/bin/sh -c`` in a cage of its own
-(``run_in_root`` (``rollcage.controller._fresh_root``)): no network, an unprivileged uid, bounds on time, CPU,
-memory, processes, file size and output. Everything is unmounted and removed afterwards.
+(``run_in_root`` (``rollcage.controller._fresh_root``), which is ``rollcage.cage.run_contained`` over
+that root): no network, an unprivileged uid leased for this grade alone (so its process budget is
+its own, ``lease_uid``), bounds on time, CPU, memory, processes, file size and output. Everything
+is unmounted and removed afterwards.
 
 The reward: with no ``junit_xml``, 1.0 when the command exits 0, else 0.0. With ``junit_xml``,
 the file is read from the root after the command (never following a link) and parsed safely

@@ -61,6 +61,14 @@ that starts on the node, by a sweep of every node when a run starts (so a resume
 cleans what its killed predecessor left), and at the end of a run on each node that lost
 one of its tasks.
 
+**Task images.** An image row's attempt carries the image's reference (``node_image``), not a
+root: before the rollout is laid out, the node prepares the image in its own store
+(``--ray-image-store``, else the node's ``$ROLLCAGE_IMAGE_STORE``, else ``rollcage-images`` under
+its Ray temp dir), leases it for the attempt and checks the programs the tools run there
+(``rollcage.controller._node_images``). Concurrent attempts on a node pull an image once (the
+store's locks); an image that cannot be used there is the attempt's ``infra_failure``, naming it.
+The rollout, its ``workspace.diff`` and the tests grader then run on the node as locally.
+
 Ray is imported at the top of this module, which only ``RayBackendConfig.build``
 imports: the local backend never loads Ray.
 """
