@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Final
 
 from rollcage.cage import ContainedRun, RunLimits, mount_tmpfs, run_contained, unmount
+from rollcage.cage.idmap import IdMap, idmapped_bind, mapping_namespace
 from rollcage.errors import SandboxError
-from rollcage.images._idmap import IdMap, idmapped_bind, mapping_namespace
 
 logger = logging.getLogger("rollcage.controller")
 

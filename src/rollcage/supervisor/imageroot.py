@@ -15,7 +15,7 @@ Layout, in the rollout directory ``R``::
 Ownership. The store keeps the image's owners (mostly uid 0). The sandbox runs as an unprivileged
 host uid (``run_as_uid``), which must own the files of the image's ``User`` for agent code to
 change them, as a container's user does. So the overlay's lower is an *id-mapped* mount of the
-image root (``rollcage.images._idmap``: ``mount_setattr(MOUNT_ATTR_IDMAP)``, Linux 5.12+; overlayfs
+image root (``rollcage.cage.idmap``: ``mount_setattr(MOUNT_ATTR_IDMAP)``, Linux 5.12+; overlayfs
 accepts one as a layer since 5.19): the image user's files appear owned by the sandbox's host uid;
 everyone else's by nobody.
 The store itself is never written: the mapping is a property of the mount, and every write
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from rollcage.cage.idmap import idmapped_bind, mapping_namespace
 from rollcage.durable import publish_bytes
 from rollcage.errors import SandboxError
-from rollcage.images._idmap import idmapped_bind, mapping_namespace
 from rollcage.protocol import ImageSandbox
 
 __all__ = ["MOUNT_POINTS", "ImageRoot", "mount_image_root", "release_image_root"]

@@ -102,10 +102,10 @@ def mapping_namespace(uid_map: IdMap, gid_map: IdMap) -> int:
                 helper.stdin.close()
             helper.stdout.close()
             try:
+                # Its stdin closed, its cat ends at once.
                 helper.wait(timeout=_HELPER_EXIT_S)
-            except subprocess.TimeoutExpired:
-                helper.kill()
-                helper.wait()
+            except subprocess.TimeoutExpired as exc:
+                raise SandboxError("the user namespace helper (unshare) did not exit") from exc
         _namespaces[key] = fd
         return fd
 
