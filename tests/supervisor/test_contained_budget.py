@@ -84,5 +84,5 @@ async def test_a_fork_bomb_in_one_tests_grade_leaves_its_neighbour_room(
 def test_grading_uids_are_leased_one_holder_at_a_time(tmp_path: Path) -> None:
     with lease_uid(tmp_path) as first, lease_uid(tmp_path) as second:
         assert first != second and {first, second} <= set(CAGE_UIDS)
-    with lease_uid(tmp_path) as again:
-        assert again in CAGE_UIDS
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{first}.lease", f"{second}.lease"])
+    assert list(tmp_path.iterdir()) == []  # released leases leave nothing behind

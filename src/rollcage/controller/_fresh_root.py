@@ -243,18 +243,32 @@ def lease_uid(directory: Path = _LEASES) -> Iterator[int]:
     start = secrets.randbelow(len(CAGE_UIDS))
     for step in range(len(CAGE_UIDS)):
         uid = CAGE_UIDS[(start + step) % len(CAGE_UIDS)]
-        fd = os.open(directory / f"{uid}.lease", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        path = directory / f"{uid}.lease"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if not _locked_in_place(fd, path):
             os.close(fd)
             continue
         try:
             yield uid
         finally:
+            # Removed while still locked: whoever opened it meanwhile finds it gone (_locked_in_place),
+            # so the directory holds only the leases held now.
+            path.unlink(missing_ok=True)
             os.close(fd)
         return
     raise SandboxError(f"every grading uid ({len(CAGE_UIDS)}, from {CAGE_UIDS[0]}) is in use")
+
+
+def _locked_in_place(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is now locked by us and still the file at ``path`` (not one its holder removed)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 @dataclass(frozen=True)
