@@ -18,6 +18,11 @@ sees is built from nothing:
   memory (per process, and in total where a cgroup can be made), processes,
   file size, open files, and ``output_limit`` bytes kept of stdout and stderr.
 
+With ``root`` (a mounted tree: an image's fresh root, ``rollcage.controller._fresh_root``) the
+command sees that tree alone as ``/``, writable, with a ``/proc`` and ``/dev`` of its own, the
+same bounds, the same handshake (from the root's own ``/bin/sh``): graders in images and plain
+graders run through this one function. Each cage's process budget is its own (``_nproc``).
+
 A cage that cannot be made is never mistaken for the command's failure: a
 handshake from inside the cage, sent before the untrusted command starts, tells
 them apart, and :class:`SandboxError` is raised. Where bubblewrap is missing the
