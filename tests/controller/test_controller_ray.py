@@ -1142,3 +1142,128 @@ async def test_a_stop_whose_flag_is_gone_kills_the_tasks_and_starts_no_retry(
         assert "stop flag could not tell the rollout task" in record.receipt.outcome_reason, record
     for rid in firsts:
         wait_until_gone(rid)  # no sandbox of a killed task survives
+
+
+# ------------------------------------------------------------------ task images on the nodes
+
+
+def _stores_holding(nodes: list[RayNode], name: str) -> list[Path]:
+    """The nodes' image stores (the default: under each node's Ray temp dir) holding image ``name``."""
+    held = []
+    for node in nodes:
+        refs = node.temp_dir / "rollcage-images" / "refs"
+        if refs.is_dir() and any(name in p.read_text() for p in refs.glob("*.json")):
+            held.append(refs.parent)
+    return held
+
+
+@real_rollouts
+@pytest.mark.skipif(os.geteuid() != 0, reason="an image rollout mounts its root: root only")
+@pytest.mark.skipif(shutil.which("docker-registry") is None, reason="needs docker-registry")
+async def test_image_rows_run_and_are_graded_on_ray_pulling_each_image_once_per_node(
+    tmp_path: Path, ray_cluster: RayCluster
+) -> None:
+    from rollcage.policy import PolicyServer
+    from tests.helpers.oci import Registry, push
+    from tests.helpers.task_images import task_image
+
+    registry = Registry(short_root("rc-reg-"))
+    try:
+        names = {which: f"tests/ray-{which}-{secrets.token_hex(4)}" for which in ("a", "b")}
+        for which, name in names.items():
+            image = task_image(python=False, programs=["/bin/bash"], env=[f"WHICH={which}"])
+            push(registry.base, name, "v1", image)
+        grader = {
+            "type": "tests",
+            # Runs in the image (its os-release, its Env) over the agent's changes.
+            "command": 'grep -q rollcage-task-image /etc/os-release && test "$(cat fixed.txt)" = "$WHICH"',
+            "timeout_s": 60,
+        }
+        rows, script = [], {}
+        for which, name in names.items():
+            for n in range(4):
+                task = f"{which}{n}"
+                fix = which if n else "not-it"  # each image's first row leaves the tests failing
+                rows.append(
+                    {
+                        "id": task,
+                        "input": "fix it",
+                        "tools": ["bash"],
+                        "sandbox": {"image": f"docker://{registry.host}/{name}:v1"},
+                        "grader": grader,
+                    }
+                )
+                script[task] = [
+                    {"tool_calls": [{"name": "bash", "arguments": {"command": f"echo {fix} > fixed.txt"}}]},
+                    {"text": "done"},
+                ]
+        dataset = write_dataset(tmp_path / "data", rows)
+        with PolicyServer({"tasks": script}) as policy:
+            config = RunConfig(
+                dataset=dataset,
+                out=tmp_path / "out",
+                model=ModelEndpointConfig(base_url=policy.base_url, model_name="scripted"),
+                sandbox=SANDBOX,
+                deadline_s=90,
+                concurrency=8,
+                max_infra_retries=0,
+                # Up to four attempts at once on each node, each in its own Ray worker process.
+                backend=RayBackendConfig(num_cpus_per_rollout=0.25),
+            )
+            summary = await Controller(config).run()
+        got = {r.task_id: r for r in records(tmp_path / "out")}
+        assert {t: (r.outcome, r.reward) for t, r in got.items()} == {
+            row["id"]: ("completed", 0.0 if row["id"].endswith("0") else 1.0) for row in rows
+        }, {t: r.receipt.outcome_reason for t, r in got.items()}
+        assert summary.exit_code == EXIT_OK
+        for record in got.values():  # the change as evidence, made on the node from its image
+            diff = (Path(record.rollout_dir) / "workspace.diff").read_text()
+            assert "+++ b/work/fixed.txt" in diff, (record.task_id, diff)
+        log = registry.log.read_text(errors="replace").splitlines()
+        used = set()
+        for which, name in names.items():
+            holding = _stores_holding(ray_cluster.nodes, name)
+            used.update(holding)
+            manifest_gets = [line for line in log if f"GET /v2/{name}/manifests/" in line]
+            # Each node that ran the image's rows pulled it once (concurrent prepares in one store:
+            # tests/images/test_pull.py).
+            assert len(manifest_gets) == len(holding) >= 1, (which, manifest_gets, holding)
+        assert len(used) == 2  # both nodes ran image rows, each from its own store
+    finally:
+        registry.stop()
+        shutil.rmtree(registry.directory, ignore_errors=True)
+
+
+def test_the_node_image_store_must_be_an_absolute_path() -> None:
+    with pytest.raises(ValueError, match="must be an absolute path"):
+        RayBackendConfig(image_store=Path("images"))
+
+
+@real_rollouts
+@pytest.mark.skipif(os.geteuid() != 0, reason="an image rollout mounts its root: root only")
+async def test_an_image_without_a_tools_program_fails_its_rows_on_the_node_saying_which(
+    tmp_path: Path,
+) -> None:
+    from rollcage.policy import PolicyServer
+    from tests.helpers.task_images import make_task_image
+
+    image = make_task_image(tmp_path / "image", python=False)  # busybox: no bash
+    rows = [{"id": "nobash", "input": "x", "tools": ["bash"], "sandbox": {"image": image.ref}}]
+    dataset = write_dataset(tmp_path / "data", rows)
+    store = tmp_path / "node-store"
+    with PolicyServer({"tasks": {"*": [{"text": "done"}]}}) as policy:
+        config = RunConfig(
+            dataset=dataset,
+            out=tmp_path / "out",
+            model=ModelEndpointConfig(base_url=policy.base_url, model_name="scripted"),
+            sandbox=SANDBOX,
+            deadline_s=60,
+            max_infra_retries=0,
+            backend=RayBackendConfig(image_store=store),
+        )
+        await Controller(config).run()
+    (record,) = records(tmp_path / "out")
+    assert record.outcome == "infra_failure"
+    assert f"image {image.ref} has no /bin/bash" in record.receipt.outcome_reason
+    assert (store / "roots").is_dir()  # prepared in the configured store, not the node's default
+    assert (Path(record.rollout_dir) / "input.json").is_file()  # what was attempted, as for a lost task

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tests.helpers.oci import Image
 
-__all__ = ["MARKER", "OS_RELEASE", "TaskImage", "make_task_image"]
+__all__ = ["MARKER", "OS_RELEASE", "TaskImage", "make_task_image", "task_image"]
 
 OS_RELEASE = "ID=rollcage-task-image\nNAME=Rollcage Task Image\n"
 MARKER = "in-the-image\n"
@@ -151,7 +151,19 @@ def make_task_image(
     ``programs``: more host programs, with their libraries, at their host paths (made inert: no
     setuid bit survives a test image, nor the store).
     """
-    layer = _layer(python, programs)
-    image = Image([layer], env=list(ENV), working_dir=working_dir, user=user, compress=False)
+    image = task_image(python=python, user=user, working_dir=working_dir, programs=programs)
     image.write_oci(directory, tag="1")
     return TaskImage(f"oci:{directory}:1", tuple(ENV), working_dir, python)
+
+
+def task_image(
+    *,
+    python: bool,
+    user: str = "",
+    working_dir: str = WORKING_DIR,
+    programs: Sequence[str] = (),
+    env: Sequence[str] = (),
+) -> Image:
+    """The image :func:`make_task_image` writes, to push to a registry; ``env``: more ``Env`` entries."""
+    layer = _layer(python, programs)
+    return Image([layer], env=[*ENV, *env], working_dir=working_dir, user=user, compress=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollcage.controller import Controller, RayBackendConfig, RunConfig
+from rollcage.controller import Controller, RunConfig
 from rollcage.errors import ConfigError, SandboxError
 from rollcage.protocol import ImageSandbox
 from rollcage.supervisor.imageroot import mount_image_root
@@ -50,12 +50,6 @@ def test_the_jupyter_executor_in_a_task_image_is_refused_naming_the_row(tmp_path
     if os.geteuid() != 0:
         pytest.skip("refused for want of root first")
     with pytest.raises(ConfigError, match=r"line 2 \(task imaged\): the jupyter executor cannot run"):
-        asyncio.run(Controller(config).run())
-
-
-def test_a_task_image_with_the_ray_backend_is_refused_for_now(tmp_path: Path) -> None:
-    config = _config(tmp_path, backend=RayBackendConfig(address="ray://127.0.0.1:1"))
-    with pytest.raises(ConfigError, match=r"line 2 \(task imaged\): task images run with the local backend"):
         asyncio.run(Controller(config).run())
 
 

@@ -4,12 +4,14 @@ layout and a ``docker save`` archive: layers composed, verified, shared, dedupli
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
 import os
 import signal
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -257,6 +259,29 @@ def test_two_processes_pulling_one_image_download_it_once(registry: Registry, tm
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert len(registry.blob_gets(sha256(image.blobs()[0]))) == 1
     assert len(list((tmp_path / "store" / "roots").iterdir())) == 1
+
+
+def test_concurrent_prepares_in_one_store_ask_the_registry_once(registry: Registry, tmp_path: Path) -> None:
+    # A Ray node's rollouts prepare their image at once, each in its own process: one pulls, the
+    # others wait for it and use the store's copy, never asking the registry again.
+    image = Image([layer(*(Member(f"data/{n}", data=os.urandom(256 << 10)) for n in range(40)))])
+    push(registry.base, "tests/prepare-once", "v1", image)
+    ref = f"docker://{registry.host}/tests/prepare-once:v1"
+    start = threading.Barrier(4)
+
+    def prepare() -> Path:
+        store = ImageStore(tmp_path / "store")
+        start.wait(timeout=60)
+        return store.prepare(ref).root
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        roots = list(pool.map(lambda _: prepare(), range(4), timeout=300))
+    assert len(set(roots)) == 1
+    asked = [
+        line for line in registry.log.read_text().splitlines() if "/v2/tests/prepare-once/manifests/" in line
+    ]
+    assert len([line for line in asked if "GET /v2/" in line]) == 1, asked
+    assert len(registry.blob_gets(sha256(image.blobs()[0]))) == 1
 
 
 def _unpack_started(store: Path) -> bool:

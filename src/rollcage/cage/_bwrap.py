@@ -191,6 +191,10 @@ class CageSpec:
             PID of the outermost PID namespace's init, whose death takes the whole cage along.
         unset_env: Variables bwrap must remove (when ``env`` is ``None``: the caller's is kept).
         hostname: The UTS name.
+        root: A host directory (a mounted tree: an image's fresh root) to be the command's whole ``/``,
+            writable, in the two-stage launch only: ``mounts``, ``tmp`` and ``shm`` are then the outer
+            stage's tree (the host's programs it runs: bwrap, setpriv, prlimit), and the command sees
+            the root with a fresh ``/proc`` and ``/dev`` and nothing else.
     """
 
     argv: Sequence[str]
@@ -209,6 +213,11 @@ class CageSpec:
     status_fd: int | None = None
     unset_env: Sequence[str] = ()
     hostname: str = "rollcage"
+    root: str | None = None
+
+
+_NEWROOT = "/newroot"
+"""Where the outer stage holds a ``CageSpec.root`` for the inner stage to make it ``/``."""
 
 
 def outermost(paths: Iterable[str]) -> list[str]:
@@ -340,6 +349,10 @@ def cage_argv(spec: CageSpec, *, tools: BwrapTools, as_root: bool) -> list[str]:
     # worker's code) are mounted over it rather than hidden by it.
     tree.add(spec.tmp if isinstance(spec.tmp, Tmpfs) else Bind(spec.tmp.source, "/tmp", writable=True))
     tree.scratch = "/tmp"
+    if spec.root is not None:
+        if not (as_root and spec.run_as is not None):
+            raise SandboxError("a cage over a root of its own is made by root only (the two-stage launch)")
+        tree.add(Bind(spec.root, _NEWROOT, writable=True))
     for mount in spec.mounts:
         if isinstance(mount, Bind) and not mount.writable and mount.source == mount.dest:
             if tree.covered(mount.dest):
@@ -427,6 +440,12 @@ def cage_argv(spec: CageSpec, *, tools: BwrapTools, as_root: bool) -> list[str]:
     # the tree has nodev from the outer stage already. A fresh --dev here cost every rollout another
     # tmpfs, devpts and six binds, each of which has bubblewrap read the whole mount table again.
     inner = [tools.bwrap, *namespaces, "--dev-bind", "/", "/", "--proc", "/proc"]
+    if spec.root is not None:
+        # Nothing of the outer stage's tree: the root alone, with a /dev and /proc of the cage's own.
+        # prlimit is the host's, so it runs here, before the inner stage (whose processes inherit).
+        inner = [tools.bwrap, *namespaces, "--bind", _NEWROOT, "/", "--proc", "/proc", "--dev", "/dev"]
+        limited = [tools.prlimit, *limits, "--"] if limits else []
+        return [*outer, *limited, *inner, *runtime, "--", *spec.argv]
     return [*outer, *inner, *runtime, "--", *command]
 
 

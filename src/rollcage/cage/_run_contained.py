@@ -18,6 +18,11 @@ sees is built from nothing:
   memory (per process, and in total where a cgroup can be made), processes,
   file size, open files, and ``output_limit`` bytes kept of stdout and stderr.
 
+With ``root`` (a mounted tree: an image's fresh root, ``rollcage.controller._fresh_root``) the
+command sees that tree alone as ``/``, writable, with a ``/proc`` and ``/dev`` of its own, the
+same bounds, the same handshake (from the root's own ``/bin/sh``): graders in images and plain
+graders run through this one function. Each cage's process budget is its own (``_nproc``).
+
 A cage that cannot be made is never mistaken for the command's failure: a
 handshake from inside the cage, sent before the untrusted command starts, tells
 them apart, and :class:`SandboxError` is raised. Where bubblewrap is missing the
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import secrets
@@ -134,6 +140,9 @@ async def run_contained(
     env: Mapping[str, str] | None = None,
     ro_paths: Sequence[str] = (),
     allow_uncontained: bool = False,
+    root: Path | None = None,
+    cwd: str | None = None,
+    host_uid: int | None = None,
 ) -> ContainedRun:
     """Run ``argv`` in a fresh minimal cage, ``files`` in its working directory (see the module docstring).
 
@@ -143,20 +152,30 @@ async def run_contained(
         stdin: Bytes fed to its standard input.
         timeout_s: Wall-clock bound on the whole run, start-up included.
         limits: The other bounds (defaults: :class:`RunLimits`).
-        env: More environment variables (the rest is cleared).
+        env: More environment variables (the rest is cleared); with ``root``, the entire environment.
         ro_paths: More host paths the command needs, read-only at the same place (a library of
             the tests'); never the directory of a dataset or a checkout.
         allow_uncontained: Where bubblewrap is missing, run the command directly in a private
             temporary directory with the same per-process limits instead of refusing. The
             command can then read and write whatever this process can: trusted code only.
+        root: A mounted tree to be the command's whole ``/``, writable, instead of the minimal
+            tree (an image's fresh root, ``rollcage.controller._fresh_root``): the command sees it
+            alone, with a ``/proc`` and ``/dev`` of its own (root only; ``argv[0]`` is the root's).
+            ``files``, ``ro_paths`` and ``allow_uncontained`` do not apply and are refused.
+        cwd: The working directory in the cage: default ``/work`` (``/`` with ``root``).
+        host_uid: The host uid (and gid) the command runs as, when this process is root; default
+            65534 ("nobody"). With ``root`` and no pids cgroup, the process budget is this uid's
+            ``RLIMIT_NPROC``: give each concurrent cage a uid of its own.
 
     Returns:
         How it ended; a command that fails is an ordinary result.
 
     Raises:
-        SandboxError: The cage could not be made (bubblewrap missing or refused here); the
-            message says why. Nothing of the command ran.
-        ValueError: A file name is absolute or leaves the working directory.
+        SandboxError: The cage could not be made (bubblewrap missing or refused here; with
+            ``root``: not root, or no ``argv[0]`` in the root); the message says why. Nothing of
+            the command ran.
+        ValueError: A file name is absolute or leaves the working directory; ``files``, ``ro_paths``
+            or ``allow_uncontained`` given with ``root``.
 
     **Cancellation:** the whole cage is killed and reaped, and its cgroup removed, before
     the cancellation propagates.
@@ -167,47 +186,26 @@ async def run_contained(
         parts = Path(name).parts
         if not name or Path(name).is_absolute() or ".." in parts:
             raise ValueError(f"file name {name!r} must be relative and stay inside the working directory")
-    as_root = os.geteuid() == 0
-    run_as = (65534, 65534) if as_root else None
-    try:
-        tools = await asyncio.to_thread(
-            find_tools, run_as=run_as, hint="or allow uncontained grading explicitly"
+    if root is not None and (files or ro_paths or allow_uncontained):
+        raise ValueError(
+            "files, ro_paths and allow_uncontained do not apply to a command in a root of its own"
         )
+    as_root = os.geteuid() == 0
+    if root is not None and not as_root:
+        raise SandboxError("running a command in an image root needs root (the root is an overlay mount)")
+    uid = 65534 if host_uid is None else host_uid
+    run_as = (uid, uid) if as_root else None
+    hint = "grading in an image needs it" if root is not None else "or allow uncontained grading explicitly"
+    try:
+        tools = await asyncio.to_thread(find_tools, run_as=run_as, hint=hint)
     except SandboxError:
         if not allow_uncontained:
             raise
         return await _run_uncontained(argv, files, stdin, timeout_s, limits, env)
-    per_process = Limits(
-        address_space_bytes=limits.memory_bytes,
-        max_processes=limits.max_processes,
-        file_size_bytes=limits.file_size_bytes,
-        cpu_seconds=limits.cpu_seconds,
-        open_files=limits.open_files,
-    )
     marker = f"rollcage-cage-started-{secrets.token_hex(8)}"
     fds: list[int] = []
     cgroups: CgroupSet | None = None
     try:
-        mounts: list[Mount] = [*system_mounts(GRADER_SYSTEM_PATHS)]
-        extra = await asyncio.to_thread(_existing, outermost([*interpreter_paths(), *ro_paths]))
-        mounts += [Bind(path, path) for path in extra]
-        mounts.append(Tmpfs(WORKDIR, limits.scratch_bytes, perms="01777"))
-        for name, content in sorted(files.items()):
-            fd = os.memfd_create("rollcage-file", os.MFD_CLOEXEC)
-            fds.append(fd)
-            await asyncio.to_thread(_fill, fd, content.encode() if isinstance(content, str) else content)
-            mounts.append(FileFromFd(fd, f"{WORKDIR}/{name}", perms="0644"))
-        spec = CageSpec(
-            argv=["/bin/sh", "-c", _HANDSHAKE, "rollcage-cage", marker, *argv],
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR, **(env or {})},
-            cwd=WORKDIR,
-            mounts=mounts,
-            tmp=Tmpfs("/tmp", limits.scratch_bytes),
-            shm=Tmpfs("/dev/shm", 1 << 20),
-            limits=per_process,
-            run_as=run_as,
-        )
-        command = cage_argv(spec, tools=tools, as_root=as_root)
         cgroups = await asyncio.to_thread(
             CgroupSet.create,
             unique_name("rollcage-run"),
@@ -215,6 +213,22 @@ async def run_contained(
             # bubblewrap's own processes count too.
             max_processes=limits.max_processes + 8,
         )
+        per_process = Limits(
+            address_space_bytes=limits.memory_bytes,
+            max_processes=_nproc(limits, root is not None, cgroups),
+            file_size_bytes=limits.file_size_bytes,
+            cpu_seconds=limits.cpu_seconds,
+            open_files=limits.open_files,
+        )
+        if root is not None:
+            spec = await asyncio.to_thread(
+                _root_spec, root, argv, marker, env or {}, cwd or "/", per_process, uid
+            )
+        else:
+            spec = await _minimal_spec(
+                argv, files, fds, marker, env, cwd or WORKDIR, ro_paths, limits, per_process
+            )
+        command = cage_argv(dataclasses.replace(spec, run_as=run_as), tools=tools, as_root=as_root)
         return await _supervise(
             [*cgroups.enter_prefix(), *command],
             fds,
@@ -229,6 +243,85 @@ async def run_contained(
             os.close(fd)
         if cgroups is not None:
             await shielded(asyncio.to_thread(cgroups.remove))
+
+
+def _nproc(limits: RunLimits, own_root: bool, cgroups: CgroupSet) -> int | None:
+    """The ``RLIMIT_NPROC`` of a cage, ``None`` for none: each cage's process budget must be its own.
+
+    ``RLIMIT_NPROC`` counts every process of a uid. The minimal tree's cage sets it from inside its
+    own user namespace (the host's ``prlimit`` runs there), where only that cage's processes count.
+    A cage over a root of its own sets it before (the root has no ``prlimit``), where every process
+    of its host uid counts: its pids cgroup bounds it instead where one is made; else the limit stays,
+    on a uid the caller gives it alone (``host_uid``, ``rollcage.controller._fresh_root.lease_uid``).
+    """
+    if own_root and cgroups.pids is not None:
+        return None
+    return limits.max_processes
+
+
+async def _minimal_spec(
+    argv: Sequence[str],
+    files: Mapping[str, str | bytes],
+    fds: list[int],
+    marker: str,
+    env: Mapping[str, str] | None,
+    cwd: str,
+    ro_paths: Sequence[str],
+    limits: RunLimits,
+    per_process: Limits,
+) -> CageSpec:
+    """The minimal tree of the module docstring; file descriptors go into ``fds`` (the caller closes them)."""
+    mounts: list[Mount] = [*system_mounts(GRADER_SYSTEM_PATHS)]
+    extra = await asyncio.to_thread(_existing, outermost([*interpreter_paths(), *ro_paths]))
+    mounts += [Bind(path, path) for path in extra]
+    mounts.append(Tmpfs(WORKDIR, limits.scratch_bytes, perms="01777"))
+    for name, content in sorted(files.items()):
+        fd = os.memfd_create("rollcage-file", os.MFD_CLOEXEC)
+        fds.append(fd)
+        await asyncio.to_thread(_fill, fd, content.encode() if isinstance(content, str) else content)
+        mounts.append(FileFromFd(fd, f"{WORKDIR}/{name}", perms="0644"))
+    return CageSpec(
+        argv=["/bin/sh", "-c", _HANDSHAKE, "rollcage-cage", marker, *argv],
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR, **(env or {})},
+        cwd=cwd,
+        mounts=mounts,
+        tmp=Tmpfs("/tmp", limits.scratch_bytes),
+        shm=Tmpfs("/dev/shm", 1 << 20),
+        limits=per_process,
+    )
+
+
+def _root_spec(
+    root: Path,
+    argv: Sequence[str],
+    marker: str,
+    env: Mapping[str, str],
+    cwd: str,
+    per_process: Limits,
+    uid: int,
+) -> CageSpec:
+    """A cage whose ``/`` is ``root``; the outer stage sees the host's programs only (blocking)."""
+    for needed in ("proc", "dev", "tmp"):
+        # Mount points the inner bwrap needs; made (in the root's writable layer) where it has none.
+        path = root / needed
+        if not path.is_dir() and not path.is_symlink():
+            path.mkdir()
+            path.chmod(0o1777 if needed == "tmp" else 0o755)
+    return CageSpec(
+        # The root's own shell prints the marker: a root without one is a cage that could not be made.
+        argv=["/bin/sh", "-c", _HANDSHAKE, "rollcage-cage", marker, *argv],
+        env=dict(env),
+        cwd=cwd,
+        mounts=system_mounts(GRADER_SYSTEM_PATHS),
+        # The outer stage's /tmp: bwrap builds the inner root in a tmpfs it mounts there.
+        tmp=Tmpfs("/tmp", 1 << 20),
+        shm=None,
+        limits=per_process,
+        # The host uid inside too: what the root's id-mapped image gives that uid is the command's.
+        uid=uid,
+        gid=uid,
+        root=str(root),
+    )
 
 
 def _existing(paths: list[str]) -> list[str]:

@@ -162,6 +162,20 @@ class RayBackendConfig(_Config):
     local_num_cpus: int | None = Field(
         default=None, ge=1, description="CPUs of a private local instance; None: all of this machine's."
     )
+    image_store: Path | None = Field(
+        default=None,
+        description=(
+            "Where each node keeps its task images (a path on the node, not shared between nodes); "
+            "None: the node's $ROLLCAGE_IMAGE_STORE, else rollcage-images under its Ray temp dir."
+        ),
+    )
+
+    @field_validator("image_store")
+    @classmethod
+    def _store_absolute(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"the image store {value} must be an absolute path (it is a path on each node)")
+        return value
 
     def build(self, settings: RolloutSettings, **overrides: Any) -> Backend:
         """The backend for ``settings`` (Ray is imported now, lazily).

@@ -11,55 +11,62 @@ rebuild one here.
 2. copies ``changes/`` into it (a *snapshot*: a process the agent left behind, were there one,
    could change ``changes/`` further, never the root made from the copy). Regular files,
    directories, symbolic links, FIFOs, whiteouts and the opaque mark are kept; everything is
-   given to ``owner`` (the uid the grading cage runs as), with setuid/setgid bits dropped;
+   given to ``uid`` (the uid the grading cage runs as), with setuid/setgid bits dropped;
    sockets and devices other than whiteouts are left out;
 3. mounts an overlay: lowers = the snapshot over the image, upper = the tmpfs (a scratch that
    goes with it), ``nosuid,nodev``. The image is seen through an idmapped mount (Linux 5.12+,
    overlayfs on idmapped layers 5.19+) in which what the image's user owns (root, for most images)
-   belongs to :data:`FRESH_UID`, the uid the command runs as: it may change the image's files as
-   that user in a container would (a
-   SWE-bench evaluation applies its test patch inside the repository), and the store is never
-   written either way. Where that mount is refused the image keeps its owners (logged once).
+   belongs to ``uid`` (default :data:`FRESH_UID`; the tests grader leases one per grade,
+   :func:`lease_uid`), the uid the command runs as: it may change the image's files as that user
+   in a container would (a SWE-bench evaluation applies its test patch inside the repository),
+   and the store is never written either way. Where that mount is refused the image keeps its
+   owners (logged once).
 
-:func:`run_in_root` runs one shell command with that tree as ``/``, in a cage made the way
-:func:`rollcage.cage.run_contained` makes its own (the two-stage launch as root: an outer bwrap
-with the host's programs only, ``setpriv`` to an unprivileged uid, ``prlimit``, and an inner bwrap
+:func:`run_in_root` runs one shell command with that tree as ``/``: it is
+:func:`rollcage.cage.run_contained` with ``root`` (the two-stage launch as root: an outer bwrap
+with the host's programs only, ``setpriv`` to :data:`FRESH_UID`, ``prlimit``, and an inner bwrap
 with new user, PID, IPC, UTS and network namespaces whose root is the fresh tree), bounded in
-wall-clock time, CPU, memory (per process and, where a cgroup can be made, in total),
-processes, file size and kept output. A handshake printed from inside the image, before the
-command starts, tells a cage that could not be made (:class:`~rollcage.errors.SandboxError`)
-from a command that failed.
+wall-clock time, CPU, memory, processes, file size and kept output, with the same handshake that
+tells a cage that could not be made (:class:`~rollcage.errors.SandboxError`) from a command that
+failed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import errno
-import functools
+import fcntl
 import logging
 import os
 import secrets
 import stat
-import subprocess
-import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from rollcage.budgets import CgroupSet, mount_tmpfs, unmount
-from rollcage.cage import ContainedRun, Limits, RunLimits, find_tools
+from rollcage.budgets import mount_tmpfs, unmount
+from rollcage.cage import ContainedRun, RunLimits, run_contained
+from rollcage.cage.idmap import IdMap, idmapped_bind, mapping_namespace
 from rollcage.errors import SandboxError
-from rollcage.procs import ChildProcess, GroupTree, StopStrategy, shielded, stop_tree, wait_shared
 
 logger = logging.getLogger("rollcage.controller")
 
-__all__ = ["FRESH_UID", "ChangesError", "FreshRoot", "fresh_root", "run_in_root", "snapshot_changes"]
+__all__ = [
+    "CAGE_UIDS",
+    "FRESH_UID",
+    "ChangesError",
+    "FreshRoot",
+    "fresh_root",
+    "lease_uid",
+    "run_in_root",
+    "snapshot_changes",
+]
 
 FRESH_UID: Final = 65533
-"""The host uid (and gid) a fresh root's command runs as, and that owns the snapshot of the changes.
+"""The host uid (and gid) a fresh root's command runs as, and that owns the snapshot of the changes,
+unless the caller gives one (the tests grader gives each grade its own, :func:`lease_uid`).
 
 Not 65534 ("nobody", the uid of ``run_contained``'s cages and, as root, of sandboxes): a process
 budget kept as ``RLIMIT_NPROC`` counts every process of its uid, so a fork bomb under another
@@ -71,11 +78,6 @@ _MS_RDONLY: Final = 0x1
 _MNT_DETACH: Final = 0x2
 _OPAQUE: Final = (b"trusted.overlay.opaque", b"user.overlay.opaque")
 _MAX_ENTRIES: Final = 1_000_000
-_KILL_AT_ONCE: Final = StopStrategy(grace_s=0.0, kill_wait_s=5.0)
-# As run_contained's: a marker printed by the image's own shell before the command starts.
-_HANDSHAKE: Final = 'printf "%s\\n" "$1" && shift && exec "$@"'
-_HOST_PATHS: Final = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
-_NEWROOT: Final = "/newroot"
 
 
 class ChangesError(SandboxError):
@@ -194,18 +196,7 @@ def _copy_opaque(fd: int, target: Path) -> None:
             return
 
 
-_SYS_OPEN_TREE: Final = 428  # the same numbers on every architecture
-_SYS_MOVE_MOUNT: Final = 429
-_SYS_MOUNT_SETATTR: Final = 442
-_AT_FDCWD: Final = -100
-_AT_EMPTY_PATH: Final = 0x1000
-_OPEN_TREE_CLONE: Final = 1
-_MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
-_MOUNT_ATTR_IDMAP: Final = 0x00100000
 _warned: set[str] = set()
-_userns_lock = threading.Lock()
-_userns: dict[int, int] = {}
-_HELPER_EXIT_S: Final = 30.0
 
 
 def _warn_once(message: str) -> None:
@@ -214,104 +205,71 @@ def _warn_once(message: str) -> None:
         logger.warning("%s", message)
 
 
-class _MountAttr(ctypes.Structure):
-    _fields_ = [
-        ("attr_set", ctypes.c_uint64),
-        ("attr_clr", ctypes.c_uint64),
-        ("propagation", ctypes.c_uint64),
-        ("userns_fd", ctypes.c_uint64),
-    ]
+def _shift_map(owner: int, uid: int) -> IdMap:
+    """``owner`` -> ``uid``, every other id below ``uid`` to itself.
 
-
-def _shift_userns(owner: int) -> int:
-    """A user namespace (its descriptor, kept for the process) mapping ``owner`` to :data:`FRESH_UID`.
-
-    Every other id below :data:`FRESH_UID` maps to itself, so an idmapped mount with it shows what
-    ``owner`` (uid and gid alike) owns as owned by the cage's uid and leaves other owners as they
-    are. Made by a helper process (a threaded process may not unshare a user namespace itself),
-    which then exits.
+    An id-mapped mount with it shows what ``owner`` owns (uid and gid alike) as owned by the cage's
+    uid and leaves other owners as they are.
     """
-    with _userns_lock:
-        if owner in _userns:
-            return _userns[owner]
-        # The helper waits for a line on stdin: closing it ends the helper, whatever happened here.
-        helper = subprocess.Popen(
-            ["unshare", "--user", "--", "/bin/sh", "-c", "echo ready; read line"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env={"PATH": "/usr/bin:/bin"},
-        )
-        assert helper.stdout is not None and helper.stdin is not None
-        try:
-            if helper.stdout.readline() != b"ready\n":
-                raise OSError(errno.EPERM, "unshare --user did not start")
-            lines = [f"{owner} {FRESH_UID} 1"]
-            if owner > 0:
-                lines.append(f"0 0 {owner}")
-            if owner + 1 < FRESH_UID:
-                lines.append(f"{owner + 1} {owner + 1} {FRESH_UID - owner - 1}")
-            for name in ("uid_map", "gid_map"):
-                with open(f"/proc/{helper.pid}/{name}", "w", encoding="ascii") as handle:
-                    handle.write("\n".join(lines) + "\n")
-            _userns[owner] = os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        finally:
-            helper.stdin.close()
-            helper.stdout.close()
-            try:
-                helper.wait(timeout=_HELPER_EXIT_S)
-            except subprocess.TimeoutExpired as exc:
-                raise OSError(errno.ETIMEDOUT, "the user namespace helper did not exit") from exc
-        return _userns[owner]
+    lines = [(owner, uid, 1)]
+    if owner > 0:
+        lines.append((0, 0, owner))
+    if owner + 1 < uid:
+        lines.append((owner + 1, owner + 1, uid - owner - 1))
+    return tuple(lines)
 
 
-def _idmapped_bind(source: Path, target: Path, owner: int) -> None:
-    """Bind ``source`` at ``target`` through an idmapped mount (:func:`_shift_userns`), read-only.
+CAGE_UIDS: Final = range(0x70000000, 0x70000000 + 0x10000)
+"""Host uids (and gids) a grading cage in a fresh root may have one of for itself (:func:`lease_uid`).
+
+Above every id an image maps to itself (:data:`FRESH_UID` and below), in a range systemd leaves
+unused (``0x70000000``...), owned by no account."""
+_LEASES: Final = Path("/run/rollcage/cage-uids")
+
+
+@contextlib.contextmanager
+def lease_uid(directory: Path = _LEASES) -> Iterator[int]:
+    """A uid of :data:`CAGE_UIDS` that no other holder (of any process) has while the block runs.
+
+    Why: a process budget kept as ``RLIMIT_NPROC`` counts every process of its uid, and a cage over a
+    root of its own sets it before its user namespace exists (the image has no ``prlimit``), so two
+    cages under one uid share one budget: a fork bomb in one would keep the other from starting.
+    With a uid each, no cage can hurt another. The lease is an flock'ed file: a holder killed by
+    SIGKILL releases it.
 
     Raises:
-        OSError: The kernel (before 5.12) or ``source``'s file system refuses.
+        SandboxError: Every uid of the range is held.
     """
-    userns = _shift_userns(owner)
-    libc = _libc()
-    libc.syscall.restype = ctypes.c_long
-    fd = libc.syscall(
-        ctypes.c_long(_SYS_OPEN_TREE),
-        ctypes.c_int(_AT_FDCWD),
-        ctypes.c_char_p(os.fsencode(source)),
-        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC),
-    )
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"open_tree({source}): {os.strerror(err)}")
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    start = secrets.randbelow(len(CAGE_UIDS))
+    for step in range(len(CAGE_UIDS)):
+        uid = CAGE_UIDS[(start + step) % len(CAGE_UIDS)]
+        path = directory / f"{uid}.lease"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if not _locked_in_place(fd, path):
+            os.close(fd)
+            continue
+        try:
+            yield uid
+        finally:
+            # Removed while still locked: whoever opened it meanwhile finds it gone (_locked_in_place),
+            # so the directory holds only the leases held now.
+            path.unlink(missing_ok=True)
+            os.close(fd)
+        return
+    raise SandboxError(f"every grading uid ({len(CAGE_UIDS)}, from {CAGE_UIDS[0]}) is in use")
+
+
+def _locked_in_place(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is now locked by us and still the file at ``path`` (not one its holder removed)."""
     try:
-        attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MS_RDONLY, 0, 0, userns)
-        if (
-            libc.syscall(
-                ctypes.c_long(_SYS_MOUNT_SETATTR),
-                ctypes.c_int(fd),
-                ctypes.c_char_p(b""),
-                ctypes.c_uint(_AT_EMPTY_PATH),
-                ctypes.byref(attr),
-                ctypes.c_size_t(ctypes.sizeof(attr)),
-            )
-            < 0
-        ):
-            err = ctypes.get_errno()
-            raise OSError(err, f"an idmapped mount of {source}: {os.strerror(err)}")
-        if (
-            libc.syscall(
-                ctypes.c_long(_SYS_MOVE_MOUNT),
-                ctypes.c_int(fd),
-                ctypes.c_char_p(b""),
-                ctypes.c_int(_AT_FDCWD),
-                ctypes.c_char_p(os.fsencode(target)),
-                ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
-            )
-            < 0
-        ):
-            err = ctypes.get_errno()
-            raise OSError(err, f"attaching the idmapped mount at {target}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -335,6 +293,7 @@ def fresh_root(
     writable: bool = True,
     shift_owner: bool = True,
     owner: int = 0,
+    uid: int = FRESH_UID,
 ) -> Iterator[FreshRoot]:
     """Mount a fresh root of ``image_root`` plus ``changes`` under the new directory ``scratch`` (root only).
 
@@ -342,9 +301,9 @@ def fresh_root(
     ``size_bytes`` bounds the snapshot and whatever is written into the root together.
     ``writable=False`` mounts the overlay read-only. ``shift_owner``: the image is seen through an
     idmapped mount in which what ``owner`` owns (the uid of the image's ``User``; root when it names
-    none) is owned by :data:`FRESH_UID` (the cage's uid), so the command may write those files as
-    the image's user in a container would; where the kernel or the store's file system refuses an
-    idmapped mount, the image keeps its owners (logged once).
+    none) is owned by ``uid`` (the cage's; it owns the snapshot too), so the command may write
+    those files as the image's user in a container would; where the kernel or the store's file
+    system refuses an idmapped mount, the image keeps its owners (logged once).
 
     Raises:
         ChangesError: ``changes`` cannot be used, or does not fit in ``size_bytes``.
@@ -372,7 +331,7 @@ def fresh_root(
             ) from exc
         mounted.append(scratch)
         try:
-            count = snapshot_changes(changes, scratch / "changes")
+            count = snapshot_changes(changes, scratch / "changes", owner=(uid, uid))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise ChangesError(
@@ -387,8 +346,9 @@ def fresh_root(
             lower = scratch / "image"
             lower.mkdir(mode=0o755)
             try:
-                _idmapped_bind(image_root, lower, owner)
-            except OSError as exc:
+                shift = _shift_map(owner, uid)
+                idmapped_bind(image_root, lower, mapping_namespace(shift, shift))
+            except SandboxError as exc:
                 _warn_once(f"image roots are used with their own owners (no idmapped mount: {exc})")
                 lower = image_root
             else:
@@ -417,8 +377,12 @@ async def run_in_root(
     env: Mapping[str, str],
     timeout_s: float,
     limits: RunLimits | None = None,
+    uid: int = FRESH_UID,
 ) -> ContainedRun:
-    """Run ``/bin/sh -c command`` with ``root`` as ``/`` in a fresh cage (see the module docstring).
+    """Run ``/bin/sh -c command`` with ``root`` as ``/`` in a fresh cage, as host uid ``uid``.
+
+    :func:`rollcage.cage.run_contained` over ``root`` (see the module docstring): one contained-run
+    path for graders in images and plain graders alike.
 
     Args:
         root: A mounted tree (:func:`fresh_root`); the command may write it.
@@ -427,6 +391,9 @@ async def run_in_root(
         env: Its entire environment.
         timeout_s: Wall-clock bound; past it the whole cage is killed (``timed_out``).
         limits: CPU, memory, processes, file size, open files and kept output (``scratch_bytes`` unused).
+        uid: The host uid (and gid) it runs as: the one :func:`fresh_root` gave the root (its
+            ``uid``). Its process budget is its own where a pids cgroup is made; else it is that
+            uid's ``RLIMIT_NPROC``: give each concurrent cage a uid of its own (:func:`lease_uid`).
 
     Raises:
         SandboxError: Not root, bubblewrap is missing, or the cage could not be made (the image has no
@@ -435,224 +402,12 @@ async def run_in_root(
     **Cancellation:** the whole cage is killed and reaped, and its cgroup removed, before the
     cancellation propagates.
     """
-    limits = limits or RunLimits()
-    if os.geteuid() != 0:
-        raise SandboxError("running a command in an image root needs root (the root is an overlay mount)")
-    run_as = (FRESH_UID, FRESH_UID)
-    tools = await asyncio.to_thread(find_tools, run_as=run_as, hint="grading in an image needs it")
-    if tools.setpriv is None:
-        raise SandboxError("setpriv (util-linux) is needed to drop root for the sandbox, and was not found")
-    for needed in ("proc", "dev", "tmp"):
-        # Mount points the inner bwrap needs; made (in the scratch) where the image has none.
-        path = root / needed
-        if not path.is_dir() and not path.is_symlink():
-            await asyncio.to_thread(path.mkdir)
-            await asyncio.to_thread(path.chmod, 0o1777 if needed == "tmp" else 0o755)
-    per_process = Limits(
-        address_space_bytes=limits.memory_bytes,
-        max_processes=limits.max_processes,
-        file_size_bytes=limits.file_size_bytes,
-        cpu_seconds=limits.cpu_seconds,
-        open_files=limits.open_files,
+    return await run_contained(
+        ["/bin/sh", "-c", command],
+        root=root,
+        cwd=cwd,
+        env=env,
+        timeout_s=timeout_s,
+        limits=limits,
+        host_uid=uid,
     )
-    marker = f"rollcage-cage-started-{secrets.token_hex(8)}"
-    host = await asyncio.to_thread(_host_binds)
-    outer = [
-        tools.bwrap,
-        "--unshare-pid",
-        "--die-with-parent",
-        "--cap-drop",
-        "ALL",
-        "--cap-add",
-        "CAP_SETUID",
-        "--cap-add",
-        "CAP_SETGID",
-        *host,
-        # bwrap builds the inner root in a tmpfs it mounts on its own /tmp.
-        "--size",
-        str(1 << 20),
-        "--tmpfs",
-        "/tmp",
-        "--bind",
-        str(root),
-        _NEWROOT,
-        "--bind",
-        "/proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--",
-        tools.setpriv,
-        "--reuid",
-        str(run_as[0]),
-        "--regid",
-        str(run_as[1]),
-        "--clear-groups",
-        "--no-new-privs",
-        "--",
-        tools.prlimit,
-        *per_process.prlimit_args(),
-        "--",
-    ]
-    environment = ["--clearenv"]
-    for name, value in sorted(env.items()):
-        environment += ["--setenv", name, value]
-    inner = [
-        tools.bwrap,
-        "--unshare-user",
-        *(["--disable-userns"] if tools.disable_userns else []),
-        "--unshare-pid",
-        "--unshare-ipc",
-        "--unshare-uts",
-        "--unshare-cgroup-try",
-        "--unshare-net",
-        "--hostname",
-        "rollcage",
-        "--die-with-parent",
-        "--new-session",
-        "--uid",
-        str(run_as[0]),
-        "--gid",
-        str(run_as[1]),
-        "--bind",
-        _NEWROOT,
-        "/",
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--chdir",
-        cwd,
-        *environment,
-        "--",
-        "/bin/sh",
-        "-c",
-        _HANDSHAKE,
-        "rollcage-cage",
-        marker,
-        "/bin/sh",
-        "-c",
-        command,
-    ]
-    cgroups = await asyncio.to_thread(
-        CgroupSet.create,
-        f"rollcage-fresh-{os.getpid()}-{secrets.token_hex(6)}",
-        memory_bytes=limits.memory_bytes,
-        max_processes=limits.max_processes + 8,  # bubblewrap's own processes count too
-    )
-    try:
-        return await _supervise(
-            [*cgroups.enter_prefix(), *outer, *inner], marker.encode() + b"\n", timeout_s, limits, cgroups
-        )
-    finally:
-        await shielded(asyncio.to_thread(cgroups.remove))
-
-
-def _host_binds() -> list[str]:
-    """The outer stage's view of the host: its programs and libraries (bwrap, setpriv, prlimit), read-only."""
-    args: list[str] = []
-    for path in _HOST_PATHS:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.exists(path):
-            args += ["--ro-bind", path, path]
-    return args
-
-
-class _Sink:
-    """What a stream delivered, kept up to a limit; read to the end so the command never blocks."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.kept = bytearray()
-        self.dropped = False
-
-    async def drain(self, stream: asyncio.StreamReader) -> None:
-        while chunk := await stream.read(65536):
-            room = self.limit - len(self.kept)
-            if room > 0:
-                self.kept += chunk[:room]
-            self.dropped = self.dropped or len(chunk) > room
-
-
-async def _supervise(
-    argv: list[str], marker: bytes, timeout_s: float, limits: RunLimits, cgroups: CgroupSet
-) -> ContainedRun:
-    out, err = _Sink(limits.output_limit + len(marker)), _Sink(limits.output_limit)
-    stdout_read, stdout_write = os.pipe()
-    stderr_read, stderr_write = os.pipe()
-    try:
-        child = ChildProcess.spawn(
-            argv,
-            env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
-            cwd="/",
-            stdout=stdout_write,
-            stderr=stderr_write,
-        )
-    except BaseException:
-        os.close(stdout_read)
-        os.close(stderr_read)
-        raise
-    finally:
-        os.close(stdout_write)
-        os.close(stderr_write)
-    loop = asyncio.get_running_loop()
-    exited = asyncio.ensure_future(child.wait())
-    transports: list[asyncio.BaseTransport] = []
-    pipes = [os.fdopen(stdout_read, "rb", buffering=0), os.fdopen(stderr_read, "rb", buffering=0)]
-    timed_out = False
-    try:
-        readers = []
-        for pipe in pipes:
-            reader = asyncio.StreamReader()
-            protocol = functools.partial(asyncio.StreamReaderProtocol, reader)
-            reading, _ = await loop.connect_read_pipe(protocol, pipe)
-            transports.append(reading)
-            readers.append(reader)
-        async with asyncio.timeout(timeout_s):
-            await asyncio.gather(out.drain(readers[0]), err.drain(readers[1]), wait_shared(exited))
-    except TimeoutError:
-        timed_out = True
-    finally:
-
-        async def also_kill() -> None:
-            await asyncio.to_thread(cgroups.kill)
-
-        await stop_tree(GroupTree(child.pid, exited, also_kill=also_kill), _KILL_AT_ONCE)
-        exited.cancel()
-        status = child.release()
-        for each in transports:
-            each.close()
-        for pipe in pipes:
-            pipe.close()
-    if not out.kept.startswith(marker):
-        why = err.kept.decode("utf-8", "replace").strip()[-500:] or (
-            f"it did not start within {timeout_s:g} s" if timed_out else "no handshake"
-        )
-        raise SandboxError(f"the cage in the image root could not be made: {why}")
-    returncode = None if status is None else status.returncode
-    code, sig = _decode(returncode)
-    return ContainedRun(
-        exit_code=None if timed_out else code,
-        signal=sig,
-        stdout=bytes(out.kept[len(marker) :]),
-        stderr=bytes(err.kept),
-        truncated=out.dropped or err.dropped,
-        timed_out=timed_out,
-        memory_exceeded=cgroups.oom_kills() > 0,
-        contained=True,
-    )
-
-
-def _decode(returncode: int | None) -> tuple[int | None, str | None]:
-    import signal
-
-    if returncode is None:
-        return None, None
-    if returncode < 0:
-        return None, signal.Signals(-returncode).name
-    if returncode > 128:
-        # bubblewrap reports a command killed by signal N as exit code 128 + N.
-        with contextlib.suppress(ValueError):
-            return None, signal.Signals(returncode - 128).name
-    return returncode, None

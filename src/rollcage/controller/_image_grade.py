@@ -4,8 +4,10 @@ Never in the agent's live cage: the rollout directory's ``image.json`` names the
 root, its ``WorkingDir`` and ``Env``; ``changes/`` is what the rollout wrote. Grading copies
 ``changes/`` and mounts a new overlay (the copy over the image, a scratch upper on a bounded
 tmpfs) and runs ``command`` there with ``/bin/sh -c`` in a cage of its own
-(``run_in_root`` (``rollcage.controller._fresh_root``)): no network, an unprivileged uid, bounds on time, CPU,
-memory, processes, file size and output. Everything is unmounted and removed afterwards.
+(``run_in_root`` (``rollcage.controller._fresh_root``), which is ``rollcage.cage.run_contained`` over
+that root): no network, an unprivileged uid leased for this grade alone (so its process budget is
+its own, ``lease_uid``), bounds on time, CPU, memory, processes, file size and output. Everything
+is unmounted and removed afterwards.
 
 The reward: with no ``junit_xml``, 1.0 when the command exits 0, else 0.0. With ``junit_xml``,
 the file is read from the root after the command (never following a link) and parsed safely
@@ -184,7 +186,7 @@ async def grade_tests(
     **Cancellation:** the cage is killed and reaped and the fresh root unmounted and removed before
     the cancellation propagates.
     """
-    from rollcage.controller._fresh_root import fresh_root, run_in_root
+    from rollcage.controller._fresh_root import fresh_root, lease_uid, run_in_root
 
     detail: dict[str, Any] = {"name": "tests"}
     try:
@@ -204,13 +206,13 @@ async def grade_tests(
     stack = contextlib.ExitStack()
     try:
         try:
+            # A uid of its own: its process budget is never another grade's (lease_uid says why).
+            uid = await shielded(asyncio.to_thread(stack.enter_context, lease_uid()))
             # Shielded: a mount made after a cancellation would be left behind.
-            root = await shielded(
-                asyncio.to_thread(
-                    stack.enter_context,
-                    fresh_root(info.root, changes, parent / "scratch", size_bytes=SCRATCH_BYTES, owner=owner),
-                )
+            made = fresh_root(
+                info.root, changes, parent / "scratch", size_bytes=SCRATCH_BYTES, owner=owner, uid=uid
             )
+            root = await shielded(asyncio.to_thread(stack.enter_context, made))
             run = await run_in_root(
                 root.path,
                 spec.command,
@@ -218,6 +220,7 @@ async def grade_tests(
                 env=info.env,
                 timeout_s=spec.timeout_s,
                 limits=GRADE_LIMITS,
+                uid=uid,
             )
         except RollcageError as exc:
             return GradeResult(None, detail, f"the tests could not be run in the image: {exc}")

@@ -61,6 +61,14 @@ that starts on the node, by a sweep of every node when a run starts (so a resume
 cleans what its killed predecessor left), and at the end of a run on each node that lost
 one of its tasks.
 
+**Task images.** An image row's attempt carries the image's reference (``node_image``), not a
+root: before the rollout is laid out, the node prepares the image in its own store
+(``--ray-image-store``, else the node's ``$ROLLCAGE_IMAGE_STORE``, else ``rollcage-images`` under
+its Ray temp dir), leases it for the attempt and checks the programs the tools run there
+(``rollcage.controller._node_images``). Concurrent attempts on a node pull an image once (the
+store's locks); an image that cannot be used there is the attempt's ``infra_failure``, naming it.
+The rollout, its ``workspace.diff`` and the tests grader then run on the node as locally.
+
 Ray is imported at the top of this module, which only ``RayBackendConfig.build``
 imports: the local backend never loads Ray.
 """
@@ -834,13 +842,25 @@ def _run_on_node(
     limit: int,
     flag: Any,
     credentials: Mapping[str, str] | None,
+    image_store: str | None = None,
 ) -> dict[str, Any]:
     started = time.time()
     scratch = _scratch_dir() if node_dir is None else None
     local_dir = scratch / prepared.rollout_id if scratch is not None else Path(str(node_dir))
     try:
-        here = prepared.model_copy(update={"rollout_dir": str(local_dir)})
-        record = _RolloutThread(here, settings, flag, credentials).run()
+        with contextlib.ExitStack() as held:
+            try:
+                here = _with_node_image(prepared, image_store, held)
+            except RollcageError as exc:
+                # The attempt never started: its record says why (the registry down, an unusable
+                # image), as a lost task's does; the driver lays out what was attempted.
+                logger.warning(
+                    "rollout %s: its image on node %s: %s", prepared.rollout_id, socket.gethostname(), exc
+                )
+                record = lost_record(prepared, settings, exc, started)
+                return {"record": record.model_dump_json(), "archive": None}
+            here = here.model_copy(update={"rollout_dir": str(local_dir)})
+            record = _RolloutThread(here, settings, flag, credentials).run()
         record = record.model_copy(update={"rollout_dir": prepared.rollout_dir})
         archive: bytes | None = None
         # An attempt that failed before its directory was made (its environment unreachable from
@@ -865,6 +885,34 @@ def _run_on_node(
             shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _with_node_image(
+    prepared: PreparedRollout, image_store: str | None, held: contextlib.ExitStack
+) -> PreparedRollout:
+    """The attempt with its task image prepared in this node's store and leased until ``held`` closes.
+
+    Raises:
+        RollcageError: The image cannot be prepared here, or lacks a program the attempt runs.
+    """
+    if prepared.node_image is None:
+        return prepared
+    from rollcage.controller._node_images import node_image, node_image_store
+
+    store = node_image_store(Path(image_store) if image_store is not None else None)
+    worker_input = prepared.worker_input
+    harness = worker_input.agent.harness
+    sandbox = held.enter_context(
+        node_image(
+            prepared.node_image,
+            store,
+            mode=worker_input.agent.mode,
+            tools=worker_input.tools,
+            builtin=harness is None or harness.type == "builtin",
+        )
+    )
+    update = {"worker_input": worker_input.model_copy(update={"image": sandbox}), "node_image": None}
+    return prepared.model_copy(update=update)
+
+
 def _rollout_task(
     prepared: PreparedRollout,
     settings: RolloutSettings,
@@ -873,6 +921,7 @@ def _rollout_task(
     flag: Any,
     channel: tuple[str, int, str] | None,
     driver_version: str,
+    image_store: str | None = None,
 ) -> Iterator[dict[str, Any]]:
     """The Ray task of one attempt: yields its placement, then its outcome.
 
@@ -888,6 +937,8 @@ def _rollout_task(
         channel: ``(host, port, ticket)`` of the driver's ``_SecretServer`` holding this
             attempt's secrets; ``None``: it has none.
         driver_version: The driver's rollcage version; a different one here is refused.
+        image_store: The image store on every node (``--ray-image-store``); ``None``: each node's
+            own default (``rollcage.controller._node_images.node_image_store``).
 
     Yields:
         ``{node_id, node_ip, hostname, pid}``, then ``{record, archive, logs}``: the record
@@ -913,7 +964,9 @@ def _rollout_task(
     source = logging.getLogger("rollcage")
     source.addHandler(buffer)
     try:
-        outcome = _run_on_node(prepared, settings, node_dir, max_artifact_bytes, flag, credentials)
+        outcome = _run_on_node(
+            prepared, settings, node_dir, max_artifact_bytes, flag, credentials, image_store
+        )
     finally:
         source.removeHandler(buffer)
     outcome["logs"] = buffer.records
@@ -1290,6 +1343,7 @@ class RayBackend:
                 self._flag,
                 channel,
                 __version__,
+                None if self._config.image_store is None else str(self._config.image_store),
             )
             async with asyncio.TaskGroup() as group:
                 # The relay waits on the run's stop for as long as this attempt lasts, no longer.

@@ -52,6 +52,7 @@ from rollcage.controller._dataset import (
 from rollcage.controller._formats import DatasetFormat
 from rollcage.controller._ids import rollout_id
 from rollcage.controller._ledger import RunLedger
+from rollcage.controller._node_images import missing_program, programs_needed
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._servers import EmbeddedPolicy, EnvironmentPool
 from rollcage.controller._unit import (
@@ -66,12 +67,9 @@ from rollcage.controller._unit import (
 from rollcage.errors import ConfigError, DurableWriteError, RollcageError, SandboxError
 from rollcage.procs import shielded
 from rollcage.protocol import (
-    BashToolSpec,
-    EditorToolSpec,
     HarnessEnvironment,
     ImageSandbox,
     ModelEndpoint,
-    PythonToolSpec,
     RolloutRecord,
     RunMetrics,
 )
@@ -213,14 +211,7 @@ class _Scan:
 
 def _programs_needed(task: Task) -> list[tuple[str, str]]:
     """The programs the builtin loop runs in a task's image for its tools: (program, what for)."""
-    needed = []
-    if task.row.agent.mode == "codeact" or any(isinstance(t, PythonToolSpec) for t in task.tools):
-        needed.append(("python3", "the python tool (and codeact)"))
-    if any(isinstance(t, BashToolSpec) for t in task.tools):
-        needed.append(("/bin/bash", "the bash tool"))
-    if any(isinstance(t, EditorToolSpec) for t in task.tools):
-        needed.append(("python3", "the file editor"))
-    return needed
+    return programs_needed(task.row.agent.mode, task.tools)
 
 
 class _Slots:
@@ -322,6 +313,8 @@ class Controller:
         self._endpoints: Endpoints | None = None
         self._harness_envs: dict[str, HarnessEnvironment | None] = {}
         self._images: dict[str, ImageSandbox] = {}
+        self._images_on_nodes = False
+        """The run's images are prepared where its rollouts run (the Ray backend's nodes), not here."""
         self._image_leases = contextlib.ExitStack()
         """The store leases of the run's images: held until the run ends, so no prune removes one."""
         self._log: RecordLog | None = None
@@ -504,13 +497,8 @@ class Controller:
                 f"line {first.line} (task {first.id}): a task image needs the bwrap sandbox, not --sandbox "
                 f"{self.config.sandbox}"
             )
-        if not isinstance(self.config.backend, LocalBackendConfig):
-            # Each node needs the image in its own store (issue 39, item 7): not there yet.
-            raise ConfigError(
-                f"line {first.line} (task {first.id}): task images run with the local backend only "
-                "for now (the image is prepared in this machine's store)"
-            )
-        if os.geteuid() != 0:
+        on_nodes = not isinstance(self.config.backend, LocalBackendConfig)
+        if not on_nodes and os.geteuid() != 0:
             raise ConfigError(
                 f"line {first.line} (task {first.id}): a task image needs rollcage to run as root, which "
                 "mounts each rollout's copy-on-write root (bubblewrap 0.8 has no --overlay); run as root"
@@ -526,8 +514,12 @@ class Controller:
                 f"line {jupyter.line} (task {jupyter.id}): the jupyter executor cannot run in a task image "
                 "(it needs ipykernel there); use the repl executor, which needs only the image's python3"
             )
-        from rollcage.cage import image_environment
-        from rollcage.images import ImageStore, find_program, image_sandbox
+        if on_nodes:
+            # Each node prepares the image in its own store when a rollout first needs it there
+            # (rollcage.controller._node_images); its programs are checked there too.
+            self._images_on_nodes = True
+            return
+        from rollcage.images import ImageStore, image_sandbox
 
         store = ImageStore()
         for ref, task in self._scan.images.items():
@@ -538,12 +530,11 @@ class Controller:
                 sandbox = image_sandbox(prepared)
             except RollcageError as exc:
                 raise ConfigError(f"{where}: {exc}") from exc
-            search = image_environment(sandbox)["PATH"]
             for (image, program), (needer, what) in self._scan.image_needs.items():
                 if image != ref:
                     continue
-                where_found = os.path.dirname(program) if "/" in program else search
-                if find_program(sandbox.root, os.path.basename(program), where_found) is None:
+                where_found = missing_program(sandbox, program)
+                if where_found is not None:
                     raise ConfigError(
                         f"line {needer.line} (task {needer.id}): image {ref} has no {program} "
                         f"(looked in {where_found}), so {what} cannot run in it"
@@ -664,6 +655,7 @@ class Controller:
                 harness_envs=self._harness_envs,
                 images=self._images,
                 image=self.config.image,
+                images_on_nodes=self._images_on_nodes,
             )
             backend = self._backend or self.config.backend.build(self.config.rollout_settings())
             async with backend, RecordLog(self._out / "rollouts.jsonl") as log:

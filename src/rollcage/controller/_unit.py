@@ -170,6 +170,13 @@ class PreparedRollout(_Model):
     resume_from: ResumeSource | None = Field(
         default=None, description="Continue this earlier attempt from its journal; None: start fresh."
     )
+    node_image: str | None = Field(
+        default=None,
+        description=(
+            "A task image to prepare in the store of the node the attempt runs on, which then sets "
+            "worker_input.image (the Ray backend); None: worker_input.image is already set, or none."
+        ),
+    )
 
 
 class RolloutSettings(_Model):
@@ -240,6 +247,8 @@ class Endpoints:
     """The run's task images, prepared and leased, by reference."""
     image: str | None = None
     """The run's image for rows whose sandbox names none (``--image``)."""
+    images_on_nodes: bool = False
+    """Images are prepared where each rollout runs (the Ray backend), not in ``images``."""
 
 
 def task_image(task: Task, default: str | None) -> str | None:
@@ -302,7 +311,7 @@ def prepare_rollout(
         tools=list(task.tools),
         resources=resources,
         harness_env=harness_env,
-        image=_image_of(task, endpoints),
+        image=None if endpoints.images_on_nodes else _image_of(task, endpoints),
     )
     grading: GradingPlan | None = None
     if task.grader is not None:
@@ -326,6 +335,7 @@ def prepare_rollout(
         worker_input=worker_input,
         grading=grading,
         environment=environment,
+        node_image=task_image(task, endpoints.image) if endpoints.images_on_nodes else None,
     )
 
 

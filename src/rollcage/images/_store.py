@@ -210,7 +210,8 @@ class ImageStore:
         """The image ready for use: from the store when it is there, pulled otherwise.
 
         A registry reference already in the store is used without asking the registry (pull
-        again to refresh a tag); local layouts and archives are re-read, which is cheap.
+        again to refresh a tag); local layouts and archives are re-read, which is cheap. Concurrent
+        prepares of one registry reference in one store, from any processes, pull it once.
 
         **Cancellation:** as :meth:`pull`.
         """
@@ -221,6 +222,13 @@ class ImageStore:
             known = self._known(parsed)
             if known is not None:
                 return known
+            # Many processes of one node (a Ray node's rollouts, say) may ask for the same image at
+            # once: one pulls, the others wait and find it in the store, so the registry is asked once.
+            with self._lock(f"ref-{_ref_key(parsed)}"):
+                known = self._known(parsed)
+                if known is not None:
+                    return known
+                return self.pull(parsed)
         return self.pull(parsed)
 
     def _dir_image(self, ref: ImageRef) -> PreparedImage:

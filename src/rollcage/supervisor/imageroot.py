@@ -15,8 +15,9 @@ Layout, in the rollout directory ``R``::
 Ownership. The store keeps the image's owners (mostly uid 0). The sandbox runs as an unprivileged
 host uid (``run_as_uid``), which must own the files of the image's ``User`` for agent code to
 change them, as a container's user does. So the overlay's lower is an *id-mapped* mount of the
-image root (``mount_setattr(MOUNT_ATTR_IDMAP)``, Linux 5.12+; overlayfs accepts one as a layer since
-5.19): the image user's files appear owned by the sandbox's host uid; everyone else's by nobody.
+image root (``rollcage.cage.idmap``: ``mount_setattr(MOUNT_ATTR_IDMAP)``, Linux 5.12+; overlayfs
+accepts one as a layer since 5.19): the image user's files appear owned by the sandbox's host uid;
+everyone else's by nobody.
 The store itself is never written: the mapping is a property of the mount, and every write
 lands in ``changes/`` (copy-up is done by overlayfs with the mounter's credentials).
 
@@ -41,12 +42,11 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from rollcage.cage.idmap import idmapped_bind, mapping_namespace
 from rollcage.durable import publish_bytes
 from rollcage.errors import SandboxError
 from rollcage.protocol import ImageSandbox
@@ -56,34 +56,14 @@ __all__ = ["MOUNT_POINTS", "ImageRoot", "mount_image_root", "release_image_root"
 MOUNT_POINTS: Final = ("proc", "dev", "tmp", "rollout/workspace")
 """Where the agent's cage mounts over the image (:func:`rollcage.cage.image_prefix`), relative to ``/``."""
 
-_SYS_OPEN_TREE: Final = 428
-_SYS_MOVE_MOUNT: Final = 429
-_SYS_MOUNT_SETATTR: Final = 442
-_OPEN_TREE_CLONE: Final = 1
-_OPEN_TREE_CLOEXEC: Final = os.O_CLOEXEC
-_AT_EMPTY_PATH: Final = 0x1000
-_AT_FDCWD: Final = -100
-_MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
-_MOUNT_ATTR_RDONLY: Final = 0x1
-_MOUNT_ATTR_IDMAP: Final = 0x00100000
 _MS_NOSUID: Final = 0x2
 _MS_NODEV: Final = 0x4
 _MNT_DETACH: Final = 0x2
 _BAD: Final = (",", ":", "\\", "\n")
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 _libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
 _libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
-
-
-class _MountAttr(ctypes.Structure):
-    _fields_ = (
-        ("attr_set", ctypes.c_uint64),
-        ("attr_clr", ctypes.c_uint64),
-        ("propagation", ctypes.c_uint64),
-        ("userns_fd", ctypes.c_uint64),
-    )
 
 
 def _fail(what: str) -> SandboxError:
@@ -91,81 +71,11 @@ def _fail(what: str) -> SandboxError:
     return SandboxError(f"{what}: {os.strerror(code)}")
 
 
-_userns_lock = threading.Lock()
-_userns: dict[tuple[int, int, int, int], int] = {}
-
-
-def _mapping_namespace(inside: tuple[int, int], outside: tuple[int, int]) -> int:
-    """A user namespace (an open descriptor, kept for the process) mapping ``inside`` ids to ``outside``.
-
-    Made once per mapping by a short-lived ``unshare --user`` whose maps this (root) process writes.
-    """
-    key = (*inside, *outside)
-    with _userns_lock:
-        if key in _userns:
-            return _userns[key]
-        try:
-            proc = subprocess.Popen(
-                ["unshare", "--user", "--", "sh", "-c", "echo ready; exec cat"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        except OSError as exc:
-            raise SandboxError(f"cannot start unshare (util-linux) to map the image's owner: {exc}") from exc
-        try:
-            assert proc.stdout is not None and proc.stdin is not None
-            if proc.stdout.readline() != b"ready\n":
-                raise SandboxError("unshare --user did not start, so the image's owner cannot be mapped")
-            with open(f"/proc/{proc.pid}/uid_map", "w", encoding="ascii") as handle:
-                handle.write(f"{inside[0]} {outside[0]} 1\n")
-            with open(f"/proc/{proc.pid}/setgroups", "w", encoding="ascii") as handle:
-                handle.write("deny")
-            with open(f"/proc/{proc.pid}/gid_map", "w", encoding="ascii") as handle:
-                handle.write(f"{inside[1]} {outside[1]} 1\n")
-            fd = os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise SandboxError(f"cannot map the image's owner to the sandbox's uid: {exc}") from exc
-        finally:
-            # Its cat ends at the end of its stdin: closing it ends the helper, whatever happened here.
-            with contextlib.suppress(OSError):
-                if proc.stdin is not None:
-                    proc.stdin.close()
-            proc.wait()
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
-        _userns[key] = fd
-        return fd
-
-
 def _plain(path: Path, what: str) -> str:
     text = str(path)
     if any(c in text for c in _BAD):
         raise SandboxError(f"{what} {text!r} holds one of , : \\ which overlay mount options cannot carry")
     return text
-
-
-def _idmapped_copy(source: str, userns: int) -> int:
-    """A detached, read-only, id-mapped copy of the mount tree at ``source`` (a descriptor)."""
-    fd = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source), _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC)
-    if fd < 0:
-        raise _fail(f"cloning the image root {source}")
-    attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY, 0, 0, userns)
-    if (
-        _libc.syscall(_SYS_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr))
-        != 0
-    ):
-        error = _fail(f"id-mapping the image root {source} (its file system must allow id-mapped mounts)")
-        os.close(int(fd))
-        raise error
-    return int(fd)
-
-
-def _attach(fd: int, target: Path) -> None:
-    result = _libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH)
-    if result != 0:
-        raise _fail(f"attaching the image root at {target}")
 
 
 def _unmount(path: Path) -> None:
@@ -371,12 +281,9 @@ def _mount(
         owner[1] if st.st_gid == image.gid else 0,
     )
     os.chmod(upper, st.st_mode & 0o7777)
-    userns = _mapping_namespace((image.uid, image.gid), owner)
-    fd = _idmapped_copy(image.root, userns)
-    try:
-        _attach(fd, lower)
-    finally:
-        os.close(fd)
+    # The image user's ids are the sandbox's; nothing else is mapped (everyone else's files: nobody's).
+    userns = mapping_namespace(((image.uid, owner[0], 1),), ((image.gid, owner[1], 1),))
+    idmapped_bind(image.root, lower, userns)
     try:
         lowers = f"{_plain(skeleton, 'mount points')}:{_plain(lower, 'image mount')}"
         options = (
