@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rollcage.cage import CgroupSet, RunLimits
+from rollcage.budgets import CgroupSet
+from rollcage.cage import RunLimits
 from rollcage.controller._fresh_root import CAGE_UIDS, lease_uid
 from rollcage.controller._graders import TestsGrader as Spec
 from rollcage.controller._image_grade import grade_tests
