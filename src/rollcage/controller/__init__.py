@@ -10,6 +10,7 @@ imported only when that backend is built).
 """
 
 from rollcage.controller._backend import LocalBackend
+from rollcage.controller._branch import branch
 from rollcage.controller._collect import Collection, collect
 from rollcage.controller._config import (
     EmbeddedPolicyConfig,
@@ -64,6 +65,7 @@ __all__ = [
     "RunConfig",
     "RunSummary",
     "Task",
+    "branch",
     "collect",
     "create_params_for",
     "function_tools",
