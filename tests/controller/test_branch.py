@@ -328,3 +328,17 @@ def test_the_cli_refuses_a_bad_boundary_in_one_line(tmp_path: Path) -> None:
     )
     assert done.returncode == 2 and done.stderr.startswith("rollcage branch: rollout id '../x'"), done.stderr
     assert parse_boundary("3") == ("turn", 3) and parse_boundary("seq:12") == ("seq", 12)
+
+
+async def test_the_live_part_uses_the_model_and_sampling_asked_for(tmp_path: Path, serve_policy: Any) -> None:
+    server = serve_policy(keep_bodies=True)
+    _, source = await _source(tmp_path, server)
+    data = tmp_path / "data" / "dataset.jsonl"
+    (got,) = await _branches(
+        source, tmp_path / "b", data, at="turn:3", k=1, model_name="other", temperature=0.5
+    )
+    assert (got.outcome, got.reward) == ("completed", 1.0), got.receipt.outcome_reason
+    (asked,) = [r for r in server.request_log if r.rollout_id == got.rollout_id]
+    assert asked.turn == 3 and asked.body is not None
+    assert (asked.body["model"], asked.body["temperature"]) == ("other", 0.5)
+    assert _prefix(_result(got), 3) == _prefix(_result(source), 3)
