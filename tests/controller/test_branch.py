@@ -29,6 +29,7 @@ from rollcage.errors import ConfigError
 from rollcage.policy import PolicyServer
 from rollcage.protocol import RolloutRecord, WorkerResult
 from tests.helpers.waiting import wait_for
+from tests.images.test_image_rollouts import python_image, store  # noqa: F401 - fixtures
 
 SANDBOX: Any = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
 pytestmark = [
@@ -342,3 +343,65 @@ async def test_the_live_part_uses_the_model_and_sampling_asked_for(tmp_path: Pat
     assert asked.turn == 3 and asked.body is not None
     assert (asked.body["model"], asked.body["temperature"]) == ("other", 0.5)
     assert _prefix(_result(got), 3) == _prefix(_result(source), 3)
+
+
+IMAGE_SCRIPT = {
+    "tasks": {
+        "*": [
+            {"tool_calls": [{"name": "python", "arguments": {"code": "x = 6\nprint(x)"}}]},
+            {"tool_calls": [{"name": "bash", "arguments": {"command": "echo 7 > seven.txt"}}]},
+            {"tool_calls": [{"name": "python", "arguments": {"code": "x *= int(open('seven.txt').read())"}}]},
+            {
+                "tool_calls": [
+                    {"name": "python", "arguments": {"code": "print(x, open('/etc/os-release').read())"}}
+                ]
+            },
+            {"text": "42"},
+        ]
+    }
+}
+
+
+async def test_an_image_row_branch_rebuilds_its_root_by_rerunning_the_cells(
+    tmp_path: Path,
+    serve_policy: Any,
+    store: Path,  # noqa: F811
+    python_image: Any,  # noqa: F811
+) -> None:
+    server = serve_policy(IMAGE_SCRIPT)
+    data = tmp_path / "data"
+    data.mkdir()
+    row = {**_rows()[0], "tools": ["python", "bash"]}
+    (data / "dataset.jsonl").write_text(json.dumps(row) + "\n")
+    config = RunConfig(
+        dataset=data / "dataset.jsonl",
+        out=tmp_path / "run",
+        model=ModelEndpointConfig(base_url=server.base_url, model_name="scripted"),
+        image=python_image.ref,
+        deadline_s=90,
+        retry_backoff_s=0,
+    )
+    await Controller(config).run()
+    (source,) = _records(config.out)
+    assert source.outcome == "completed", source.receipt.outcome_reason
+    notices: list[str] = []
+    got = [
+        r
+        async for r in branch(
+            source,
+            at="turn:3",
+            k=2,
+            out=tmp_path / "b",
+            tasks=data / "dataset.jsonl",
+            deadline_s=90,
+            notice=notices.append,
+        )
+    ]
+    assert any("rebuilt by re-running the prefix's cells" in n for n in notices), notices
+    for record in got:
+        assert (record.outcome, record.reward) == ("completed", 1.0), record.receipt.outcome_reason
+        assert server.requests[record.rollout_id] == 2
+        result = _result(record)
+        # The live cell saw the state the re-run prefix rebuilt, in the image's own root.
+        assert "42 ID=rollcage-task-image" in result.trajectory.tool_calls[-1].output
+        assert (Path(record.rollout_dir) / "changes" / "work" / "seven.txt").read_text() == "7\n"
