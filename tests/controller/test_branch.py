@@ -52,6 +52,11 @@ SCRIPT = {
             {"tool_calls": [{"name": "python", "arguments": {"code": "print(open('y.txt').read())"}}]},
             {"text": "42"},
         ],
+        "oops": [
+            {"tool_calls": [{"name": "python", "arguments": {"code": "x = 6\nprint(x)"}}]},
+            {"tool_calls": [{"name": "nope", "arguments": {}}]},
+            {"text": "42"},
+        ],
         "noisy": [
             {
                 "tool_calls": [
@@ -405,3 +410,18 @@ async def test_an_image_row_branch_rebuilds_its_root_by_rerunning_the_cells(
         # The live cell saw the state the re-run prefix rebuilt, in the image's own root.
         assert "42 ID=rollcage-task-image" in result.trajectory.tool_calls[-1].output
         assert (Path(record.rollout_dir) / "changes" / "work" / "seven.txt").read_text() == "7\n"
+
+
+async def test_first_failed_tool_reasks_the_model_call_that_asked_for_it(
+    tmp_path: Path, serve_policy: Any
+) -> None:
+    server = serve_policy()
+    _, source = await _source(tmp_path, server, task="oops")
+    failed = [t for t in _result(source).trajectory.tool_calls if t.status == "failed"]
+    assert [t.turn for t in failed] == [1]
+    data = tmp_path / "data" / "dataset.jsonl"
+    (got,) = await _branches(source, tmp_path / "b", data, at="first-failed-tool", k=1)
+    assert (got.outcome, got.reward) == ("completed", 1.0), got.receipt.outcome_reason
+    assert got.branched_from is not None and got.branched_from.turn == 1
+    assert {r.turn for r in server.request_log if r.rollout_id == got.rollout_id} == {1, 2}
+    assert _prefix(_result(got), 1) == _prefix(_result(source), 1)
