@@ -200,7 +200,7 @@ def _samples(task_id: str, record: RolloutRecord, advantage: float, filtered: di
 
 async def collect_tree_batch(url: str, k: int, out: Path, sandbox: str) -> Batch:
     """One trunk per task, k branches of each from its last turn; advantages against the siblings."""
-    from rollcage.controller._branch import plan_branches
+    from rollcage.controller import plan_branches
 
     filtered: dict[str, int] = defaultdict(int)
     trunks: list[RolloutRecord] = []

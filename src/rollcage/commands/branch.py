@@ -52,7 +52,7 @@ def command(
     import asyncio
 
     from rollcage.commands import fail, finite
-    from rollcage.controller._branch import branch, source_directory
+    from rollcage.controller import branch, branch_source
     from rollcage.errors import ConfigError
 
     finite(temperature)
@@ -66,7 +66,7 @@ def command(
 
     async def go() -> list[str]:
         outcomes: list[str] = []
-        source = source_directory(run_dir.absolute(), rollout)
+        source = branch_source(run_dir.absolute(), rollout)
         async for record in branch(
             source,
             at=at,

@@ -52,15 +52,25 @@ from rollcage.controller._unit import (
     ResumeSource,
     RolloutSettings,
     SuperviseFn,
-    _changed_task,
     prepare_rollout,
     run_rollout,
     set_aside,
+    task_change,
 )
 from rollcage.errors import ConfigError, JournalCorruptError, ResumeRefusedError, RollcageError
 from rollcage.protocol import BranchLink, ResponseItem, RolloutRecord, Trajectory, WorkerInput
 
-__all__ = ["BranchPlan", "BranchPoint", "branch", "export_tree", "parse_boundary", "plan_branches"]
+__all__ = [
+    "BranchPlan",
+    "BranchPoint",
+    "branch",
+    "branch_id",
+    "branch_source",
+    "export_tree",
+    "parse_boundary",
+    "plan_branches",
+    "resolve_boundary",
+]
 
 _RULES = ("first-failed-tool", "last-turn")
 _MAX_INPUT_BYTES = 64 * 1024 * 1024
@@ -233,7 +243,7 @@ def _read_journal(directory: Path) -> list[dict[str, Any]]:
         raise ConfigError(f"the source's journal is damaged: {exc}") from exc
 
 
-def source_directory(run: Path, rollout: str) -> Path:
+def branch_source(run: Path, rollout: str) -> Path:
     """``RUN/rollouts/ROLLOUT``, refused unless ``rollout`` is one plain file name and no link is followed.
 
     Raises:
@@ -299,7 +309,7 @@ def _grading(
             f"row {source.task_id!r} uses an environment, which cannot recreate its session at a point "
             "inside it: it cannot be branched"
         )
-    changed = _changed_task(source_dir / "input.json", prepared.worker_input, branch=True)
+    changed = task_change(source_dir / "input.json", prepared.worker_input, branch=True)
     if changed is not None:
         raise ConfigError(
             f"row {source.task_id!r} changed since the source ran ({changed}): not graded as it"

@@ -90,6 +90,7 @@ __all__ = [
     "run_rollout",
     "set_aside",
     "set_aside_earlier",
+    "task_change",
     "task_image",
 ]
 
@@ -456,6 +457,17 @@ def _stage_resume(directory: Path, resume: ResumeSource, worker_input: WorkerInp
 
 _PER_ATTEMPT = {"rollout_id": True, "model_cookies": True, "resource_cookies": True, "resume": True}
 """What differs between attempts of one task by design (the endpoints' addresses too, below)."""
+
+
+def task_change(previous_input: Path, worker_input: WorkerInput, *, branch: bool = False) -> str | None:
+    """The first field in which an earlier attempt's task (its ``input.json``) differs from this one's.
+
+    ``None``: the same task. With ``branch``, the model and its settings may differ (blocking).
+
+    Raises:
+        ResumeRefusedError: The earlier ``input.json`` cannot be read.
+    """
+    return _changed_task(previous_input, worker_input, branch=branch)
 
 
 def _changed_task(previous_input: Path, worker_input: WorkerInput, *, branch: bool = False) -> str | None:
