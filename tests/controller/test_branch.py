@@ -301,6 +301,16 @@ async def test_a_boundary_the_journal_does_not_hold_is_refused_up_front(
     assert not (tmp_path / "b").exists()
 
 
+async def test_a_harness_rollout_is_refused_naming_the_row(tmp_path: Path, serve_policy: Any) -> None:
+    run, source = await _source(tmp_path, serve_policy())
+    path = run / "rollouts" / SOURCE / "input.json"
+    data = json.loads(path.read_bytes())
+    data["agent"] = {**data["agent"], "harness": {"type": "nooa"}}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"row 't0' runs the nooa harness, which cannot replay"):
+        plan_branches(source, at="turn:1", k=1, out=tmp_path / "b")
+
+
 async def test_a_row_with_an_environment_is_refused_naming_the_row(tmp_path: Path, serve_policy: Any) -> None:
     run, source = await _source(tmp_path, serve_policy())
     path = run / "rollouts" / SOURCE / "input.json"
