@@ -39,7 +39,7 @@ import contextlib
 import fcntl
 import os
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -499,7 +499,7 @@ async def branch(
     concurrency: int | None = None,
     settings: RolloutSettings | None = None,
     supervise: SuperviseFn | None = None,
-    notice: Any = None,
+    notice: Callable[[str], object] | None = None,
 ) -> AsyncIterator[RolloutRecord]:
     """Run ``k`` branches of ``source`` from boundary ``at``; yield each branch's record as it lands.
 
