@@ -17,6 +17,12 @@ advantages are not all zero), and one attempt fails for infrastructure reasons
 
     .venv/bin/python examples/trainer_loop.py --steps 2 --k 4 [--sandbox none] [--out runs/grpo]
 
+``--tree`` is the tree-structured variant: one rollout of each task (the trunk), then ``k``
+branches of it from its last turn (``rollcage.branch``: the trunk's prefix is replayed from its
+journal, never sent to the model again), advantages computed against the siblings, and only the
+branches' own (live) model calls in the batch: the shared prefix is trained on once, by the trunk's
+group elsewhere, not k times.
+
 For a real model: ``model=`` the vLLM server's URL and ``model_name=``; the sampling
 settings below ask vLLM for exactly these token fields.
 """
@@ -32,7 +38,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import rollcage
 from rollcage.policy import PolicyServer
@@ -159,6 +165,81 @@ async def collect_batch(url: str, k: int, out: Path, sandbox: str) -> Batch:
     return Batch(samples=samples, rewards=rewards, filtered=dict(filtered))
 
 
+def _samples(task_id: str, record: RolloutRecord, advantage: float, filtered: dict[str, int]) -> list[Sample]:
+    """The record's model calls with complete token data, each with the record's advantage.
+
+    A branch's calls answered from its source's journal (``resumed_from``) are the shared prefix: left out.
+    """
+    result = record.result()
+    if result is None:
+        return []
+    resumed = result.trajectory.resumed_from
+    replayed = set(resumed.replayed_model_calls) if record.branched_from and resumed else set()
+    samples: list[Sample] = []
+    for call in result.trajectory.model_calls:
+        if call.id in replayed:
+            continue
+        tokens = call.tokens
+        if tokens.status != "observed" or tokens.scope != "generation":
+            filtered["calls without token data"] += 1
+            continue
+        assert tokens.prompt_token_ids is not None and tokens.generation_token_ids is not None
+        assert tokens.generation_log_probs is not None
+        samples.append(
+            Sample(
+                task_id=task_id,
+                rollout_id=record.rollout_id,
+                prompt_token_ids=tokens.prompt_token_ids,
+                completion_token_ids=tokens.generation_token_ids,
+                logprobs=tokens.generation_log_probs,
+                advantage=advantage,
+            )
+        )
+    return samples
+
+
+async def collect_tree_batch(url: str, k: int, out: Path, sandbox: str) -> Batch:
+    """One trunk per task, k branches of each from its last turn; advantages against the siblings."""
+    from rollcage.controller import plan_branches
+
+    filtered: dict[str, int] = defaultdict(int)
+    trunks: list[RolloutRecord] = []
+    async with rollcage.collect(
+        rows(), model=url, model_name="scripted-policy", out=out / "trunks", sandbox=sandbox, concurrency=4
+    ) as rollouts:
+        async for record in rollouts:
+            if record.outcome in TRAINABLE and record.reward is not None:
+                trunks.append(record)
+            else:
+                filtered[record.outcome] += 1
+    groups: dict[str, list[RolloutRecord]] = defaultdict(list)
+    contained: Literal["bwrap", "none"] = "none" if sandbox == "none" else "bwrap"
+    for trunk in trunks:
+        where = out / f"branches-{trunk.task_id}"
+        # The branches' live part on a server of its own, whose faults know their ids: branch 1 of each
+        # trunk answers nothing (reward 0), so the siblings' advantages are not all zero.
+        plan = await asyncio.to_thread(plan_branches, trunk, at="last-turn", k=k, out=where, tasks=rows())
+        wrong = [f"rollout={p.rollout_id}:call=1:kind=empty" for p in plan.prepared if p.sample == 1]
+        server = await asyncio.to_thread(PolicyServer(script(), faults=wrong).start)
+        try:
+            async for record in rollcage.branch(
+                trunk, at="last-turn", k=k, out=where, tasks=rows(), model=server.base_url, sandbox=contained
+            ):
+                if record.outcome not in TRAINABLE or record.reward is None or record.masked:
+                    filtered[record.outcome] += 1
+                    continue
+                groups[trunk.task_id].append(record)
+        finally:
+            await asyncio.to_thread(server.stop)
+    samples: list[Sample] = []
+    rewards: dict[str, list[float]] = {}
+    for task_id, members in groups.items():
+        rewards[task_id] = [m.reward or 0.0 for m in members]
+        for record, advantage in zip(members, advantages(rewards[task_id]), strict=True):
+            samples += _samples(task_id, record, advantage, filtered)
+    return Batch(samples=samples, rewards=rewards, filtered=dict(filtered))
+
+
 def train_step(batch: Batch) -> float:
     """The REINFORCE surrogate loss, ``-mean(A * sum(logprobs))`` (a stand-in for a real update)."""
     if not batch.samples:
@@ -173,6 +254,9 @@ async def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--k", type=int, default=4, help="rollouts per task (the group size)")
     parser.add_argument("--sandbox", choices=["bwrap", "none"], default="bwrap")
     parser.add_argument(
+        "--tree", action="store_true", help="k branches of one trunk per task (rollcage.branch)"
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("runs/trainer-loop"), help="one run directory per step"
     )
     args = parser.parse_args(argv)
@@ -182,7 +266,8 @@ async def main(argv: list[str]) -> dict[str, Any]:
         # it starts and stops on a thread, off the event loop.
         server = await asyncio.to_thread(PolicyServer(script(), faults=faults(args.k)).start)
         try:
-            batch = await collect_batch(server.base_url, args.k, args.out / f"step-{step}", args.sandbox)
+            collect_fn = collect_tree_batch if args.tree else collect_batch
+            batch = await collect_fn(server.base_url, args.k, args.out / f"step-{step}", args.sandbox)
         finally:
             await asyncio.to_thread(server.stop)
         loss = train_step(batch)

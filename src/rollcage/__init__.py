@@ -1,7 +1,7 @@
 """rollcage: crash-safe, sandboxed agent rollouts for reinforcement learning and evaluation.
 
 The public face: the protocol models, ``load_checkpoint``, the error root, and
-``collect`` (the Python API for trainers: ``rollcage.controller.collect``, imported
+``collect`` and ``branch`` (the Python API for trainers: ``rollcage.controller``, imported
 on first use, so that the worker, which imports this package, never pays for the
 controller). Everything else lives in modules with their own ``__all__``.
 """
@@ -24,7 +24,7 @@ from rollcage.protocol import (
 )
 
 if TYPE_CHECKING:
-    from rollcage.controller import collect
+    from rollcage.controller import branch, collect
 
 __all__ = [
     "Checkpoint",
@@ -38,6 +38,7 @@ __all__ = [
     "Trajectory",
     "WorkerInput",
     "WorkerResult",
+    "branch",
     "collect",
     "load_checkpoint",
 ]
@@ -46,9 +47,13 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """``rollcage.collect``, imported when first asked for."""
+    """``rollcage.collect`` and ``rollcage.branch``, imported when first asked for."""
     if name == "collect":
         from rollcage.controller import collect
 
         return collect
+    if name == "branch":
+        from rollcage.controller import branch
+
+        return branch
     raise AttributeError(f"module 'rollcage' has no attribute {name!r}")

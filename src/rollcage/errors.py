@@ -19,6 +19,7 @@ publishes as ``RunnerError.kind`` (``transient`` for the infrastructure's,
     │   ├── SandboxError                             bubblewrap missing or failing
     │   ├── SupervisorError                          the supervisor could not do its job
     │   ├── RunFailedError                           the controller itself failed mid-run
+    │   ├── BranchReplayError                        a branch's prefix could not be replayed exactly
     │   ├── HarnessUnavailableError                  a harness could not be started or installed
     │   ├── ImagePullError                           a registry unreachable, refusing, or failing
     │   ├── RayTaskLostError                         a Ray task ended without a record
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ArtifactsTooLargeError",
+    "BranchReplayError",
     "ConfigError",
     "ControllerOnlyFieldError",
     "DurableWriteError",
@@ -217,6 +219,14 @@ class RayTaskOverdueError(RayTaskLostError, TimeoutError):
 
 class ArtifactsTooLargeError(InfrastructureError):
     """A rollout directory holds more than the limit for shipping it to the driver."""
+
+
+class BranchReplayError(InfrastructureError):
+    """A branch's prefix could not be replayed from its source's journal exactly (``rollcage.branch``).
+
+    The branch ends as ``infra_failure`` with the reason, never as a silent fresh start: what the
+    model saw would no longer be the source's prefix.
+    """
 
 
 class RunFailedError(InfrastructureError):

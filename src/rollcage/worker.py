@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from rollcage.agent import Agent, AgentResult
 from rollcage.checkpoint import BoundaryJournal
 from rollcage.durable import publish_json, read_bounded
-from rollcage.errors import ConfigError, ResumeRefusedError, RollcageError
+from rollcage.errors import BranchReplayError, ConfigError, ResumeRefusedError, RollcageError
 from rollcage.filewatch import wait_for_file
 from rollcage.procs import (
     run_blocking_inline,
@@ -420,23 +420,44 @@ class _Session:
         self.replaying: list[dict[str, Any]] | None = None
         """Boundaries of a replay, held back until the replay is over (a divergence discards them)."""
         self.boundary_lock = asyncio.Lock()
+        self.unreplayable: str | None = None
+        """Why a branch's journal cannot be replayed (its episode ends with it)."""
 
     async def _plan_resume(self) -> None:
         """Validate the earlier attempt's journal; an unusable one means a fresh start, with the reason."""
         request = self.spec.resume
         if request is None:
             return
+        reason: str | None = None
         if self.harness:
-            self._refuse_resume("a harness rollout is not resumed: a harness cannot replay recorded answers")
+            reason = "a harness rollout is not resumed: a harness cannot replay recorded answers"
+        else:
+            try:
+                self.replay_plan = load_replay(self.paths.resume, request.previous_rollout_id)
+            except ResumeRefusedError as exc:
+                reason = str(exc)
+            except Exception as exc:  # evidence from a sandbox: whatever is wrong with it, start fresh
+                reason = f"the earlier attempt's journal is unusable: {type(exc).__name__}: {exc}"
+        if reason is None:
             return
-        try:
-            self.replay_plan = load_replay(self.paths.resume, request.previous_rollout_id)
-        except ResumeRefusedError as exc:
-            self._refuse_resume(str(exc))
-        except Exception as exc:  # evidence from a sandbox: whatever is wrong with it, start fresh
-            self._refuse_resume(f"the earlier attempt's journal is unusable: {type(exc).__name__}: {exc}")
+        if request.strict:
+            # A branch: raised by its episode (so it ends with a result), never a fresh start.
+            self.unreplayable = reason
+            return
+        self._refuse_resume(reason)
 
     def _refuse_resume(self, reason: str) -> None:
+        """Start fresh, with the reason; a branch (a strict resume) ends instead.
+
+        Raises:
+            BranchReplayError: The resume is a branch's: a fresh start would not be its source's prefix.
+        """
+        if self.spec.resume is not None and self.spec.resume.strict:
+            self.replay_plan = None
+            self.replaying = None
+            self.recorder = TrajectoryRecorder()
+            self.recorder.resume_refused = reason
+            raise BranchReplayError(f"the branch's prefix could not be replayed from its source: {reason}")
         log.warning("not resuming, starting fresh: %s", reason)
         self.replay_plan = None
         self.replaying = None
@@ -453,7 +474,13 @@ class _Session:
         try:
             await self._open_evidence()
             await self._plan_resume()
-            self.task = asyncio.create_task(self._harness_episode() if self.harness else self._episode())
+            self.task = asyncio.create_task(
+                self._unreplayable(self.unreplayable)
+                if self.unreplayable is not None
+                else self._harness_episode()
+                if self.harness
+                else self._episode()
+            )
             if self.cancel_signal is not None:
                 self.task.cancel()  # the signal arrived while the journal was opening
             outcome: AgentResult | None = None
@@ -576,6 +603,11 @@ class _Session:
         # Best effort by contract (checkpoint.BoundaryJournal): a lost boundary is logged and counted.
         if self.journal is not None and not await self.journal.write(data):
             self.checkpoint_failures += 1
+
+    async def _unreplayable(self, reason: str) -> AgentResult:
+        """A branch whose journal cannot be replayed: it ends as the infrastructure's failure."""
+        self._refuse_resume(reason)
+        raise AssertionError("unreachable: a strict resume raises")
 
     async def _episode(self) -> AgentResult:
         plan = self.replay_plan

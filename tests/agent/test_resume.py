@@ -405,3 +405,29 @@ def test_a_sibling_call_the_journal_holds_ended_is_not_resent_when_another_was_i
     assert resumed.replayed_tool_calls == ["call_0_1"] and resumed.rerun_cells == []
     assert [c.status for c in result.trajectory.tool_calls] == ["completed", "completed"]
     assert server.requests.get("par-1", 0) == 1
+
+
+@pytest.mark.parametrize("make", ["garbage", "diverges"])
+def test_a_strict_resume_a_branch_asks_for_ends_with_the_reason_never_a_fresh_start(
+    make: str, policy: Callable[..., PolicyServer], dirs: Callable[[str], RolloutDir], weather_url: str
+) -> None:
+    server = policy(("rollout=nd-0:call=3:kind=hang",))
+    rd = dirs("try1")
+    if make == "garbage":
+        (rd.root / "resume.jsonl").write_bytes(b"garbage\n" * 3)
+    else:
+        first = dirs("try0")
+        _kill_at(first, server, _input(server, weather_url, "nd", "nd-0"), 3)
+        _resume_into(first, rd)
+    rd.write_input(
+        _input(server, weather_url, "nd", "nd-1", resume={"previous_rollout_id": "nd-0", "strict": True})
+    )
+    assert rd.run() != 0, rd.log_text()
+    result = rd.result_model()
+    assert result.error is not None and (result.error.kind, result.error.type) == (
+        "transient",
+        "BranchReplayError",
+    )
+    assert ("unusable" if make == "garbage" else "diverged") in result.error.message
+    assert result.trajectory.resume_refused is not None and not result.trajectory.model_calls
+    assert server.requests.get("nd-1", 0) == 0  # nothing was asked: no fresh start

@@ -10,6 +10,7 @@ import rollcage.errors as errors
 import rollcage.protocol as protocol
 from rollcage.errors import (
     ArtifactsTooLargeError,
+    BranchReplayError,
     ConfigError,
     ControllerOnlyFieldError,
     DurableWriteError,
@@ -53,6 +54,7 @@ PUBLISHED_KIND = {
     RayTaskOverdueError: "transient",
     ArtifactsTooLargeError: "transient",
     RunFailedError: "transient",
+    BranchReplayError: "transient",
     HarnessError: "fatal",
     HarnessUnavailableError: "transient",
     HeaderValueError: "fatal",

@@ -17,6 +17,7 @@ __all__ = ["fail", "finite", "one_line", "register"]
 
 _OTHER_VERBS = frozenset(
     {"worker", "supervise", "serve-policy", "show", "report", "schema", "export", "harness", "images"}
+    | {"branch"}
 )
 
 
@@ -29,6 +30,7 @@ def register(app: typer.Typer, *, verb: str | None = None) -> None:
             whose options are made from ``RunConfig`` and so import the controller (half a second).
     """
     from rollcage.commands import (
+        branch,
         export,
         harness,
         images,
@@ -51,6 +53,7 @@ def register(app: typer.Typer, *, verb: str | None = None) -> None:
     app.command("report")(report.command)
     app.command("schema")(schema.command)
     app.command("export")(export.command)
+    app.command("branch")(branch.command)
     app.add_typer(harness.app, name="harness")
     app.add_typer(images.app, name="images")
 

@@ -10,6 +10,7 @@ imported only when that backend is built).
 """
 
 from rollcage.controller._backend import LocalBackend
+from rollcage.controller._branch import branch, branch_source, plan_branches
 from rollcage.controller._collect import Collection, collect
 from rollcage.controller._config import (
     EmbeddedPolicyConfig,
@@ -64,12 +65,15 @@ __all__ = [
     "RunConfig",
     "RunSummary",
     "Task",
+    "branch",
+    "branch_source",
     "collect",
     "create_params_for",
     "function_tools",
     "iter_dataset",
     "load_records",
     "pass_at_k",
+    "plan_branches",
     "prepare_rollout",
     "rollout_health",
     "rollout_id",

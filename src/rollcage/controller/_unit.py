@@ -49,8 +49,15 @@ from rollcage.controller._nemo_gym import (
     seed_session,
     to_nemo_response,
 )
-from rollcage.errors import ConfigError, DurableWriteError, ResumeRefusedError, RollcageError
+from rollcage.errors import (
+    BranchReplayError,
+    ConfigError,
+    DurableWriteError,
+    ResumeRefusedError,
+    RollcageError,
+)
 from rollcage.protocol import (
+    BranchLink,
     HarnessEnvironment,
     HarnessSpec,
     ImageSandbox,
@@ -88,6 +95,7 @@ __all__ = [
     "run_rollout",
     "set_aside",
     "set_aside_earlier",
+    "task_change",
     "task_image",
 ]
 
@@ -144,6 +152,14 @@ class ResumeSource(_Model):
         description="Attempts before it, latest first: tried in turn when its journal cannot be resumed "
         "from (it was itself resumed, and killed before its replay was over).",
     )
+    upto: int | None = Field(
+        default=None, ge=1, description="A branch's prefix: stage only the journal's records up to this seq."
+    )
+    strict: bool = Field(
+        default=False,
+        description="A branch: the model settings may differ from the earlier attempt's, and a journal that "
+        "cannot be replayed ends the attempt as infra_failure instead of a fresh start (rollcage.branch).",
+    )
 
     def chain(self) -> list[ResumeSource]:
         """This attempt and the ones before it, latest first, each without its own ``earlier``."""
@@ -176,6 +192,9 @@ class PreparedRollout(_Model):
             "A task image to prepare in the store of the node the attempt runs on, which then sets "
             "worker_input.image (the Ray backend); None: worker_input.image is already set, or none."
         ),
+    )
+    branched_from: BranchLink | None = Field(
+        default=None, description="A branch's source (rollcage.branch); the record carries it."
     )
 
 
@@ -375,9 +394,11 @@ def lay_out(
     elif resume is not None:
         link = _stage_first_usable(directory, resume, worker_input)
         if link.reason is None:
-            worker_input = worker_input.model_copy(
-                update={"resume": ResumeRequest(previous_rollout_id=link.previous_rollout_id)}
-            )
+            request = ResumeRequest(previous_rollout_id=link.previous_rollout_id, strict=resume.strict)
+            worker_input = worker_input.model_copy(update={"resume": request})
+        elif resume.strict:
+            # A branch never starts fresh: that would not be its source's prefix.
+            raise BranchReplayError(f"the branch's prefix cannot be staged: {link.reason}")
     # Another rollout may hold every descriptor for a moment: wait for one rather than fail this one.
     retry_on_emfile(publish_json, directory / "input.json", worker_input, mode=mode)
     return link
@@ -424,7 +445,7 @@ def _stage_resume(directory: Path, resume: ResumeSource, worker_input: WorkerInp
     previous = Path(resume.directory) / "checkpoint.jsonl"
     link = ResumeLink(previous_rollout_id=resume.rollout_id, previous_dir=resume.directory, resumed=False)
     try:
-        changed = _changed_task(Path(resume.directory) / "input.json", worker_input)
+        changed = _changed_task(Path(resume.directory) / "input.json", worker_input, branch=resume.strict)
         if changed is not None:
             raise ResumeRefusedError(f"the task changed since the earlier attempt ({changed})")
         if previous.is_symlink():
@@ -432,6 +453,9 @@ def _stage_resume(directory: Path, resume: ResumeSource, worker_input: WorkerInp
             # any file the controller can read into a directory the next worker reads.
             raise ResumeRefusedError(f"the earlier attempt's journal {previous} is a symbolic link")
         data = read_bounded(previous, limit=_MAX_RESUME_JOURNAL_BYTES)
+        if resume.upto is not None:
+            # Records are numbered from 1, a line each (rollcage.durable): the prefix is the first lines.
+            data = b"".join(data.splitlines(keepends=True)[: resume.upto])
         staged.write_bytes(data)
         plan = load_replay(staged, resume.rollout_id)
     except OSError as exc:
@@ -450,7 +474,18 @@ _PER_ATTEMPT = {"rollout_id": True, "model_cookies": True, "resource_cookies": T
 """What differs between attempts of one task by design (the endpoints' addresses too, below)."""
 
 
-def _changed_task(previous_input: Path, worker_input: WorkerInput) -> str | None:
+def task_change(previous_input: Path, worker_input: WorkerInput, *, branch: bool = False) -> str | None:
+    """The first field in which an earlier attempt's task (its ``input.json``) differs from this one's.
+
+    ``None``: the same task. With ``branch``, the model and its settings may differ (blocking).
+
+    Raises:
+        ResumeRefusedError: The earlier ``input.json`` cannot be read.
+    """
+    return _changed_task(previous_input, worker_input, branch=branch)
+
+
+def _changed_task(previous_input: Path, worker_input: WorkerInput, *, branch: bool = False) -> str | None:
     """The first field in which the earlier attempt's task differs from this one's; None: the same task."""
     from rollcage.durable import read_bounded
 
@@ -464,6 +499,9 @@ def _changed_task(previous_input: Path, worker_input: WorkerInput) -> str | None
         data = value.model_dump(mode="json", exclude=_PER_ATTEMPT)
         # A rerun serves the same model on another port; the model's name and settings must match.
         data["model"] = {k: v for k, v in data["model"].items() if k not in ("base_url", "uds")}
+        if branch:
+            # A branch may continue with another model or sampling: the replayed prefix is checked instead.
+            data.pop("model")
         data["resources"] = {k: {**v, "base_url": None, "uds": None} for k, v in data["resources"].items()}
         return data
 
@@ -644,6 +682,7 @@ def _record(
         metrics=metrics,
         health=health,
         rollout_dir=prepared.rollout_dir,
+        branched_from=prepared.branched_from,
     )
 
 

@@ -80,6 +80,7 @@ from rollcage.protocol._receipt import (
     SupervisorReceipt,
 )
 from rollcage.protocol._records import (
+    BranchLink,
     HealthFinding,
     HealthVerdict,
     Percentiles,
@@ -117,6 +118,7 @@ __all__ = [
     "AgentSettings",
     "BashToolSpec",
     "BoundaryRecord",
+    "BranchLink",
     "BudgetMechanism",
     "BudgetName",
     "BudgetUse",

@@ -485,6 +485,11 @@ class ResumeRequest(ArtifactModel):
     previous_rollout_id: str = Field(
         min_length=1, max_length=512, description="Id of the attempt whose journal is replayed."
     )
+    strict: bool = Field(
+        default=False,
+        description="A branch (rollcage.branch): a journal that cannot be replayed, or a replay that "
+        "diverges, ends the rollout as an infrastructure failure with the reason instead of a fresh start.",
+    )
 
 
 class WorkerInput(ArtifactModel, VersionGate):

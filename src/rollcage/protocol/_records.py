@@ -22,6 +22,7 @@ from rollcage.protocol._result import WorkerResult
 from rollcage.protocol._trajectory import TokenCoverage, TokenUsage
 
 __all__ = [
+    "BranchLink",
     "HealthFinding",
     "HealthVerdict",
     "Percentiles",
@@ -105,6 +106,15 @@ class ResumeLink(FrozenArtifact):
     reason: str | None = Field(default=None, description="Why it started fresh, if it did.")
 
 
+class BranchLink(FrozenArtifact):
+    """Where a branch (``rollcage branch``) forked from: its prefix is the source's, replayed."""
+
+    run: str = Field(description="The source's run directory.")
+    rollout_id: str = Field(description="Id of the source rollout whose journal the prefix was replayed.")
+    boundary: int = Field(ge=0, description="seq of the source journal's last record in the prefix.")
+    turn: int = Field(ge=0, description="The first model call the branch made live (0-based turn).")
+
+
 class RolloutRecord(FrozenArtifact, VersionGate):
     """One line of ``rollouts.jsonl``: one finished attempt, as the controller saw it."""
 
@@ -132,6 +142,9 @@ class RolloutRecord(FrozenArtifact, VersionGate):
     rollout_dir: str = Field(description="Path of the rollout directory.")
     resume: ResumeLink | None = Field(
         default=None, description="Set when the attempt was asked to continue an earlier one."
+    )
+    branched_from: BranchLink | None = Field(
+        default=None, description="Set on a branch: the source rollout and the boundary it forked at."
     )
 
     _result: WorkerResult | None = PrivateAttr(default=None)
