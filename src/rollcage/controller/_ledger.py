@@ -144,6 +144,7 @@ class RunLedger:
         self._mechanisms: dict[str, int] = {}
         self._health: dict[str, _Tally] = {name: _Tally() for name in _ROLLOUT_CHECKS}
         self._verdicts: dict[HealthVerdict, int] = {"healthy": 0, "unhealthy": 0, "unobserved": 0}
+        self._copies: dict[str, int] = {}
         self.invalid_rows = 0
         self.rollouts = 0
 
@@ -231,8 +232,21 @@ class RunLedger:
         health = record.health
         if not sensible and not health.findings.get("grader_error"):
             health = health.model_copy(update={"findings": {**health.findings, "grader_error": 1}})
+        health = self._identity_checked(record.rollout_id, health)
         self._fold_health(record.rollout_id, health)
         return state
+
+    def _identity_checked(self, rollout_id: str, health: RolloutHealth) -> RolloutHealth:
+        """NeMo Gym's ``rollout_duplicate_identity``: every record of an attempt another record claims too.
+
+        The log is read in order, so the second copy counts the first as well (NeMo Gym
+        flags each copy); a copy is unhealthy.
+        """
+        copies = self._copies[rollout_id] = self._copies.get(rollout_id, 0) + 1
+        if copies < 2:
+            return health
+        findings = {**health.findings, "rollout_duplicate_identity": 2 if copies == 2 else 1}
+        return health.model_copy(update={"findings": findings, "verdict": "unhealthy"})
 
     def _fold_health(self, rollout_id: str, health: RolloutHealth) -> None:
         self._verdicts[health.verdict] += 1
