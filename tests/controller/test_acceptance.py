@@ -268,12 +268,18 @@ EXPECTED_HEALTH = {
     "matrix-s0-t0": ({}, set()),
     "matrix-r-s0-t0": ({}, set()),
     "doomed-s0-t0": (
-        {"model_call_failed": 1, "rollout_missing_agent_turns": 1},
+        # NeMo Gym's rules: the failed call's turn is hollow and its counts missing; the turn still
+        # references a call, so only rollcage's own rule finds no answered agent turn.
         {
-            "agent_turn_hollow",
-            "model_call_missing_token_counts",
-            "model_call_zero_completion_tokens",
-            "model_call_runaway_generation",
+            "model_call_failed": 1,
+            "rollout_missing_answered_turns": 1,
+            "rollout_ended_on_failed_model_call": 1,
+            "agent_turn_hollow": 1,
+            "model_call_missing_token_counts": 1,
+        },
+        {
+            "model_call_zero_completion_not_length_cut",
+            "model_call_total_tokens_mismatch",
             "rollout_token_count_mismatch",
             "model_call_token_data_dropped",
         },
