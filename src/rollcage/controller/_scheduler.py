@@ -67,6 +67,7 @@ from rollcage.errors import ConfigError, DurableWriteError, RollcageError, Sandb
 from rollcage.procs import shielded
 from rollcage.protocol import (
     BashToolSpec,
+    CommandHarness,
     EditorToolSpec,
     HarnessEnvironment,
     ImageSandbox,
@@ -206,6 +207,8 @@ class _Scan:
     image_needs: dict[tuple[str, str], tuple[Task, str]] = field(default_factory=dict)
     """(image, program) -> the first row that runs the program in the image, and what for."""
     image_jupyter: Task | None = None
+    commands: dict[str, Task] = field(default_factory=dict)
+    """Each command harness program (argv[0]) run outside a task image, with the first row running it."""
     """The first row that asks for the jupyter executor in an image (which has no ipykernel)."""
 
 
@@ -439,6 +442,8 @@ class Controller:
             harness = item.row.agent.harness or self.config.harness
             scan.harnesses.add("builtin" if harness is None else harness.type)
             image = task_image(item, self.config.image)
+            if isinstance(harness, CommandHarness) and image is None:
+                scan.commands.setdefault(harness.argv[0], item)
             if image is not None:
                 scan.images.setdefault(image, item)
                 if harness is None or harness.type == "builtin":
@@ -452,15 +457,24 @@ class Controller:
         """The environment of each harness the rows use, checked once before anything runs (blocking).
 
         Raises:
-            ConfigError: One is missing or unusable (one line that says what to do); nothing is
-                ever downloaded here.
+            ConfigError: One is missing or unusable, or a command harness's program cannot be found
+                (as NOOA's missing environment is, up front rather than once per attempt): one line
+                that says what to do, naming the first row concerned; nothing is ever downloaded here.
         """
         from rollcage.harness import resolve_environment
+        from rollcage.harness._venvs import missing_program
 
         envs: dict[str, HarnessEnvironment | None] = {}
         for kind in ("nooa", "command"):
             if kind in self._scan.harnesses:
                 envs[kind] = resolve_environment(kind, self.config.harness_env)
+        for program, item in self._scan.commands.items():
+            problem = missing_program(program, envs.get("command"))
+            if problem is not None:
+                raise ConfigError(
+                    f"line {item.line} (task {item.id}): the command harness cannot start: {problem}; "
+                    "install it, give its path, or give --harness-env PATH (a virtualenv whose bin has it)"
+                )
         return envs
 
     def _check_sandbox(self) -> None:

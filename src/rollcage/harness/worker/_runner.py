@@ -58,6 +58,7 @@ from rollcage.harness._events import (
     read_events,
 )
 from rollcage.harness._forwarder import Forwarder
+from rollcage.harness._venvs import command_search_path
 from rollcage.procs import (
     GroupTree,
     PidHandle,
@@ -275,7 +276,6 @@ class HarnessRunner:
     def _environment(self, forwarder: Forwarder, events_fd: int) -> dict[str, str]:
         env = {name: value for name, value in os.environ.items() if name not in _WORKER_ONLY}
         harness_env = self._spec.harness_env
-        system = "/usr/local/bin:/usr/bin:/bin"
         tools = [
             {"name": t.name, "description": t.description, "parameters": t.parameters}
             for t in self._spec.tools
@@ -283,7 +283,7 @@ class HarnessRunner:
         ]
         env.update(
             {
-                "PATH": f"{harness_env.bin}:{system}" if harness_env is not None else system,
+                "PATH": command_search_path(harness_env),
                 "OPENAI_BASE_URL": forwarder.base_url,
                 "OPENAI_API_BASE": forwarder.base_url,
                 "OPENAI_API_KEY": self._token,
