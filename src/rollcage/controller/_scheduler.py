@@ -63,7 +63,13 @@ from rollcage.controller._unit import (
     set_aside_earlier,
     task_image,
 )
-from rollcage.errors import ConfigError, DurableWriteError, RollcageError, SandboxError
+from rollcage.errors import (
+    ConfigError,
+    DurableWriteError,
+    ModelEndpointNotFoundError,
+    RollcageError,
+    SandboxError,
+)
 from rollcage.procs import shielded
 from rollcage.protocol import (
     BashToolSpec,
@@ -192,6 +198,18 @@ class RunSummary:
         if self.all_grader_errors:
             return EXIT_ALL_GRADER_ERRORS
         return EXIT_OK
+
+
+def _endpoint_not_found(record: RolloutRecord) -> str | None:
+    """The not-found answer that ended the attempt, or ``None`` (``ModelEndpointNotFoundError``)."""
+    error = record.receipt.result_error
+    if (
+        record.outcome != "infra_failure"
+        or error is None
+        or error.type != ModelEndpointNotFoundError.__name__
+    ):
+        return None
+    return error.message
 
 
 @dataclass
@@ -757,6 +775,17 @@ class Controller:
                 await self._maybe_publish()
                 if self._sink is not None:
                     await self._sink(record)
+                missing = _endpoint_not_found(record)
+                if missing is not None:
+                    # Every attempt would meet the same 404: stop (NOOA fails on it too) rather than
+                    # retry it as infrastructure; what completed is kept, nothing is graded on it.
+                    self._error = (
+                        f"the model endpoint has no such route or model ({missing}): check --model and "
+                        "--model-name"
+                    )
+                    self._reporter.notice(f"Stopping: {self._error}")
+                    self.stop.set()
+                    return
                 if record.outcome != "infra_failure" or self._ledger.is_done(task.id, sample):
                     return
                 if prepared.resume_from is None:

@@ -37,7 +37,13 @@ from typing import Any, Literal, NoReturn, Self
 
 import orjson
 
-from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
+from rollcage.errors import (
+    FatalModelError,
+    ModelEndpointNotFoundError,
+    ModelError,
+    ModelTimeoutError,
+    TransientModelError,
+)
 from rollcage.headers import cookie_header, cookie_problem, encode_id, update_cookies
 from rollcage.http import DirectSend, httpx, transport_for
 from rollcage.procs import AsyncClosing, shielded
@@ -680,11 +686,16 @@ def _classify(
             http_status=http_status,
             why=" (the endpoint refused the credentials: infrastructure, not the policy)",
         )
-    if (
-        status == 404
-        or (code is not None and _NOT_FOUND_CODE.search(code))
-        or (status is not None and status < 400)
-    ):
+    if status == 404 or (code is not None and _NOT_FOUND_CODE.search(code)):
+        return _AttemptFailed(
+            ModelEndpointNotFoundError,
+            message,
+            retry=False,
+            http_status=http_status,
+            why=" (no such endpoint or model where the configuration says: infrastructure, not the policy; "
+            "final, as NOOA treats it)",
+        )
+    if status is not None and status < 400:
         return _AttemptFailed(
             TransientModelError,
             message,
