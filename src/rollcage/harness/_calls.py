@@ -39,6 +39,7 @@ from rollcage.protocol import (
     ToolCall,
     TurnStart,
     json_problem,
+    kept_body,
 )
 from rollcage.trajectory import INTERRUPTED
 from rollcage.wire import (
@@ -221,15 +222,21 @@ async def model_call(
         base["attempts"] = [attempt.model_copy(update={"status": "incomplete"})]
         return ModelCall(**base, status="incomplete", incomplete_reason=INTERRUPTED), []
     if status is None:
-        return _failed(base, None, "transient", f"no answer: {exchange.error or 'the exchange ended early'}")
+        return _failed(
+            base, None, "transient", f"no answer: {exchange.error or 'the exchange ended early'}", body=body
+        )
     if not 200 <= status < 300:
         kind: Literal["transient", "fatal"] = "fatal" if status in _FATAL_STATUSES else "transient"
-        return _failed(base, None, kind, f"HTTP {status}: {_snippet(body)}")
+        return _failed(base, None, kind, f"HTTP {status}: {_snippet(body)}", body=body)
     if exchange.error is not None:
-        return _failed(base, None, "transient", f"the answer was cut off: {exchange.error}")
+        return _failed(base, None, "transient", f"the answer was cut off: {exchange.error}", body=body)
     if body is None:
         return _failed(
-            base, None, "transient", "the answer was larger than the capture keeps (see model_capture.jsonl)"
+            base,
+            None,
+            "transient",
+            "the answer was larger than the capture keeps (see model_capture.jsonl)",
+            body=body,
         )
     try:
         payload = await _payload(exchange.api, body, exchange.content_type)
@@ -239,16 +246,22 @@ async def model_call(
         error = payload.get("error")
         if isinstance(error, dict) and not {"choices", "output"} & payload.keys():
             return _failed(
-                base, payload, "transient", f"the server answered with an error: {_snippet(error)}"
+                base,
+                payload,
+                "transient",
+                f"the server answered with an error: {_snippet(error)}",
+                body=body,
             )
         outcome = parse_payload(exchange.api, payload)
     except ServerEventError as exc:
-        return _failed(base, None, "transient", f"the server reported an error in the stream: {exc}")
+        return _failed(
+            base, None, "transient", f"the server reported an error in the stream: {exc}", body=body
+        )
     except (WireError, ValueError) as exc:
-        return _failed(base, None, "transient", f"malformed response from the server: {exc}")
+        return _failed(base, None, "transient", f"malformed response from the server: {exc}", body=body)
     if outcome.status == "failed":
         message = f"the response failed: {outcome.error_code or 'no code'}: {outcome.error_message or ''}"
-        return _failed(base, payload, "transient", message)
+        return _failed(base, payload, "transient", message, body=body)
     call = ModelCall(
         **base,
         response=without_lifted(exchange.api, payload),
@@ -285,10 +298,17 @@ def requested_tool_calls(call: ModelCall, server_ids: list[str | None]) -> list[
 
 
 def _failed(
-    base: dict[str, Any], response: dict[str, Any] | None, kind: Literal["transient", "fatal"], message: str
+    base: dict[str, Any],
+    response: dict[str, Any] | None,
+    kind: Literal["transient", "fatal"],
+    message: str,
+    *,
+    body: bytes | None,
 ) -> tuple[ModelCall, list[str | None]]:
     error = RunnerError(kind=kind, type="HarnessModelCall", message=message)
-    attempt = base["attempts"][0].model_copy(update={"status": "failed", "error": error})
+    kept, truncated = kept_body(body)
+    update = {"status": "failed", "error": error, "response_body": kept, "response_body_truncated": truncated}
+    attempt = base["attempts"][0].model_copy(update=update)
     call = ModelCall(**{**base, "attempts": [attempt]}, response=response, status="failed", error=error)
     return call, []
 

@@ -92,6 +92,7 @@ from rollcage.protocol._records import (
 from rollcage.protocol._result import ResponseOutput, WorkerResult
 from rollcage.protocol._schemas import artifact_models
 from rollcage.protocol._trajectory import (
+    ATTEMPT_BODY_BYTES,
     CallAttempt,
     CallTokens,
     ModelCall,
@@ -105,9 +106,11 @@ from rollcage.protocol._trajectory import (
     Turn,
     TurnResolution,
     TurnStart,
+    kept_body,
 )
 
 __all__ = [
+    "ATTEMPT_BODY_BYTES",
     "MAX_INPUT_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_TOKEN_COUNT",
@@ -177,4 +180,5 @@ __all__ = [
     "artifact_models",
     "describe_validation_error",
     "json_problem",
+    "kept_body",
 ]
