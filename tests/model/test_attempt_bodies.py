@@ -117,3 +117,21 @@ async def test_a_harness_call_that_failed_keeps_its_body_too(status: int, answer
     assert wire.call.status == "failed" and attempt.response_body is not None
     assert attempt.response_body_truncated is (len(answer) > ATTEMPT_BODY_BYTES)
     assert answer.decode().startswith(attempt.response_body)
+
+
+async def test_a_harness_call_answered_404_says_the_endpoint_has_no_such_route() -> None:
+    request = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    exchange = WireExchange(
+        api="chat",
+        request=request,
+        status=404,
+        content_type="application/json",
+        response=b'{"detail": "Not Found"}',
+        started_at=1.0,
+        first_byte_at=1.5,
+        ended_at=2.0,
+    )
+    wire = await WireCalls("r1").next(exchange)
+    assert wire.call.error is not None
+    # The type the controller stops the run on, as for the builtin loop's client; still infrastructure.
+    assert (wire.call.error.type, wire.call.error.kind) == ("ModelEndpointNotFoundError", "transient")

@@ -29,6 +29,7 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 
+from rollcage.errors import ModelEndpointNotFoundError
 from rollcage.http import Api, model_call_api
 from rollcage.protocol import (
     MAX_JSON_DEPTH,
@@ -69,6 +70,8 @@ _ERROR_SNIPPET = 500
 # The model client's table (rollcage.model): a request the server rejects is the policy's; everything
 # else that is not an answer (credentials, a missing endpoint, overload, a broken body) the infrastructure's.
 _FATAL_STATUSES = frozenset({400, 413, 422})
+_HARNESS_CALL = "HarnessModelCall"
+"""The error type of a harness's failed model call (the worker did not make it, so no client raised)."""
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,9 @@ async def model_call(
         )
     if not 200 <= status < 300:
         kind: Literal["transient", "fatal"] = "fatal" if status in _FATAL_STATUSES else "transient"
-        return _failed(base, None, kind, f"HTTP {status}: {_snippet(body)}", body=body)
+        # A 404 is the endpoint having no such route or model: final for the run, as for the builtin loop.
+        error_type = ModelEndpointNotFoundError.__name__ if status == 404 else _HARNESS_CALL
+        return _failed(base, None, kind, f"HTTP {status}: {_snippet(body)}", body=body, error_type=error_type)
     if exchange.error is not None:
         return _failed(base, None, "transient", f"the answer was cut off: {exchange.error}", body=body)
     if body is None:
@@ -304,8 +309,9 @@ def _failed(
     message: str,
     *,
     body: bytes | None,
+    error_type: str = _HARNESS_CALL,
 ) -> tuple[ModelCall, list[str | None]]:
-    error = RunnerError(kind=kind, type="HarnessModelCall", message=message)
+    error = RunnerError(kind=kind, type=error_type, message=message)
     kept, truncated = kept_body(body)
     update = {"status": "failed", "error": error, "response_body": kept, "response_body_truncated": truncated}
     attempt = base["attempts"][0].model_copy(update=update)

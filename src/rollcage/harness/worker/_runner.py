@@ -44,7 +44,13 @@ from pathlib import Path
 import orjson
 
 from rollcage.agent import AgentResult
-from rollcage.errors import ConfigError, HarnessError, HarnessUnavailableError, TransientModelError
+from rollcage.errors import (
+    ConfigError,
+    HarnessError,
+    HarnessUnavailableError,
+    ModelEndpointNotFoundError,
+    TransientModelError,
+)
 from rollcage.harness._calls import WireCalls, WireExchange
 from rollcage.harness._events import (
     EVENTS_FD_ENV,
@@ -541,9 +547,13 @@ class HarnessRunner:
             and last.error is not None
             and last.error.kind == "transient"
         ):
-            raise TransientModelError(
-                f"the harness ended ({how}) after the model endpoint failed: {last.error.message}"
+            # The endpoint's 404 keeps its type: the controller stops the run on it.
+            error = (
+                ModelEndpointNotFoundError
+                if last.error.type == ModelEndpointNotFoundError.__name__
+                else TransientModelError
             )
+            raise error(f"the harness ended ({how}) after the model endpoint failed: {last.error.message}")
         said = self._reported_error or self._stderr_hint()
         raise HarnessError(f"the harness ended with {how}" + (f": {said}" if said else ""))
 
