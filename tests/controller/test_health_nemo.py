@@ -68,6 +68,7 @@ print(json.dumps({"rollouts": rollouts, "issues": result.summary["run"]["issues"
 
 SHARED = sorted(name for name, info in HEALTH_CHECKS.items() if info.nemo is not None)
 ROLLOUT_SHARED = [name for name in SHARED if HEALTH_CHECKS[name].scope == "rollout"]
+TASK_SHARED = [name for name in SHARED if HEALTH_CHECKS[name].scope == "task"]
 
 
 def _call(rng: random.Random, index: int) -> ModelCall:
@@ -137,7 +138,11 @@ def _rollouts(seed: int, count: int) -> Iterator[tuple[WorkerResult, str]]:
     for n in range(count):
         calls = [_call(rng, i) for i in range(rng.randint(1, 4))]
         outcome = "completed"
-        if rng.random() < 0.15:
+        if n >= count - 4:
+            # The last two tasks never get an answer: every call fails, and in one repeat of the
+            # second a call is then cut off in flight (NeMo Gym counts that call not failed).
+            calls = [model_call(0, status="failed", error=FAILED, tokens=(None, None))]
+        if (n < count - 4 and rng.random() < 0.15) or n == count - 2:
             calls.append(_interrupted(len(calls)))
             outcome = rng.choice(["cancelled", "timeout"])
         answered = [c for c in calls if c.status != "failed" and c.incomplete_reason != "interrupted"]
@@ -145,26 +150,27 @@ def _rollouts(seed: int, count: int) -> Iterator[tuple[WorkerResult, str]]:
             input_tokens=sum(c.usage.input_tokens or 0 for c in answered),
             output_tokens=sum(c.usage.output_tokens or 0 for c in answered) + (rng.random() < 0.15),
         )
-        base = completed_result(f"t{n}-s0-t0", f"t{n}")
+        base = completed_result(f"t{n // 2}-s{n % 2}-t0", f"t{n // 2}")
         response = ResponseOutput(id=f"r{n}", model="scripted", status="completed", output=[], usage=usage)
         yield base.model_copy(update={"trajectory": trajectory_of(calls, []), "response": response}), outcome
 
 
 def _checked_by_both(tmp_path: Path, seed: int) -> tuple[list[RolloutRecord], dict[str, Any], RunLedger]:
     records: list[RolloutRecord] = []
-    ledger = RunLedger(dataset="d", k=1, max_infra_retries=0)
+    ledger = RunLedger(dataset="d", k=2, max_infra_retries=0)
     rows = tmp_path / "rollouts.jsonl"
     with rows.open("wb") as out:
         for index, (result, outcome) in enumerate(_rollouts(seed, 40)):
             got = receipt(result.rollout_id, outcome, model_calls_captured=len(result.trajectory.model_calls))
-            rec = record(result.rollout_id, result.task_id, outcome, 1.0, rollout_dir="x")
+            rec = record(result.rollout_id, result.task_id, outcome, 1.0, rollout_dir="x", sample=index % 2)
             rec = rec.model_copy(update={"receipt": got, "health": rollout_health(result, got)})
             records.append(rec)
             ledger.add(rec)
-            out.write(orjson.dumps(to_nemo_gym_row(rec, result, SPEC, task_index=index)) + b"\n")
+            row = orjson.dumps(to_nemo_gym_row(rec, result, SPEC, task_index=index // 2)) + b"\n"
+            out.write(row)
             if index == 7:  # the same attempt logged twice: both copies claim one identity
                 ledger.add(rec)
-                out.write(orjson.dumps(to_nemo_gym_row(rec, result, SPEC, task_index=index)) + b"\n")
+                out.write(row)
     return records, run_upstream("nemo-gym", NEMO_SCRIPT, str(rows)), ledger
 
 
@@ -172,12 +178,12 @@ def _checked_by_both(tmp_path: Path, seed: int) -> tuple[list[RolloutRecord], di
 @pytest.mark.parametrize("seed", [1, 2])
 def test_every_shared_check_counts_what_nemo_gyms_own_code_counts(tmp_path: Path, seed: int) -> None:
     records, nemo, ledger = _checked_by_both(tmp_path, seed)
-    by_task = {}
+    by_rollout = {}
     for got in nemo["rollouts"]:
-        by_task.setdefault(got["task"], got)  # the duplicate's copies agree
+        by_rollout.setdefault((got["task"], got["sample"]), got)  # the duplicate's copies agree
     disagreements = []
     for index, rec in enumerate(records):
-        theirs = by_task[index]
+        theirs = by_rollout[(index // 2, index % 2)]
         ours_found = {n: c for n, c in rec.health.findings.items() if n in ROLLOUT_SHARED}
         theirs_found = {n: c for n, c in theirs["findings"].items() if n != "rollout_duplicate_identity"}
         ours_unobserved = sorted(n for n in rec.health.unobserved if n in ROLLOUT_SHARED)
@@ -196,8 +202,18 @@ def test_every_shared_check_counts_what_nemo_gyms_own_code_counts(tmp_path: Path
             coverage["unobserved"],
         )
     assert nemo["issues"]["rollout_duplicate_identity"] == health["rollout_duplicate_identity"].count == 2
+    for name in TASK_SHARED:
+        coverage = nemo["coverage"][name]
+        assert (name, health[name].count, health[name].evaluated, health[name].unobserved) == (
+            name,
+            nemo["issues"][name],
+            coverage["evaluated"],
+            coverage["unobserved"],
+        )
     # The rows exercise every shared rollout check, so agreement is not agreement on zeros.
     found = {name for name in ROLLOUT_SHARED if nemo["issues"][name]}
+    assert health["task_no_successful_model_calls"].count == 1  # the cut-off call is not failed
+    assert health["task_no_answered_model_calls"].count == 2  # rollcage's own rule: neither was answered
     assert found >= set(ROLLOUT_SHARED) - {
         "check_execution_error",
         "record_unreadable",

@@ -72,6 +72,7 @@ __all__ = [
     "TASK_CHECKS",
     "CheckInfo",
     "assess",
+    "nemo_verdict",
     "rollout_health",
     "rollout_metrics",
     "unobserved_health",
@@ -149,7 +150,13 @@ HEALTH_CHECKS: dict[str, CheckInfo] = {
         "task", "H12", "tasks with at least two computable repeats, all unhealthy (ids: task ids)"
     ),
     "task_no_successful_model_calls": CheckInfo(
-        "task", "H13", "tasks with no answered model call in any repeat (ids: task ids)"
+        "task",
+        "H13",
+        "tasks with no model call that did not fail in any attempt (a call cut off in flight counts as "
+        "not failed) (ids: task ids)",
+    ),
+    "task_no_answered_model_calls": CheckInfo(
+        "task", None, "tasks with no model call that came back with an answer in any attempt (ids: task ids)"
     ),
     "rollout_missing_answered_turns": CheckInfo(
         "rollout", None, "rollouts with no turn whose model call came back with an answer"
@@ -315,6 +322,16 @@ def rollout_health(
         findings=findings,
         unobserved=unobserved,
         successful_model_calls=None if evidence is None else len(evidence.answered),
+        unfailed_model_calls=None if evidence is None else _unfailed(evidence),
+    )
+
+
+def nemo_verdict(health: RolloutHealth) -> HealthVerdict:
+    """The verdict NeMo Gym gives: over the checks under its names only (rollcage's own do not count)."""
+    nemo = {name for name, info in HEALTH_CHECKS.items() if info.nemo is not None}
+    return _verdict(
+        {name: count for name, count in health.findings.items() if name in nemo},
+        {name: why for name, why in health.unobserved.items() if name in nemo},
     )
 
 
@@ -478,6 +495,14 @@ def _failed(call: ModelCall) -> bool:
 def _failed_calls(evidence: _Evidence) -> int | str:
     calls = _owned(evidence)
     return calls if isinstance(calls, str) else sum(1 for call in calls if _failed(call))
+
+
+def _unfailed(evidence: _Evidence) -> int:
+    """NeMo Gym's ``_is_successful`` count: not failed, and no HTTP status or a 2xx/3xx one."""
+    calls = _owned(evidence)
+    if isinstance(calls, str):
+        return 0
+    return sum(1 for c in calls if not _failed(c) and (c.http_status is None or 200 <= c.http_status < 400))
 
 
 def _ended_on_failed_call(evidence: _Evidence) -> int | str:
