@@ -25,6 +25,7 @@ from rollcage.export import to_nemo_gym_row
 from rollcage.protocol import (
     ModelCall,
     ResponseOutput,
+    RolloutHealth,
     RolloutRecord,
     RunnerError,
     TokenUsage,
@@ -57,6 +58,7 @@ rollouts = [
     {
         "task": d.task_index,
         "sample": d.rollout_index,
+        "rollout_id": d.rollout_id,
         "findings": dict(Counter(f.check for f in d.findings)),
         "unobserved": sorted(d.unobserved),
     }
@@ -155,6 +157,16 @@ def _rollouts(seed: int, count: int) -> Iterator[tuple[WorkerResult, str]]:
         yield base.model_copy(update={"trajectory": trajectory_of(calls, []), "response": response}), outcome
 
 
+def shared_disagreements(health: RolloutHealth, theirs: dict[str, Any]) -> dict[str, Any] | None:
+    """How rollcage's checks under NeMo Gym's names differ from NeMo Gym's on one rollout (None: agree)."""
+    ours_found = {n: c for n, c in health.findings.items() if n in ROLLOUT_SHARED}
+    theirs_found = {n: c for n, c in theirs["findings"].items() if n != "rollout_duplicate_identity"}
+    ours_unobserved = sorted(n for n in health.unobserved if n in ROLLOUT_SHARED)
+    if (ours_found, ours_unobserved) == (theirs_found, theirs["unobserved"]):
+        return None
+    return {"ours": [ours_found, ours_unobserved], "theirs": [theirs_found, theirs["unobserved"]]}
+
+
 def _checked_by_both(tmp_path: Path, seed: int) -> tuple[list[RolloutRecord], dict[str, Any], RunLedger]:
     records: list[RolloutRecord] = []
     ledger = RunLedger(dataset="d", k=2, max_infra_retries=0)
@@ -181,16 +193,11 @@ def test_every_shared_check_counts_what_nemo_gyms_own_code_counts(tmp_path: Path
     by_rollout = {}
     for got in nemo["rollouts"]:
         by_rollout.setdefault((got["task"], got["sample"]), got)  # the duplicate's copies agree
-    disagreements = []
-    for index, rec in enumerate(records):
-        theirs = by_rollout[(index // 2, index % 2)]
-        ours_found = {n: c for n, c in rec.health.findings.items() if n in ROLLOUT_SHARED}
-        theirs_found = {n: c for n, c in theirs["findings"].items() if n != "rollout_duplicate_identity"}
-        ours_unobserved = sorted(n for n in rec.health.unobserved if n in ROLLOUT_SHARED)
-        if (ours_found, ours_unobserved) != (theirs_found, theirs["unobserved"]):
-            disagreements.append(
-                (rec.rollout_id, ours_found, theirs_found, ours_unobserved, theirs["unobserved"])
-            )
+    disagreements = {
+        rec.rollout_id: differ
+        for index, rec in enumerate(records)
+        if (differ := shared_disagreements(rec.health, by_rollout[(index // 2, index % 2)])) is not None
+    }
     assert not disagreements, json.dumps(disagreements, indent=1)
     # Folded over the run as a run folds them, the counts per shared name are NeMo Gym's.
     health = ledger.snapshot(1.0).health
