@@ -2,42 +2,56 @@
 
 Each check looks for a way a rollout can *look* fine while its data is not: a
 reward computed where the model never answered, token counts nobody reported, a
-capture that disagrees with what the worker says it did. The checks are NeMo Gym's
-(``responses_api_agents/nooa_agent/ACCEPTANCE.md`` in NVIDIA-NeMo/Gym, H4-H13,
-and the code that computes them), applied to rollcage's own trajectory, where
-every model call is owned by exactly one turn by construction:
+capture that disagrees with what the worker says it did. The checks under NeMo
+Gym's names follow NeMo Gym 0.7.0's own code (``nemo_gym/health/checks.py``,
+``nemo_gym/rollout_health.py``) rule for rule, read on rollcage's own trajectory as
+NeMo Gym reads the ``ng_trajectory`` that ``export --format nemo-gym`` writes of it
+(tests/controller/test_health_nemo.py runs NeMo Gym's code on such rows and asserts
+the same counts). Where rollcage's own rule is stricter it runs beside, under its
+own name:
 
-=================================  =====  ==================================================
-check                              NeMo   finds
-=================================  =====  ==================================================
-rollout_missing_agent_turns        H4     no turn whose model call came back with an answer
-agent_turn_hollow                  H5     answered turns with no text, reasoning or tool call
-trajectory_capture_mismatch        H6     ownership that does not add up (a call owned by no
-                                          turn, by two, or by one it does not name), or HTTP
-                                          attempts the egress capture does not account for
-model_call_failed                  H7     model calls that failed
-model_call_missing_token_counts    H8     answered calls without input or output token counts
-model_call_zero_completion_tokens  H9     answered calls reporting 0 output tokens (calls cut
-                                          at the length limit exempt)
-model_call_runaway_generation      H10    calls cut at the length limit with no content
-rollout_token_count_mismatch       H11    the result's token totals differ from the sum of
-                                          its calls' (or a call's total is not in + out)
-task_consistently_unhealthy        H12    tasks whose every computable repeat is unhealthy
-task_no_successful_model_calls     H13    tasks with no answered model call in any repeat
-model_call_token_data_dropped      -      answered calls whose token ids or log probabilities
-                                          the server sent were invalid (not an int64 >= 0,
-                                          not a finite number <= 0) or contradicted each
-                                          other, and were dropped (``CallTokens.note``)
-=================================  =====  ==================================================
+==========================================  ======  ===========================================
+check                                       NeMo    finds
+==========================================  ======  ===========================================
+check_execution_error                       yes     checks that raised (each is then unobserved)
+record_unreadable                           yes     a result.json present but not valid
+rollout_duplicate_identity                  yes     records of one attempt logged twice (ledger)
+rollout_missing_agent_turns                 H4      no turn with a message, tool call or call
+rollout_ended_on_failed_model_call          yes     the last model call (by start) failed
+agent_turn_hollow                           H5      turns with no text, reasoning or tool call
+                                                    (a failed call's turn included)
+trajectory_capture_mismatch                 H6      call references resolving to none or several
+model_call_failed                           H7      calls with an HTTP error status or an error
+model_call_missing_token_counts             H8      calls without both token counts (failed and
+                                                    cut-off ones included)
+model_call_zero_completion_tokens           H9      calls reporting 0 output tokens
+model_call_runaway_generation               H10     calls cut at the length limit whose response
+                                                    holds no text (a tool call alone is none)
+rollout_token_count_mismatch                H11     result totals differ from the calls' sums;
+                                                    unobserved when a call has no counts
+task_consistently_unhealthy                 H12     tasks whose >= 2 computable repeats are all
+                                                    unhealthy by NeMo Gym's checks
+task_no_successful_model_calls              H13     tasks with no call that did not fail
+rollout_missing_answered_turns              -       no turn whose call came back with an answer
+trajectory_capture_accounting               -       ownership that does not add up, or HTTP
+                                                    attempts the egress capture does not account
+model_call_zero_completion_not_length_cut   -       H9 as ACCEPTANCE.md words it: length cuts
+                                                    exempt
+model_call_total_tokens_mismatch            -       a call whose total is not input + output
+model_call_token_data_dropped               -       token ids or log probabilities the server
+                                                    sent invalid or contradictory, and dropped
+task_no_answered_model_calls                -       tasks with no answered call in any attempt
+==========================================  ======  ===========================================
 
 A check either runs (and finds something or not) or is *unobserved*, with the
 evidence it lacked in words: no valid ``result.json``, no model call, no answered
-call, no egress capture, no token totals. Missing evidence is never read as
-healthy. Rollouts the run itself stopped (Ctrl-C: ``cancelled``) are counted by
-the informational ``cancelled_by_run``; a turn-dependent check is unobserved there
-rather than a finding. ``grader_error`` (informational too) counts rollouts whose
+call, no egress capture, no token totals, a call with no counts (failed, or cut off
+by a cancel or timeout). Missing evidence is never read as healthy. Rollouts the
+run itself stopped (Ctrl-C: ``cancelled``) are counted by the informational
+``cancelled_by_run``; ``grader_error`` (informational too) counts rollouts whose
 grader failed. The verdict: ``unhealthy`` when a check found something, else
-``unobserved`` when one could not run, else ``healthy``.
+``unobserved`` when one could not run, else ``healthy``; the task checks under
+NeMo Gym's names read the verdict over its checks only (``nemo_verdict``).
 
 Everything here is computed from the typed ``WorkerResult`` the supervisor
 parsed, once per rollout (``assess``), and carried on the ``RolloutRecord``: a
