@@ -479,8 +479,7 @@ class Controller:
                 (as NOOA's missing environment is, up front rather than once per attempt): one line
                 that says what to do, naming the first row concerned; nothing is ever downloaded here.
         """
-        from rollcage.harness import resolve_environment
-        from rollcage.harness._venvs import missing_program
+        from rollcage.harness import missing_program, resolve_environment
 
         envs: dict[str, HarnessEnvironment | None] = {}
         for kind in ("nooa", "command"):
