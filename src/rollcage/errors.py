@@ -14,7 +14,8 @@ publishes as ``RunnerError.kind`` (``transient`` for the infrastructure's,
     │   ├── DurableWriteError (OSError)              publishing or appending to disk failed
     │   ├── TransientModelError (ModelError)         connection, timeout, 408/409/429/5xx,
     │   │   │                                        a malformed/truncated body, 401/403/404
-    │   │   └── ModelTimeoutError (TimeoutError)     no answer within the deadline
+    │   │   ├── ModelTimeoutError (TimeoutError)     no answer within the deadline
+    │   │   └── ModelEndpointNotFoundError           404: no such endpoint or model; stops the run
     │   ├── ResourceUnavailableError (ToolError)     a resource endpoint cannot be reached
     │   ├── SandboxError                             bubblewrap missing or failing
     │   ├── SupervisorError                          the supervisor could not do its job
@@ -69,6 +70,7 @@ __all__ = [
     "ImageRefusedError",
     "InfrastructureError",
     "JournalCorruptError",
+    "ModelEndpointNotFoundError",
     "ModelError",
     "ModelTimeoutError",
     "PolicyError",
@@ -163,10 +165,20 @@ class ModelTimeoutError(TransientModelError, TimeoutError):
     """The endpoint gave no (complete) answer within the configured deadline."""
 
 
+class ModelEndpointNotFoundError(TransientModelError):
+    """The endpoint answered 404 (or a not-found error): no such route or model where the configuration says.
+
+    Infrastructure, so never graded as the policy's; and final, as NOOA treats it: every
+    attempt would meet the same answer, so the controller stops the run at the first one
+    (completed rollouts kept) instead of retrying it as infrastructure.
+    """
+
+
 class FatalModelError(ModelError, PolicyError):
     """The request itself is wrong (400, 422, context length): retrying cannot help, and it is the policy's.
 
-    Credentials (401, 403) and a missing endpoint or model (404) are not: those are ``TransientModelError``.
+    Credentials (401, 403) and a missing endpoint or model (404: ``ModelEndpointNotFoundError``) are not:
+    those are ``TransientModelError``.
     """
 
 

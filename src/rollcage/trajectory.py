@@ -43,6 +43,7 @@ __all__ = [
     "arguments_json",
     "build_turns",
     "final_text",
+    "leads_call",
     "message_text",
     "project_calls",
     "project_output",
@@ -174,7 +175,7 @@ def build_turns(
         tool_ids = [tool.call_id for tool in owned_tools]
         steps += len(tool_ids)
         # What a harness ran on its own before the model call (``lead``) is not the model acting.
-        acted = any(not _leads(tool, owned[0] if owned else None) for tool in owned_tools)
+        acted = any(not leads_call(tool, owned[0] if owned else None) for tool in owned_tools)
         output = owned[-1].output if owned else []
         turns.append(
             Turn(
@@ -194,8 +195,8 @@ def build_turns(
     return turns
 
 
-def _leads(tool: ToolCall, call: ModelCall | None) -> bool:
-    """Whether a harness ran ``tool`` on its own before ``call`` (a ``ProjectedCall``'s lead)."""
+def leads_call(tool: ToolCall, call: ModelCall | None) -> bool:
+    """Whether a harness ran ``tool`` on its own before ``call`` (NOOA's prefill; a projected lead)."""
     return tool.origin == "harness" and call is not None and tool.started_at < call.started_at
 
 
@@ -257,7 +258,7 @@ def project_calls(trajectory: Trajectory, *, partial: bool) -> list[ProjectedCal
         tools = by_turn.pop(call.turn, [])
         shown = {t.call_id for t in tools if not partial or t.status in _DONE}
         # A call a harness made on its own before this model call (NOOA's first turn) comes first.
-        before = [t for t in tools if _leads(t, call)]
+        before = [t for t in tools if leads_call(t, call)]
         items: list[ResponseItem] = []
         for tool in before:
             if tool.call_id in shown:

@@ -31,9 +31,10 @@ from rollcage.export import export_run
 from rollcage.policy import PolicyServer
 from rollcage.protocol import ModelCall, ResponseItem, RolloutRecord, RunMetrics, WorkerInput, WorkerResult
 from rollcage.wire import build_request, chat_messages, function_tools
+from tests.controller.test_health_nemo import NEMO_SCRIPT, shared_disagreements
 from tests.environments.test_nemo_gym_conformance import GymVerifyResponse
 from tests.helpers.formats import AtifTrajectory, NgTrajectoryRecord, check_training_items
-from tests.helpers.upstream import harbor_atif_errors
+from tests.helpers.upstream import harbor_atif_errors, run_upstream
 
 SANDBOX = os.environ.get("ROLLCAGE_TEST_SANDBOX", "bwrap")
 pytestmark = [
@@ -269,12 +270,18 @@ EXPECTED_HEALTH = {
     "matrix-s0-t0": ({}, set()),
     "matrix-r-s0-t0": ({}, set()),
     "doomed-s0-t0": (
-        {"model_call_failed": 1, "rollout_missing_agent_turns": 1},
+        # NeMo Gym's rules: the failed call's turn is hollow and its counts missing; the turn still
+        # references a call, so only rollcage's own rule finds no answered agent turn.
         {
-            "agent_turn_hollow",
-            "model_call_missing_token_counts",
-            "model_call_zero_completion_tokens",
-            "model_call_runaway_generation",
+            "model_call_failed": 1,
+            "rollout_missing_answered_turns": 1,
+            "rollout_ended_on_failed_model_call": 1,
+            "agent_turn_hollow": 1,
+            "model_call_missing_token_counts": 1,
+        },
+        {
+            "model_call_zero_completion_not_length_cut",
+            "model_call_total_tokens_mismatch",
             "rollout_token_count_mismatch",
             "model_call_token_data_dropped",
         },
@@ -358,3 +365,15 @@ def test_nemo_gym_export_validates_with_tokens_on_the_generating_items(run: Run,
         assert refs == [call.model_call_id for call in trajectory.model_calls]
         assert [ref.model_call_id for ref in trajectory.invocations[0].model_calls] == refs
         assert trajectory.turns[-1].resolved is True and trajectory.turns[0].resolved is None
+
+
+def test_health_under_nemo_gyms_names_agrees_with_nemo_gyms_code_on_the_exported_rows(
+    run: Run, tmp_path: Path
+) -> None:
+    target = tmp_path / "rollouts.jsonl"
+    export_run(run.out, "nemo-gym", target)
+    nemo = run_upstream("nemo-gym", NEMO_SCRIPT, str(target))
+    checked = {got["rollout_id"]: got for got in nemo["rollouts"]}
+    assert sorted(checked) == sorted(rid for rid in run.records if not rid.startswith("doomed"))
+    differ = {rid: shared_disagreements(run.records[rid].health, got) for rid, got in checked.items()}
+    assert not any(differ.values()), json.dumps(differ, indent=1)

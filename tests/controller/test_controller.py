@@ -330,7 +330,7 @@ async def test_health_findings_have_stable_names_and_count_unobserved_tokens(tmp
     hollow = health["agent_turn_hollow"]
     assert (hollow.count, hollow.rollouts) == (1, [rollout_id("b", 0, 0)])
     # The fake runs without an egress proxy: the capture cannot be compared, and says why.
-    capture = health["trajectory_capture_mismatch"]
+    capture = health["trajectory_capture_accounting"]
     assert (capture.evaluated, capture.unobserved, list(capture.missing)) == (
         0,
         2,

@@ -171,7 +171,7 @@ async def test_chaos_injected_faults_are_classified_exactly(tmp_path: Path) -> N
     finals = {(r.task_id, r.sample): r for r in got}  # the last record of each sample
     assert all(r.outcome != "infra_failure" for r in finals.values())  # every sample retried to completion
     assert summary.metrics.retries == sum(1 for r in got if r.outcome == "infra_failure")
-    assert summary.metrics.health["trajectory_capture_mismatch"].count == 0
+    assert summary.metrics.health["trajectory_capture_accounting"].count == 0
 
 
 async def test_bundled_environments_served_by_url_keep_their_tools_and_verify_files(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from rollcage.protocol import (
     TokenUsage,
     WorkerResult,
 )
-from tests.helpers.viewer_fixtures import completed_result, model_call, receipt, record, trajectory_of
+from tests.helpers.viewer_fixtures import T0, completed_result, model_call, receipt, record, trajectory_of
 
 NEMO_CHECKS = {
     "rollout_missing_agent_turns",
@@ -67,15 +67,38 @@ def test_every_nemo_gym_check_is_computed_under_its_name_and_old_names_map_to_th
 
 @pytest.mark.parametrize("valid", [False, True])
 def test_a_missing_or_invalid_result_leaves_every_check_unobserved_never_healthy(valid: bool) -> None:
-    bad_receipt = _receipt("infra_failure", result_valid=False, result_present=valid)
+    bad_receipt = _receipt("infra_failure", result_valid=False, result_present=False)
     health = rollout_health(_result(model_call(0, text="x")) if valid else None, bad_receipt)
     assert health.verdict == "unobserved" and not health.findings
-    assert set(health.unobserved) == NEMO_CHECKS - {
-        "task_consistently_unhealthy",
-        "task_no_successful_model_calls",
-    } | {"model_call_token_data_dropped"}
-    assert set(health.unobserved.values()) == {"no valid result.json"}
+    rollout_checks = {
+        name
+        for name, info in HEALTH_CHECKS.items()
+        if info.scope == "rollout"
+        and name not in {"cancelled_by_run", "grader_error", "rollout_duplicate_identity"}
+    }
+    assert set(health.unobserved) == rollout_checks
+    assert set(health.unobserved.values()) - {"no result.json"} == {"no valid result.json"}
     assert health.successful_model_calls is None
+
+
+def test_a_result_json_present_but_invalid_is_an_unreadable_record() -> None:
+    bad_receipt = _receipt("infra_failure", result_valid=False, result_present=True)
+    health = rollout_health(None, bad_receipt)
+    assert health.findings == {"record_unreadable": 1} and health.verdict == "unhealthy"
+
+
+def test_a_check_that_raises_is_unobserved_and_counted_as_a_check_execution_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rollcage.controller import _health
+
+    def broken(evidence: object) -> int:
+        raise KeyError("boom")
+
+    monkeypatch.setitem(_health._ROLLOUT_CHECKS, "agent_turn_hollow", broken)
+    health = rollout_health(_result(model_call(0, text="x")), _receipt())
+    assert health.findings == {"check_execution_error": 1}
+    assert health.unobserved == {"agent_turn_hollow": "the check raised KeyError"}
 
 
 def test_a_clean_rollout_is_healthy_with_every_check_evaluated() -> None:
@@ -90,12 +113,32 @@ def test_a_clean_rollout_is_healthy_with_every_check_evaluated() -> None:
 
 
 def test_a_rollout_whose_calls_all_failed_has_no_agent_turn_and_failed_calls() -> None:
-    calls = (model_call(0, status="failed", error=FAILED), model_call(1, status="failed", error=FAILED))
+    failed = {"status": "failed", "error": FAILED, "tokens": (None, None)}
+    calls = (model_call(0, **failed), model_call(1, start=1.0, **failed))
     health = rollout_health(_result(*calls), _receipt(model_calls_captured=2))
-    assert health.findings == {"rollout_missing_agent_turns": 1, "model_call_failed": 2}
+    # NeMo Gym's rules: a turn that references a call is agent activity, a failed call's turn is hollow
+    # and has no token counts; rollcage's own rule sees no answered turn.
+    assert health.findings == {
+        "rollout_missing_answered_turns": 1,
+        "rollout_ended_on_failed_model_call": 1,
+        "agent_turn_hollow": 2,
+        "model_call_failed": 2,
+        "model_call_missing_token_counts": 2,
+    }
     assert health.verdict == "unhealthy" and health.successful_model_calls == 0
     # Checks of answered calls cannot run: unobserved, with the reason, not passed.
-    assert health.unobserved["model_call_missing_token_counts"] == "no answered model call"
+    assert health.unobserved["model_call_zero_completion_not_length_cut"] == "no answered model call"
+    assert "no token counts" in health.unobserved["rollout_token_count_mismatch"]
+
+
+def test_a_rollout_that_recovered_from_a_failed_call_did_not_end_on_one() -> None:
+    failed, good = model_call(0, status="failed", error=FAILED), model_call(1, text="x", start=1.0)
+    recovered = rollout_health(_result(failed, good), _receipt(model_calls_captured=2))
+    assert "rollout_ended_on_failed_model_call" not in recovered.findings
+    assert recovered.findings["model_call_failed"] == 1
+    late = model_call(0, status="failed", error=FAILED).model_copy(update={"started_at": T0 + 5})
+    ended = rollout_health(_result(late, good), _receipt(model_calls_captured=2))
+    assert ended.findings["rollout_ended_on_failed_model_call"] == 1
 
 
 def test_token_data_the_client_dropped_makes_the_rollout_unhealthy_and_is_counted_per_call() -> None:
@@ -113,8 +156,26 @@ def test_a_rollout_the_run_cancelled_is_reported_apart_and_its_turns_unobserved(
     interrupted = model_call(0, status="incomplete", incomplete_reason="interrupted", tokens=(None, None))
     interrupted = interrupted.model_copy(update={"output": [], "response": None})
     health = rollout_health(_result(interrupted), _receipt("cancelled"))
-    assert health.findings == {"cancelled_by_run": 1}
-    assert "rollout_missing_agent_turns" in health.unobserved and health.verdict == "unobserved"
+    assert health.findings["cancelled_by_run"] == 1
+    assert "rollout_missing_answered_turns" in health.unobserved
+    # The call cut off has no token counts: the rollout's accounting is unobserved, not "evaluated, 0".
+    assert health.findings["model_call_missing_token_counts"] == 1
+    assert "cut off by a cancel or timeout" in health.unobserved["rollout_token_count_mismatch"]
+
+
+def test_a_call_cut_off_beside_answered_ones_leaves_token_accounting_unobserved() -> None:
+    answered = model_call(0, text="x", calls=[("c", "python", "{}")])
+    interrupted = model_call(
+        1, status="incomplete", incomplete_reason="interrupted", tokens=(None, None), start=1
+    )
+    interrupted = interrupted.model_copy(update={"output": [], "response": None})
+    # The result's totals are the answered call's: summing only answered calls would call this
+    # accounting checked and right.
+    health = rollout_health(_result(answered, interrupted, usage=answered.usage), _receipt("timeout"))
+    assert "rollout_token_count_mismatch" not in health.findings
+    assert "cut off by a cancel or timeout" in health.unobserved["rollout_token_count_mismatch"]
+    metrics = rollout_metrics(_result(answered, interrupted), _receipt("timeout"))
+    assert metrics.token_counts == "partial"
 
 
 @pytest.mark.parametrize(("captured", "mismatch"), [(0, True), (1, False), (2, False), (3, True)])
@@ -131,12 +192,13 @@ def test_capture_must_account_for_every_attempt_that_got_an_answer(captured: int
         }
     )
     health = rollout_health(_result(call), _receipt(model_calls_captured=captured))
-    assert ("trajectory_capture_mismatch" in health.findings) is mismatch
+    assert ("trajectory_capture_accounting" in health.findings) is mismatch
+    assert "trajectory_capture_mismatch" not in health.findings  # NeMo Gym's rule reads references only
 
 
 def test_without_an_egress_capture_the_capture_check_is_unobserved() -> None:
     health = rollout_health(_result(model_call(0, text="x")), _receipt(model_calls_captured=None))
-    assert "egress capture" in health.unobserved["trajectory_capture_mismatch"]
+    assert "egress capture" in health.unobserved["trajectory_capture_accounting"]
 
 
 @pytest.mark.parametrize(
@@ -152,7 +214,7 @@ def test_without_an_egress_capture_the_capture_check_is_unobserved() -> None:
 def test_model_call_ownership_that_does_not_add_up_is_a_capture_mismatch(breaks: Any) -> None:
     result = _result(model_call(0, text="x"))
     broken = result.model_copy(update={"trajectory": breaks(result.trajectory)})
-    assert rollout_health(broken, _receipt()).findings.get("trajectory_capture_mismatch") == 1
+    assert rollout_health(broken, _receipt()).findings.get("trajectory_capture_accounting") == 1
 
 
 def test_a_length_limited_call_is_exempt_from_zero_tokens_and_runaway_only_without_content() -> None:
@@ -161,20 +223,24 @@ def test_a_length_limited_call_is_exempt_from_zero_tokens_and_runaway_only_witho
     zero = model_call(2, text="x", tokens=(50, 0), start=2)
     health = rollout_health(_result(cut_empty, cut_text, zero), _receipt(model_calls_captured=3))
     assert health.findings["model_call_runaway_generation"] == 1  # the empty one only (NeMo Gym's rule)
-    assert health.findings["model_call_zero_completion_tokens"] == 1  # the one not cut at the limit
+    assert health.findings["model_call_zero_completion_tokens"] == 2  # NeMo Gym's code: every 0
+    assert health.findings["model_call_zero_completion_not_length_cut"] == 1  # its acceptance text
     assert health.findings["agent_turn_hollow"] == 1
+    # A call cut at the limit with only a (cut) tool call holds no text: a runaway, as NeMo Gym counts.
+    cut_call = model_call(0, calls=[("c", "python", '{"co')], status="incomplete", incomplete_reason="length")
+    assert rollout_health(_result(cut_call), _receipt()).findings["model_call_runaway_generation"] == 1
 
 
 def test_token_counts_missing_or_mismatched_are_findings_and_totals_missing_are_unobserved() -> None:
     silent = model_call(0, text="x", tokens=(None, None))
     health = rollout_health(_result(silent), _receipt())
     assert health.findings["model_call_missing_token_counts"] == 1
-    assert health.unobserved["rollout_token_count_mismatch"] == "a model call reported no token counts"
+    assert "no token counts" in health.unobserved["rollout_token_count_mismatch"]
     call = model_call(0, text="x")
     wrong = rollout_health(_result(call, usage=TokenUsage(input_tokens=1, output_tokens=1)), _receipt())
     assert wrong.findings["rollout_token_count_mismatch"] == 1
     off = call.model_copy(update={"usage": TokenUsage(input_tokens=3, output_tokens=4, total_tokens=99)})
-    assert rollout_health(_result(off), _receipt()).findings["rollout_token_count_mismatch"] == 1
+    assert rollout_health(_result(off), _receipt()).findings["model_call_total_tokens_mismatch"] == 1
 
 
 def test_metrics_say_when_token_sums_are_partial_and_whether_token_ids_are_complete() -> None:

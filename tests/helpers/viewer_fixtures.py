@@ -546,7 +546,7 @@ def write_run(run_dir: Path, *, torn_tail: bool = True) -> RunFixture:
         wall_s=612.5,
         health={
             "model_call_failed": HealthFinding(count=0, detail="model calls that failed (count: calls)"),
-            "trajectory_capture_mismatch": HealthFinding(
+            "trajectory_capture_accounting": HealthFinding(
                 count=1, rollouts=["calc-5-s0-t0"], detail="worker trajectory vs model_capture.jsonl"
             ),
         },

@@ -20,7 +20,13 @@ import httpx
 import orjson
 import pytest
 
-from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
+from rollcage.errors import (
+    FatalModelError,
+    ModelEndpointNotFoundError,
+    ModelError,
+    ModelTimeoutError,
+    TransientModelError,
+)
 from rollcage.model import (
     ClientState,
     ModelClient,
@@ -174,7 +180,7 @@ FAILING = [
     # Credentials and a missing endpoint/model are infrastructure: transient, but not retried.
     ("status=401", TransientModelError, 1),
     ("status=403", TransientModelError, 1),
-    ("status=404", TransientModelError, 1),
+    ("status=404", ModelEndpointNotFoundError, 1),
     ("status=422", FatalModelError, 1),
 ]
 RECOVERING = [

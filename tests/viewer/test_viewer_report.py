@@ -258,7 +258,7 @@ def test_partial_rollout_and_capture_diff_are_shown(run: RunFixture, open_report
     mismatch = page.locator("section.rollout[data-rollout-id='calc-5-s0-t0']")
     assert "DISAGREES" in mismatch.inner_text()
     assert mismatch.locator("pre.diff .add", has_text='"temperature": 0.7').count() == 1
-    assert "capture_mismatch" in mismatch.inner_text()
+    assert "trajectory_capture_accounting" in mismatch.inner_text()
 
 
 @needs_chromium

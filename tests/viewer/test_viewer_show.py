@@ -139,7 +139,7 @@ def test_capture_disagreement_is_shown_as_a_diff(run: RunFixture) -> None:
     assert "model call 1 (attempt 1) and captured exchange 1 sent different requests" in text
     assert '+ "temperature": 0.7' in text
     assert "captured exchange 2 matches no model call in the trajectory" in text
-    assert "capture_mismatch" in text
+    assert "trajectory_capture_accounting" in text
 
 
 def test_terminal_controls_and_markup_in_agent_output_are_shown_inert(tmp_path: Path) -> None:
@@ -163,7 +163,7 @@ def test_run_shows_summary_and_every_rollout_with_outcome_and_reward(run: RunFix
         assert rec.rollout_id in text
     assert "showing 6 of 6 rollout(s)" in text
     assert "torn" in text  # the torn last line is skipped and said so
-    assert "health: trajectory_capture_mismatch" in text
+    assert "health: trajectory_capture_accounting" in text
 
 
 def test_run_filters_by_outcome(run: RunFixture) -> None:
@@ -244,11 +244,12 @@ def test_local_health_findings_use_the_controllers_check_names(tmp_path: Path) -
     ]
     result = completed_result().model_copy(update={"trajectory": trajectory_of(calls, [])})
     text = show(write_rollout_dir(tmp_path / "r", result=result))
-    assert "model_call_failed: 1 — model calls that failed" in text
-    assert "model_call_missing_token_counts: 1 — answered model calls without input or output token" in text
-    assert "model_call_runaway_generation: 1 — model calls cut at the output length limit with no" in text
+    assert "model_call_failed: 1 — model calls with an HTTP error status or an error" in text
+    # NeMo Gym's rule counts the failed call's missing counts too.
+    assert "model_call_missing_token_counts: 2 — model calls without input or output token" in text
+    assert "model_call_runaway_generation: 1 — model calls cut at the output length limit whose" in text
     # A bare rollout directory has no receipt: the capture check says so rather than passing.
-    assert "unobserved (no receipt.json): trajectory_capture_mismatch" in text
+    assert "unobserved (no receipt.json): trajectory_capture_accounting" in text
     assert "3 attempts" in text and "HTTP 500" in text
 
 

@@ -2,42 +2,56 @@
 
 Each check looks for a way a rollout can *look* fine while its data is not: a
 reward computed where the model never answered, token counts nobody reported, a
-capture that disagrees with what the worker says it did. The checks are NeMo Gym's
-(``responses_api_agents/nooa_agent/ACCEPTANCE.md`` in NVIDIA-NeMo/Gym, H4-H13,
-and the code that computes them), applied to rollcage's own trajectory, where
-every model call is owned by exactly one turn by construction:
+capture that disagrees with what the worker says it did. The checks under NeMo
+Gym's names follow NeMo Gym 0.7.0's own code (``nemo_gym/health/checks.py``,
+``nemo_gym/rollout_health.py``) rule for rule, read on rollcage's own trajectory as
+NeMo Gym reads the ``ng_trajectory`` that ``export --format nemo-gym`` writes of it
+(tests/controller/test_health_nemo.py runs NeMo Gym's code on such rows and asserts
+the same counts). Where rollcage's own rule is stricter it runs beside, under its
+own name:
 
-=================================  =====  ==================================================
-check                              NeMo   finds
-=================================  =====  ==================================================
-rollout_missing_agent_turns        H4     no turn whose model call came back with an answer
-agent_turn_hollow                  H5     answered turns with no text, reasoning or tool call
-trajectory_capture_mismatch        H6     ownership that does not add up (a call owned by no
-                                          turn, by two, or by one it does not name), or HTTP
-                                          attempts the egress capture does not account for
-model_call_failed                  H7     model calls that failed
-model_call_missing_token_counts    H8     answered calls without input or output token counts
-model_call_zero_completion_tokens  H9     answered calls reporting 0 output tokens (calls cut
-                                          at the length limit exempt)
-model_call_runaway_generation      H10    calls cut at the length limit with no content
-rollout_token_count_mismatch       H11    the result's token totals differ from the sum of
-                                          its calls' (or a call's total is not in + out)
-task_consistently_unhealthy        H12    tasks whose every computable repeat is unhealthy
-task_no_successful_model_calls     H13    tasks with no answered model call in any repeat
-model_call_token_data_dropped      -      answered calls whose token ids or log probabilities
-                                          the server sent were invalid (not an int64 >= 0,
-                                          not a finite number <= 0) or contradicted each
-                                          other, and were dropped (``CallTokens.note``)
-=================================  =====  ==================================================
+==========================================  ======  ===========================================
+check                                       NeMo    finds
+==========================================  ======  ===========================================
+check_execution_error                       yes     checks that raised (each is then unobserved)
+record_unreadable                           yes     a result.json present but not valid
+rollout_duplicate_identity                  yes     records of one attempt logged twice (ledger)
+rollout_missing_agent_turns                 H4      no turn with a message, tool call or call
+rollout_ended_on_failed_model_call          yes     the last model call (by start) failed
+agent_turn_hollow                           H5      turns with no text, reasoning or tool call
+                                                    (a failed call's turn included)
+trajectory_capture_mismatch                 H6      call references resolving to none or several
+model_call_failed                           H7      calls with an HTTP error status or an error
+model_call_missing_token_counts             H8      calls without both token counts (failed and
+                                                    cut-off ones included)
+model_call_zero_completion_tokens           H9      calls reporting 0 output tokens
+model_call_runaway_generation               H10     calls cut at the length limit whose response
+                                                    holds no text (a tool call alone is none)
+rollout_token_count_mismatch                H11     result totals differ from the calls' sums;
+                                                    unobserved when a call has no counts
+task_consistently_unhealthy                 H12     tasks whose >= 2 computable repeats are all
+                                                    unhealthy by NeMo Gym's checks
+task_no_successful_model_calls              H13     tasks with no call that did not fail
+rollout_missing_answered_turns              -       no turn whose call came back with an answer
+trajectory_capture_accounting               -       ownership that does not add up, or HTTP
+                                                    attempts the egress capture does not account
+model_call_zero_completion_not_length_cut   -       H9 as ACCEPTANCE.md words it: length cuts
+                                                    exempt
+model_call_total_tokens_mismatch            -       a call whose total is not input + output
+model_call_token_data_dropped               -       token ids or log probabilities the server
+                                                    sent invalid or contradictory, and dropped
+task_no_answered_model_calls                -       tasks with no answered call in any attempt
+==========================================  ======  ===========================================
 
 A check either runs (and finds something or not) or is *unobserved*, with the
 evidence it lacked in words: no valid ``result.json``, no model call, no answered
-call, no egress capture, no token totals. Missing evidence is never read as
-healthy. Rollouts the run itself stopped (Ctrl-C: ``cancelled``) are counted by
-the informational ``cancelled_by_run``; a turn-dependent check is unobserved there
-rather than a finding. ``grader_error`` (informational too) counts rollouts whose
+call, no egress capture, no token totals, a call with no counts (failed, or cut off
+by a cancel or timeout). Missing evidence is never read as healthy. Rollouts the
+run itself stopped (Ctrl-C: ``cancelled``) are counted by the informational
+``cancelled_by_run``; ``grader_error`` (informational too) counts rollouts whose
 grader failed. The verdict: ``unhealthy`` when a check found something, else
-``unobserved`` when one could not run, else ``healthy``.
+``unobserved`` when one could not run, else ``healthy``; the task checks under
+NeMo Gym's names read the verdict over its checks only (``nemo_verdict``).
 
 Everything here is computed from the typed ``WorkerResult`` the supervisor
 parsed, once per rollout (``assess``), and carried on the ``RolloutRecord``: a
@@ -46,6 +60,7 @@ resumed run reads it back from ``rollouts.jsonl`` and never opens a result again
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -60,6 +75,7 @@ from rollcage.protocol import (
     SupervisorReceipt,
     TokenCoverage,
     Trajectory,
+    Turn,
     WorkerResult,
 )
 
@@ -70,6 +86,7 @@ __all__ = [
     "TASK_CHECKS",
     "CheckInfo",
     "assess",
+    "nemo_verdict",
     "rollout_health",
     "rollout_metrics",
     "unobserved_health",
@@ -82,7 +99,8 @@ class CheckInfo:
 
     Attributes:
         scope: What it is counted over: a rollout's calls or turns, the rollout, or a task.
-        nemo: NeMo Gym's acceptance id (``H4``...); ``None``: rollcage's own.
+        nemo: NeMo Gym's acceptance id (``H4``...), or its check id for the checks its acceptance text
+            does not number; ``None``: rollcage's own.
         detail: What it looks for, in words.
     """
 
@@ -92,42 +110,85 @@ class CheckInfo:
 
 
 HEALTH_CHECKS: dict[str, CheckInfo] = {
+    "check_execution_error": CheckInfo(
+        "rollout", "check_execution_error", "checks that raised instead of running (count: checks)"
+    ),
+    "record_unreadable": CheckInfo(
+        "rollout", "record_unreadable", "rollouts whose result.json is present but not a valid result"
+    ),
+    "rollout_duplicate_identity": CheckInfo(
+        "rollout",
+        "rollout_duplicate_identity",
+        "records that claim an attempt (rollout id) another record of the run claims too (count: records)",
+    ),
     "rollout_missing_agent_turns": CheckInfo(
-        "rollout", "H4", "rollouts with no turn whose model call came back with an answer"
+        "rollout", "H4", "rollouts with no turn holding a message, a tool call or a model call"
+    ),
+    "rollout_ended_on_failed_model_call": CheckInfo(
+        "rollout",
+        "rollout_ended_on_failed_model_call",
+        "rollouts whose last model call (by start time) failed, so a reward cannot tell the model's zero "
+        "from the endpoint's",
     ),
     "agent_turn_hollow": CheckInfo(
-        "rollout", "H5", "answered turns with no text, reasoning or tool call (count: turns)"
+        "rollout",
+        "H5",
+        "turns with no text, reasoning or tool call, a turn whose call failed included (count: turns)",
     ),
     "trajectory_capture_mismatch": CheckInfo(
         "rollout",
         "H6",
-        "rollouts whose model-call ownership does not add up (a call owned by no turn, by two, or by a turn "
-        "it does not name) or whose HTTP attempts model_capture.jsonl does not account for",
+        "model-call references that resolve to no call or to several (count: call ids)",
     ),
-    "model_call_failed": CheckInfo("rollout", "H7", "model calls that failed (count: calls)"),
+    "model_call_failed": CheckInfo(
+        "rollout", "H7", "model calls with an HTTP error status or an error (count: calls)"
+    ),
     "model_call_missing_token_counts": CheckInfo(
-        "rollout", "H8", "answered model calls without input or output token counts (count: calls)"
+        "rollout",
+        "H8",
+        "model calls without input or output token counts, failed and cut-off ones included (count: calls)",
     ),
     "model_call_zero_completion_tokens": CheckInfo(
-        "rollout",
-        "H9",
-        "answered model calls that reported 0 output tokens; calls cut at the length limit are exempt "
-        "(count: calls)",
+        "rollout", "H9", "model calls that reported 0 output tokens, whatever their status (count: calls)"
     ),
     "model_call_runaway_generation": CheckInfo(
-        "rollout", "H10", "model calls cut at the output length limit with no content (count: calls)"
+        "rollout",
+        "H10",
+        "model calls cut at the output length limit whose response holds no text (a tool call alone is "
+        "none) (count: calls)",
     ),
     "rollout_token_count_mismatch": CheckInfo(
-        "rollout",
-        "H11",
-        "rollouts whose result token totals differ from the sum of their calls', or with a call whose "
-        "total is not input + output",
+        "rollout", "H11", "rollouts whose result token totals differ from the sum of their calls'"
     ),
     "task_consistently_unhealthy": CheckInfo(
         "task", "H12", "tasks with at least two computable repeats, all unhealthy (ids: task ids)"
     ),
     "task_no_successful_model_calls": CheckInfo(
-        "task", "H13", "tasks with no answered model call in any repeat (ids: task ids)"
+        "task",
+        "H13",
+        "tasks with no model call that did not fail in any attempt (a call cut off in flight counts as "
+        "not failed) (ids: task ids)",
+    ),
+    "task_no_answered_model_calls": CheckInfo(
+        "task", None, "tasks with no model call that came back with an answer in any attempt (ids: task ids)"
+    ),
+    "rollout_missing_answered_turns": CheckInfo(
+        "rollout", None, "rollouts with no turn whose model call came back with an answer"
+    ),
+    "trajectory_capture_accounting": CheckInfo(
+        "rollout",
+        None,
+        "rollouts whose model-call ownership does not add up (a call owned by no turn, by two, or by a turn "
+        "it does not name) or whose HTTP attempts model_capture.jsonl does not account for",
+    ),
+    "model_call_zero_completion_not_length_cut": CheckInfo(
+        "rollout",
+        None,
+        "answered model calls that reported 0 output tokens and were not cut at the length limit (NeMo Gym's "
+        "acceptance text for H9) (count: calls)",
+    ),
+    "model_call_total_tokens_mismatch": CheckInfo(
+        "rollout", None, "answered model calls whose total tokens are not input + output (count: calls)"
     ),
     "model_call_token_data_dropped": CheckInfo(
         "rollout",
@@ -171,6 +232,36 @@ _INTERRUPTED = "interrupted"
 _NO_RESULT = "no valid result.json"
 _CONTENT_KEYS = ("text", "content", "output_text", "refusal", "encrypted_content", "summary", "arguments")
 _TOOL_CALL_TYPES = frozenset({"function_call", "custom_tool_call", "mcp_call", "code_interpreter_call"})
+_NEMO_CONTENT_KEYS = (
+    "text",
+    "content",
+    "output_text",
+    "answer",
+    "refusal",
+    "encrypted_content",
+    "reasoning",
+    "reasoning_content",
+    "summary",
+)
+_NEMO_TOOL_CALL_TYPES = frozenset(
+    {
+        "function_call",
+        "tool_call",
+        "tool_use",
+        "mcp_call",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "file_search_call",
+        "web_search_call",
+        "computer_call",
+        "image_generation_call",
+        "code_interpreter_call",
+        "local_shell_call",
+        "custom_tool_call",
+    }
+)
+_RUN_CHECKS = frozenset({"rollout_duplicate_identity"})
+"""Rollout checks the ledger computes over the run's records, not one rollout's evidence."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,23 +309,50 @@ def rollout_health(
     if grader_failed:
         findings["grader_error"] = 1
     evidence = _evidence(result, receipt)
-    for name, check in _ROLLOUT_CHECKS.items():
-        found = _NO_RESULT if evidence is None else check(evidence)
-        if isinstance(found, str):
-            unobserved[name] = found
-        elif found:
-            findings[name] = found
+    if evidence is None:
+        unreadable = receipt is not None and receipt.result_present and not receipt.result_valid
+        if unreadable:
+            findings["record_unreadable"] = 1
+        else:
+            unobserved["record_unreadable"] = "no result.json"
+        unobserved["check_execution_error"] = _NO_RESULT
+        unobserved.update(dict.fromkeys(_ROLLOUT_CHECKS, _NO_RESULT))
+    else:
+        raised = 0
+        for name, check in _ROLLOUT_CHECKS.items():
+            try:
+                found = check(evidence)
+            except Exception as exc:  # NeMo Gym's rule: a check that raises is a finding, not a crash
+                raised += 1
+                found = f"the check raised {type(exc).__name__}"
+            if isinstance(found, str):
+                unobserved[name] = found
+            elif found:
+                findings[name] = found
+        if raised:
+            findings["check_execution_error"] = raised
     return RolloutHealth(
         verdict=_verdict(findings, unobserved),
         findings=findings,
         unobserved=unobserved,
         successful_model_calls=None if evidence is None else len(evidence.answered),
+        unfailed_model_calls=None if evidence is None else _unfailed(evidence),
+    )
+
+
+def nemo_verdict(health: RolloutHealth) -> HealthVerdict:
+    """The verdict NeMo Gym gives: over the checks under its names only (rollcage's own do not count)."""
+    nemo = {name for name, info in HEALTH_CHECKS.items() if info.nemo is not None}
+    return _verdict(
+        {name: count for name, count in health.findings.items() if name in nemo},
+        {name: why for name, why in health.unobserved.items() if name in nemo},
     )
 
 
 def unobserved_health(reason: str) -> RolloutHealth:
     """The health of an attempt with no evidence at all (e.g. a task lost with its node): all unobserved."""
-    return RolloutHealth(verdict="unobserved", unobserved=dict.fromkeys(_ROLLOUT_CHECKS, reason))
+    names = [name for name in HEALTH_CHECKS if name not in TASK_CHECKS | INFORMATIONAL_CHECKS | _RUN_CHECKS]
+    return RolloutHealth(verdict="unobserved", unobserved=dict.fromkeys(names, reason))
 
 
 def _verdict(findings: Mapping[str, int], unobserved: Mapping[str, str]) -> HealthVerdict:
@@ -261,9 +379,24 @@ def _length_limited(call: ModelCall) -> bool:
 
 
 # ----------------------------------------------------------------------------- the rollout checks
+#
+# The checks under NeMo Gym's names follow ``nemo_gym/health/checks.py`` and
+# ``nemo_gym/rollout_health.py`` (0.7.0) rule for rule, read on rollcage's own
+# trajectory the way NeMo Gym reads the ``ng_trajectory`` that ``export --format
+# nemo-gym`` writes of it: every call is owned (by the invocation), a turn's
+# message is its answer items or its reasoning summary, a call's finish reason is
+# ``length`` when it was cut at the length limit. tests/controller/test_health_nemo.py
+# runs NeMo Gym's own code on exported rows and asserts the same counts.
 
 
 def _missing_agent_turns(evidence: _Evidence) -> int | str:
+    # NeMo Gym's rule: a turn with a message, a tool call or a model call reference is model activity.
+    turns = evidence.result.trajectory.turns
+    return 0 if any(_nemo_message(t) or _nemo_tool_calls(t.answer) or t.model_calls for t in turns) else 1
+
+
+def _missing_answered_turns(evidence: _Evidence) -> int | str:
+    # rollcage's stricter rule: a turn whose every call failed is no agent turn.
     if any(_has_content(call.output) for call in evidence.answered):
         return 0
     if evidence.receipt is not None and evidence.receipt.outcome == "cancelled":
@@ -272,14 +405,60 @@ def _missing_agent_turns(evidence: _Evidence) -> int | str:
 
 
 def _hollow_turns(evidence: _Evidence) -> int | str:
-    answered = {call.id for call in evidence.answered}
-    turns = [turn for turn in evidence.result.trajectory.turns if set(turn.model_calls) & answered]
-    if not turns:
-        return "no answered turn"
-    return sum(1 for turn in turns if not _has_content([*turn.answer, *turn.reasoning]))
+    turns = evidence.result.trajectory.turns
+    return sum(1 for turn in turns if not _nemo_message(turn) and not _nemo_tool_calls(turn.answer))
+
+
+def _nemo_message(turn: Turn) -> bool:
+    reasoning = "".join(
+        str(part.get("text", ""))
+        for item in turn.reasoning
+        for part in item.get("summary") or []
+        if isinstance(part, dict)
+    )
+    return _nemo_nonempty(turn.answer) or bool(reasoning.strip())
+
+
+def _nemo_tool_calls(items: Any) -> bool:
+    if isinstance(items, (list, tuple)):
+        return any(_nemo_tool_calls(item) for item in items)
+    if not isinstance(items, dict):
+        return False
+    return items.get("type") in _NEMO_TOOL_CALL_TYPES or bool(items.get("tool_calls"))
+
+
+def _nemo_nonempty(value: Any) -> bool:
+    """NeMo Gym's ``_nonempty``: non-blank text under one of its content keys, at any depth."""
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, (list, tuple)):
+        return any(_nemo_nonempty(item) for item in value)
+    if isinstance(value, dict):
+        return any(_nemo_nonempty(value.get(key)) for key in _NEMO_CONTENT_KEYS)
+    return False
+
+
+def _owned(evidence: _Evidence) -> list[ModelCall] | str:
+    """The calls NeMo Gym binds (an id held by exactly one call), or why none can be."""
+    calls = evidence.result.trajectory.model_calls
+    counts = Counter(call.id for call in calls)
+    owned = [call for call in calls if counts[call.id] == 1]
+    return owned if owned else "no model call was made"
 
 
 def _capture_mismatch(evidence: _Evidence) -> int | str:
+    # NeMo Gym's rule: references that resolve to no call, or to several (each id counted once).
+    trajectory = evidence.result.trajectory
+    if not trajectory.model_calls and not any(t.model_calls for t in trajectory.turns):
+        return "no model call was made"
+    counts = Counter(call.id for call in trajectory.model_calls)
+    referenced = {ref for turn in trajectory.turns for ref in turn.model_calls} | set(counts)
+    return sum(1 for ref in referenced if counts[ref] != 1)
+
+
+def _capture_accounting(evidence: _Evidence) -> int | str:
+    # rollcage's stricter rule: every call owned by exactly the turn it names, and the egress
+    # capture accounting for every HTTP attempt.
     trajectory = evidence.result.trajectory
     if _ownership_contradictions(
         trajectory.model_calls, [(t.index, t.model_calls) for t in trajectory.turns]
@@ -318,48 +497,107 @@ def _ownership_contradictions(calls: list[ModelCall], turns: list[tuple[int, lis
     return owned != set(by_id)
 
 
+def _failed(call: ModelCall) -> bool:
+    """NeMo Gym's ``_is_failed``: an HTTP error status, an error, or a failed response."""
+    return (
+        (call.http_status is not None and call.http_status >= 400)
+        or call.error is not None
+        or (call.status == "failed")
+    )
+
+
 def _failed_calls(evidence: _Evidence) -> int | str:
+    calls = _owned(evidence)
+    return calls if isinstance(calls, str) else sum(1 for call in calls if _failed(call))
+
+
+def _unfailed(evidence: _Evidence) -> int:
+    """NeMo Gym's ``_is_successful`` count: not failed, and no HTTP status or a 2xx/3xx one."""
+    calls = _owned(evidence)
+    if isinstance(calls, str):
+        return 0
+    return sum(1 for c in calls if not _failed(c) and (c.http_status is None or 200 <= c.http_status < 400))
+
+
+def _ended_on_failed_call(evidence: _Evidence) -> int | str:
+    # A rollout's calls all go to its one policy model: one chain, ordered by start time.
     calls = evidence.result.trajectory.model_calls
     if not calls:
         return "no model call was made"
-    return sum(1 for call in calls if call.status == "failed")
+    last = max(calls, key=lambda call: (call.started_at, call.index))
+    return int(_failed(last))
 
 
 def _missing_token_counts(evidence: _Evidence) -> int | str:
-    if not evidence.answered:
-        return "no answered model call"
-    return sum(1 for c in evidence.answered if c.usage.input_tokens is None or c.usage.output_tokens is None)
+    calls = _owned(evidence)
+    if isinstance(calls, str):
+        return calls
+    return sum(1 for c in calls if c.usage.input_tokens is None or c.usage.output_tokens is None)
 
 
 def _zero_completion_tokens(evidence: _Evidence) -> int | str:
+    calls = _owned(evidence)
+    return calls if isinstance(calls, str) else sum(1 for c in calls if c.usage.output_tokens == 0)
+
+
+def _zero_completion_not_length_cut(evidence: _Evidence) -> int | str:
+    # NeMo Gym's acceptance text: a call cut at the length limit is the runaway check's business.
     if not evidence.answered:
         return "no answered model call"
     return sum(1 for c in evidence.answered if c.usage.output_tokens == 0 and not _length_limited(c))
 
 
 def _runaway_generation(evidence: _Evidence) -> int | str:
-    if not evidence.answered:
-        return "no answered model call"
-    return sum(1 for c in evidence.answered if _length_limited(c) and not _has_content(c.output))
+    calls = _owned(evidence)
+    if isinstance(calls, str):
+        return calls
+    cut = [call for call in calls if _length_limited(call)]
+    if any(call.response is None for call in cut):
+        return "a call cut at the length limit kept no response"
+    return sum(1 for call in cut if not _response_has_content(call.response))
+
+
+def _response_has_content(response: Any) -> bool:
+    """NeMo Gym's rule: text in the raw response (a tool call alone is no content)."""
+    if not isinstance(response, dict):
+        return False
+    if _nemo_nonempty(response.get("output_text")) or _nemo_nonempty(response.get("content")):
+        return True
+    choices = response.get("choices")
+    chat = any(
+        _nemo_nonempty(choice.get("text")) or _nemo_nonempty((choice.get("message") or {}).get("content"))
+        for choice in (choices if isinstance(choices, list) else [])
+        if isinstance(choice, dict)
+    )
+    return _nemo_nonempty(response.get("output")) or chat
 
 
 def _token_count_mismatch(evidence: _Evidence) -> int | str:
-    calls = evidence.answered
-    if any(
-        c.usage.total_tokens is not None
-        and c.usage.input_tokens is not None
-        and c.usage.output_tokens is not None
-        and c.usage.total_tokens != c.usage.input_tokens + c.usage.output_tokens
-        for c in calls
-    ):
-        return 1
+    calls = _owned(evidence)
+    if isinstance(calls, str):
+        return calls
+    if any(c.usage.input_tokens is None or c.usage.output_tokens is None for c in calls):
+        # A call that failed, or was cut off by a cancel or a timeout, reported no counts: the
+        # rollout's accounting cannot be checked, which is not the same as it adding up.
+        return "a model call reported no token counts (failed, or cut off by a cancel or timeout)"
     response = evidence.result.response
     if response is None or response.usage.input_tokens is None or response.usage.output_tokens is None:
         return "the result reports no token totals"
-    if any(c.usage.input_tokens is None or c.usage.output_tokens is None for c in calls):
-        return "a model call reported no token counts"
     summed = (sum(c.usage.input_tokens or 0 for c in calls), sum(c.usage.output_tokens or 0 for c in calls))
     return 0 if summed == (response.usage.input_tokens, response.usage.output_tokens) else 1
+
+
+def _call_total_mismatch(evidence: _Evidence) -> int | str:
+    if not evidence.answered:
+        return "no answered model call"
+    return sum(
+        1
+        for c in evidence.answered
+        if c.usage.total_tokens is not None
+        and c.usage.input_tokens is not None
+        and c.usage.output_tokens is not None
+        and c.usage.total_tokens != c.usage.input_tokens + c.usage.output_tokens
+    )
 
 
 def _token_data_dropped(evidence: _Evidence) -> int | str:
@@ -370,19 +608,24 @@ def _token_data_dropped(evidence: _Evidence) -> int | str:
 
 _ROLLOUT_CHECKS: dict[str, _Check] = {
     "rollout_missing_agent_turns": _missing_agent_turns,
+    "rollout_missing_answered_turns": _missing_answered_turns,
+    "rollout_ended_on_failed_model_call": _ended_on_failed_call,
     "agent_turn_hollow": _hollow_turns,
     "trajectory_capture_mismatch": _capture_mismatch,
+    "trajectory_capture_accounting": _capture_accounting,
     "model_call_failed": _failed_calls,
     "model_call_missing_token_counts": _missing_token_counts,
     "model_call_zero_completion_tokens": _zero_completion_tokens,
+    "model_call_zero_completion_not_length_cut": _zero_completion_not_length_cut,
     "model_call_runaway_generation": _runaway_generation,
     "rollout_token_count_mismatch": _token_count_mismatch,
+    "model_call_total_tokens_mismatch": _call_total_mismatch,
     "model_call_token_data_dropped": _token_data_dropped,
 }
 
 
 def _has_content(items: list[ResponseItem]) -> bool:
-    """Whether the items hold anything: non-blank text, reasoning, or a tool call (NeMo Gym's rule)."""
+    """Whether the items hold anything: non-blank text, reasoning, or a tool call."""
     return any(item.get("type") in _TOOL_CALL_TYPES or _nonempty(item) for item in items)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from rollcage.controller._graders import reward_problem
-from rollcage.controller._health import HEALTH_CHECKS, TASK_CHECKS
+from rollcage.controller._health import HEALTH_CHECKS, TASK_CHECKS, nemo_verdict
 from rollcage.protocol import (
     HealthFinding,
     HealthVerdict,
@@ -49,6 +49,7 @@ class SampleState:
         grader_failed: The outcome allowed grading but the grader could not grade.
         masked: The latest attempt was masked by its environment (left out of reward metrics).
         verdict: The latest attempt's health verdict.
+        nemo_verdict: Its verdict over NeMo Gym's checks only, as NeMo Gym gives it (for its task checks).
         answered_calls: Its answered model calls; ``None``: unobserved (no valid result).
     """
 
@@ -60,6 +61,7 @@ class SampleState:
     grader_failed: bool = False
     masked: bool = False
     verdict: HealthVerdict = "unobserved"
+    nemo_verdict: HealthVerdict = "unobserved"
     answered_calls: int | None = None
 
 
@@ -127,6 +129,7 @@ class RunLedger:
         self.pass_threshold = pass_threshold
         self._samples: dict[tuple[str, int], SampleState] = {}
         self._model_success: set[str] = set()
+        self._unfailed_calls: set[str] = set()
         self._outcomes: dict[Outcome, int] = dict.fromkeys(_OUTCOMES, 0)
         self._graded = 0
         self._masked = 0
@@ -144,6 +147,7 @@ class RunLedger:
         self._mechanisms: dict[str, int] = {}
         self._health: dict[str, _Tally] = {name: _Tally() for name in _ROLLOUT_CHECKS}
         self._verdicts: dict[HealthVerdict, int] = {"healthy": 0, "unhealthy": 0, "unobserved": 0}
+        self._copies: dict[str, int] = {}
         self.invalid_rows = 0
         self.rollouts = 0
 
@@ -192,7 +196,9 @@ class RunLedger:
         state.reward = record.reward if state.graded else None
         state.grader_failed = (record.grader is not None and "error" in record.grader) or not sensible
         state.masked = state.graded and record.masked
-        state.verdict = record.health.verdict
+        health = self._identity_checked(record.rollout_id, record.health)
+        state.verdict = health.verdict
+        state.nemo_verdict = nemo_verdict(health)
         state.answered_calls = record.health.successful_model_calls
 
         self.rollouts += 1
@@ -228,11 +234,25 @@ class RunLedger:
                 self._mechanisms[name] = self._mechanisms.get(name, 0) + 1
         if record.health.successful_model_calls:
             self._model_success.add(record.task_id)
-        health = record.health
+        unfailed = record.health.unfailed_model_calls
+        if unfailed if unfailed is not None else record.health.successful_model_calls:
+            self._unfailed_calls.add(record.task_id)
         if not sensible and not health.findings.get("grader_error"):
             health = health.model_copy(update={"findings": {**health.findings, "grader_error": 1}})
         self._fold_health(record.rollout_id, health)
         return state
+
+    def _identity_checked(self, rollout_id: str, health: RolloutHealth) -> RolloutHealth:
+        """NeMo Gym's ``rollout_duplicate_identity``: every record of an attempt another record claims too.
+
+        The log is read in order, so the second copy counts the first as well (NeMo Gym
+        flags each copy); a copy is unhealthy.
+        """
+        copies = self._copies[rollout_id] = self._copies.get(rollout_id, 0) + 1
+        if copies < 2:
+            return health
+        findings = {**health.findings, "rollout_duplicate_identity": 2 if copies == 2 else 1}
+        return health.model_copy(update={"findings": findings, "verdict": "unhealthy"})
 
     def _fold_health(self, rollout_id: str, health: RolloutHealth) -> None:
         self._verdicts[health.verdict] += 1
@@ -315,22 +335,28 @@ class RunLedger:
         repeats: dict[str, list[SampleState]] = {}
         for (task_id, _), state in self._samples.items():
             repeats.setdefault(task_id, []).append(state)
-        no_success, unhealthy = _Tally(), _Tally()
+        no_success, no_answer, unhealthy = _Tally(), _Tally(), _Tally()
         for task_id, states in repeats.items():
-            if task_id in self._model_success:
-                no_success.add(task_id, 0)
-            elif all(state.answered_calls is not None for state in states):
-                no_success.add(task_id, 1)
-            else:
-                no_success.lack("a repeat has no valid result.json")
-            computable = [state for state in states if state.verdict != "unobserved"]
+            observed = all(state.answered_calls is not None for state in states)
+            for tally, succeeded in ((no_success, self._unfailed_calls), (no_answer, self._model_success)):
+                if task_id in succeeded:
+                    tally.add(task_id, 0)
+                elif observed:
+                    tally.add(task_id, 1)
+                else:
+                    tally.lack("a repeat has no valid result.json")
+            # NeMo Gym's rule, over its own checks' verdicts (rollcage's own checks do not count here).
+            computable = [state for state in states if state.nemo_verdict != "unobserved"]
             if len(computable) < 2:
                 unhealthy.lack("fewer than two repeats with a computable verdict")
             else:
-                unhealthy.add(task_id, int(all(state.verdict == "unhealthy" for state in computable)))
+                unhealthy.add(task_id, int(all(state.nemo_verdict == "unhealthy" for state in computable)))
         return {
             "task_no_successful_model_calls": no_success.finding(
                 HEALTH_CHECKS["task_no_successful_model_calls"].detail
+            ),
+            "task_no_answered_model_calls": no_answer.finding(
+                HEALTH_CHECKS["task_no_answered_model_calls"].detail
             ),
             "task_consistently_unhealthy": unhealthy.finding(
                 HEALTH_CHECKS["task_consistently_unhealthy"].detail

@@ -64,9 +64,16 @@ from rollcage.controller._unit import (
     set_aside_earlier,
     task_image,
 )
-from rollcage.errors import ConfigError, DurableWriteError, RollcageError, SandboxError
+from rollcage.errors import (
+    ConfigError,
+    DurableWriteError,
+    ModelEndpointNotFoundError,
+    RollcageError,
+    SandboxError,
+)
 from rollcage.procs import shielded
 from rollcage.protocol import (
+    CommandHarness,
     HarnessEnvironment,
     ImageSandbox,
     ModelEndpoint,
@@ -191,6 +198,18 @@ class RunSummary:
         return EXIT_OK
 
 
+def _endpoint_not_found(record: RolloutRecord) -> str | None:
+    """The not-found answer that ended the attempt, or ``None`` (``ModelEndpointNotFoundError``)."""
+    error = record.receipt.result_error
+    if (
+        record.outcome != "infra_failure"
+        or error is None
+        or error.type != ModelEndpointNotFoundError.__name__
+    ):
+        return None
+    return error.message
+
+
 @dataclass
 class _Scan:
     tasks: int = 0
@@ -205,6 +224,8 @@ class _Scan:
     """(image, program) -> the first row that runs the program in the image, and what for."""
     image_jupyter: Task | None = None
     """The first row that asks for the jupyter executor in an image (which has no ipykernel)."""
+    commands: dict[str, Task] = field(default_factory=dict)
+    """Each command harness program (argv[0]) run outside a task image, with the first row running it."""
     notices: dict[str, tuple[Task, int]] = field(default_factory=dict)
     """What rows written for another harness do not run as it would: the first such row, and how many."""
 
@@ -439,6 +460,8 @@ class Controller:
             harness = item.row.agent.harness or self.config.harness
             scan.harnesses.add("builtin" if harness is None else harness.type)
             image = task_image(item, self.config.image)
+            if isinstance(harness, CommandHarness) and image is None:
+                scan.commands.setdefault(harness.argv[0], item)
             if image is not None:
                 scan.images.setdefault(image, item)
                 if harness is None or harness.type == "builtin":
@@ -452,15 +475,23 @@ class Controller:
         """The environment of each harness the rows use, checked once before anything runs (blocking).
 
         Raises:
-            ConfigError: One is missing or unusable (one line that says what to do); nothing is
-                ever downloaded here.
+            ConfigError: One is missing or unusable, or a command harness's program cannot be found
+                (as NOOA's missing environment is, up front rather than once per attempt): one line
+                that says what to do, naming the first row concerned; nothing is ever downloaded here.
         """
-        from rollcage.harness import resolve_environment
+        from rollcage.harness import missing_program, resolve_environment
 
         envs: dict[str, HarnessEnvironment | None] = {}
         for kind in ("nooa", "command"):
             if kind in self._scan.harnesses:
                 envs[kind] = resolve_environment(kind, self.config.harness_env)
+        for program, item in self._scan.commands.items():
+            problem = missing_program(program, envs.get("command"))
+            if problem is not None:
+                raise ConfigError(
+                    f"line {item.line} (task {item.id}): the command harness cannot start: {problem}; "
+                    "install it, give its path, or give --harness-env PATH (a virtualenv whose bin has it)"
+                )
         return envs
 
     def _check_sandbox(self) -> None:
@@ -744,6 +775,17 @@ class Controller:
                 await self._maybe_publish()
                 if self._sink is not None:
                     await self._sink(record)
+                missing = _endpoint_not_found(record)
+                if missing is not None:
+                    # Every attempt would meet the same 404: stop (NOOA fails on it too) rather than
+                    # retry it as infrastructure; what completed is kept, nothing is graded on it.
+                    self._error = (
+                        f"the model endpoint has no such route or model ({missing}): check --model and "
+                        "--model-name"
+                    )
+                    self._reporter.notice(f"Stopping: {self._error}")
+                    self.stop.set()
+                    return
                 if record.outcome != "infra_failure" or self._ledger.is_done(task.id, sample):
                     return
                 if prepared.resume_from is None:

@@ -10,6 +10,10 @@ The mapping (one document per rollout; ``step_id`` from 1, ISO 8601 timestamps):
   where the server returned them, ``prompt_token_ids``, ``completion_token_ids`` and
   ``logprobs``), ``llm_call_count`` (its model calls) and ``extra`` (turn id, model call
   ids, attempts, resolution, cumulative tool steps);
+* what a harness ran on its own, no model call asking (NOOA's prefill, which prints the task's
+  inputs before the first model call): an ``agent`` step of its own with ``llm_call_count`` 0,
+  ATIF's deterministic dispatch, before the turn's model step when it ran before the model
+  call, else after it; never among the model's ``tool_calls``;
 * feedback the loop gave the model between turns (codeact's execution output, a
   cut-off notice): ``user`` steps before the turn that read them;
 * ``final_metrics``: the sums, and the reward, outcome and health in ``extra``;
@@ -35,7 +39,7 @@ from rollcage.protocol import (
     WorkerInput,
     WorkerResult,
 )
-from rollcage.trajectory import message_text
+from rollcage.trajectory import leads_call, message_text
 
 __all__ = ["ATIF_VERSION", "read_workspace_diff", "to_atif"]
 
@@ -75,7 +79,15 @@ def to_atif(
         for item in turn.input:
             if item.get("type", "message") == "message" and item.get("role", "user") != "assistant":
                 add({"timestamp": _iso(turn.started_at), "source": "user", "message": message_text(item)})
-        add(_agent_step(turn, [calls[i] for i in turn.model_calls if i in calls], tools, spec.model.model))
+        owned = [calls[i] for i in turn.model_calls if i in calls]
+        own_tools = [tools[i] for i in turn.tool_calls if i in tools]
+        harness = [tool for tool in own_tools if tool.origin == "harness"]
+        lead = [tool for tool in harness if leads_call(tool, owned[0] if owned else None)]
+        if lead:
+            add(_dispatch_step(turn, lead))
+        add(_agent_step(turn, owned, [t for t in own_tools if t.origin == "model"], spec.model.model))
+        if len(lead) < len(harness):
+            add(_dispatch_step(turn, [tool for tool in harness if tool not in lead]))
     usage = result.response.usage if result.response is not None else None
     return {
         "schema_version": ATIF_VERSION,
@@ -114,8 +126,32 @@ def to_atif(
     }
 
 
-def _agent_step(turn: Turn, calls: list[ModelCall], tools: dict[str, ToolCall], model: str) -> dict[str, Any]:
-    owned = [tools[call_id] for call_id in turn.tool_calls if call_id in tools]
+def _dispatch_step(turn: Turn, owned: list[ToolCall]) -> dict[str, Any]:
+    """What a harness ran on its own: ATIF's deterministic dispatch (an agent step with no LLM call)."""
+    step: dict[str, Any] = {
+        "timestamp": _iso(min(tool.started_at for tool in owned)),
+        "source": "agent",
+        "message": "",
+        "llm_call_count": 0,
+        "tool_calls": [_tool_call(tool) for tool in owned],
+        "extra": {"turn_id": turn.id, "origin": "harness"},
+    }
+    results = _observations(owned)
+    if results:
+        step["observation"] = {"results": results}
+    return step
+
+
+def _observations(owned: list[ToolCall]) -> list[dict[str, Any]]:
+    return [
+        {"source_call_id": tool.call_id, "content": tool.output, "extra": {"status": tool.status}}
+        for tool in owned
+        if tool.output is not None
+    ]
+
+
+def _agent_step(turn: Turn, calls: list[ModelCall], owned: list[ToolCall], model: str) -> dict[str, Any]:
+    """The turn's model step: its calls' answer, reasoning and metrics, and the tool calls the model made."""
     reasoning = "".join(_reasoning_text(item) for item in turn.reasoning)
     step: dict[str, Any] = {
         "timestamp": _iso(turn.started_at),
@@ -135,11 +171,7 @@ def _agent_step(turn: Turn, calls: list[ModelCall], tools: dict[str, ToolCall], 
         step["reasoning_content"] = reasoning
     if owned:
         step["tool_calls"] = [_tool_call(tool) for tool in owned]
-        results = [
-            {"source_call_id": tool.call_id, "content": tool.output, "extra": {"status": tool.status}}
-            for tool in owned
-            if tool.output is not None
-        ]
+        results = _observations(owned)
         if results:
             step["observation"] = {"results": results}
     if calls:

@@ -45,6 +45,7 @@ from rollcage.harness._venvs import (
     NOOA_VERSION,
     default_environment_dir,
     install_harness,
+    missing_program,
     resolve_environment,
 )
 
@@ -60,6 +61,7 @@ __all__ = [
     "WireExchange",
     "default_environment_dir",
     "install_harness",
+    "missing_program",
     "read_events",
     "relay_line",
     "resolve_environment",

@@ -29,6 +29,7 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 
+from rollcage.errors import ModelEndpointNotFoundError
 from rollcage.http import Api, model_call_api
 from rollcage.protocol import (
     MAX_JSON_DEPTH,
@@ -39,6 +40,7 @@ from rollcage.protocol import (
     ToolCall,
     TurnStart,
     json_problem,
+    kept_body,
 )
 from rollcage.trajectory import INTERRUPTED
 from rollcage.wire import (
@@ -68,6 +70,8 @@ _ERROR_SNIPPET = 500
 # The model client's table (rollcage.model): a request the server rejects is the policy's; everything
 # else that is not an answer (credentials, a missing endpoint, overload, a broken body) the infrastructure's.
 _FATAL_STATUSES = frozenset({400, 413, 422})
+_HARNESS_CALL = "HarnessModelCall"
+"""The error type of a harness's failed model call (the worker did not make it, so no client raised)."""
 
 
 @dataclass(frozen=True)
@@ -221,15 +225,23 @@ async def model_call(
         base["attempts"] = [attempt.model_copy(update={"status": "incomplete"})]
         return ModelCall(**base, status="incomplete", incomplete_reason=INTERRUPTED), []
     if status is None:
-        return _failed(base, None, "transient", f"no answer: {exchange.error or 'the exchange ended early'}")
+        return _failed(
+            base, None, "transient", f"no answer: {exchange.error or 'the exchange ended early'}", body=body
+        )
     if not 200 <= status < 300:
         kind: Literal["transient", "fatal"] = "fatal" if status in _FATAL_STATUSES else "transient"
-        return _failed(base, None, kind, f"HTTP {status}: {_snippet(body)}")
+        # A 404 is the endpoint having no such route or model: final for the run, as for the builtin loop.
+        error_type = ModelEndpointNotFoundError.__name__ if status == 404 else _HARNESS_CALL
+        return _failed(base, None, kind, f"HTTP {status}: {_snippet(body)}", body=body, error_type=error_type)
     if exchange.error is not None:
-        return _failed(base, None, "transient", f"the answer was cut off: {exchange.error}")
+        return _failed(base, None, "transient", f"the answer was cut off: {exchange.error}", body=body)
     if body is None:
         return _failed(
-            base, None, "transient", "the answer was larger than the capture keeps (see model_capture.jsonl)"
+            base,
+            None,
+            "transient",
+            "the answer was larger than the capture keeps (see model_capture.jsonl)",
+            body=body,
         )
     try:
         payload = await _payload(exchange.api, body, exchange.content_type)
@@ -239,16 +251,22 @@ async def model_call(
         error = payload.get("error")
         if isinstance(error, dict) and not {"choices", "output"} & payload.keys():
             return _failed(
-                base, payload, "transient", f"the server answered with an error: {_snippet(error)}"
+                base,
+                payload,
+                "transient",
+                f"the server answered with an error: {_snippet(error)}",
+                body=body,
             )
         outcome = parse_payload(exchange.api, payload)
     except ServerEventError as exc:
-        return _failed(base, None, "transient", f"the server reported an error in the stream: {exc}")
+        return _failed(
+            base, None, "transient", f"the server reported an error in the stream: {exc}", body=body
+        )
     except (WireError, ValueError) as exc:
-        return _failed(base, None, "transient", f"malformed response from the server: {exc}")
+        return _failed(base, None, "transient", f"malformed response from the server: {exc}", body=body)
     if outcome.status == "failed":
         message = f"the response failed: {outcome.error_code or 'no code'}: {outcome.error_message or ''}"
-        return _failed(base, payload, "transient", message)
+        return _failed(base, payload, "transient", message, body=body)
     call = ModelCall(
         **base,
         response=without_lifted(exchange.api, payload),
@@ -285,10 +303,18 @@ def requested_tool_calls(call: ModelCall, server_ids: list[str | None]) -> list[
 
 
 def _failed(
-    base: dict[str, Any], response: dict[str, Any] | None, kind: Literal["transient", "fatal"], message: str
+    base: dict[str, Any],
+    response: dict[str, Any] | None,
+    kind: Literal["transient", "fatal"],
+    message: str,
+    *,
+    body: bytes | None,
+    error_type: str = _HARNESS_CALL,
 ) -> tuple[ModelCall, list[str | None]]:
-    error = RunnerError(kind=kind, type="HarnessModelCall", message=message)
-    attempt = base["attempts"][0].model_copy(update={"status": "failed", "error": error})
+    error = RunnerError(kind=kind, type=error_type, message=message)
+    kept, truncated = kept_body(body)
+    update = {"status": "failed", "error": error, "response_body": kept, "response_body_truncated": truncated}
+    attempt = base["attempts"][0].model_copy(update=update)
     call = ModelCall(**{**base, "attempts": [attempt]}, response=response, status="failed", error=error)
     return call, []
 

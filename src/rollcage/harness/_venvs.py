@@ -35,12 +35,15 @@ from rollcage.errors import ConfigError, HarnessUnavailableError
 from rollcage.protocol import HarnessEnvironment
 
 __all__ = [
+    "COMMAND_SYSTEM_PATH",
     "NOOA_PYTHONS",
     "NOOA_VERSION",
+    "command_search_path",
     "default_environment_dir",
     "find_python",
     "harness_home",
     "install_harness",
+    "missing_program",
     "resolve_environment",
 ]
 
@@ -59,6 +62,31 @@ _PROBE = (
     "'base_exec_prefix': sys.base_exec_prefix, 'executable': sys.executable, "
     "'version': list(sys.version_info[:2]), 'nooa': importlib.util.find_spec('nooa') is not None}))"
 )
+
+
+COMMAND_SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+"""Where a command harness's program is looked up after its environment's bin (the sandbox's PATH)."""
+
+
+def command_search_path(environment: HarnessEnvironment | None) -> str:
+    """The PATH a command harness runs with: its environment's bin first, then the system's programs."""
+    return f"{environment.bin}:{COMMAND_SYSTEM_PATH}" if environment is not None else COMMAND_SYSTEM_PATH
+
+
+def missing_program(program: str, environment: HarnessEnvironment | None) -> str | None:
+    """Why a command harness's ``argv[0]`` cannot be started, or ``None`` when it can (or cannot be told).
+
+    A bare name is looked up as the sandbox looks it up (:func:`command_search_path`); an
+    absolute path must be an executable file; a relative path with a slash names a file in
+    the task's workspace, which does not exist before the rollout, so it is not checked.
+    """
+    if "/" not in program:
+        if shutil.which(program, path=command_search_path(environment)) is None:
+            return f"{program!r} is not on the harness's PATH ({command_search_path(environment)})"
+        return None
+    if os.path.isabs(program) and not (os.path.isfile(program) and os.access(program, os.X_OK)):
+        return f"{program} is not an executable file"
+    return None
 
 
 def harness_home() -> Path:

@@ -37,7 +37,13 @@ from typing import Any, Literal, NoReturn, Self
 
 import orjson
 
-from rollcage.errors import FatalModelError, ModelError, ModelTimeoutError, TransientModelError
+from rollcage.errors import (
+    FatalModelError,
+    ModelEndpointNotFoundError,
+    ModelError,
+    ModelTimeoutError,
+    TransientModelError,
+)
 from rollcage.headers import cookie_header, cookie_problem, encode_id, update_cookies
 from rollcage.http import DirectSend, httpx, transport_for
 from rollcage.procs import AsyncClosing, shielded
@@ -51,6 +57,7 @@ from rollcage.protocol import (
     RunnerError,
     TokenUsage,
     json_problem,
+    kept_body,
 )
 from rollcage.wire import (
     CallOutcome,
@@ -166,6 +173,8 @@ class _AttemptFailed(Exception):
         self.response = response
         self.why = why
         """Words on whose fault it is, appended to the message where that is not obvious."""
+        self.body: bytes | None = None
+        """The response body that came with the failure, if one did (kept, bounded, on the attempt)."""
         self.first_byte_at: float | None = None
         """Unix time the attempt's first response byte came, if one did."""
 
@@ -490,19 +499,21 @@ class ModelClient(AsyncClosing):
             self._keep_cookies(response)
             status = response.status_code
             if not 200 <= status < 300:
-                raw = await _read_body(response, _ERROR_BODY_BYTES, cut=True)
-                raise _status_failure(status, raw, response.headers)
+                error_body = await _read_body(response, _ERROR_BODY_BYTES, cut=True)
+                raise _status_failure(status, error_body, response.headers)
             limit = endpoint.max_response_bytes
             declared = response.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > limit:
                 raise _malformed(f"the answer declares {declared} bytes, over the {limit}-byte bound", status)
+            raw: bytes | None = None  # a plain answer's body, kept (bounded) on the attempt if it fails
             try:
                 if endpoint.stream and "text/event-stream" in response.headers.get("content-type", ""):
                     chunks = _bounded(response.aiter_bytes(), limit)
                     streamed = await assemble_stream(endpoint.api, sse_events(sse_lines(chunks)))
                     payload, first = streamed.payload, streamed.first_event_at or first_byte_at
                 else:
-                    payload, first = _json_object(await _read_body(response, limit)), first_byte_at
+                    raw = await _read_body(response, limit)
+                    payload, first = _json_object(raw), first_byte_at
                 problem = json_problem(payload, max_depth=MAX_JSON_DEPTH)
                 if problem is not None:
                     raise WireError(f"the answer cannot be kept: {problem}")
@@ -511,9 +522,9 @@ class ModelClient(AsyncClosing):
                 failure.args = (f"the server reported an error in the stream: {exc}{failure.why}",)
                 raise failure from exc
             except _MALFORMED as exc:
-                raise _malformed(
-                    str(exc) if isinstance(exc, WireError) else _unexpected(exc), status
-                ) from exc
+                malformed = _malformed(str(exc) if isinstance(exc, WireError) else _unexpected(exc), status)
+                malformed.body = raw
+                raise malformed from exc
             return _Exchange(status, payload, first)
         except _AttemptFailed as failure:
             failure.first_byte_at = first_byte_at
@@ -537,6 +548,7 @@ class ModelClient(AsyncClosing):
                 f"the server answered with an error: {code or 'no code'}: {message}{failure.why}",
             )
             failure.response = exchange.payload
+            failure.body = orjson.dumps(exchange.payload)
             raise failure
         try:
             outcome = parse_payload(self._endpoint.api, exchange.payload)
@@ -547,6 +559,7 @@ class ModelClient(AsyncClosing):
                 exchange.http_status,
             )
             failure.response = exchange.payload
+            failure.body = orjson.dumps(exchange.payload)
             raise failure from exc
         if outcome.status == "failed":
             failure = _classify(
@@ -557,6 +570,7 @@ class ModelClient(AsyncClosing):
                 f"{failure.why}",
             )
             failure.response = exchange.payload
+            failure.body = orjson.dumps(exchange.payload)
             raise failure
         return outcome
 
@@ -618,11 +632,14 @@ class _Call:
 
 def _failed_attempt(failure: _AttemptFailed, index: int, started_at: float) -> CallAttempt:
     error = failure.error(str(failure))
+    body, truncated = kept_body(failure.body)
     return CallAttempt(
         index=index,
         status="failed",
         http_status=failure.http_status,
         error=RunnerError(kind=error.kind, type=type(error).__name__, message=str(failure)),
+        response_body=body,
+        response_body_truncated=truncated,
         started_at=started_at,
         first_byte_at=failure.first_byte_at,
         ended_at=time.time(),
@@ -653,6 +670,7 @@ def _status_failure(status: int, raw: bytes, headers: httpx.Headers) -> _Attempt
     code, message = _error_detail(raw)
     failure = _classify(status, code, message, http_status=status, retry_after=_retry_after(headers))
     failure.args = (f"HTTP {status}: {code + ': ' if code else ''}{message}{failure.why}",)
+    failure.body = raw
     return failure
 
 
@@ -680,11 +698,16 @@ def _classify(
             http_status=http_status,
             why=" (the endpoint refused the credentials: infrastructure, not the policy)",
         )
-    if (
-        status == 404
-        or (code is not None and _NOT_FOUND_CODE.search(code))
-        or (status is not None and status < 400)
-    ):
+    if status == 404 or (code is not None and _NOT_FOUND_CODE.search(code)):
+        return _AttemptFailed(
+            ModelEndpointNotFoundError,
+            message,
+            retry=False,
+            http_status=http_status,
+            why=" (no such endpoint or model where the configuration says: infrastructure, not the policy; "
+            "final, as NOOA treats it)",
+        )
+    if status is not None and status < 400:
         return _AttemptFailed(
             TransientModelError,
             message,

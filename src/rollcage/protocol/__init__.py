@@ -93,6 +93,7 @@ from rollcage.protocol._records import (
 from rollcage.protocol._result import ResponseOutput, WorkerResult
 from rollcage.protocol._schemas import artifact_models
 from rollcage.protocol._trajectory import (
+    ATTEMPT_BODY_BYTES,
     CallAttempt,
     CallTokens,
     ModelCall,
@@ -106,9 +107,11 @@ from rollcage.protocol._trajectory import (
     Turn,
     TurnResolution,
     TurnStart,
+    kept_body,
 )
 
 __all__ = [
+    "ATTEMPT_BODY_BYTES",
     "MAX_INPUT_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_TOKEN_COUNT",
@@ -179,4 +182,5 @@ __all__ = [
     "artifact_models",
     "describe_validation_error",
     "json_problem",
+    "kept_body",
 ]

@@ -93,6 +93,12 @@ class RolloutHealth(FrozenArtifact):
         description="Model calls that were answered (for the per-task check); None: unobserved (no valid "
         "result).",
     )
+    unfailed_model_calls: int | None = Field(
+        default=None,
+        description="Model calls NeMo Gym counts successful, for its task_no_successful_model_calls: no HTTP "
+        "error status, no error, not failed (a call cut off in flight included); None: unobserved, or a "
+        "record written before this field (successful_model_calls stands in).",
+    )
 
 
 class ResumeLink(FrozenArtifact):

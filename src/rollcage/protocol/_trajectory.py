@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from rollcage.protocol._base import MAX_TOKEN_ID, ArtifactModel, ResponseItem, RunnerError
 
 __all__ = [
+    "ATTEMPT_BODY_BYTES",
     "CallAttempt",
     "CallTokens",
     "ModelCall",
@@ -23,9 +24,28 @@ __all__ = [
     "Turn",
     "TurnResolution",
     "TurnStart",
+    "kept_body",
 ]
 
 # --------------------------------------------------------------------------- trajectory
+
+ATTEMPT_BODY_BYTES = 16 * 1024
+"""At most this many bytes of a failed attempt's response body are kept in its ``CallAttempt``."""
+
+
+def kept_body(body: bytes | None) -> tuple[str | None, bool]:
+    """A failed attempt's body as its ``CallAttempt`` keeps it: the first ATTEMPT_BODY_BYTES, and whether cut.
+
+    Decoding replaces undecodable bytes (one cut inside a character included) and NULs; a
+    replacement character takes three bytes, so the text is cut again to stay within the cap.
+    """
+    if body is None:
+        return None, False
+    truncated = len(body) > ATTEMPT_BODY_BYTES
+    text = body[:ATTEMPT_BODY_BYTES].decode("utf-8", errors="replace").replace("\x00", "\ufffd")
+    while len(text.encode()) > ATTEMPT_BODY_BYTES:
+        text, truncated = text[: -max(1, (len(text.encode()) - ATTEMPT_BODY_BYTES) // 3)], True
+    return text, truncated
 
 
 class TokenUsage(ArtifactModel):
@@ -128,6 +148,17 @@ class CallAttempt(ArtifactModel):
     )
     http_status: int | None = Field(default=None, description="HTTP status of the answer; None: none came.")
     error: RunnerError | None = Field(default=None, description="Why the attempt failed, if it did.")
+    response_body: str | None = Field(
+        default=None,
+        max_length=ATTEMPT_BODY_BYTES,
+        description="A failed attempt's response body as the server sent it (UTF-8, undecodable bytes "
+        "replaced), its first ATTEMPT_BODY_BYTES (16 KiB) bytes at most; None: no body came, the body "
+        "could not be kept (a stream, one over the response bound), or the attempt completed (its answer "
+        "is ModelCall.response).",
+    )
+    response_body_truncated: bool = Field(
+        default=False, description="response_body is only the body's first ATTEMPT_BODY_BYTES bytes."
+    )
     started_at: float = Field(description="Unix time the attempt started.")
     first_byte_at: float | None = Field(default=None, description="Unix time of its first response byte.")
     ended_at: float = Field(description="Unix time it ended (or was abandoned).")

@@ -511,7 +511,7 @@ def _findings(view: RolloutView, trajectory: Trajectory) -> list[FindingDigest]:
                 f"{view.result.checkpoint_failures} boundary record(s) failed to persist"
             )
     if view.capture is not None and not view.capture.agrees:
-        found["trajectory_capture_mismatch"] = (
+        found["trajectory_capture_accounting"] = (
             f"{len(view.capture.differences)} difference(s) between model_capture.jsonl "
             f"({view.capture.captured} exchanges) and the trajectory "
             f"({view.capture.trajectory_attempts} attempts)"

@@ -44,7 +44,13 @@ from pathlib import Path
 import orjson
 
 from rollcage.agent import AgentResult
-from rollcage.errors import ConfigError, HarnessError, HarnessUnavailableError, TransientModelError
+from rollcage.errors import (
+    ConfigError,
+    HarnessError,
+    HarnessUnavailableError,
+    ModelEndpointNotFoundError,
+    TransientModelError,
+)
 from rollcage.harness._calls import WireCalls, WireExchange
 from rollcage.harness._events import (
     EVENTS_FD_ENV,
@@ -58,6 +64,7 @@ from rollcage.harness._events import (
     read_events,
 )
 from rollcage.harness._forwarder import Forwarder
+from rollcage.harness._venvs import command_search_path
 from rollcage.procs import (
     GroupTree,
     PidHandle,
@@ -275,7 +282,6 @@ class HarnessRunner:
     def _environment(self, forwarder: Forwarder, events_fd: int) -> dict[str, str]:
         env = {name: value for name, value in os.environ.items() if name not in _WORKER_ONLY}
         harness_env = self._spec.harness_env
-        system = "/usr/local/bin:/usr/bin:/bin"
         tools = [
             {"name": t.name, "description": t.description, "parameters": t.parameters}
             for t in self._spec.tools
@@ -283,7 +289,7 @@ class HarnessRunner:
         ]
         env.update(
             {
-                "PATH": f"{harness_env.bin}:{system}" if harness_env is not None else system,
+                "PATH": command_search_path(harness_env),
                 "OPENAI_BASE_URL": forwarder.base_url,
                 "OPENAI_API_BASE": forwarder.base_url,
                 "OPENAI_API_KEY": self._token,
@@ -541,9 +547,13 @@ class HarnessRunner:
             and last.error is not None
             and last.error.kind == "transient"
         ):
-            raise TransientModelError(
-                f"the harness ended ({how}) after the model endpoint failed: {last.error.message}"
+            # The endpoint's 404 keeps its type: the controller stops the run on it.
+            error = (
+                ModelEndpointNotFoundError
+                if last.error.type == ModelEndpointNotFoundError.__name__
+                else TransientModelError
             )
+            raise error(f"the harness ended ({how}) after the model endpoint failed: {last.error.message}")
         said = self._reported_error or self._stderr_hint()
         raise HarnessError(f"the harness ended with {how}" + (f": {said}" if said else ""))
 
