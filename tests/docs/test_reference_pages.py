@@ -72,3 +72,10 @@ def test_the_codes_pointers_into_the_docs_exist() -> None:
     assert pointers
     missing = sorted(pointer for pointer in pointers if not (REPO / pointer).is_file())
     assert not missing, missing
+
+
+def test_the_health_reference_lists_every_check() -> None:
+    from rollcage.controller._health import HEALTH_CHECKS
+
+    page = (REPO / "docs" / "reference" / "health.md").read_text()
+    assert [name for name in HEALTH_CHECKS if f"`{name}`" not in page] == []
