@@ -13,8 +13,10 @@ For every rollout whose row names an environment, in this order:
    response object (``to_nemo_response``) and the session's cookies as a ``Cookie``
    header; the answer's ``reward``, ``mask_sample`` and ``failure_kind`` are read
    by ``rollcage.controller._graders.parse_verify_answer``.
-4. ``POST /close_session`` with the run request and the cookies, when offered
-   (404/405: not offered), so the server can free the session's state.
+4. ``POST /close_session`` with the cookies and NeMo Gym's close body
+   (``ResourcesCloseSessionRequest``: ``resources_session_id`` and ``episode_id``,
+   nothing else; see ``close_request``), when offered (404/405: not offered), so the
+   server can free the session's state.
 
 A ``/seed_session`` that fails otherwise (unreachable, 5xx, no answer in time) is
 an infrastructure failure of the attempt: it is retried, never graded.
@@ -23,7 +25,9 @@ an infrastructure failure of the attempt: it is retried, never graded.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import re
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CREATE_PARAMS_KEYS",
+    "close_request",
     "close_session",
     "create_params_for",
     "function_tools",
@@ -118,6 +123,39 @@ def create_params_for(
 def run_request(create_params: Mapping[str, Any], verifier: Mapping[str, Any]) -> dict[str, Any]:
     """NeMo Gym's run request body: the row's verifier fields and its ``responses_create_params``."""
     return {**verifier, "responses_create_params": dict(create_params)}
+
+
+_EPISODE_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_ATTEMPT_SUFFIX = re.compile(r"-a[1-9][0-9]*$")
+
+
+def episode_rollout_id(task_id: str, sample: int) -> str:
+    """The logical rollout (one sample of one task) as NeMo Gym's ``EpisodeId.rollout_id`` spells it.
+
+    NeMo Gym allows letters, digits, ``.``, ``_`` and ``-``, a letter or digit first,
+    and reserves a ``-a<N>`` ending for attempts; a task id outside that is sanitised
+    and followed by a hash of the original, so two tasks never share an episode.
+    """
+    stem = _EPISODE_UNSAFE.sub("_", task_id)
+    if stem != task_id or not stem[:1].isalnum() or len(stem) > 80:
+        digest = hashlib.sha256(task_id.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+        stem = f"t{stem[:80]}.{digest}"
+    episode = f"{stem}-s{sample}"
+    assert not _ATTEMPT_SUFFIX.search(episode)  # "-s<N>" can never read as "-a<N>"
+    return episode
+
+
+def close_request(*, rollout_id: str, task_id: str, sample: int, attempt: int) -> dict[str, Any]:
+    """NeMo Gym 0.7.0's ``/close_session`` body (``ResourcesCloseSessionRequest``: no other field).
+
+    ``resources_session_id`` is the attempt's rollout id (the session itself travels
+    in the cookies ``/seed_session`` set); ``episode_id`` names the logical rollout
+    (the task's sample) and which attempt of it this was (the infrastructure retry).
+    """
+    return {
+        "resources_session_id": rollout_id,
+        "episode_id": {"rollout_id": episode_rollout_id(task_id, sample), "attempt": attempt},
+    }
 
 
 def _text_part(part: Any) -> dict[str, Any] | None:

@@ -43,6 +43,7 @@ from rollcage.controller._graders import (
 from rollcage.controller._health import assess, unobserved_health
 from rollcage.controller._ids import rollout_id
 from rollcage.controller._nemo_gym import (
+    close_request,
     close_session,
     create_params_for,
     function_tools,
@@ -130,7 +131,7 @@ class EnvironmentPlan(_Model):
     )
     run_request: dict[str, Any] = Field(
         description="NeMo Gym's run request: the row's verifier fields and its responses_create_params; "
-        "the body of /seed_session and /close_session, and the base of /verify's."
+        "the body of /seed_session and the base of /verify's (/close_session takes NeMo Gym's close body)."
     )
     timeout_s: float = Field(default=_SESSION_TIMEOUT_S, gt=0, description="Deadline of seed and close.")
 
@@ -590,7 +591,14 @@ async def _close(prepared: PreparedRollout, client: Any, cookies: dict[str, str]
 
     env = prepared.environment
     assert env is not None
-    body = await asyncio.to_thread(orjson.dumps, env.run_request)
+    body = orjson.dumps(
+        close_request(
+            rollout_id=prepared.rollout_id,
+            task_id=prepared.task_id,
+            sample=prepared.sample,
+            attempt=prepared.try_index,
+        )
+    )
     problem = await close_session(
         client, env.url, token=env.token, body=body, cookies=cookies, timeout_s=env.timeout_s
     )
