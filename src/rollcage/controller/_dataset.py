@@ -295,6 +295,19 @@ class Task:
         """The task id."""
         return self.row.id
 
+    @property
+    def index(self) -> int:
+        """The task's dataset row as NeMo Gym numbers it (``_ng_task_index``).
+
+        The row's own ``_ng_task_index`` when it carries one (NeMo Gym honours a
+        caller's), else the row's 0-based line in the dataset, so an exported row joins
+        back to its prompt whatever order the rollouts finished in.
+        """
+        own = self.verifier.get("_ng_task_index")
+        if isinstance(own, int) and not isinstance(own, bool) and own >= 0:
+            return own
+        return self.line - 1
+
 
 def input_problem(value: str | list[dict[str, Any]]) -> str | None:
     """Why a row's model-visible input could never be sent to a model; ``None`` when it can.

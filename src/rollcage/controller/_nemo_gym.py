@@ -48,6 +48,8 @@ __all__ = [
     "close_session",
     "create_params_for",
     "function_tools",
+    "nemo_item",
+    "nemo_items",
     "request_headers",
     "run_request",
     "seed_session",
@@ -185,7 +187,18 @@ def _item_id(item: Mapping[str, Any], prefix: str, index: int) -> str:
     return given if isinstance(given, str) and given else f"{prefix}_{index}"
 
 
-def _nemo_item(item: Mapping[str, Any], index: int) -> dict[str, Any] | None:
+def nemo_items(result: WorkerResult) -> list[dict[str, Any] | None]:
+    """The rollout's output items in NeMo Gym's shape, by position (``None``: an item NeMo Gym cannot hold).
+
+    The one conversion every NeMo Gym body and export uses (``/verify``'s response,
+    the export's ``response``, ``ng_trajectory``'s conversation and turns), so an
+    item has the same id and status wherever NeMo Gym meets it.
+    """
+    items = result.response.output if result.response is not None else []
+    return [nemo_item(item, index) for index, item in enumerate(items)]
+
+
+def nemo_item(item: Mapping[str, Any], index: int) -> dict[str, Any] | None:
     """One output item in the shape NeMo Gym's models require; ``None`` for items they cannot hold."""
     kind = item.get("type", "message")
     if kind == "message":
@@ -265,11 +278,10 @@ def to_nemo_response(
     and ``generation_log_probs`` on the last item of the call's own output.
     """
     response = result.response
-    items = response.output if response is not None else []
-    marks = _token_marks(result, len(items)) if with_tokens else {}
+    converted_items = nemo_items(result)
+    marks = _token_marks(result, len(converted_items)) if with_tokens else {}
     output: list[dict[str, Any]] = []
-    for index, item in enumerate(items):
-        converted = _nemo_item(item, index)
+    for index, converted in enumerate(converted_items):
         if converted is not None:
             output.append({**converted, **marks.get(index, {})})
     status = response.status if response is not None else "failed"

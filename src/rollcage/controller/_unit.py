@@ -161,6 +161,9 @@ class PreparedRollout(_Model):
 
     rollout_id: str = Field(description="Id of this attempt.")
     task_id: str = Field(description="The dataset row's id.")
+    task_index: int | None = Field(
+        default=None, ge=0, description="The task's dataset row (NeMo Gym's _ng_task_index; Task.index)."
+    )
     sample: int = Field(ge=0, description="Which sample of the task.")
     try_index: int = Field(ge=0, description="Infrastructure retry number of this sample.")
     rollout_dir: str = Field(description="Where the rollout directory is laid out (must not exist yet).")
@@ -322,6 +325,7 @@ def prepare_rollout(
     return PreparedRollout(
         rollout_id=rid,
         task_id=task.id,
+        task_index=task.index,
         sample=sample,
         try_index=try_index,
         rollout_dir=str(out_dir / "rollouts" / rid),
@@ -635,6 +639,7 @@ def _record(
     return RolloutRecord(
         rollout_id=prepared.rollout_id,
         task_id=prepared.task_id,
+        task_index=prepared.task_index,
         sample=prepared.sample,
         try_index=prepared.try_index,
         outcome=receipt.outcome,

@@ -14,18 +14,22 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from rollcage.controller import create_params_for, function_tools, to_nemo_response
+from rollcage.controller._nemo_gym import nemo_items
 from rollcage.protocol import ModelCall, RolloutRecord, ToolCall, Turn, WorkerInput, WorkerResult
+from rollcage.trajectory import project_calls
 
-__all__ = ["NG_TRAJECTORY_VERSION", "to_nemo_gym_row"]
+__all__ = ["AGENT_REF", "NG_TRAJECTORY_VERSION", "to_nemo_gym_row"]
 
 NG_TRAJECTORY_VERSION = "1.0"
+AGENT_REF = {"type": "responses_api_agents", "name": "rollcage"}
+"""The agent that acted, as NeMo Gym's collector stamps every row (its ATIF export names the agent by it)."""
 _LENGTH_REASONS = frozenset({"length", "max_output_tokens", "max_tokens"})
 
 
 def to_nemo_gym_row(
     record: RolloutRecord, result: WorkerResult, spec: WorkerInput, *, task_index: int
 ) -> dict[str, Any]:
-    """One rollout JSONL row; ``task_index`` numbers the run's tasks in order of their first record."""
+    """One rollout JSONL row; ``task_index``: the task's dataset row (``RolloutRecord.task_index``)."""
     params = create_params_for(
         input=spec.input,
         instructions=spec.instructions,
@@ -37,6 +41,7 @@ def to_nemo_gym_row(
         "_ng_task_index": task_index,
         "_ng_rollout_index": record.sample,
         "_ng_rollout_id": record.rollout_id,
+        "agent_ref": dict(AGENT_REF),
         "task_id": record.task_id,
         "responses_create_params": params,
         "response": to_nemo_response(result, params, with_tokens=True),
@@ -46,10 +51,21 @@ def to_nemo_gym_row(
 
 
 def ng_trajectory(record: RolloutRecord, result: WorkerResult, params: dict[str, Any]) -> dict[str, Any]:
-    """NeMo Gym's ``TrajectoryRecord`` of the rollout."""
+    """NeMo Gym's ``TrajectoryRecord`` of the rollout, as NeMo Gym's own agents write it.
+
+    The conversation is the task's input then the rollout's output, each item in the
+    one NeMo Gym shape (``nemo_items``). Each turn's ``question`` is the whole prefix
+    of that conversation the model saw before its answer (the request's full input),
+    its ``answer`` and ``reasoning_content`` the conversation's own items of its model
+    calls, so NeMo Gym's ``gym_rollout_to_atif`` finds the turns where it cuts them.
+    """
     trajectory = result.trajectory
     invocation = record.rollout_id
-    conversation = _conversation(params, to_nemo_response(result, params)["output"])
+    given = params["input"]
+    start = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given)
+    converted = nemo_items(result)
+    conversation = [*start, *(item for item in converted if item is not None)]
+    owned = _owned_positions(result, converted, offset=len(start))
     last = trajectory.turns[-1].index if trajectory.turns else None
     return {
         "schema_version": NG_TRAJECTORY_VERSION,
@@ -67,13 +83,49 @@ def ng_trajectory(record: RolloutRecord, result: WorkerResult, params: dict[str,
             }
         ],
         "turns": [
-            _turn(turn, record, invocation, resolved=_resolved(turn, result, last))
+            _turn(
+                turn,
+                record,
+                invocation,
+                resolved=_resolved(turn, result, last),
+                conversation=conversation,
+                owned=owned,
+            )
             for turn in trajectory.turns
         ],
         "model_calls": [_model_call(call) for call in trajectory.model_calls],
         "tool_calls": [_tool_call(tool, invocation) for tool in trajectory.tool_calls],
         "gaps": [],
     }
+
+
+def _owned_positions(
+    result: WorkerResult, converted: list[dict[str, Any] | None], *, offset: int
+) -> dict[str, tuple[int, list[int]]]:
+    """Model call id -> (where its output starts in the conversation, the conversation positions it owns).
+
+    ``{}`` when the output is not the worker's projection of this trajectory: then no
+    position can be trusted, and turns fall back to their own records.
+    """
+    calls = project_calls(result.trajectory, partial=False)
+    if sum(len(call.items) for call in calls) != len(converted):
+        return {}
+    at: list[int] = []  # output position -> conversation position (of the next kept item, for a dropped one)
+    kept = offset
+    for item in converted:
+        at.append(kept)
+        kept += item is not None
+    owned: dict[str, tuple[int, list[int]]] = {}
+    position = 0
+    for call, items, lead, own in calls:
+        first = position + lead
+        span = range(first, first + own)
+        owned[call.id] = (
+            at[first] if first < len(at) else kept,
+            [at[i] for i in span if converted[i] is not None],
+        )
+        position += len(items)
+    return owned
 
 
 def _invocation_status(result: WorkerResult) -> Literal["completed", "failed", "incomplete"]:
@@ -89,21 +141,31 @@ def _resolved(turn: Turn, result: WorkerResult, last: int | None) -> bool | None
     return result.termination_reason == "completed" and result.error is None
 
 
-def _turn(turn: Turn, record: RolloutRecord, invocation: str, *, resolved: bool | None) -> dict[str, Any]:
-    reasoning = "".join(
-        str(part.get("text", ""))
-        for item in turn.reasoning
-        for part in item.get("summary") or []
-        if isinstance(part, dict)
-    )
+def _turn(
+    turn: Turn,
+    record: RolloutRecord,
+    invocation: str,
+    *,
+    resolved: bool | None,
+    conversation: list[dict[str, Any]],
+    owned: dict[str, tuple[int, list[int]]],
+) -> dict[str, Any]:
+    spans = [owned[call_id] for call_id in turn.model_calls if call_id in owned]
+    if spans and len(spans) == len(turn.model_calls):
+        own = [conversation[i] for _, positions in spans for i in positions]
+        question: list[dict[str, Any]] = conversation[: spans[0][0]]
+        answer = [item for item in own if item.get("type") != "reasoning"]
+        reasoning = [item for item in own if item.get("type") == "reasoning"]
+    else:  # not the worker's projection: the turn's own record, as it is
+        question, answer, reasoning = list(turn.input), list(turn.answer), list(turn.reasoning)
     return {
         "invocation_id": invocation,
         "task_id": record.task_id,
         "rollout_id": record.rollout_id,
         "turn_no": turn.index + 1,
         "timestamp": turn.started_at,
-        "question": turn.input,
-        "answer": turn.answer,
+        "question": question,
+        "answer": answer,
         "reasoning_content": reasoning or None,
         "resolved": resolved,
         "step_count": turn.tool_steps,
@@ -125,7 +187,7 @@ def _model_call(call: ModelCall) -> dict[str, Any]:
         "response_metadata": {
             "response_id": response_id if isinstance(response_id, str) else None,
             "model": call.request.get("model") if isinstance(call.request.get("model"), str) else None,
-            "dialect": "chat_completions" if call.api == "chat" else "responses",
+            "dialect": "chat" if call.api == "chat" else "responses",  # NeMo Gym's names
             "status_code": call.http_status,
             "response_status": call.status,
             "finish_reason": _finish_reason(call),
@@ -162,12 +224,7 @@ def _tool_call(tool: ToolCall, invocation: str) -> dict[str, Any]:
         "duration_ms": tool.duration_s * 1000 if tool.duration_s is not None else None,
         "timing_source": "harness",
         "status": status,
+        # NeMo Gym's agents mark a tool that answered with an error so (its ATIF export then refuses the row).
+        "error_type": "tool_error" if status == "failed" else None,
         "output": tool.output,
     }
-
-
-def _conversation(params: dict[str, Any], output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The invocation's whole conversation as NeMo Gym input items: the task's input, then the output."""
-    given = params["input"]
-    start = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given)
-    return [*start, *output]
