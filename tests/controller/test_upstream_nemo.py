@@ -134,14 +134,23 @@ def _row(task_id: str, **model: Any) -> dict[str, Any]:
     }
 
 
+# Every request field a NeMo Gym row may carry, as rollcage's sampling says it (NeMo rows map to it).
+ASKED = {
+    "parallel_tool_calls": False,
+    "tool_choice": "auto",
+    "reasoning": {"effort": "low", "summary": "auto"},
+    "text": {"format": {"type": "text"}, "verbosity": "low"},
+    "top_logprobs": 0,
+}
+NO_TOOLS = {**ASKED, "tool_choice": "none"}
 ROWS = [
     _row("matrix"),
     _row("matrix-r", api="responses", stream=True),
-    _row("tooled", stream=True),
-    _row("tooled-r", api="responses"),
+    _row("tooled", stream=True, sampling=ASKED),
+    _row("tooled-r", api="responses", sampling=ASKED),
     _row("cut", api="responses"),
-    _row("plain"),
-    _row("plain-r", api="responses", stream=True),
+    _row("plain", sampling=NO_TOOLS),
+    _row("plain-r", api="responses", stream=True, sampling=NO_TOOLS),
 ]
 
 
@@ -232,3 +241,21 @@ def test_the_run_went_as_scripted(exported: Exported) -> None:
         assert [a.http_status for a in calls(task_id)[0].attempts] == [503, 200]
     assert [c.status for c in calls("cut")] == ["incomplete", "completed"]
     assert [c.status for c in calls("matrix")] == ["completed", "incomplete", "completed"]
+
+
+def test_every_request_field_reaches_the_model_in_its_api_s_terms(exported: Exported) -> None:
+    def sent(task_id: str) -> dict[str, Any]:
+        result = exported.records[task_id].result()
+        assert result is not None
+        return result.trajectory.model_calls[0].request
+
+    chat, responses = sent("tooled"), sent("tooled-r")
+    for key in ("parallel_tool_calls", "tool_choice", "top_logprobs"):
+        assert chat[key] == responses[key] == ASKED[key], key
+    assert (responses["reasoning"], responses["text"]) == (ASKED["reasoning"], ASKED["text"])
+    assert (chat["reasoning_effort"], chat["verbosity"]) == ("low", "low")
+    assert chat["response_format"] == {"type": "text"}
+    assert sent("plain")["tool_choice"] == sent("plain-r")["tool_choice"] == "none"
+    # ... and the export says what the model was asked, in NeMo Gym's (Responses) terms.
+    params = exported.rows["tooled"]["responses_create_params"]
+    assert {key: params[key] for key in ASKED} == ASKED

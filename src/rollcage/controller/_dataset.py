@@ -133,6 +133,9 @@ class RowResourceTool(_Row):
     )
     resource: str | None = Field(default=None, description="Resource key; None: the row's environment.")
     path: str | None = Field(default=None, description="Endpoint path; None: '/<name>'.")
+    strict: bool | None = Field(
+        default=None, description="The function tool's strict (schema-exact arguments); None: false."
+    )
 
 
 RowTool = Annotated[
@@ -507,6 +510,7 @@ def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
                     parameters=tool.parameters,
                     resource=resource,
                     path=tool.path,
+                    strict=tool.strict,
                 )
             )
         elif tool in _BUILTIN_TOOLS:

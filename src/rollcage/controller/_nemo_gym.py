@@ -87,6 +87,16 @@ CREATE_PARAMS_KEYS = frozenset(
 )
 """The fields NeMo Gym's ``NeMoGymResponseCreateParamsNonStreaming`` accepts (it forbids others)."""
 
+_CREATE_PARAMS_SAMPLING = (
+    "temperature",
+    "top_p",
+    "max_output_tokens",
+    "top_logprobs",
+    "parallel_tool_calls",
+    "tool_choice",
+    "reasoning",
+    "text",
+)
 _NOT_OFFERED = frozenset({404, 405})
 _ANSWER_LIMIT = 1024 * 1024
 _ITEM_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
@@ -94,8 +104,8 @@ _ITEM_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
 
 def function_tools(tools: list[ToolSpec], *, codeact: bool) -> list[dict[str, Any]]:
     """The agent's function tools (``rollcage.wire.function_tools``), each saying ``strict`` as NeMo Gym's
-    ``ToolParam`` requires (none in codeact mode, which has no tools)."""
-    return [{**tool, "strict": False} for tool in agent_function_tools(tools, codeact=codeact)]
+    ``ToolParam`` requires (the tool's own, else false; none in codeact mode, which has no tools)."""
+    return [{"strict": False, **tool} for tool in agent_function_tools(tools, codeact=codeact)]
 
 
 def create_params_for(
@@ -116,10 +126,20 @@ def create_params_for(
     }
     if instructions is not None:
         params["instructions"] = instructions
-    for key in ("temperature", "top_p", "max_output_tokens"):
-        if sampling.get(key) is not None:
-            params[key] = sampling[key]
+    # What the model was asked, as the Responses API says it (SamplingParams dumps it in those terms).
+    for key in _CREATE_PARAMS_SAMPLING:
+        value = _without_none(sampling.get(key))
+        if value is not None:
+            params[key] = value
     return params
+
+
+def _without_none(value: Any) -> Any:
+    """A dumped sampling field with its unset (``None``) fields left out, at any depth but inside a JSON
+    Schema (``text.format.schema``), which is the author's own document, kept as written."""
+    if isinstance(value, Mapping):
+        return {k: v if k == "schema" else _without_none(v) for k, v in value.items() if v is not None}
+    return value
 
 
 def run_request(create_params: Mapping[str, Any], verifier: Mapping[str, Any]) -> dict[str, Any]:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from rollcage.controller import create_params_for, function_tools, to_nemo_response
-from rollcage.controller._nemo_gym import nemo_items
+from rollcage.controller import create_params_for, function_tools, nemo_items, to_nemo_response
 from rollcage.protocol import ModelCall, RolloutRecord, ToolCall, Turn, WorkerInput, WorkerResult
 from rollcage.trajectory import project_calls
 
