@@ -68,6 +68,7 @@ SCRIPT = {
         "tooled-r": [ONE_TOOL, {"text": "cold"}],
         "cut": [{"text": "cold — and a long explanation of why"}, {"text": "cold"}],
         "plain": [{"text": "cold"}],
+        "codeact": [{"text": "Let me look:", "code": "print(get_weather(city='Oslo'))"}, {"text": "cold"}],
         "plain-r": [{"reasoning": "Oslo is cold.", "text": "cold"}],
     },
 }
@@ -82,6 +83,8 @@ REFUSED_FOR = {
     "matrix": "tool execution 'call_0_1' is 'failed', not completed",  # the HTTP 404 of Atlantis
     "matrix-r": "tool execution 'call_0_1' is 'failed', not completed",
     "cut": "model call is 'incomplete', not completed",
+    # The model saw its cell's output as a message (a later user turn), which NeMo Gym's ATIF cannot hold.
+    "codeact": "later system or user turns are not supported",
 }
 
 NEMO_SCRIPT = r"""
@@ -151,6 +154,7 @@ ROWS = [
     _row("cut", api="responses"),
     _row("plain", sampling=NO_TOOLS),
     _row("plain-r", api="responses", stream=True, sampling=NO_TOOLS),
+    {**_row("codeact", api="responses"), "tools": ["get_weather"], "agent": {"mode": "codeact"}},
 ]
 
 
@@ -241,6 +245,27 @@ def test_the_run_went_as_scripted(exported: Exported) -> None:
         assert [a.http_status for a in calls(task_id)[0].attempts] == [503, 200]
     assert [c.status for c in calls("cut")] == ["incomplete", "completed"]
     assert [c.status for c in calls("matrix")] == ["completed", "incomplete", "completed"]
+
+
+def test_codeact_rows_hold_what_the_model_saw_and_wrote_and_no_call_it_never_made(exported: Exported) -> None:
+    row = exported.rows["codeact"]
+    result = exported.records["codeact"].result()
+    assert result is not None
+    assert {t.call_id.split("-")[0] for t in result.trajectory.tool_calls} == {"cell", "bridge"}  # both ran
+    output_types = [item["type"] for item in row["response"]["output"]]
+    assert output_types == ["message", "message"], output_types  # the model's two answers, nothing else
+    conversation = row["ng_trajectory"]["invocations"][0]["conversation"]
+    assert [(i["type"], i["role"]) for i in conversation] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),  # the cell's output, as the model saw it
+        ("message", "assistant"),
+    ]
+    assert "cold" in json.dumps(conversation[2]["content"])  # Oslo's weather, printed by the cell
+    turns = row["ng_trajectory"]["turns"]
+    assert turns[1]["question"] == conversation[:3] and turns[1]["answer"] == conversation[3:]
+    # The executed cell is the step's tool record; the tool its code called is part of the cell.
+    assert [t["tool_name"] for t in row["ng_trajectory"]["tool_calls"]] == ["python"]
 
 
 def test_every_request_field_reaches_the_model_in_its_api_s_terms(exported: Exported) -> None:

@@ -53,6 +53,7 @@ __all__ = [
     "request_headers",
     "run_request",
     "seed_session",
+    "synthetic_positions",
     "to_nemo_response",
 ]
 
@@ -98,6 +99,8 @@ _CREATE_PARAMS_SAMPLING = (
     "text",
 )
 _NOT_OFFERED = frozenset({404, 405})
+_AGENT_CODE_CALLS = ("cell-", "bridge-")
+"""Call ids of a codeact cell and of a tool its code called (``ToolCall.call_id``)."""
 _ANSWER_LIMIT = 1024 * 1024
 _ITEM_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
 
@@ -208,14 +211,43 @@ def _item_id(item: Mapping[str, Any], prefix: str, index: int) -> str:
 
 
 def nemo_items(result: WorkerResult) -> list[dict[str, Any] | None]:
-    """The rollout's output items in NeMo Gym's shape, by position (``None``: an item NeMo Gym cannot hold).
+    """The rollout's output items in NeMo Gym's shape, by position (``None``: an item left out).
 
     The one conversion every NeMo Gym body and export uses (``/verify``'s response,
     the export's ``response``, ``ng_trajectory``'s conversation and turns), so an
-    item has the same id and status wherever NeMo Gym meets it.
+    item has the same id and status wherever NeMo Gym meets it. Left out: items NeMo
+    Gym cannot hold, and the calls the model never made (``synthetic_positions``).
     """
     items = result.response.output if result.response is not None else []
-    return [nemo_item(item, index) for index, item in enumerate(items)]
+    synthetic = synthetic_positions(result)
+    return [None if index in synthetic else nemo_item(item, index) for index, item in enumerate(items)]
+
+
+def synthetic_positions(result: WorkerResult) -> frozenset[int]:
+    """Positions in the output of calls no model output made, and of their outputs.
+
+    rollcage's projection shows every action as a function call (``project_output``):
+    a codeact turn's code cells (``cell-*``) and the tools agent code called
+    (``bridge-*``) appear as calls named after the tool. The model wrote code in a
+    message and saw the cells' output as a message (its turn's input); it never made
+    those calls, so NeMo Gym's bodies do not claim it did. A harness's own first call
+    (NOOA's), which the model is shown as a call, stays.
+    """
+    items = result.response.output if result.response is not None else []
+    calls = project_calls(result.trajectory, partial=False)
+    if sum(len(call.items) for call in calls) != len(items):
+        return frozenset()  # not the worker's projection of this trajectory: nothing can be told apart
+    synthetic: set[int] = set()
+    position = 0
+    for call, projected, lead, own in calls:
+        declared = {str(i.get("call_id")) for i in call.output if i.get("type") == "function_call"}
+        for offset in range(lead + own, len(projected)):
+            call_id = str(projected[offset].get("call_id"))
+            # Only rollcage's own cells and bridges: a harness's call is never dropped on an id mismatch.
+            if call_id not in declared and call_id.startswith(_AGENT_CODE_CALLS):
+                synthetic.add(position + offset)
+        position += len(projected)
+    return frozenset(synthetic)
 
 
 def nemo_item(item: Mapping[str, Any], index: int) -> dict[str, Any] | None:

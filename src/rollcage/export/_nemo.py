@@ -62,9 +62,7 @@ def ng_trajectory(record: RolloutRecord, result: WorkerResult, params: dict[str,
     invocation = record.rollout_id
     given = params["input"]
     start = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given)
-    converted = nemo_items(result)
-    conversation = [*start, *(item for item in converted if item is not None)]
-    owned = _owned_positions(result, converted, offset=len(start))
+    conversation, owned = _conversation(result, start)
     last = trajectory.turns[-1].index if trajectory.turns else None
     return {
         "schema_version": NG_TRAJECTORY_VERSION,
@@ -93,38 +91,60 @@ def ng_trajectory(record: RolloutRecord, result: WorkerResult, params: dict[str,
             for turn in trajectory.turns
         ],
         "model_calls": [_model_call(call) for call in trajectory.model_calls],
-        "tool_calls": [_tool_call(tool, invocation) for tool in trajectory.tool_calls],
+        # Tools agent code called (bridge-*) ran inside a cell, which is the step the model took.
+        "tool_calls": [
+            _tool_call(tool, invocation)
+            for tool in trajectory.tool_calls
+            if not tool.call_id.startswith("bridge-")
+        ],
         "gaps": [],
     }
 
 
-def _owned_positions(
-    result: WorkerResult, converted: list[dict[str, Any] | None], *, offset: int
-) -> dict[str, tuple[int, list[int]]]:
-    """Model call id -> (where its output starts in the conversation, the conversation positions it owns).
+def _conversation(
+    result: WorkerResult, start: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, tuple[int, list[int]]]]:
+    """The conversation the model had, and each model call's place in it.
 
-    ``{}`` when the output is not the worker's projection of this trajectory: then no
-    position can be trusted, and turns fall back to their own records.
+    The task's input, then call by call: the messages its turn added (a codeact turn's
+    execution output, feedback such as a cut-off notice), then the call's items in
+    NeMo Gym's shape (``nemo_items``). Each call maps to (where its output starts,
+    the conversation positions it owns); ``{}`` when the output is not the worker's
+    projection of this trajectory: no position can be trusted, and turns fall back
+    to their own records.
     """
+    converted = nemo_items(result)
     calls = project_calls(result.trajectory, partial=False)
     if sum(len(call.items) for call in calls) != len(converted):
-        return {}
-    at: list[int] = []  # output position -> conversation position (of the next kept item, for a dropped one)
-    kept = offset
-    for item in converted:
-        at.append(kept)
-        kept += item is not None
+        return [*start, *(item for item in converted if item is not None)], {}
+    added = {
+        turn.model_calls[0]: [_input_message(i) for i in turn.input if i.get("type", "message") == "message"]
+        for turn in result.trajectory.turns
+        if turn.index > 0 and turn.model_calls
+    }
+    conversation = list(start)
     owned: dict[str, tuple[int, list[int]]] = {}
     position = 0
     for call, items, lead, own in calls:
-        first = position + lead
-        span = range(first, first + own)
-        owned[call.id] = (
-            at[first] if first < len(at) else kept,
-            [at[i] for i in span if converted[i] is not None],
-        )
+        conversation += added.get(call.id, [])
+        mine: list[int] = []
+        begins: int | None = None
+        for offset in range(len(items)):
+            if offset == lead:
+                begins = len(conversation)
+            item = converted[position + offset]
+            if item is not None:
+                if lead <= offset < lead + own:
+                    mine.append(len(conversation))
+                conversation.append(item)
+        owned[call.id] = (begins if begins is not None else len(conversation), mine)
         position += len(items)
-    return owned
+    return conversation, owned
+
+
+def _input_message(item: dict[str, Any]) -> dict[str, Any]:
+    """A message the agent added to the conversation, as a NeMo Gym input item (which must say its type)."""
+    return {"type": "message", "role": item.get("role", "user"), "content": item.get("content", "")}
 
 
 def _invocation_status(result: WorkerResult) -> Literal["completed", "failed", "incomplete"]:
