@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 import rollcage
-from rollcage.controller._nemo_gym import close_request
+from rollcage.controller._nemo_gym import close_request, run_request, to_nemo_response
 from rollcage.export import export_run
 from rollcage.policy import PolicyServer
 from rollcage.protocol import RolloutRecord
@@ -68,6 +68,7 @@ SCRIPT = {
         "tooled-r": [ONE_TOOL, {"text": "cold"}],
         "cut": [{"text": "cold — and a long explanation of why"}, {"text": "cold"}],
         "plain": [{"text": "cold"}],
+        "slow": [ONE_TOOL, {"text": "cold"}],
         "codeact": [{"text": "Let me look:", "code": "print(get_weather(city='Oslo'))"}, {"text": "cold"}],
         "plain-r": [{"reasoning": "Oslo is cold.", "text": "cold"}],
     },
@@ -77,6 +78,7 @@ FAULTS = [
     *(f"rollout={task}-s0-t0:call=1:status=503" for task in ("matrix", "matrix-r", "tooled", "tooled-r")),
     *(f"rollout={task}-s0-t0:call=3:kind=length" for task in ("matrix", "matrix-r")),
     "rollout=cut-s0-t0:call=1:kind=length",
+    "rollout=slow-s0-t0:call=2-9:kind=hang",  # the deadline passes while its second call is in flight
 ]
 # Why NeMo Gym's strict converter refuses a row it cannot represent (its own words): the first thing it meets.
 REFUSED_FOR = {
@@ -85,12 +87,17 @@ REFUSED_FOR = {
     "cut": "model call is 'incomplete', not completed",
     # The model saw its cell's output as a message (a later user turn), which NeMo Gym's ATIF cannot hold.
     "codeact": "later system or user turns are not supported",
+    "slow": "invocations[0].status: expected completed, got 'incomplete'",
 }
 
 NEMO_SCRIPT = r"""
 import json, sys
 from nemo_gym.atif_export import AtifExportError, gym_rollout_to_atif
-from nemo_gym.base_resources_server import BaseVerifyResponse, ResourcesCloseSessionRequest
+from nemo_gym.base_resources_server import (
+    BaseVerifyRequest,
+    BaseVerifyResponse,
+    ResourcesCloseSessionRequest,
+)
 from nemo_gym.rollout_observability import TrajectoryRecord
 
 data = json.load(sys.stdin)
@@ -104,6 +111,8 @@ for row in data["rows"]:
         out["rows"][row["task_id"]] = {"refused": str(exc)}
     else:
         out["rows"][row["task_id"]] = {"atif": atif.model_dump(mode="json", exclude_none=True)}
+for body in data["verify"]:
+    BaseVerifyRequest.model_validate(body)
 for body in data["close"]:
     ResourcesCloseSessionRequest.model_validate(body)
     out["close"].append("ok")
@@ -164,9 +173,9 @@ class Exported:
     records: dict[str, RolloutRecord]
 
 
-async def _collect(url: str, out: Path) -> None:
+async def _collect(url: str, out: Path, rows: list[dict[str, Any]], **options: Any) -> None:
     async with rollcage.collect(
-        ROWS,
+        rows,
         model=url,
         model_name="scripted-policy",
         attempts=1,
@@ -174,7 +183,7 @@ async def _collect(url: str, out: Path) -> None:
         out=out,
         sandbox=SANDBOX,
         max_infra_retries=0,
-        deadline_s=120,
+        **options,
     ) as rollouts:
         async for _ in rollouts:
             pass
@@ -183,21 +192,28 @@ async def _collect(url: str, out: Path) -> None:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
     upstream_python("nemo-gym")  # skip or fail before the run when the side environment is not there
-    out = tmp_path_factory.mktemp("upstream-nemo") / "run"
+    base = tmp_path_factory.mktemp("upstream-nemo")
+    rows: list[dict[str, Any]] = []
+    records: list[RolloutRecord] = []
     with PolicyServer(SCRIPT, faults=FAULTS) as server:
-        asyncio.run(_collect(server.base_url, out))
-    target = out.parent / "nemo-gym.jsonl"
-    report = export_run(out, "nemo-gym", target)
-    assert report.exported == len(ROWS), dict(report.skipped)
-    rows = [json.loads(line) for line in target.read_text().splitlines()]
-    records = [
-        RolloutRecord.model_validate_json(x) for x in (out / "rollouts.jsonl").read_bytes().splitlines()
-    ]
+        # A timed-out rollout graded all the same (--grade-timeouts): NeMo Gym gets its row and /verify.
+        runs: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
+            ("run", ROWS, {"deadline_s": 120}),
+            ("timeouts", [_row("slow", timeout_s=60)], {"deadline_s": 8, "grade_timeouts": True}),
+        ]
+        for name, dataset, options in runs:
+            out = base / name
+            asyncio.run(_collect(server.base_url, out, dataset, **options))
+            report = export_run(out, "nemo-gym", base / f"{name}.jsonl")
+            assert report.exported == len(dataset), dict(report.skipped)
+            rows += [json.loads(line) for line in (base / f"{name}.jsonl").read_text().splitlines()]
+            lines = (out / "rollouts.jsonl").read_bytes().splitlines()
+            records += [RolloutRecord.model_validate_json(x) for x in lines]
     yield Exported({row["task_id"]: row for row in rows}, {r.task_id: r for r in records})
 
 
 def test_rows_number_tasks_by_dataset_row_and_name_the_agent(exported: Exported) -> None:
-    for index, row in enumerate(ROWS):
+    for index, row in enumerate(ROWS):  # (the timeouts run is a dataset of its own)
         got = exported.rows[row["id"]]
         assert got["_ng_task_index"] == index  # the dataset's order, whatever order rollouts finished in
         assert got["agent_ref"] == {"type": "responses_api_agents", "name": "rollcage"}
@@ -214,8 +230,17 @@ def test_nemo_gym_models_and_atif_converter_accept_every_representable_row(expor
         close_request(rollout_id=rid, task_id=tid, sample=0, attempt=1)
         for rid, tid in (("x", "_odd id/with~stuff"), ("y", "-a1"), ("z", "é" * 200))
     ]
+    # /verify's body, built as the controller builds it (rollcage.controller._unit._verify's parts).
+    verify = []
+    for record in records:
+        result = record.result()
+        assert result is not None
+        params = exported.rows[record.task_id]["responses_create_params"]
+        verify.append({**run_request(params, {}), "response": to_nemo_response(result, params)})
     answer = run_upstream(
-        "nemo-gym", NEMO_SCRIPT, stdin=json.dumps({"rows": list(exported.rows.values()), "close": closes})
+        "nemo-gym",
+        NEMO_SCRIPT,
+        stdin=json.dumps({"rows": list(exported.rows.values()), "close": closes, "verify": verify}),
     )
     assert answer["close"] == ["ok"] * len(closes)
     converted: dict[str, Any] = {}
@@ -245,6 +270,7 @@ def test_the_run_went_as_scripted(exported: Exported) -> None:
         assert [a.http_status for a in calls(task_id)[0].attempts] == [503, 200]
     assert [c.status for c in calls("cut")] == ["incomplete", "completed"]
     assert [c.status for c in calls("matrix")] == ["completed", "incomplete", "completed"]
+    assert exported.records["slow"].outcome == "timeout" and exported.records["slow"].graded
 
 
 def test_codeact_rows_hold_what_the_model_saw_and_wrote_and_no_call_it_never_made(exported: Exported) -> None:
