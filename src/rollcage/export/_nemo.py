@@ -1,12 +1,16 @@
 """A rollout as a line of NeMo Gym's rollout JSONL (what ``ng_collect_rollouts`` writes, and NeMo RL reads).
 
 The row is NeMo Gym's verify response: ``responses_create_params`` (the request the
-task makes), ``response`` (a complete NeMo Gym response object, each model call's
-token arrays on the item that carries its generation, as NeMo Gym's training items
-do), ``reward``, the indices ``_ng_task_index`` / ``_ng_rollout_index`` and the rollout
-id (``_ng_rollout_id``), and ``ng_trajectory``: NeMo Gym's canonical trajectory record
-(schema 1.0), in which every model call is owned by the rollout's one agent invocation
-and by exactly one turn, by its ``model_call_id``.
+model was sent, sampling fields included), ``response`` (a complete NeMo Gym response
+object, each model call's token arrays on the item that carries its generation, as
+NeMo Gym's training items do), ``reward``, ``agent_ref`` (as NeMo Gym's collector
+stamps it), the indices ``_ng_task_index`` (the task's dataset row) /
+``_ng_rollout_index`` and the rollout id (``_ng_rollout_id``), and ``ng_trajectory``:
+NeMo Gym's canonical trajectory record (schema 1.0), in which every model call is
+owned by the rollout's one agent invocation and by exactly one turn, by its
+``model_call_id``, and each turn's question and answer are cut from the invocation's
+conversation as NeMo Gym's ``gym_rollout_to_atif`` cuts them. Only what the model saw
+and wrote is in it: a codeact cell is a tool record, never a call the model made.
 """
 
 from __future__ import annotations
