@@ -29,6 +29,7 @@ from rollcage.protocol import (
     ResourceToolSpec,
     WorkerInput,
 )
+from rollcage.wire import build_request, function_tools
 from tests.helpers.paths import EXAMPLES
 
 FULL_ROW: dict[str, Any] = {
@@ -266,7 +267,9 @@ def test_nemo_gym_rows_map_to_model_side_and_controller_side(tmp_path: Path) -> 
     assert row.input == [{"type": "message", "role": "user", "content": "add 1"}]
     assert row.instructions == "be brief" and row.agent.max_tool_calls == 5
     assert row.model.sampling is not None and row.model.sampling.temperature == 0.2
+    assert row.model.sampling.parallel_tool_calls is False
     assert [(t.name, t.resource) for t in task.tools] == [("increment_counter", task.environment.key)]  # type: ignore[union-attr]
+    assert [t.strict for t in task.tools] == [True]  # type: ignore[union-attr]
     assert task.grader is not None and task.grader.type == "verify"
     assert task.verifier == {"expected_count": 4, "agent_ref": {"name": "simple_agent"}}
     assert task.create_params == NEMO["responses_create_params"]
@@ -292,6 +295,66 @@ def test_unusable_nemo_gym_rows_say_which_field(tmp_path: Path, row: dict[str, A
     env = None if reason == "pass --environment" else "http://127.0.0.1:8123"
     (item,) = rows_of(tmp_path, [row], format="nemo-gym", environment=env)
     assert isinstance(item, InvalidRow) and reason in item.reason and item.reason.startswith("nemo-gym row: ")
+
+
+def test_every_request_field_of_a_nemo_gym_row_reaches_the_model(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "default": None}}}
+    params = {
+        "input": "x",
+        "tools": [COUNTER_TOOL],
+        "parallel_tool_calls": False,
+        "tool_choice": {"type": "function", "name": "increment_counter"},
+        "reasoning": {"effort": "medium", "summary": "detailed"},
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}},
+        "top_logprobs": 2,
+        "truncation": "disabled",
+        "metadata": {
+            "extra_body": '{"top_k": 5, "stop": ["</x>"]}',
+            "chat_template_kwargs": '{"think": false}',
+        },
+    }
+    (task,) = rows_of(
+        tmp_path, [{"responses_create_params": params}], format="nemo-gym", environment="http://e"
+    )
+    assert isinstance(task, Task)
+    endpoint = ModelEndpoint(base_url="http://m/v1", model="m", sampling=task.row.model.sampling)
+    tools = function_tools(list(task.tools), codeact=False)
+    chat = build_request(endpoint, "x", instructions=None, tools=tools)
+    assert chat["parallel_tool_calls"] is False and chat["top_logprobs"] == 2 and chat["stop"] == ["</x>"]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "increment_counter"}}
+    assert chat["reasoning_effort"] == "medium" and chat["tools"][0]["function"]["strict"] is True
+    schema_format = {k: v for k, v in params["text"]["format"].items() if k != "type"}  # type: ignore[index]
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": schema_format}
+    assert (chat["top_k"], chat["chat_template_kwargs"]) == (5, {"think": False})
+    responses_endpoint = endpoint.model_copy(update={"api": "responses"})
+    responses = build_request(responses_endpoint, "x", instructions=None, tools=tools)
+    for key in ("parallel_tool_calls", "tool_choice", "reasoning", "text", "top_logprobs"):
+        assert responses[key] == params[key], key
+    assert responses["tools"][0]["strict"] is True and "stop" not in responses
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("background", True),
+        ("include", ["file_search_call.results"]),
+        ("previous_response_id", "resp_1"),
+        ("prompt", {"id": "p"}),
+        ("service_tier", "flex"),
+        ("truncation", "auto"),
+        ("user", "u1"),
+        ("metadata", {"audio_data": "data:audio/wav;base64,AA"}),
+        ("tool_choice", {"type": "allowed_tools", "tools": []}),
+        ("reasoning", {"effort": "medium", "generate_summary": "auto"}),
+        ("text", {"format": {"type": "json_schema"}}),
+    ],
+)
+def test_a_nemo_gym_request_field_rollcage_cannot_send_refuses_the_row(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    row = {"responses_create_params": {"input": "x", field: value}}
+    (item,) = rows_of(tmp_path, [row], format="nemo-gym", environment="http://e")
+    assert isinstance(item, InvalidRow) and f"responses_create_params.{field}" in item.reason, item
 
 
 def test_inspect_samples_map_target_to_expected_and_choices_to_the_prompt(tmp_path: Path) -> None:

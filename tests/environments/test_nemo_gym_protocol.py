@@ -169,6 +169,11 @@ async def test_seed_cookies_reach_the_sandbox_verify_and_close(tmp_path: Path, s
     written = json.loads((Path(records[0].rollout_dir) / "input.json").read_text())
     assert written["resource_cookies"] == {"sid": "s1"}
     assert "expected_count" not in json.dumps(written) and written["model"]["sampling"]["temperature"] == 0.5
+    # NeMo Gym 0.7.0's ResourcesCloseSessionRequest (extra="forbid"): these two fields and nothing else.
+    assert env.calls[2][2] == {
+        "resources_session_id": records[0].rollout_id,
+        "episode_id": {"rollout_id": f"{records[0].task_id}-s0", "attempt": 0},
+    }
 
 
 async def test_seed_not_offered_runs_without_a_session(tmp_path: Path, serve: Any) -> None:

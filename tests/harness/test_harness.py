@@ -184,6 +184,25 @@ def test_nooa_evidence_is_as_rl_grade_as_a_native_rollout(nooa_run: Path) -> Non
         assert record.health.verdict == "healthy" and not record.health.unobserved, record.health
 
 
+def test_nooa_export_is_read_by_nemo_gym_s_own_models_and_converter(nooa_run: Path, tmp_path: Path) -> None:
+    from rollcage.export import export_run
+    from tests.controller.test_upstream_nemo import NEMO_SCRIPT
+    from tests.helpers.upstream import run_upstream
+
+    target = tmp_path / "nemo-gym.jsonl"
+    assert export_run(nooa_run, "nemo-gym", target).exported == 2
+    rows = [json.loads(line) for line in target.read_text().splitlines()]
+    # NeMo Gym's models take every row (the script validates each before converting it) ...
+    given = json.dumps({"rows": rows, "close": [], "verify": []})
+    answer = run_upstream("nemo-gym", NEMO_SCRIPT, stdin=given)
+    # ... and its strict ATIF converter refuses them for what NOOA did: it feeds each execution's result
+    # back as a user message, a later user turn ATIF v1.7 cannot hold; never for the shape rollcage wrote.
+    assert {task: outcome.get("refused", "")[-44:] for task, outcome in answer["rows"].items()} == {
+        "oslo-sum": "later system or user turns are not supported",
+        "cairo-sum": "later system or user turns are not supported",
+    }
+
+
 def test_nooa_steps_are_harness_reported_with_the_synthetic_first_turn_given_its_origin(
     nooa_run: Path,
 ) -> None:

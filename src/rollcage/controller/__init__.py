@@ -24,7 +24,7 @@ from rollcage.controller._graders import ExactGrader, NormalizedGrader, NumericG
 from rollcage.controller._health import HEALTH_ALIASES, HEALTH_CHECKS, rollout_health
 from rollcage.controller._ids import rollout_id
 from rollcage.controller._ledger import pass_at_k
-from rollcage.controller._nemo_gym import create_params_for, function_tools, to_nemo_response
+from rollcage.controller._nemo_gym import create_params_for, function_tools, nemo_items, to_nemo_response
 from rollcage.controller._records import RecordLog, load_records
 from rollcage.controller._scheduler import (
     EXIT_ALL_GRADER_ERRORS,
@@ -72,6 +72,7 @@ __all__ = [
     "function_tools",
     "iter_dataset",
     "load_records",
+    "nemo_items",
     "pass_at_k",
     "plan_branches",
     "prepare_rollout",

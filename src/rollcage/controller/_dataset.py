@@ -140,6 +140,9 @@ class RowResourceTool(_Row):
     )
     resource: str | None = Field(default=None, description="Resource key; None: the row's environment.")
     path: str | None = Field(default=None, description="Endpoint path; None: '/<name>'.")
+    strict: bool | None = Field(
+        default=None, description="The function tool's strict (schema-exact arguments); None: false."
+    )
 
 
 RowTool = Annotated[
@@ -304,6 +307,19 @@ class Task:
     def id(self) -> str:
         """The task id."""
         return self.row.id
+
+    @property
+    def index(self) -> int:
+        """The task's dataset row as NeMo Gym numbers it (``_ng_task_index``).
+
+        The row's own ``_ng_task_index`` when it carries one (NeMo Gym honours a
+        caller's), else the row's 0-based line in the dataset, so an exported row joins
+        back to its prompt whatever order the rollouts finished in.
+        """
+        own = self.verifier.get("_ng_task_index")
+        if isinstance(own, int) and not isinstance(own, bool) and own >= 0:
+            return own
+        return self.line - 1
 
 
 def input_problem(value: str | list[dict[str, Any]]) -> str | None:
@@ -504,6 +520,7 @@ def _tools(row: DatasetRow, env: EnvironmentRef | None) -> tuple[ToolSpec, ...]:
                     parameters=tool.parameters,
                     resource=resource,
                     path=tool.path,
+                    strict=tool.strict,
                 )
             )
         elif tool in _BUILTIN_TOOLS:

@@ -5,8 +5,15 @@ fields) and keeps apart what the sandbox must never see:
 
 * **NeMo Gym** (``{"responses_create_params": {...}, <verifier fields>...}``):
   ``input``, ``instructions`` and the function ``tools`` of ``responses_create_params``
-  become the model-visible input and the environment's resource tools; its
-  sampling fields become the row's sampling. Every other top-level field is a
+  become the model-visible input and the environment's resource tools (each with its
+  ``strict``); every field that shapes the model's answer (``temperature``, ``top_p``,
+  ``max_output_tokens``, ``top_logprobs``, ``parallel_tool_calls``, ``tool_choice``,
+  ``reasoning``, ``text``, and the ``extra_body`` and ``chat_template_kwargs`` that
+  NeMo Gym's model servers read from ``metadata``) becomes the row's sampling, sent
+  on either API in its own terms. A field rollcage cannot send as the row's author
+  meant (``background``, ``include``, ``previous_response_id``, ``prompt``,
+  ``service_tier``, ``truncation: auto``, ``user``, another ``metadata`` key) refuses
+  the row, naming it. Every other top-level field is a
   verifier field (``expected_count``, ``ground_truth``...): controller-only, sent to
   the environment's ``/seed_session`` and ``/verify`` with the original
   ``responses_create_params``, never to ``input.json``. The task id is the first of
@@ -29,6 +36,7 @@ fields) and keeps apart what the sandbox must never see:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,7 +56,28 @@ FORMATS: tuple[DatasetFormat, ...] = ("rollcage", "nemo-gym", "inspect")
 
 _INSPECT_KEYS = frozenset({"input", "target", "id", "metadata", "choices", "sandbox", "files", "setup"})
 _NEMO_ID_KEYS = ("id", "task_id", "instance_id", "problem_id", "_ng_task_index")
-_SAMPLING_KEYS = ("temperature", "top_p", "max_output_tokens")
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "max_output_tokens",
+    "top_logprobs",
+    "parallel_tool_calls",
+    "tool_choice",
+    "reasoning",
+    "text",
+)
+_NUMBER_KEYS = frozenset({"temperature", "top_p", "max_output_tokens", "top_logprobs"})
+# Request fields with no meaning rollcage can give them: a row that sets one is refused, named.
+_UNSENDABLE: dict[str, str] = {
+    "background": "rollcage waits for each answer; it does not run requests in the background",
+    "include": "rollcage asks for what it keeps itself (logprobs: the row's top_logprobs)",
+    "previous_response_id": "rollcage sends the whole conversation; it continues no stored response",
+    "prompt": "rollcage sends the row's own input; it uses no stored prompt template",
+    "service_tier": "rollcage does not choose a provider's service tier",
+    "user": "rollcage does not send an end-user id",
+}
+# The metadata keys NeMo Gym's model servers read (vllm_model), as JSON text; any other is refused.
+_METADATA_REQUEST_KEYS = ("extra_body", "chat_template_kwargs")
 
 
 def detect_format_of(value: Any) -> DatasetFormat | None:
@@ -96,6 +125,14 @@ def from_nemo_gym(
         raise ConfigError(f"responses_create_params.{unknown[0]}: not a field NeMo Gym accepts")
     if params.get("stream"):
         raise ConfigError("responses_create_params.stream: NeMo Gym rows are non-streaming (false or null)")
+    for key, why in _UNSENDABLE.items():
+        if params.get(key) not in (None, False, []):
+            raise ConfigError(f"responses_create_params.{key}: {why}; remove it to run the row")
+    if params.get("truncation") not in (None, "disabled"):
+        raise ConfigError(
+            "responses_create_params.truncation: rollcage never cuts the conversation to fit; "
+            "remove it (or say 'disabled') to run the row"
+        )
     model_input = _nemo_input(params.get("input"))
     instructions = params.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -133,16 +170,52 @@ def _nemo_sampling(params: dict[str, Any]) -> dict[str, Any]:
     sampling = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
     for key, value in sampling.items():
         # JSON's true is no temperature: pydantic would read it as 1.
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if key in _NUMBER_KEYS and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise ConfigError(f"responses_create_params.{key}: must be a number, got {value!r}"[:200])
+    extra_body = _metadata_extra_body(params.get("metadata"))
+    for key in sorted(set(extra_body) & (set(SamplingParams.model_fields) - {"extra_body"})):
+        # A typed field in metadata.extra_body (vLLM's stop, seed...) is sent as rollcage sends that field.
+        sampling.setdefault(key, extra_body.pop(key))
+    if extra_body:
+        sampling["extra_body"] = extra_body
     try:
         SamplingParams.model_validate(sampling)
     except ValidationError as exc:
         error = exc.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(part) for part in error.get("loc", ()))
         message = str(error.get("msg", "")).removeprefix("Value error, ")
+        if where == "extra_body":  # it came from metadata (see _metadata_extra_body)
+            where, message = "metadata", message.removeprefix("extra_body: ")
+            message = f"extra_body or chat_template_kwargs: {message}"
         raise ConfigError(f"responses_create_params.{where}: {message}") from None
     return sampling
+
+
+def _metadata_extra_body(metadata: Any) -> dict[str, Any]:
+    """The request fields NeMo Gym's model servers take from ``metadata`` (``extra_body`` and
+    ``chat_template_kwargs``, each JSON text), as rollcage's ``extra_body``."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise ConfigError("responses_create_params.metadata must be an object or null")
+    extra: dict[str, Any] = {}
+    for key, value in metadata.items():
+        if key not in _METADATA_REQUEST_KEYS:
+            raise ConfigError(
+                f"responses_create_params.metadata.{key}: rollcage cannot send it to the model as NeMo Gym's "
+                f"model servers would; it sends only metadata {' and '.join(_METADATA_REQUEST_KEYS)}"
+            )
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ConfigError(f"responses_create_params.metadata.{key}: must be a JSON object, as text")
+        if key == "extra_body":
+            extra.update(parsed)
+        elif parsed:
+            extra["chat_template_kwargs"] = {**extra.get("chat_template_kwargs", {}), **parsed}
+    return extra
 
 
 def _nemo_input(raw_input: Any) -> str | list[dict[str, Any]]:
@@ -174,6 +247,11 @@ def _nemo_tools(raw_tools: Any) -> list[dict[str, Any]]:
         }
         if isinstance(tool.get("parameters"), dict):
             spec["parameters"] = tool["parameters"]
+        strict = tool.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ConfigError(f"responses_create_params.tools[{index}].strict must be true, false or null")
+        if strict is not None:
+            spec["strict"] = strict
         tools.append(spec)
     return tools
 

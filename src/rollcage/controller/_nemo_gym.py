@@ -13,8 +13,10 @@ For every rollout whose row names an environment, in this order:
    response object (``to_nemo_response``) and the session's cookies as a ``Cookie``
    header; the answer's ``reward``, ``mask_sample`` and ``failure_kind`` are read
    by ``rollcage.controller._graders.parse_verify_answer``.
-4. ``POST /close_session`` with the run request and the cookies, when offered
-   (404/405: not offered), so the server can free the session's state.
+4. ``POST /close_session`` with the cookies and NeMo Gym's close body
+   (``ResourcesCloseSessionRequest``: ``resources_session_id`` and ``episode_id``,
+   nothing else; see ``close_request``), when offered (404/405: not offered), so the
+   server can free the session's state.
 
 A ``/seed_session`` that fails otherwise (unreachable, 5xx, no answer in time) is
 an infrastructure failure of the attempt: it is retried, never graded.
@@ -23,7 +25,9 @@ an infrastructure failure of the attempt: it is retried, never graded.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import re
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -40,12 +44,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CREATE_PARAMS_KEYS",
+    "close_request",
     "close_session",
     "create_params_for",
     "function_tools",
+    "nemo_item",
+    "nemo_items",
     "request_headers",
     "run_request",
     "seed_session",
+    "synthetic_positions",
     "to_nemo_response",
 ]
 
@@ -80,15 +88,27 @@ CREATE_PARAMS_KEYS = frozenset(
 )
 """The fields NeMo Gym's ``NeMoGymResponseCreateParamsNonStreaming`` accepts (it forbids others)."""
 
+_CREATE_PARAMS_SAMPLING = (
+    "temperature",
+    "top_p",
+    "max_output_tokens",
+    "top_logprobs",
+    "parallel_tool_calls",
+    "tool_choice",
+    "reasoning",
+    "text",
+)
 _NOT_OFFERED = frozenset({404, 405})
+_AGENT_CODE_CALLS = ("cell-", "bridge-")
+"""Call ids of a codeact cell and of a tool its code called (``ToolCall.call_id``)."""
 _ANSWER_LIMIT = 1024 * 1024
 _ITEM_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
 
 
 def function_tools(tools: list[ToolSpec], *, codeact: bool) -> list[dict[str, Any]]:
     """The agent's function tools (``rollcage.wire.function_tools``), each saying ``strict`` as NeMo Gym's
-    ``ToolParam`` requires (none in codeact mode, which has no tools)."""
-    return [{**tool, "strict": False} for tool in agent_function_tools(tools, codeact=codeact)]
+    ``ToolParam`` requires (the tool's own, else false; none in codeact mode, which has no tools)."""
+    return [{"strict": False, **tool} for tool in agent_function_tools(tools, codeact=codeact)]
 
 
 def create_params_for(
@@ -109,15 +129,58 @@ def create_params_for(
     }
     if instructions is not None:
         params["instructions"] = instructions
-    for key in ("temperature", "top_p", "max_output_tokens"):
-        if sampling.get(key) is not None:
-            params[key] = sampling[key]
+    # What the model was asked, as the Responses API says it (SamplingParams dumps it in those terms).
+    for key in _CREATE_PARAMS_SAMPLING:
+        value = _without_none(sampling.get(key))
+        if value is not None:
+            params[key] = value
     return params
+
+
+def _without_none(value: Any) -> Any:
+    """A dumped sampling field with its unset (``None``) fields left out, at any depth but inside a JSON
+    Schema (``text.format.schema``), which is the author's own document, kept as written."""
+    if isinstance(value, Mapping):
+        return {k: v if k == "schema" else _without_none(v) for k, v in value.items() if v is not None}
+    return value
 
 
 def run_request(create_params: Mapping[str, Any], verifier: Mapping[str, Any]) -> dict[str, Any]:
     """NeMo Gym's run request body: the row's verifier fields and its ``responses_create_params``."""
     return {**verifier, "responses_create_params": dict(create_params)}
+
+
+_EPISODE_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_ATTEMPT_SUFFIX = re.compile(r"-a[1-9][0-9]*$")
+
+
+def episode_rollout_id(task_id: str, sample: int) -> str:
+    """The logical rollout (one sample of one task) as NeMo Gym's ``EpisodeId.rollout_id`` spells it.
+
+    NeMo Gym allows letters, digits, ``.``, ``_`` and ``-``, a letter or digit first,
+    and reserves a ``-a<N>`` ending for attempts; a task id outside that is sanitised
+    and followed by a hash of the original, so two tasks never share an episode.
+    """
+    stem = _EPISODE_UNSAFE.sub("_", task_id)
+    if stem != task_id or not stem[:1].isalnum() or len(stem) > 80:
+        digest = hashlib.sha256(task_id.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+        stem = f"t{stem[:80]}.{digest}"
+    episode = f"{stem}-s{sample}"
+    assert not _ATTEMPT_SUFFIX.search(episode)  # "-s<N>" can never read as "-a<N>"
+    return episode
+
+
+def close_request(*, rollout_id: str, task_id: str, sample: int, attempt: int) -> dict[str, Any]:
+    """NeMo Gym 0.7.0's ``/close_session`` body (``ResourcesCloseSessionRequest``: no other field).
+
+    ``resources_session_id`` is the attempt's rollout id (the session itself travels
+    in the cookies ``/seed_session`` set); ``episode_id`` names the logical rollout
+    (the task's sample) and which attempt of it this was (the infrastructure retry).
+    """
+    return {
+        "resources_session_id": rollout_id,
+        "episode_id": {"rollout_id": episode_rollout_id(task_id, sample), "attempt": attempt},
+    }
 
 
 def _text_part(part: Any) -> dict[str, Any] | None:
@@ -147,7 +210,47 @@ def _item_id(item: Mapping[str, Any], prefix: str, index: int) -> str:
     return given if isinstance(given, str) and given else f"{prefix}_{index}"
 
 
-def _nemo_item(item: Mapping[str, Any], index: int) -> dict[str, Any] | None:
+def nemo_items(result: WorkerResult) -> list[dict[str, Any] | None]:
+    """The rollout's output items in NeMo Gym's shape, by position (``None``: an item left out).
+
+    The one conversion every NeMo Gym body and export uses (``/verify``'s response,
+    the export's ``response``, ``ng_trajectory``'s conversation and turns), so an
+    item has the same id and status wherever NeMo Gym meets it. Left out: items NeMo
+    Gym cannot hold, and the calls the model never made (``synthetic_positions``).
+    """
+    items = result.response.output if result.response is not None else []
+    synthetic = synthetic_positions(result)
+    return [None if index in synthetic else nemo_item(item, index) for index, item in enumerate(items)]
+
+
+def synthetic_positions(result: WorkerResult) -> frozenset[int]:
+    """Positions in the output of calls no model output made, and of their outputs.
+
+    rollcage's projection shows every action as a function call (``project_output``):
+    a codeact turn's code cells (``cell-*``) and the tools agent code called
+    (``bridge-*``) appear as calls named after the tool. The model wrote code in a
+    message and saw the cells' output as a message (its turn's input); it never made
+    those calls, so NeMo Gym's bodies do not claim it did. A harness's own first call
+    (NOOA's), which the model is shown as a call, stays.
+    """
+    items = result.response.output if result.response is not None else []
+    calls = project_calls(result.trajectory, partial=False)
+    if sum(len(call.items) for call in calls) != len(items):
+        return frozenset()  # not the worker's projection of this trajectory: nothing can be told apart
+    synthetic: set[int] = set()
+    position = 0
+    for call, projected, lead, own in calls:
+        declared = {str(i.get("call_id")) for i in call.output if i.get("type") == "function_call"}
+        for offset in range(lead + own, len(projected)):
+            call_id = str(projected[offset].get("call_id"))
+            # Only rollcage's own cells and bridges: a harness's call is never dropped on an id mismatch.
+            if call_id not in declared and call_id.startswith(_AGENT_CODE_CALLS):
+                synthetic.add(position + offset)
+        position += len(projected)
+    return frozenset(synthetic)
+
+
+def nemo_item(item: Mapping[str, Any], index: int) -> dict[str, Any] | None:
     """One output item in the shape NeMo Gym's models require; ``None`` for items they cannot hold."""
     kind = item.get("type", "message")
     if kind == "message":
@@ -227,11 +330,10 @@ def to_nemo_response(
     and ``generation_log_probs`` on the last item of the call's own output.
     """
     response = result.response
-    items = response.output if response is not None else []
-    marks = _token_marks(result, len(items)) if with_tokens else {}
+    converted_items = nemo_items(result)
+    marks = _token_marks(result, len(converted_items)) if with_tokens else {}
     output: list[dict[str, Any]] = []
-    for index, item in enumerate(items):
-        converted = _nemo_item(item, index)
+    for index, converted in enumerate(converted_items):
         if converted is not None:
             output.append({**converted, **marks.get(index, {})})
     status = response.status if response is not None else "failed"

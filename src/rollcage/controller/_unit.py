@@ -42,6 +42,7 @@ from rollcage.controller._graders import (
 from rollcage.controller._health import assess, unobserved_health
 from rollcage.controller._ids import rollout_id
 from rollcage.controller._nemo_gym import (
+    close_request,
     close_session,
     create_params_for,
     function_tools,
@@ -137,7 +138,7 @@ class EnvironmentPlan(_Model):
     )
     run_request: dict[str, Any] = Field(
         description="NeMo Gym's run request: the row's verifier fields and its responses_create_params; "
-        "the body of /seed_session and /close_session, and the base of /verify's."
+        "the body of /seed_session and the base of /verify's (/close_session takes NeMo Gym's close body)."
     )
     timeout_s: float = Field(default=_SESSION_TIMEOUT_S, gt=0, description="Deadline of seed and close.")
 
@@ -175,6 +176,9 @@ class PreparedRollout(_Model):
 
     rollout_id: str = Field(description="Id of this attempt.")
     task_id: str = Field(description="The dataset row's id.")
+    task_index: int | None = Field(
+        default=None, ge=0, description="The task's dataset row (NeMo Gym's _ng_task_index; Task.index)."
+    )
     sample: int = Field(ge=0, description="Which sample of the task.")
     try_index: int = Field(ge=0, description="Infrastructure retry number of this sample.")
     rollout_dir: str = Field(description="Where the rollout directory is laid out (must not exist yet).")
@@ -348,6 +352,7 @@ def prepare_rollout(
     return PreparedRollout(
         rollout_id=rid,
         task_id=task.id,
+        task_index=task.index,
         sample=sample,
         try_index=try_index,
         rollout_dir=str(out_dir / "rollouts" / rid),
@@ -637,7 +642,14 @@ async def _close(prepared: PreparedRollout, client: Any, cookies: dict[str, str]
 
     env = prepared.environment
     assert env is not None
-    body = await asyncio.to_thread(orjson.dumps, env.run_request)
+    body = orjson.dumps(
+        close_request(
+            rollout_id=prepared.rollout_id,
+            task_id=prepared.task_id,
+            sample=prepared.sample,
+            attempt=prepared.try_index,
+        )
+    )
     problem = await close_session(
         client, env.url, token=env.token, body=body, cookies=cookies, timeout_s=env.timeout_s
     )
@@ -674,6 +686,7 @@ def _record(
     return RolloutRecord(
         rollout_id=prepared.rollout_id,
         task_id=prepared.task_id,
+        task_index=prepared.task_index,
         sample=prepared.sample,
         try_index=prepared.try_index,
         outcome=receipt.outcome,

@@ -125,7 +125,9 @@ def _documents(
     task_index: dict[str, int] = {}
     names: set[str] = set()
     for record in finals:
-        index = task_index.setdefault(record.task_id, len(task_index))
+        first_seen = task_index.setdefault(record.task_id, len(task_index))
+        # The dataset row the controller recorded; records from before it did get their first-seen order.
+        index = record.task_index if record.task_index is not None else first_seen
         name = f"{record.rollout_id}.json"
         loaded = _load(run_dir, record, report)
         if isinstance(loaded, str):

@@ -8,7 +8,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -26,16 +26,20 @@ __all__ = [
     "CommandHarness",
     "EditorToolSpec",
     "ExecutorSettings",
+    "FunctionToolChoice",
     "HarnessEnvironment",
     "HarnessSpec",
     "ImageSandbox",
     "ModelEndpoint",
     "NooaHarness",
     "PythonToolSpec",
+    "ReasoningParams",
     "ResourceEndpoint",
     "ResourceToolSpec",
     "ResumeRequest",
     "SamplingParams",
+    "TextFormat",
+    "TextParams",
     "ToolSpec",
     "WorkerInput",
     "describe_validation_error",
@@ -72,6 +76,10 @@ RESERVED_REQUEST_FIELDS = frozenset(
         "top_logprobs",
         "include",
         "n",
+        "parallel_tool_calls",
+        "tool_choice",
+        "reasoning",
+        "text",
     }
 )
 """Request fields rollcage builds itself, never taken from ``SamplingParams.extra_body``: the conversation,
@@ -98,6 +106,60 @@ CONTROLLER_ONLY_KEYS = frozenset(
 )
 
 # --------------------------------------------------------------------------- input
+
+
+class FunctionToolChoice(ArtifactModel):
+    """``tool_choice`` naming one function the model must call."""
+
+    type: Literal["function"] = Field(description="Always 'function'.")
+    name: str = Field(min_length=1, description="The function the model must call.")
+
+
+class ReasoningParams(ArtifactModel):
+    """The Responses API's ``reasoning`` request field (Chat Completions: ``reasoning_effort``)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        default=None, description="How hard the model reasons; None: the server's default."
+    )
+    summary: Literal["auto", "concise", "detailed"] | None = Field(
+        default=None,
+        description="Responses only: which summary of the reasoning to return (Chat Completions servers "
+        "return the reasoning as they do, in full where they do).",
+    )
+
+
+class TextFormat(ArtifactModel):
+    """The Responses API's ``text.format``: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = Field(description="The kind of output asked for.")
+    name: str | None = Field(default=None, min_length=1, description="json_schema: the schema's name.")
+    json_schema: dict[str, Any] | None = Field(
+        default=None, alias="schema", description="json_schema: the JSON Schema the output follows."
+    )
+    description: str | None = Field(default=None, description="json_schema: what the output is for.")
+    strict: bool | None = Field(default=None, description="json_schema: follow the schema exactly.")
+
+    model_config = ConfigDict(
+        extra="forbid", defer_build=True, allow_inf_nan=False, populate_by_name=True, serialize_by_alias=True
+    )
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> TextFormat:
+        named = self.name is not None and self.json_schema is not None
+        if self.type == "json_schema" and not named:
+            raise ValueError("text.format of type json_schema needs its name and schema")
+        if self.type != "json_schema" and (self.name, self.json_schema, self.strict) != (None, None, None):
+            raise ValueError(f"text.format of type {self.type} takes no name, schema or strict")
+        return self
+
+
+class TextParams(ArtifactModel):
+    """The Responses API's ``text`` request field (Chat Completions: ``response_format``, ``verbosity``)."""
+
+    format: TextFormat | None = Field(default=None, description="The output's format; None: text.")
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        default=None, description="How long the answer is; None: the server's default."
+    )
 
 
 class SamplingParams(ArtifactModel):
@@ -127,6 +189,26 @@ class SamplingParams(ArtifactModel):
         le=20,
         description="Most likely alternatives returned per token, beside the sampled one (0: none). vLLM "
         "returns per-token logprobs only when this is set with 'logprobs'.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None,
+        description="Whether the model may ask for several tool calls in one answer (sent only with tools); "
+        "None: the server's default.",
+    )
+    tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice | None = Field(
+        default=None,
+        description="Whether the model must, may or must not call a tool, or which function it must call "
+        "({'type': 'function', 'name': ...}); None: the server's default (auto).",
+    )
+    reasoning: ReasoningParams | None = Field(
+        default=None,
+        description="Reasoning effort and summary (Responses' reasoning; Chat Completions: "
+        "reasoning_effort).",
+    )
+    text: TextParams | None = Field(
+        default=None,
+        description="Output format and verbosity (Responses' text; Chat Completions: response_format and "
+        "verbosity).",
     )
     extra_body: dict[str, Any] = Field(
         default_factory=dict,
@@ -265,6 +347,11 @@ class ResourceToolSpec(ArtifactModel):
     )
     resource: str = Field(description="Key into WorkerInput.resources.")
     path: str | None = Field(default=None, description="Endpoint path; None means '/<name>'.")
+    strict: bool | None = Field(
+        default=None,
+        description="Sent as the function tool's strict (the model's arguments must follow the schema "
+        "exactly, on both APIs); None: false, as rollcage sends a tool that does not say.",
+    )
 
 
 ToolSpec = Annotated[

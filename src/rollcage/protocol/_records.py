@@ -127,6 +127,12 @@ class RolloutRecord(FrozenArtifact, VersionGate):
     schema_version: Literal[2] = Field(default=SCHEMA_VERSION, description="Artifact format version.")
     rollout_id: str = Field(description="Id of this attempt (derived from task id, sample and try).")
     task_id: str = Field(description="Dataset row id.")
+    task_index: int | None = Field(
+        default=None,
+        ge=0,
+        description="The task's dataset row: its own _ng_task_index (NeMo Gym rows), else its 0-based line; "
+        "None in records written before rollcage kept it.",
+    )
     sample: int = Field(ge=0, description="Which of the --attempts samples of the task (for pass@k).")
     try_index: int = Field(ge=0, description="Infrastructure retry number of this sample.")
     outcome: Outcome = Field(description="The supervisor's classification.")

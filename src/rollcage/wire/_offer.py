@@ -69,6 +69,8 @@ def function_tools(tools: Sequence[ToolSpec], *, codeact: bool) -> list[dict[str
                     "name": spec.name,
                     "description": spec.description,
                     "parameters": spec.parameters,
+                    # Only when the row said: a tool that does not say goes out as it always did.
+                    **({"strict": spec.strict} if spec.strict is not None else {}),
                 }
             )
     return offered

@@ -15,7 +15,15 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollcage.protocol import MAX_TOKEN_COUNT, CallTokens, ModelEndpoint, ResponseItem, TokenUsage
+from rollcage.protocol import (
+    MAX_TOKEN_COUNT,
+    CallTokens,
+    FunctionToolChoice,
+    ModelEndpoint,
+    ResponseItem,
+    SamplingParams,
+    TokenUsage,
+)
 from rollcage.wire._tokens import read_entries, read_log_probs, read_prompt_log_probs, read_token_ids
 
 __all__ = [
@@ -236,7 +244,10 @@ def build_request(
     Returns:
         The payload, exactly as it will be sent. ``seed``, ``stop`` and ``logprobs`` are
         sent with Chat Completions only: the Responses API has no such parameters (it
-        asks for logprobs with ``include``). ``sampling.extra_body`` follows, as it is.
+        asks for logprobs with ``include``). ``parallel_tool_calls``, ``tool_choice``,
+        ``reasoning`` and ``text`` go out in each API's own terms (``tool_choice_payload``,
+        ``chat_reasoning_and_text``); the first two only with tools, as the APIs take
+        them only then. ``sampling.extra_body`` follows, as it is.
     """
     items: list[dict[str, Any]] = (
         [{"type": "message", "role": "user", "content": input}]
@@ -257,6 +268,7 @@ def build_request(
             "stop": sampling.stop,
             "logprobs": sampling.logprobs,
             "top_logprobs": sampling.top_logprobs,
+            **chat_reasoning_and_text(sampling),
         }
         if endpoint.stream:
             payload["stream"] = True
@@ -273,15 +285,47 @@ def build_request(
             "top_p": sampling.top_p,
             "max_output_tokens": sampling.max_output_tokens,
             "top_logprobs": sampling.top_logprobs,
+            "reasoning": sampling.reasoning.model_dump(exclude_none=True) if sampling.reasoning else None,
+            "text": sampling.text.model_dump(exclude_none=True, by_alias=True) if sampling.text else None,
         }
         if sampling.logprobs:
             payload["include"] = ["message.output_text.logprobs"]
         if endpoint.stream:
             payload["stream"] = True
+    if tools:  # both APIs take these only beside tools (without tools no call can be made anyway)
+        optional["parallel_tool_calls"] = sampling.parallel_tool_calls
+        optional["tool_choice"] = tool_choice_payload(sampling.tool_choice, api=endpoint.api)
     payload.update({key: value for key, value in optional.items() if value is not None})
     # Validated on the way in: no key of extra_body is one rollcage sets (RESERVED_REQUEST_FIELDS).
     payload.update(sampling.extra_body)
     return payload
+
+
+def tool_choice_payload(choice: str | FunctionToolChoice | None, *, api: Literal["chat", "responses"]) -> Any:
+    """``tool_choice`` as the API spells it: the same words on both; one named function differs."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if api == "chat":
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"type": "function", "name": choice.name}
+
+
+def chat_reasoning_and_text(sampling: SamplingParams) -> dict[str, Any]:
+    """``reasoning`` and ``text`` in Chat Completions' terms: ``reasoning_effort``, ``response_format``,
+    ``verbosity`` (reasoning summaries have no chat form: a chat server returns reasoning as it does)."""
+    fields: dict[str, Any] = {}
+    if sampling.reasoning is not None and sampling.reasoning.effort is not None:
+        fields["reasoning_effort"] = sampling.reasoning.effort
+    text = sampling.text
+    if text is not None and text.format is not None:
+        if text.format.type == "json_schema":
+            schema = text.format.model_dump(exclude_none=True, by_alias=True, exclude={"type"})
+            fields["response_format"] = {"type": "json_schema", "json_schema": schema}
+        else:
+            fields["response_format"] = {"type": text.format.type}
+    if text is not None and text.verbosity is not None:
+        fields["verbosity"] = text.verbosity
+    return fields
 
 
 def chat_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
