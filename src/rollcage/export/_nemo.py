@@ -143,6 +143,11 @@ def _conversation(
                 conversation.append(item)
         owned[call.id] = (begins if begins is not None else len(conversation), mine)
         position += len(items)
+    if any(call.output and not owned[call.id][1] for call, *_ in calls):
+        # A call that produced items owns none of the output: the output is not this trajectory's
+        # projection after all (its tool records are missing, say), and a turn cut from it would
+        # look hollow. The turns' own records say what each call answered.
+        return [*start, *(item for item in converted if item is not None)], {}
     return conversation, owned
 
 
