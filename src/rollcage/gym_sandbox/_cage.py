@@ -1,0 +1,545 @@
+"""A long-lived sandbox on rollcage's cage: an image's copy-on-write root, commands run in it one by one.
+
+This module knows nothing of NeMo Gym (:mod:`rollcage.gym_sandbox.provider` adapts it). One
+:class:`CagedSandbox` is what a container is to ``docker exec``:
+
+* **create**: the image is pulled and unpacked once per node (:class:`rollcage.images.ImageStore`),
+  leased so ``rollcage images prune`` keeps it, and mounted copy-on-write for this sandbox
+  (:func:`rollcage.supervisor.imageroot.mount_image_root`: an id-mapped lower, the writes on a
+  bounded tmpfs, so the disk budget holds); a memory and process budget is one cgroup set that
+  every command of the sandbox runs in. A first command (making the working directory) proves the
+  cage can be built before the handle is returned.
+* **exec**: each command is a fresh bubblewrap over that root: root drops to an unprivileged host uid
+  before the user namespace is made, the image's user inside (its files are that uid's), no
+  capabilities, no network, its own PID, IPC and UTS namespaces, the image's ``Env``. A bound on
+  wall-clock time kills the command's whole tree; output is kept up to a bound. A handshake from
+  inside the cage, printed before the command starts, tells a cage that could not be made from a
+  command that failed.
+* **files**: uploads and downloads run as commands in the cage (``cat``), so every path is resolved
+  inside the sandbox's root as its user sees it: nothing outside it can be named.
+* **close**: everything in the cgroups is killed, the cgroups removed, the root unmounted (its
+  writes kept as ``changes/``, the evidence), the image's lease released.
+
+Evidence: the sandbox's directory holds ``sandbox.json`` (what it was made from, when it closed)
+and ``execs.jsonl``, one line per command, each written and flushed to disk before the command's
+result is returned: the command, its working directory, when it started, how long it ran, how it
+ended, and the size and SHA-256 of what it printed.
+
+Only root can mount the root (bubblewrap 0.8 has no overlay); any other user is refused at create
+with one line saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import signal
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from rollcage.cage import CgroupSet, find_tools
+from rollcage.cage._budget import unique_name
+from rollcage.durable import fsync_directory, publish_json
+from rollcage.errors import SandboxError
+from rollcage.images import ImageStore, image_sandbox
+from rollcage.images._root import resolve_user
+from rollcage.protocol import ImageSandbox
+from rollcage.supervisor.imageroot import ImageRoot, mount_image_root
+
+__all__ = [
+    "DEFAULT_OWNER",
+    "CagedSandbox",
+    "CommandResult",
+    "SandboxBudgets",
+    "open_sandbox",
+]
+
+DEFAULT_OWNER: Final = (65534, 65534)
+"""The unprivileged host uid and gid a sandbox's commands run as (the supervisor's default too)."""
+
+CAGE_FAILED: Final = 125
+"""The exit status reported when the cage itself could not be made (no command ran)."""
+
+_HANDSHAKE: Final = 'printf "%s\\n" "$1" && shift && exec "$@"'
+_MKDIR: Final = 'mkdir -p -- "$1"'
+_UPLOAD: Final = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+_DOWNLOAD: Final = 'test -f "$1" || { echo "no such regular file: $1" >&2; exit 2; }; exec cat -- "$1"'
+_REAP_S: Final = 10.0
+
+
+@dataclass(frozen=True)
+class SandboxBudgets:
+    """What one sandbox may use; ``None``: no bound of that kind beyond the defaults.
+
+    Attributes:
+        memory_bytes: Total memory of all its processes (a cgroup).
+        disk_bytes: What it may write into its root (the copy-on-write upper's tmpfs size).
+        max_processes: Processes and threads at once (a cgroup).
+        output_bytes: Bytes kept of each command's stdout and of its stderr.
+        file_bytes: Largest file a download may bring back.
+    """
+
+    memory_bytes: int | None = None
+    disk_bytes: int | None = 10 << 30
+    max_processes: int | None = 1024
+    output_bytes: int = 8 << 20
+    file_bytes: int = 256 << 20
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """How one command in the sandbox ended.
+
+    Attributes:
+        exit_code: Its exit status (``128 + N`` when signal N ended it; :data:`CAGE_FAILED` when the
+            cage could not be made).
+        stdout: The first ``output_bytes`` of its standard output.
+        stderr: The first ``output_bytes`` of its standard error.
+        truncated: Some output was dropped.
+        timed_out: The time bound fired and its whole tree was killed.
+        cage_failed: The cage could not be made; nothing of the command ran (``stderr`` says why).
+    """
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+    timed_out: bool
+    cage_failed: bool
+
+
+@dataclass
+class CagedSandbox:
+    """One sandbox: an image's root mounted for it, budgets, a journal (see the module docstring)."""
+
+    sandbox_id: str
+    directory: Path
+    image: ImageSandbox
+    root: ImageRoot
+    owner: tuple[int, int]
+    env: dict[str, str]
+    workdir: str
+    budgets: SandboxBudgets
+    cgroups: CgroupSet | None
+    bwrap: str
+    setpriv: str
+    disable_userns: bool
+    _lease: contextlib.ExitStack
+    _seq: int = 0
+    _running: set[int] = field(default_factory=set)
+    closed: bool = False
+
+    @property
+    def journal_path(self) -> Path:
+        """The exec journal (one JSON object a line)."""
+        return self.directory / "execs.jsonl"
+
+    def is_running(self) -> bool:
+        """Open, and its root still mounted."""
+        return not self.closed and os.path.ismount(self.root.merged)
+
+    def _argv(
+        self, command: str, args: Sequence[str], cwd: str, env: Mapping[str, str], uid: tuple[int, int]
+    ) -> list[str]:
+        marker = f"rollcage-cage-started-{secrets.token_hex(8)}"
+        environment: list[str] = ["--clearenv"]
+        for name, value in sorted(env.items()):
+            environment += ["--setenv", name, value]
+        argv = [
+            *(self.cgroups.enter_prefix() if self.cgroups is not None else []),
+            # Root drops to the unprivileged owner before any namespace is made: the cage is never
+            # host root, and the kernel counts its processes against that uid.
+            self.setpriv,
+            "--reuid",
+            str(self.owner[0]),
+            "--regid",
+            str(self.owner[1]),
+            "--clear-groups",
+            "--no-new-privs",
+            "--",
+            self.bwrap,
+            "--unshare-user",
+            *(["--disable-userns"] if self.disable_userns else []),
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--unshare-net",
+            "--hostname",
+            self.sandbox_id[:63],
+            "--die-with-parent",
+            "--new-session",
+            "--uid",
+            str(uid[0]),
+            "--gid",
+            str(uid[1]),
+            "--cap-drop",
+            "ALL",
+            "--bind",
+            str(self.root.merged),
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--chdir",
+            cwd,
+            *environment,
+            "--",
+            "/bin/sh",
+            "-c",
+            _HANDSHAKE,
+            "rollcage-cage",
+            marker,
+            "/bin/sh",
+            "-c",
+            command,
+            "sh",
+            *args,
+        ]
+        return [marker, *argv]
+
+    def resolve_uid(self, user: str | int | None) -> tuple[int, int]:
+        """The ``(uid, gid)`` a command runs as: the image's user, or ``user`` if it is that same user.
+
+        The id-mapped root makes the image user's files the sandbox's own; another uid would see
+        them as its own too, which no container gives, so only the image's user is accepted.
+
+        Raises:
+            ValueError: ``user`` is another user, or one the image does not define.
+        """
+        own = (self.image.uid, self.image.gid)
+        if user is None:
+            return own
+        try:
+            asked = resolve_user(str(self.root.merged), str(user), self.image.ref)
+        except SandboxError as exc:
+            raise ValueError(str(exc)) from exc
+        except Exception as exc:
+            raise ValueError(f"user {user!r}: {exc}") from exc
+        if asked[0] != own[0]:
+            raise ValueError(
+                f"the rollcage sandbox runs commands as the image's user (uid {own[0]}), not as {user!r}"
+            )
+        return asked
+
+    async def run(
+        self,
+        command: str,
+        *,
+        args: Sequence[str] = (),
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float | None,
+        user: str | int | None = None,
+        stdin: bytes = b"",
+        output_bytes: int | None = None,
+        journal: bool = True,
+    ) -> CommandResult:
+        """Run ``/bin/sh -c command sh *args`` in the sandbox; journal it (see the module docstring).
+
+        Raises:
+            SandboxError: The sandbox is closed.
+            ValueError: ``user`` cannot be honoured (:meth:`resolve_uid`).
+        """
+        if self.closed:
+            raise SandboxError(f"sandbox {self.sandbox_id} is closed; create a new one")
+        uid = self.resolve_uid(user)
+        workdir = cwd or self.workdir
+        merged_env = {**self.env, **(env or {})}
+        marker, *argv = self._argv(command, args, workdir, merged_env, uid)
+        limit = output_bytes if output_bytes is not None else self.budgets.output_bytes
+        started_at = time.time()
+        clock = time.monotonic()
+        result = await self._communicate(argv, marker.encode() + b"\n", stdin, timeout_s, limit)
+        if journal:
+            self._seq += 1
+            await asyncio.to_thread(
+                self._append,
+                {
+                    "seq": self._seq,
+                    "command": command,
+                    "args": list(args),
+                    "cwd": workdir,
+                    "uid": uid[0],
+                    "started_at": started_at,
+                    "duration_s": round(time.monotonic() - clock, 6),
+                    "exit_code": result.exit_code,
+                    "timed_out": result.timed_out,
+                    "cage_failed": result.cage_failed,
+                    "truncated": result.truncated,
+                    "stdin_bytes": len(stdin),
+                    "stdout_bytes": len(result.stdout),
+                    "stdout_sha256": hashlib.sha256(result.stdout).hexdigest(),
+                    "stderr_bytes": len(result.stderr),
+                    "stderr_sha256": hashlib.sha256(result.stderr).hexdigest(),
+                },
+            )
+        return result
+
+    async def _communicate(
+        self, argv: list[str], marker: bytes, stdin: bytes, timeout_s: float | None, limit: int
+    ) -> CommandResult:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
+            cwd="/",
+            # Its own process group: the time bound kills bwrap's monitor, whose death takes the
+            # cage's PID namespace (everything the command started) along.
+            start_new_session=True,
+        )
+        self._running.add(process.pid)
+        out, err = _Sink(limit + len(marker)), _Sink(limit)
+        assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+        timed_out = False
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(
+                    _feed(process.stdin, stdin),
+                    out.drain(process.stdout),
+                    err.drain(process.stderr),
+                    process.wait(),
+                )
+        except TimeoutError:
+            timed_out = True
+        finally:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.shield(asyncio.wait_for(process.wait(), _REAP_S))
+            self._running.discard(process.pid)
+        started = out.kept.startswith(marker)
+        code = process.returncode if process.returncode is not None else -signal.SIGKILL
+        if code < 0:
+            code = 128 - code
+        if not started and not timed_out:
+            why = err.kept.decode("utf-8", "replace").strip()[-500:] or f"exit status {code}"
+            return CommandResult(
+                CAGE_FAILED,
+                b"",
+                f"rollcage sandbox: the cage could not be made: {why}".encode(),
+                False,
+                False,
+                True,
+            )
+        stdout = bytes(out.kept[len(marker) :]) if started else b""
+        return CommandResult(
+            exit_code=CAGE_FAILED if timed_out else code,
+            stdout=stdout,
+            stderr=bytes(err.kept),
+            truncated=out.dropped or err.dropped,
+            timed_out=timed_out,
+            cage_failed=False,
+        )
+
+    def _append(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, sort_keys=True).encode() + b"\n"
+        fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    async def upload(self, data: bytes, target: str) -> None:
+        """Write ``data`` to ``target`` in the sandbox (relative: to its working directory), as its user.
+
+        Raises:
+            SandboxError: The file could not be written there (the message has the sandbox's words).
+        """
+        result = await self.run(_UPLOAD, args=[target], stdin=data, timeout_s=300, output_bytes=4096)
+        if result.exit_code != 0:
+            why = result.stderr.decode("utf-8", "replace").strip() or f"exit status {result.exit_code}"
+            raise SandboxError(f"uploading to {target!r} in sandbox {self.sandbox_id}: {why}")
+
+    async def download(self, source: str) -> bytes:
+        """The content of the sandbox's regular file ``source``, read as its user.
+
+        Raises:
+            FileNotFoundError: It is not there (or not a regular file).
+            SandboxError: It is larger than the download bound, or could not be read.
+        """
+        limit = self.budgets.file_bytes
+        result = await self.run(_DOWNLOAD, args=[source], timeout_s=300, output_bytes=limit)
+        if result.exit_code == 2:
+            raise FileNotFoundError(f"{source!r} in sandbox {self.sandbox_id}: no such regular file")
+        if result.exit_code != 0:
+            why = result.stderr.decode("utf-8", "replace").strip() or f"exit status {result.exit_code}"
+            raise SandboxError(f"downloading {source!r} from sandbox {self.sandbox_id}: {why}")
+        if result.truncated:
+            raise SandboxError(
+                f"downloading {source!r} from sandbox {self.sandbox_id}: "
+                f"larger than the bound of {limit} bytes"
+            )
+        return result.stdout
+
+    async def close(self) -> None:
+        """Kill everything in it, remove its cgroups, unmount its root (writes kept), release the image."""
+        if self.closed:
+            return
+        self.closed = True
+        for pid in list(self._running):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        await asyncio.to_thread(self._release)
+
+    def _release(self) -> None:
+        try:
+            if self.cgroups is not None:
+                self.cgroups.kill()
+                self.cgroups.remove(wait_s=_REAP_S)
+            self.root.finish()
+        finally:
+            self._lease.close()
+            _write_record(self, closed_at=time.time())
+
+
+class _Sink:
+    """What a stream delivered, kept up to a limit (the rest is read and dropped: no full pipe)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = bytearray()
+        self.dropped = False
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            room = self.limit - len(self.kept)
+            if room > 0:
+                self.kept += chunk[:room]
+            self.dropped = self.dropped or len(chunk) > room
+
+
+async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
+    with contextlib.suppress(ConnectionError):
+        if data:
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+
+def _write_record(sandbox: CagedSandbox, **extra: Any) -> None:
+    record = {
+        "kind": "rollcage-gym-sandbox",
+        "sandbox_id": sandbox.sandbox_id,
+        "image": {
+            "ref": sandbox.image.ref,
+            "digest": sandbox.image.manifest_digest or sandbox.image.digest,
+            "user": sandbox.image.user,
+        },
+        "workdir": sandbox.workdir,
+        "env": sorted(sandbox.env),
+        "budgets": {
+            "memory_bytes": sandbox.budgets.memory_bytes,
+            "disk_bytes": sandbox.budgets.disk_bytes,
+            "max_processes": sandbox.budgets.max_processes,
+            "output_bytes": sandbox.budgets.output_bytes,
+        },
+        "network": "none",
+        **extra,
+    }
+    publish_json(sandbox.directory / "sandbox.json", record, mode=0o644)
+
+
+async def open_sandbox(
+    image_ref: str,
+    *,
+    state_dir: Path,
+    store: ImageStore,
+    env: Mapping[str, str] | None = None,
+    workdir: str | None = None,
+    budgets: SandboxBudgets = SandboxBudgets(),
+    owner: tuple[int, int] = DEFAULT_OWNER,
+    bwrap_path: str | None = None,
+) -> CagedSandbox:
+    """Make a sandbox of ``image_ref`` with its state under ``state_dir`` (see the module docstring).
+
+    Raises:
+        SandboxError: Not root, or the cage cannot be made here (the message says why).
+        ImageReferenceError, ImageRefusedError, ImagePullError: The image (from the store).
+    """
+    if os.geteuid() != 0:
+        raise SandboxError(
+            "the rollcage sandbox provider must run as root: it mounts each sandbox's copy-on-write image "
+            "root (bubblewrap 0.8 cannot) and drops every command to an unprivileged uid; run NeMo Gym as "
+            "root, or pick another provider"
+        )
+    tools = await asyncio.to_thread(
+        find_tools, bwrap_path=bwrap_path, run_as=owner, hint="or pick another provider"
+    )
+    if tools.setpriv is None:  # find_tools refuses first; kept for the type checker
+        raise SandboxError("setpriv (util-linux) is needed to drop root for the sandbox, and was not found")
+    prepared = await asyncio.to_thread(store.prepare, image_ref)
+    image = image_sandbox(prepared)
+    sandbox_id = f"rollcage-{uuid.uuid4().hex[:12]}"
+    directory = state_dir / sandbox_id
+    await asyncio.to_thread(directory.mkdir, parents=True, mode=0o711)
+    await asyncio.to_thread(fsync_directory, state_dir)
+    lease = contextlib.ExitStack()
+    cgroups: CgroupSet | None = None
+    root: ImageRoot | None = None
+    try:
+        lease.enter_context(store.lease(prepared))
+        root = await asyncio.to_thread(
+            mount_image_root, image, directory, owner, max_bytes=budgets.disk_bytes
+        )
+        cgroups = await asyncio.to_thread(
+            CgroupSet.create,
+            unique_name("rollcage-gym"),
+            memory_bytes=budgets.memory_bytes,
+            # bubblewrap's own processes count too.
+            max_processes=None if budgets.max_processes is None else budgets.max_processes + 8,
+        )
+        base_env = _image_env(image)
+        sandbox = CagedSandbox(
+            sandbox_id=sandbox_id,
+            directory=directory,
+            image=image,
+            root=root,
+            owner=owner,
+            env={**base_env, **dict(env or {})},
+            workdir=workdir or image.working_dir,
+            budgets=budgets,
+            cgroups=cgroups,
+            bwrap=tools.bwrap,
+            setpriv=tools.setpriv,
+            disable_userns=tools.disable_userns,
+            _lease=lease,
+        )
+        await asyncio.to_thread(_write_record, sandbox, created_at=time.time())
+        # Readiness: the cage is built once (from /, the working directory may not exist yet) and
+        # makes the working directory as docker makes WorkingDir.
+        ready = await sandbox.run(_MKDIR, args=[sandbox.workdir], cwd="/", timeout_s=60, journal=False)
+    except BaseException:
+        if cgroups is not None:
+            cgroups.kill()
+            cgroups.remove()
+        if root is not None:
+            root.finish()
+        lease.close()
+        raise
+    if ready.exit_code != 0:
+        await sandbox.close()
+        why = ready.stderr.decode("utf-8", "replace").strip() or f"exit status {ready.exit_code}"
+        raise SandboxError(f"sandbox of {image_ref} is not ready: {why}")
+    return sandbox
+
+
+def _image_env(image: ImageSandbox) -> dict[str, str]:
+    from rollcage.cage import image_environment
+
+    return image_environment(image)
