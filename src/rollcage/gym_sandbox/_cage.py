@@ -38,6 +38,7 @@ import json
 import os
 import secrets
 import signal
+import stat
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -483,6 +484,7 @@ async def open_sandbox(
     )
     if tools.setpriv is None:  # find_tools refuses first; kept for the type checker
         raise SandboxError("setpriv (util-linux) is needed to drop root for the sandbox, and was not found")
+    await asyncio.to_thread(_check_traversable, state_dir, owner)
     prepared = await asyncio.to_thread(store.prepare, image_ref)
     image = image_sandbox(prepared)
     sandbox_id = f"rollcage-{uuid.uuid4().hex[:12]}"
@@ -537,6 +539,26 @@ async def open_sandbox(
         why = ready.stderr.decode("utf-8", "replace").strip() or f"exit status {ready.exit_code}"
         raise SandboxError(f"sandbox of {image_ref} is not ready: {why}")
     return sandbox
+
+
+def _check_traversable(state_dir: Path, owner: tuple[int, int]) -> None:
+    """Refuse a state directory the sandbox's uid cannot reach: its commands' root is mounted in it.
+
+    Raises:
+        SandboxError: A directory on the way lets only its owner in; the message names it.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+    path = state_dir.resolve()
+    for directory in (path, *path.parents):
+        st = directory.stat()
+        if st.st_uid == owner[0]:
+            continue
+        if not st.st_mode & (0o010 if st.st_gid == owner[1] else 0o001):
+            raise SandboxError(
+                f"the sandboxes' state directory {state_dir} is under {directory} (mode "
+                f"{stat.filemode(st.st_mode)}), which the sandbox's uid {owner[0]} cannot pass through; "
+                "choose a state_dir whose every parent has the x bit for others (e.g. under /var/lib)"
+            )
 
 
 def _image_env(image: ImageSandbox) -> dict[str, str]:

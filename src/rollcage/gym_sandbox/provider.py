@@ -4,7 +4,7 @@ Select it in NeMo Gym's config with one line (every key optional)::
 
     sandbox:
       rollcage:
-        state_dir: /var/lib/rollcage/gym-sandboxes   # each sandbox's root, journal and changes
+        state_dir: /var/lib/rollcage/gym-sandboxes   # the default; or $ROLLCAGE_GYM_SANDBOX_DIR
         image_store: /var/cache/rollcage/images       # default: $ROLLCAGE_IMAGE_STORE or ~/.cache/...
         default_timeout_s: 180
 
@@ -50,7 +50,7 @@ from rollcage.errors import RollcageError
 from rollcage.gym_sandbox._cage import CAGE_FAILED, DEFAULT_OWNER, CagedSandbox, SandboxBudgets, open_sandbox
 from rollcage.images import ImageStore
 
-__all__ = ["STATE_ENV", "RollcageProvider"]
+__all__ = ["DEFAULT_STATE_DIR", "STATE_ENV", "RollcageProvider"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -60,14 +60,13 @@ STATE_ENV = "ROLLCAGE_GYM_SANDBOX_DIR"
 _OPTIONS = frozenset({"max_processes", "output_bytes", "file_bytes", "allow_hosts"})
 
 
+DEFAULT_STATE_DIR = Path("/var/lib/rollcage/gym-sandboxes")
+"""The default state directory: the sandboxes' unprivileged uid must pass through every parent
+(a home directory, mode 0700, would not do)."""
+
+
 def _default_state_dir() -> Path:
-    if os.environ.get(STATE_ENV):
-        return Path(os.environ[STATE_ENV])
-    return (
-        Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
-        / "rollcage"
-        / "gym-sandboxes"
-    )
+    return Path(os.environ[STATE_ENV]) if os.environ.get(STATE_ENV) else DEFAULT_STATE_DIR
 
 
 class RollcageProvider:
