@@ -10,8 +10,8 @@ Select it in NeMo Gym's config with one line (every key optional)::
 
 What a ``SandboxSpec`` means here:
 
-* ``image``: any reference rollcage's image store takes (``docker://host/name:tag``, a bare
-  ``name:tag`` as docker reads it, ``oci:PATH[:TAG]``, ``dir:PATH``); required.
+* ``image``: a bare ``[registry/]name:tag`` as docker reads it, or any reference rollcage's image
+  store takes (``docker://...``, ``oci:PATH[:TAG]``, ``docker-archive:PATH``, ``dir:PATH``); required.
 * ``env``, ``workdir``: over the image's ``Env`` and ``WorkingDir`` (made if missing).
 * ``resources``: ``memory_mib`` and ``disk_gib`` are the sandbox's budgets (a cgroup; the bounded
   file system its writes land on); ``cpu`` is recorded and not enforced; a ``gpu`` is refused.
@@ -50,12 +50,20 @@ from rollcage.errors import RollcageError
 from rollcage.gym_sandbox._cage import CAGE_FAILED, DEFAULT_OWNER, CagedSandbox, SandboxBudgets, open_sandbox
 from rollcage.images import ImageStore
 
-__all__ = ["DEFAULT_STATE_DIR", "STATE_ENV", "RollcageProvider"]
+__all__ = ["DEFAULT_STATE_DIR", "STATE_ENV", "RollcageProvider", "image_ref"]
 
 LOGGER = logging.getLogger(__name__)
 
 STATE_ENV = "ROLLCAGE_GYM_SANDBOX_DIR"
 """Where sandboxes keep their state when the provider's config names no ``state_dir``."""
+
+_TRANSPORTS = ("docker://", "oci:", "docker-archive:", "dir:")
+
+
+def image_ref(image: str) -> str:
+    """The image store's reference for a spec's ``image``: a bare ``name:tag`` is docker's (``docker://``)."""
+    return image if image.startswith(_TRANSPORTS) else f"docker://{image}"
+
 
 _OPTIONS = frozenset({"max_processes", "output_bytes", "file_bytes", "allow_hosts"})
 
@@ -146,7 +154,7 @@ class RollcageProvider:
         try:
             async with asyncio.timeout(spec.ready_timeout_s):
                 sandbox = await open_sandbox(
-                    spec.image,
+                    image_ref(spec.image),
                     state_dir=self._state_dir,
                     store=self._store,
                     env=dict(spec.env),
