@@ -9,12 +9,15 @@ This module knows nothing of NeMo Gym (:mod:`rollcage.gym_sandbox.provider` adap
   bounded tmpfs, so the disk budget holds); a memory and process budget is one cgroup set that
   every command of the sandbox runs in. A first command (making the working directory) proves the
   cage can be built before the handle is returned.
-* **exec**: each command is a fresh bubblewrap over that root: root drops to an unprivileged host uid
-  before the user namespace is made, the image's user inside (its files are that uid's), no
-  capabilities, no network, its own PID, IPC and UTS namespaces, the image's ``Env``. A bound on
-  wall-clock time kills the command's whole tree; output is kept up to a bound. A handshake from
-  inside the cage, printed before the command starts, tells a cage that could not be made from a
-  command that failed.
+* **exec**: the sandbox is one cage, made by bubblewrap at create around a holder process: root
+  drops to an unprivileged host uid before the user namespace is made, the image's user inside (its
+  files are that uid's), no capabilities, no network, its own PID, IPC and UTS namespaces. Each
+  command joins that cage (:mod:`rollcage.gym_sandbox._join`: all its namespaces at once, then every
+  capability and the uid given up, as a warm worker does) with the image's ``Env``, so what one
+  command starts in the background (a server a later command talks to) lives on until close, as in
+  a container. A bound on wall-clock time kills the command's process group; output is kept up to
+  a bound. A handshake printed from inside the cage before the command starts tells a cage that
+  could not be entered from a command that failed.
 * **files**: uploads and downloads run as commands in the cage (``cat``), so every path is resolved
   inside the sandbox's root as its user sees it: nothing outside it can be named.
 * **close**: everything in the cgroups is killed, the cgroups removed, the root unmounted (its
@@ -39,6 +42,7 @@ import os
 import secrets
 import signal
 import stat
+import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -46,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from rollcage.cage import CgroupSet, find_tools
+from rollcage.cage import BwrapTools, CgroupSet, find_tools
 from rollcage.cage._budget import unique_name
 from rollcage.durable import fsync_directory, publish_json
 from rollcage.errors import SandboxError
@@ -74,6 +78,10 @@ _MKDIR: Final = 'mkdir -p -- "$1"'
 _UPLOAD: Final = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
 _DOWNLOAD: Final = 'test -f "$1" || { echo "no such regular file: $1" >&2; exit 2; }; exec cat -- "$1"'
 _REAP_S: Final = 10.0
+_JOIN: Final = str(Path(__file__).with_name("_join.py"))
+# The cage's init's only child: waits for the end of its stdin (the provider closing the sandbox,
+# or dying), ignoring polite signals; its death takes the cage's PID namespace along.
+_HOLDER: Final = "trap '' HUP INT QUIT TERM USR1 USR2; while IFS= read -r _; do :; done"
 
 
 @dataclass(frozen=True)
@@ -130,9 +138,8 @@ class CagedSandbox:
     workdir: str
     budgets: SandboxBudgets
     cgroups: CgroupSet | None
-    bwrap: str
-    setpriv: str
-    disable_userns: bool
+    holder: asyncio.subprocess.Process
+    holder_pid: int
     _lease: contextlib.ExitStack
     _seq: int = 0
     _running: set[int] = field(default_factory=set)
@@ -144,69 +151,21 @@ class CagedSandbox:
         return self.directory / "execs.jsonl"
 
     def is_running(self) -> bool:
-        """Open, and its root still mounted."""
-        return not self.closed and os.path.ismount(self.root.merged)
+        """Open, its cage's holder alive, and its root still mounted."""
+        return not self.closed and self.holder.returncode is None and os.path.ismount(self.root.merged)
 
-    def _argv(
-        self, command: str, args: Sequence[str], cwd: str, env: Mapping[str, str], uid: tuple[int, int]
+    def _join_argv(
+        self, argv: Sequence[str], cwd: str, env: Mapping[str, str], uid: tuple[int, int]
     ) -> list[str]:
-        marker = f"rollcage-cage-started-{secrets.token_hex(8)}"
-        environment: list[str] = ["--clearenv"]
-        for name, value in sorted(env.items()):
-            environment += ["--setenv", name, value]
-        argv = [
+        spec = {"holder": self.holder_pid, "uid": uid[0], "gid": uid[1], "cwd": cwd, "env": dict(env)}
+        return [
             *(self.cgroups.enter_prefix() if self.cgroups is not None else []),
-            # Root drops to the unprivileged owner before any namespace is made: the cage is never
-            # host root, and the kernel counts its processes against that uid.
-            self.setpriv,
-            "--reuid",
-            str(self.owner[0]),
-            "--regid",
-            str(self.owner[1]),
-            "--clear-groups",
-            "--no-new-privs",
-            "--",
-            self.bwrap,
-            "--unshare-user",
-            *(["--disable-userns"] if self.disable_userns else []),
-            "--unshare-pid",
-            "--unshare-ipc",
-            "--unshare-uts",
-            "--unshare-cgroup-try",
-            "--unshare-net",
-            "--hostname",
-            self.sandbox_id[:63],
-            "--die-with-parent",
-            "--new-session",
-            "--uid",
-            str(uid[0]),
-            "--gid",
-            str(uid[1]),
-            "--cap-drop",
-            "ALL",
-            "--bind",
-            str(self.root.merged),
-            "/",
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--chdir",
-            cwd,
-            *environment,
-            "--",
-            "/bin/sh",
-            "-c",
-            _HANDSHAKE,
-            "rollcage-cage",
-            marker,
-            "/bin/sh",
-            "-c",
-            command,
-            "sh",
-            *args,
+            sys.executable,
+            "-I",
+            "-S",
+            _JOIN,
+            json.dumps({**spec, "argv": list(argv)}),
         ]
-        return [marker, *argv]
 
     def resolve_uid(self, user: str | int | None) -> tuple[int, int]:
         """The ``(uid, gid)`` a command runs as: the image's user, or ``user`` if it is that same user.
@@ -256,7 +215,13 @@ class CagedSandbox:
         uid = self.resolve_uid(user)
         workdir = cwd or self.workdir
         merged_env = {**self.env, **(env or {})}
-        marker, *argv = self._argv(command, args, workdir, merged_env, uid)
+        marker = f"rollcage-cage-started-{secrets.token_hex(8)}"
+        argv = self._join_argv(
+            ["/bin/sh", "-c", _HANDSHAKE, "rollcage-cage", marker, "/bin/sh", "-c", command, "sh", *args],
+            workdir,
+            merged_env,
+            uid,
+        )
         limit = output_bytes if output_bytes is not None else self.budgets.output_bytes
         started_at = time.time()
         clock = time.monotonic()
@@ -397,6 +362,7 @@ class CagedSandbox:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
         await asyncio.to_thread(self._release)
+        await _end_holder(self.holder)
 
     def _release(self) -> None:
         try:
@@ -494,6 +460,7 @@ async def open_sandbox(
     lease = contextlib.ExitStack()
     cgroups: CgroupSet | None = None
     root: ImageRoot | None = None
+    holder: asyncio.subprocess.Process | None = None
     try:
         lease.enter_context(store.lease(prepared))
         root = await asyncio.to_thread(
@@ -506,6 +473,11 @@ async def open_sandbox(
             # bubblewrap's own processes count too.
             max_processes=None if budgets.max_processes is None else budgets.max_processes + 8,
         )
+        status_read, status_write = os.pipe2(os.O_CLOEXEC)
+        argv = _holder_argv(tools, owner, root.merged, (image.uid, image.gid), sandbox_id, status_write)
+        holder, holder_pid = await _start_holder(
+            [*(cgroups.enter_prefix()), *argv], status_read, status_write
+        )
         base_env = _image_env(image)
         sandbox = CagedSandbox(
             sandbox_id=sandbox_id,
@@ -517,9 +489,8 @@ async def open_sandbox(
             workdir=workdir or image.working_dir,
             budgets=budgets,
             cgroups=cgroups,
-            bwrap=tools.bwrap,
-            setpriv=tools.setpriv,
-            disable_userns=tools.disable_userns,
+            holder=holder,
+            holder_pid=holder_pid,
             _lease=lease,
         )
         await asyncio.to_thread(_write_record, sandbox, created_at=time.time())
@@ -527,6 +498,8 @@ async def open_sandbox(
         # makes the working directory as docker makes WorkingDir.
         ready = await sandbox.run(_MKDIR, args=[sandbox.workdir], cwd="/", timeout_s=60, journal=False)
     except BaseException:
+        if holder is not None:
+            await _end_holder(holder)
         if cgroups is not None:
             cgroups.kill()
             cgroups.remove()
@@ -539,6 +512,120 @@ async def open_sandbox(
         why = ready.stderr.decode("utf-8", "replace").strip() or f"exit status {ready.exit_code}"
         raise SandboxError(f"sandbox of {image_ref} is not ready: {why}")
     return sandbox
+
+
+def _holder_argv(
+    tools: BwrapTools, owner: tuple[int, int], root: Path, uid: tuple[int, int], hostname: str, status_fd: int
+) -> list[str]:
+    """The command line of a sandbox's holder: the cage every command of the sandbox joins."""
+    assert tools.setpriv is not None
+    return [
+        # Root drops to the unprivileged owner before any namespace is made: the cage is never
+        # host root, and the kernel counts its processes against that uid.
+        tools.setpriv,
+        "--reuid",
+        str(owner[0]),
+        "--regid",
+        str(owner[1]),
+        "--clear-groups",
+        "--no-new-privs",
+        "--",
+        tools.bwrap,
+        "--json-status-fd",
+        str(status_fd),
+        "--unshare-user",
+        *(["--disable-userns"] if tools.disable_userns else []),
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--unshare-net",
+        "--hostname",
+        hostname[:63],
+        "--die-with-parent",
+        "--new-session",
+        "--uid",
+        str(uid[0]),
+        "--gid",
+        str(uid[1]),
+        "--cap-drop",
+        "ALL",
+        "--bind",
+        str(root),
+        "/",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--chdir",
+        "/",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+        "--",
+        "/bin/sh",
+        "-c",
+        _HOLDER,
+    ]
+
+
+async def _start_holder(
+    argv: list[str], status_read: int, status_write: int
+) -> tuple[asyncio.subprocess.Process, int]:
+    """Start the holder; its cage's init's host PID once bubblewrap reports it.
+
+    Raises:
+        SandboxError: bubblewrap ended before it made the cage (its words in the message).
+    """
+    try:
+        holder = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
+            cwd="/",
+            pass_fds=[status_write],
+            start_new_session=True,
+        )
+    finally:
+        os.close(status_write)
+    status = await asyncio.to_thread(_read_status, status_read)
+    if status is None:
+        await _end_holder(holder)
+        assert holder.stderr is not None
+        why = (await holder.stderr.read()).decode("utf-8", "replace").strip()[-500:]
+        raise SandboxError(
+            f"the sandbox's cage could not be made: {why or f'exit status {holder.returncode}'}"
+        )
+    return holder, status
+
+
+def _read_status(fd: int) -> int | None:
+    """bubblewrap's ``child-pid`` from its JSON status (``None``: it ended before saying it)."""
+    data = b""
+    try:
+        while chunk := os.read(fd, 4096):
+            data += chunk
+            for line in data.splitlines():
+                with contextlib.suppress(ValueError):
+                    document = json.loads(line)
+                    if isinstance(document, dict) and isinstance(document.get("child-pid"), int):
+                        return int(document["child-pid"])
+    finally:
+        os.close(fd)
+    return None
+
+
+async def _end_holder(holder: asyncio.subprocess.Process) -> None:
+    if holder.stdin is not None:
+        holder.stdin.close()
+    if holder.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(holder.pid, signal.SIGKILL)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(holder.wait(), _REAP_S)
 
 
 def _check_traversable(state_dir: Path, owner: tuple[int, int]) -> None:

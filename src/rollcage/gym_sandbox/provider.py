@@ -216,6 +216,17 @@ class RollcageProvider:
             )
         return SandboxExecResult(stdout=stdout, stderr=stderr, return_code=result.exit_code, error_type=None)
 
+    async def exec_with_background_services(
+        self,
+        handle: SandboxHandle,
+        command: str,
+        *,
+        cwd: str | None = None,
+        timeout_s: int | float | None = None,
+    ) -> SandboxExecResult:
+        """As :meth:`exec`: a rollcage sandbox keeps every detached process until it is closed."""
+        return await self.exec(handle, command, cwd=cwd, timeout_s=timeout_s)
+
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         """Copy a host file to ``target_path`` in the sandbox (relative: to its working directory)."""
         data = await asyncio.to_thread(Path(source_path).read_bytes)
