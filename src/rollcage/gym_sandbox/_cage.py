@@ -141,6 +141,7 @@ class CagedSandbox:
     holder: asyncio.subprocess.Process
     holder_pid: int
     _lease: contextlib.ExitStack
+    created_at: float = field(default_factory=time.time)
     _seq: int = 0
     _running: set[int] = field(default_factory=set)
     closed: bool = False
@@ -417,6 +418,7 @@ def _write_record(sandbox: CagedSandbox, **extra: Any) -> None:
             "output_bytes": sandbox.budgets.output_bytes,
         },
         "network": "none",
+        "created_at": sandbox.created_at,
         **extra,
     }
     publish_json(sandbox.directory / "sandbox.json", record, mode=0o644)
@@ -493,7 +495,7 @@ async def open_sandbox(
             holder_pid=holder_pid,
             _lease=lease,
         )
-        await asyncio.to_thread(_write_record, sandbox, created_at=time.time())
+        await asyncio.to_thread(_write_record, sandbox)
         # Readiness: the cage is built once (from /, the working directory may not exist yet) and
         # makes the working directory as docker makes WorkingDir.
         ready = await sandbox.run(_MKDIR, args=[sandbox.workdir], cwd="/", timeout_s=60, journal=False)
