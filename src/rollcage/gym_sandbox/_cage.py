@@ -74,14 +74,19 @@ CAGE_FAILED: Final = 125
 """The exit status reported when the cage itself could not be made (no command ran)."""
 
 _HANDSHAKE: Final = 'printf "%s\\n" "$1" && shift && exec "$@"'
-_MKDIR: Final = 'mkdir -p -- "$1"'
 _UPLOAD: Final = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
 _DOWNLOAD: Final = 'test -f "$1" || { echo "no such regular file: $1" >&2; exit 2; }; exec cat -- "$1"'
 _REAP_S: Final = 10.0
 _JOIN: Final = str(Path(__file__).with_name("_join.py"))
-# The cage's init's only child: waits for the end of its stdin (the provider closing the sandbox,
-# or dying), ignoring polite signals; its death takes the cage's PID namespace along.
-_HOLDER: Final = "trap '' HUP INT QUIT TERM USR1 USR2; while IFS= read -r _; do :; done"
+# The cage's init's only child. It makes the working directory (as docker makes WorkingDir), says it
+# is ready (one byte: the cage was built and runs the image's shell), then waits for the end of its
+# stdin (the provider closing the sandbox, or dying), ignoring polite signals; its death takes the
+# cage's PID namespace along.
+_HOLDER: Final = (
+    "trap '' HUP INT QUIT TERM USR1 USR2; mkdir -p -- \"$1\" || exit 125; printf r; exec >/dev/null; "
+    "while IFS= read -r _; do :; done"
+)
+_READY_S: Final = 120.0
 
 
 @dataclass(frozen=True)
@@ -476,7 +481,15 @@ async def open_sandbox(
             max_processes=None if budgets.max_processes is None else budgets.max_processes + 8,
         )
         status_read, status_write = os.pipe2(os.O_CLOEXEC)
-        argv = _holder_argv(tools, owner, root.merged, (image.uid, image.gid), sandbox_id, status_write)
+        argv = _holder_argv(
+            tools,
+            owner,
+            root.merged,
+            (image.uid, image.gid),
+            sandbox_id,
+            status_write,
+            workdir or image.working_dir,
+        )
         holder, holder_pid = await _start_holder(
             [*(cgroups.enter_prefix()), *argv], status_read, status_write
         )
@@ -496,9 +509,6 @@ async def open_sandbox(
             _lease=lease,
         )
         await asyncio.to_thread(_write_record, sandbox)
-        # Readiness: the cage is built once (from /, the working directory may not exist yet) and
-        # makes the working directory as docker makes WorkingDir.
-        ready = await sandbox.run(_MKDIR, args=[sandbox.workdir], cwd="/", timeout_s=60, journal=False)
     except BaseException:
         if holder is not None:
             await _end_holder(holder)
@@ -509,15 +519,17 @@ async def open_sandbox(
             root.finish()
         lease.close()
         raise
-    if ready.exit_code != 0:
-        await sandbox.close()
-        why = ready.stderr.decode("utf-8", "replace").strip() or f"exit status {ready.exit_code}"
-        raise SandboxError(f"sandbox of {image_ref} is not ready: {why}")
     return sandbox
 
 
 def _holder_argv(
-    tools: BwrapTools, owner: tuple[int, int], root: Path, uid: tuple[int, int], hostname: str, status_fd: int
+    tools: BwrapTools,
+    owner: tuple[int, int],
+    root: Path,
+    uid: tuple[int, int],
+    hostname: str,
+    status_fd: int,
+    workdir: str,
 ) -> list[str]:
     """The command line of a sandbox's holder: the cage every command of the sandbox joins."""
     assert tools.setpriv is not None
@@ -569,22 +581,25 @@ def _holder_argv(
         "/bin/sh",
         "-c",
         _HOLDER,
+        "rollcage-holder",
+        workdir,
     ]
 
 
 async def _start_holder(
     argv: list[str], status_read: int, status_write: int
 ) -> tuple[asyncio.subprocess.Process, int]:
-    """Start the holder; its cage's init's host PID once bubblewrap reports it.
+    """Start the holder; its cage's init's host PID once bubblewrap reports it and the holder is ready.
 
     Raises:
-        SandboxError: bubblewrap ended before it made the cage (its words in the message).
+        SandboxError: bubblewrap ended before it made the cage, or the holder could not make the
+            working directory (their words in the message).
     """
     try:
         holder = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
             cwd="/",
@@ -594,7 +609,12 @@ async def _start_holder(
     finally:
         os.close(status_write)
     status = await asyncio.to_thread(_read_status, status_read)
-    if status is None:
+    ready = b""
+    if status is not None:
+        assert holder.stdout is not None
+        with contextlib.suppress(TimeoutError):
+            ready = await asyncio.wait_for(holder.stdout.read(1), _READY_S)
+    if status is None or ready != b"r":
         await _end_holder(holder)
         assert holder.stderr is not None
         why = (await holder.stderr.read()).decode("utf-8", "replace").strip()[-500:]
