@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rollcage.errors import SandboxError
-from rollcage.gym_sandbox import CagedSandbox, SandboxBudgets, open_sandbox
+from rollcage.gym_sandbox._cage import CagedSandbox, SandboxBudgets, open_sandbox
 from rollcage.images import ImageStore
 from tests.helpers.task_images import TaskImage, make_task_image
 
@@ -177,3 +179,25 @@ async def test_a_user_who_is_not_root_is_refused(
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(SandboxError, match="must run as root"):
         await open_sandbox(image.ref, state_dir=state, store=store)
+
+
+async def test_rollcage_show_reads_a_sandboxs_journal(sandbox: CagedSandbox) -> None:
+    await sandbox.run("echo shown-command", timeout_s=60)
+    await sandbox.run("sleep 30", timeout_s=1)
+    await sandbox.close()
+    # A crash mid-write leaves a last line cut short: shown as such, the rest still read.
+    with sandbox.journal_path.open("ab") as journal:
+        journal.write(b'{"seq": 3, "comm')
+    rollcage = Path(sys.executable).with_name("rollcage")
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [str(rollcage), "show", str(sandbox.directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "250"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert sandbox.sandbox_id in done.stdout and sandbox.image.ref in done.stdout
+    assert "echo shown-command" in done.stdout and "timed_out" in done.stdout
+    assert "cut short" in done.stdout

@@ -4,15 +4,10 @@ Two layers: :mod:`rollcage.gym_sandbox._cage` is the sandbox itself on rollcage'
 image store, the copy-on-write image root, bubblewrap, cgroup budgets, an exec journal) and needs
 nothing of NeMo Gym; :mod:`rollcage.gym_sandbox.provider` adapts it to NeMo Gym's ``SandboxProvider``
 protocol and is the only module that imports ``nemo_gym`` (install ``rollcage[nemo-gym]``). NeMo
-Gym finds it through the entry point ``rollcage`` of the group ``nemo_gym.sandbox_providers``.
+Gym finds it through the entry point ``rollcage`` of the group ``nemo_gym.sandbox_providers``. The face
+offers what ``rollcage show`` reads of a sandbox's directory.
 """
 
-from rollcage.gym_sandbox._cage import (
-    DEFAULT_OWNER,
-    CagedSandbox,
-    CommandResult,
-    SandboxBudgets,
-    open_sandbox,
-)
+from rollcage.gym_sandbox._show import render_sandbox, sandbox_directory
 
-__all__ = ["DEFAULT_OWNER", "CagedSandbox", "CommandResult", "SandboxBudgets", "open_sandbox"]
+__all__ = ["render_sandbox", "sandbox_directory"]

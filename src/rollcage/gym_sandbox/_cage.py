@@ -51,11 +51,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from rollcage.cage import BwrapTools, CgroupSet, find_tools
-from rollcage.cage._budget import unique_name
 from rollcage.durable import fsync_directory, publish_json
 from rollcage.errors import SandboxError
 from rollcage.images import ImageStore, image_sandbox
-from rollcage.images._root import resolve_user
+from rollcage.procs import PidHandle, read_proc, shielded, signal_group, within
 from rollcage.protocol import ImageSandbox
 from rollcage.supervisor.imageroot import ImageRoot, mount_image_root
 
@@ -144,7 +143,8 @@ class CagedSandbox:
     budgets: SandboxBudgets
     cgroups: CgroupSet | None
     holder: asyncio.subprocess.Process
-    holder_pid: int
+    holder_fd: PidHandle
+    """A pidfd on the cage's init, checked against its start time: what every command joins."""
     _lease: contextlib.ExitStack
     created_at: float = field(default_factory=time.time)
     _seq: int = 0
@@ -163,7 +163,7 @@ class CagedSandbox:
     def _join_argv(
         self, argv: Sequence[str], cwd: str, env: Mapping[str, str], uid: tuple[int, int]
     ) -> list[str]:
-        spec = {"holder": self.holder_pid, "uid": uid[0], "gid": uid[1], "cwd": cwd, "env": dict(env)}
+        spec = {"holder": self.holder_fd.fd, "uid": uid[0], "gid": uid[1], "cwd": cwd, "env": dict(env)}
         return [
             *(self.cgroups.enter_prefix() if self.cgroups is not None else []),
             sys.executable,
@@ -180,22 +180,20 @@ class CagedSandbox:
         them as its own too, which no container gives, so only the image's user is accepted.
 
         Raises:
-            ValueError: ``user`` is another user, or one the image does not define.
+            ValueError: ``user`` is another user (or a name other than the image's ``User``).
         """
         own = (self.image.uid, self.image.gid)
         if user is None:
             return own
-        try:
-            asked = resolve_user(str(self.root.merged), str(user), self.image.ref)
-        except SandboxError as exc:
-            raise ValueError(str(exc)) from exc
-        except Exception as exc:
-            raise ValueError(f"user {user!r}: {exc}") from exc
-        if asked[0] != own[0]:
+        # The names the image's user goes by: its uid, its configured User, and root for uid 0.
+        names = {str(own[0]), *([self.image.user.partition(":")[0]] if self.image.user else [])}
+        if own[0] == 0:
+            names.add("root")
+        if str(user) not in names:
             raise ValueError(
                 f"the rollcage sandbox runs commands as the image's user (uid {own[0]}), not as {user!r}"
             )
-        return asked
+        return own
 
     async def run(
         self,
@@ -215,6 +213,8 @@ class CagedSandbox:
         Raises:
             SandboxError: The sandbox is closed.
             ValueError: ``user`` cannot be honoured (:meth:`resolve_uid`).
+
+        **Cancellation:** the command's group is killed and reaped; it is not journaled.
         """
         if self.closed:
             raise SandboxError(f"sandbox {self.sandbox_id} is closed; create a new one")
@@ -267,9 +267,10 @@ class CagedSandbox:
             stderr=asyncio.subprocess.PIPE,
             env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
             cwd="/",
-            # Its own process group: the time bound kills bwrap's monitor, whose death takes the
-            # cage's PID namespace (everything the command started) along.
+            # Its own session and group, which the command it starts in the cage is in too: the
+            # time bound kills the group (a service that left it with setsid lives on until close).
             start_new_session=True,
+            pass_fds=[self.holder_fd.fd],
         )
         self._running.add(process.pid)
         out, err = _Sink(limit + len(marker)), _Sink(limit)
@@ -287,10 +288,9 @@ class CagedSandbox:
             timed_out = True
         finally:
             if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.shield(asyncio.wait_for(process.wait(), _REAP_S))
+                # The helper leads the group the command (in the cage) and its children are in.
+                signal_group(process.pid, signal.SIGKILL)
+            await shielded(within(process.wait(), _REAP_S))
             self._running.discard(process.pid)
         started = out.kept.startswith(marker)
         code = process.returncode if process.returncode is not None else -signal.SIGKILL
@@ -332,6 +332,8 @@ class CagedSandbox:
 
         Raises:
             SandboxError: The file could not be written there (the message has the sandbox's words).
+
+        **Cancellation:** as :meth:`run`; the file may be partly written.
         """
         result = await self.run(_UPLOAD, args=[target], stdin=data, timeout_s=300, output_bytes=4096)
         if result.exit_code != 0:
@@ -344,6 +346,8 @@ class CagedSandbox:
         Raises:
             FileNotFoundError: It is not there (or not a regular file).
             SandboxError: It is larger than the download bound, or could not be read.
+
+        **Cancellation:** as :meth:`run`.
         """
         limit = self.budgets.file_bytes
         result = await self.run(_DOWNLOAD, args=[source], timeout_s=300, output_bytes=limit)
@@ -360,15 +364,18 @@ class CagedSandbox:
         return result.stdout
 
     async def close(self) -> None:
-        """Kill everything in it, remove its cgroups, unmount its root (writes kept), release the image."""
+        """Kill everything in it, remove its cgroups, unmount its root (writes kept), release the image.
+
+        **Cancellation:** the release runs on in its thread; a second call returns at once.
+        """
         if self.closed:
             return
         self.closed = True
         for pid in list(self._running):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+            signal_group(pid, signal.SIGKILL)  # still running: its leader is our unreaped child
         await asyncio.to_thread(self._release)
         await _end_holder(self.holder)
+        self.holder_fd.close()
 
     def _release(self) -> None:
         try:
@@ -445,6 +452,8 @@ async def open_sandbox(
     Raises:
         SandboxError: Not root, or the cage cannot be made here (the message says why).
         ImageReferenceError, ImageRefusedError, ImagePullError: The image (from the store).
+
+    **Cancellation:** whatever was made (holder, cgroups, mount, lease) is undone before it propagates.
     """
     if os.geteuid() != 0:
         raise SandboxError(
@@ -475,7 +484,7 @@ async def open_sandbox(
         )
         cgroups = await asyncio.to_thread(
             CgroupSet.create,
-            unique_name("rollcage-gym"),
+            sandbox_id,
             memory_bytes=budgets.memory_bytes,
             # bubblewrap's own processes count too.
             max_processes=None if budgets.max_processes is None else budgets.max_processes + 8,
@@ -493,6 +502,11 @@ async def open_sandbox(
         holder, holder_pid = await _start_holder(
             [*(cgroups.enter_prefix()), *argv], status_read, status_write
         )
+        info = read_proc(holder_pid)
+        found = None if info is None else PidHandle.open(info)
+        if found is None:
+            raise SandboxError("the sandbox's cage ended as soon as it was made")
+        holder_fd = found
         base_env = _image_env(image)
         sandbox = CagedSandbox(
             sandbox_id=sandbox_id,
@@ -505,7 +519,7 @@ async def open_sandbox(
             budgets=budgets,
             cgroups=cgroups,
             holder=holder,
-            holder_pid=holder_pid,
+            holder_fd=holder_fd,
             _lease=lease,
         )
         await asyncio.to_thread(_write_record, sandbox)
@@ -612,8 +626,7 @@ async def _start_holder(
     ready = b""
     if status is not None:
         assert holder.stdout is not None
-        with contextlib.suppress(TimeoutError):
-            ready = await asyncio.wait_for(holder.stdout.read(1), _READY_S)
+        ready = await within(holder.stdout.read(1), _READY_S) or b""
     if status is None or ready != b"r":
         await _end_holder(holder)
         assert holder.stderr is not None
@@ -644,10 +657,8 @@ async def _end_holder(holder: asyncio.subprocess.Process) -> None:
     if holder.stdin is not None:
         holder.stdin.close()
     if holder.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(holder.pid, signal.SIGKILL)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(holder.wait(), _REAP_S)
+        signal_group(holder.pid, signal.SIGKILL)  # unreaped: the group is still the holder's
+    await shielded(within(holder.wait(), _REAP_S))
 
 
 def _check_traversable(state_dir: Path, owner: tuple[int, int]) -> None:

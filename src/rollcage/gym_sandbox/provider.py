@@ -142,7 +142,10 @@ class RollcageProvider:
             raise SandboxCreateError(f"rollcage provider: provider_options: {exc}") from exc
 
     async def create(self, spec: SandboxSpec) -> SandboxHandle:
-        """Make a sandbox of ``spec.image``; return once a command has run in it."""
+        """Make a sandbox of ``spec.image``; return once its cage is ready.
+
+        **Cancellation:** whatever was made is undone before it propagates.
+        """
         if not spec.image:
             raise SandboxCreateError(
                 "rollcage provider: SandboxSpec.image is required (a rollcage sandbox is an image)"
@@ -192,7 +195,10 @@ class RollcageProvider:
         timeout_s: int | float | None = None,
         user: str | int | None = None,
     ) -> SandboxExecResult:
-        """Run ``command`` with ``/bin/sh -c`` in the sandbox, journaled; its whole tree dies at the bound."""
+        """Run ``command`` with ``/bin/sh -c`` in the sandbox, journaled; its group dies at the bound.
+
+        **Cancellation:** the command's group is killed and reaped.
+        """
         sandbox = self._sandbox(handle)
         timeout = float(timeout_s) if timeout_s is not None else self._default_timeout_s
         try:
@@ -224,36 +230,54 @@ class RollcageProvider:
         cwd: str | None = None,
         timeout_s: int | float | None = None,
     ) -> SandboxExecResult:
-        """As :meth:`exec`: a rollcage sandbox keeps every detached process until it is closed."""
+        """As :meth:`exec`: a rollcage sandbox keeps every detached process until it is closed.
+
+        **Cancellation:** as :meth:`exec`.
+        """
         return await self.exec(handle, command, cwd=cwd, timeout_s=timeout_s)
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
-        """Copy a host file to ``target_path`` in the sandbox (relative: to its working directory)."""
+        """Copy a host file to ``target_path`` in the sandbox (relative: to its working directory).
+
+        **Cancellation:** the copy is killed; the file may be partly written.
+        """
         data = await asyncio.to_thread(Path(source_path).read_bytes)
         await self._sandbox(handle).upload(data, target_path)
 
     async def download_file(self, handle: SandboxHandle, source_path: str, target_path: Path) -> None:
-        """Copy the sandbox's regular file ``source_path`` to ``target_path`` on the host."""
+        """Copy the sandbox's regular file ``source_path`` to ``target_path`` on the host.
+
+        **Cancellation:** the copy is killed; ``target_path`` is untouched (written whole or not at all).
+        """
         data = await self._sandbox(handle).download(source_path)
         target = Path(target_path)
         await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
         await asyncio.to_thread(publish_bytes, target, data, mode=0o644)
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
-        """``running`` while open and mounted, ``stopped`` once closed, ``error`` if its root is gone."""
+        """``running`` while open and mounted, ``stopped`` once closed, ``error`` if its cage is gone.
+
+        **Cancellation:** nothing to undo.
+        """
         sandbox = self._sandbox(handle)
         if sandbox.closed:
             return SandboxStatus.STOPPED
         return SandboxStatus.RUNNING if sandbox.is_running() else SandboxStatus.ERROR
 
     async def close(self, handle: SandboxHandle) -> None:
-        """Kill its processes, remove its cgroups, unmount its root; idempotent."""
+        """Kill its processes, remove its cgroups, unmount its root; idempotent.
+
+        **Cancellation:** as :meth:`rollcage.gym_sandbox._cage.CagedSandbox.close`.
+        """
         sandbox = self._sandbox(handle)
         self._open.pop(sandbox.sandbox_id, None)
         await sandbox.close()
 
     async def aclose(self) -> None:
-        """Close every sandbox this provider made and did not close."""
+        """Close every sandbox this provider made and did not close.
+
+        **Cancellation:** the sandboxes not yet closed stay open; call again.
+        """
         for sandbox in list(self._open.values()):
             await sandbox.close()
         self._open.clear()
