@@ -27,12 +27,23 @@ from tests.helpers.upstream import run_upstream
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the rollcage provider needs root")
 
 SCENARIO = r"""
-import asyncio, json, os, sys, tempfile
+import asyncio, json, os, subprocess, sys, tempfile
 from pathlib import Path
 from nemo_gym.sandbox import AsyncSandbox, SandboxSpec, SandboxStatus, get_provider_class, list_providers
 from nemo_gym.sandbox.providers.base import SandboxCreateError
 
 image, state, scratch = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+ATTACH = '''
+import asyncio, json, sys
+from nemo_gym.sandbox import AsyncSandbox, create_provider
+async def main():
+    provider = create_provider({"rollcage": {"state_dir": sys.argv[2]}})
+    box = await AsyncSandbox.connect(json.loads(sys.argv[1]), provider=provider)
+    r = await box.exec("echo from-another-process > attached.txt; pwd")
+    print(r.stdout.strip(), r.return_code)
+    await box.disconnect()
+asyncio.run(main())
+'''
 BLOB = bytes(range(256)) * 33
 
 async def scenario(name, config, workdir):
@@ -76,8 +87,12 @@ async def scenario(name, config, workdir):
             await box.upload(src, "../../../../etc/escaped")
             r = await run("test -f /etc/escaped && echo inside")
             report["confined"] = [r.stdout.strip(), os.path.exists("/etc/escaped")]
-            r = await run("sleep 60 & echo started")
-            report["background_reaped_after_exec"] = r.return_code
+            descriptor = await box.serialize()
+            attached = subprocess.run([sys.executable, "-c", ATTACH, json.dumps(descriptor), state],
+                                      capture_output=True, text=True, timeout=300)
+            report["attached"] = [attached.stdout.strip(), attached.stderr[-500:]]
+            r = await run("cat attached.txt")
+            report["attached_file"] = r.stdout
     report["status_after_stop"] = (await provider.status(handle)).value
     await provider.close(handle)  # idempotent
     return report
@@ -153,6 +168,10 @@ def test_nemo_gym_drives_rollcage_like_local(tmp_path: Path, state: Path) -> Non
     assert "rollcage-task-image" in caged["image_root"] and "HOST" not in caged["image_root"]
     assert caged["interfaces"] == ["lo"]
     assert caged["confined"] == ["inside", False]
+    # Another process attaches from the descriptor (NeMo Gym's serialize/connect), runs a command in
+    # the same sandbox, and detaches; the creator sees its file and closes the sandbox later.
+    assert caged["attached"][0] == "/work/task 0", caged["attached"]
+    assert caged["attached_file"] == "from-another-process\n"
     # Refusals name their cause.
     refusals = out["refusals"]
     assert "SandboxSpec.image is required" in refusals["no_image"]
@@ -172,3 +191,4 @@ def test_nemo_gym_drives_rollcage_like_local(tmp_path: Path, state: Path) -> Non
     assert lines[1]["command"] == 'echo "$GREETING"; pwd' and lines[1]["exit_code"] == 0
     assert lines[2]["exit_code"] == 7 and lines[2]["stdout_bytes"] == 4
     assert any(line["timed_out"] for line in lines)
+    assert any(line["command"].startswith("echo from-another-process") for line in lines)

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -54,7 +56,7 @@ from rollcage.cage import BwrapTools, CgroupSet, find_tools
 from rollcage.durable import fsync_directory, publish_json
 from rollcage.errors import SandboxError
 from rollcage.images import ImageStore, image_sandbox
-from rollcage.procs import PidHandle, read_proc, shielded, signal_group, within
+from rollcage.procs import PidHandle, ProcInfo, read_proc, shielded, signal_group, within
 from rollcage.protocol import ImageSandbox
 from rollcage.supervisor.imageroot import ImageRoot, mount_image_root
 
@@ -63,6 +65,7 @@ __all__ = [
     "CagedSandbox",
     "CommandResult",
     "SandboxBudgets",
+    "attach_sandbox",
     "open_sandbox",
 ]
 
@@ -76,6 +79,8 @@ _HANDSHAKE: Final = 'printf "%s\\n" "$1" && shift && exec "$@"'
 _UPLOAD: Final = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
 _DOWNLOAD: Final = 'test -f "$1" || { echo "no such regular file: $1" >&2; exit 2; }; exec cat -- "$1"'
 _REAP_S: Final = 10.0
+_ATTACH: Final = "attach.json"
+_TAIL: Final = 1 << 20  # read back to find the last line's number (a line is far smaller)
 _JOIN: Final = str(Path(__file__).with_name("_join.py"))
 # The cage's init's only child. It makes the working directory (as docker makes WorkingDir), says it
 # is ready (one byte: the cage was built and runs the image's shell), then waits for the end of its
@@ -142,12 +147,14 @@ class CagedSandbox:
     workdir: str
     budgets: SandboxBudgets
     cgroups: CgroupSet | None
-    holder: asyncio.subprocess.Process
+    enter: list[str]
+    """The argv prefix that moves a command into the sandbox's cgroups."""
+    holder: asyncio.subprocess.Process | None
+    """The holder this process started; ``None`` for a sandbox attached from another process."""
     holder_fd: PidHandle
     """A pidfd on the cage's init, checked against its start time: what every command joins."""
     _lease: contextlib.ExitStack
     created_at: float = field(default_factory=time.time)
-    _seq: int = 0
     _running: set[int] = field(default_factory=set)
     closed: bool = False
 
@@ -158,14 +165,15 @@ class CagedSandbox:
 
     def is_running(self) -> bool:
         """Open, its cage's holder alive, and its root still mounted."""
-        return not self.closed and self.holder.returncode is None and os.path.ismount(self.root.merged)
+        alive = self.holder is None or self.holder.returncode is None
+        return not self.closed and alive and os.path.ismount(self.root.merged)
 
     def _join_argv(
         self, argv: Sequence[str], cwd: str, env: Mapping[str, str], uid: tuple[int, int]
     ) -> list[str]:
         spec = {"holder": self.holder_fd.fd, "uid": uid[0], "gid": uid[1], "cwd": cwd, "env": dict(env)}
         return [
-            *(self.cgroups.enter_prefix() if self.cgroups is not None else []),
+            *self.enter,
             sys.executable,
             "-I",
             "-S",
@@ -233,11 +241,9 @@ class CagedSandbox:
         clock = time.monotonic()
         result = await self._communicate(argv, marker.encode() + b"\n", stdin, timeout_s, limit)
         if journal:
-            self._seq += 1
             await asyncio.to_thread(
                 self._append,
                 {
-                    "seq": self._seq,
                     "command": command,
                     "args": list(args),
                     "cwd": workdir,
@@ -317,9 +323,22 @@ class CagedSandbox:
         )
 
     def _append(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, sort_keys=True).encode() + b"\n"
-        fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        """Append one line, numbered after the journal's last, and flush it to disk.
+
+        Under an exclusive lock: an attached process (:func:`attach_sandbox`) appends to the same
+        journal, and the numbers must stay one sequence.
+        """
+        fd = os.open(self.journal_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            size = os.fstat(fd).st_size
+            tail = os.pread(fd, min(size, _TAIL), size - min(size, _TAIL))
+            last = 0
+            for previous in reversed(tail.splitlines()):
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    last = int(json.loads(previous)["seq"])
+                    break
+            line = json.dumps({"seq": last + 1, **record}, sort_keys=True).encode() + b"\n"
             view = memoryview(line)
             while view:
                 view = view[os.write(fd, view) :]
@@ -371,6 +390,9 @@ class CagedSandbox:
         if self.closed:
             return
         self.closed = True
+        if self.holder is None:  # attached: detach, the sandbox is its creator's to close
+            self.holder_fd.close()
+            return
         for pid in list(self._running):
             signal_group(pid, signal.SIGKILL)  # still running: its leader is our unreaped child
         await asyncio.to_thread(self._release)
@@ -518,11 +540,13 @@ async def open_sandbox(
             workdir=workdir or image.working_dir,
             budgets=budgets,
             cgroups=cgroups,
+            enter=cgroups.enter_prefix(),
             holder=holder,
             holder_fd=holder_fd,
             _lease=lease,
         )
         await asyncio.to_thread(_write_record, sandbox)
+        await asyncio.to_thread(_write_attach, sandbox, holder_fd.info)
     except BaseException:
         if holder is not None:
             await _end_holder(holder)
@@ -534,6 +558,61 @@ async def open_sandbox(
         lease.close()
         raise
     return sandbox
+
+
+def _write_attach(sandbox: CagedSandbox, holder: ProcInfo) -> None:
+    """What another process needs to attach (:func:`attach_sandbox`); root's alone (env may hold secrets)."""
+    record = {
+        "holder": {"pid": holder.pid, "starttime": holder.starttime},
+        "enter": sandbox.enter,
+        "image": sandbox.image.model_dump(mode="json"),
+        "owner": list(sandbox.owner),
+        "env": sandbox.env,
+        "workdir": sandbox.workdir,
+        "budgets": dataclasses.asdict(sandbox.budgets),
+    }
+    publish_json(sandbox.directory / _ATTACH, record, mode=0o600)
+
+
+async def attach_sandbox(directory: Path) -> CagedSandbox:
+    """The open sandbox in ``directory``, made by another process on this host, to run commands in.
+
+    Its commands join the same cage and cgroups and are journaled in the same journal; closing the
+    attached sandbox only detaches (its creator closes it).
+
+    Raises:
+        SandboxError: It is closed, its cage is gone, or the directory holds no sandbox.
+
+    **Cancellation:** nothing to undo.
+    """
+    try:
+        record = json.loads(await asyncio.to_thread((directory / _ATTACH).read_bytes))
+        state = json.loads(await asyncio.to_thread((directory / "sandbox.json").read_bytes))
+    except (OSError, ValueError) as exc:
+        raise SandboxError(f"{directory} holds no rollcage sandbox to attach to: {exc}") from exc
+    if state.get("closed_at"):
+        raise SandboxError(f"sandbox {state.get('sandbox_id')} in {directory} is closed")
+    holder = record["holder"]
+    info = read_proc(int(holder["pid"]))
+    handle = None if info is None or info.starttime != holder["starttime"] else PidHandle.open(info)
+    if handle is None:
+        raise SandboxError(f"sandbox {state.get('sandbox_id')} in {directory}: its cage is gone")
+    image = ImageSandbox.model_validate(record["image"])
+    return CagedSandbox(
+        sandbox_id=str(state["sandbox_id"]),
+        directory=directory,
+        image=image,
+        root=ImageRoot(image, directory),
+        owner=(int(record["owner"][0]), int(record["owner"][1])),
+        env={str(k): str(v) for k, v in record["env"].items()},
+        workdir=str(record["workdir"]),
+        budgets=SandboxBudgets(**record["budgets"]),
+        cgroups=None,
+        enter=[str(part) for part in record["enter"]],
+        holder=None,
+        holder_fd=handle,
+        _lease=contextlib.ExitStack(),
+    )
 
 
 def _holder_argv(

@@ -47,7 +47,14 @@ from nemo_gym.sandbox.providers.base import (
 
 from rollcage.durable import publish_bytes
 from rollcage.errors import RollcageError
-from rollcage.gym_sandbox._cage import CAGE_FAILED, DEFAULT_OWNER, CagedSandbox, SandboxBudgets, open_sandbox
+from rollcage.gym_sandbox._cage import (
+    CAGE_FAILED,
+    DEFAULT_OWNER,
+    CagedSandbox,
+    SandboxBudgets,
+    attach_sandbox,
+    open_sandbox,
+)
 from rollcage.images import ImageStore
 
 __all__ = ["DEFAULT_STATE_DIR", "STATE_ENV", "RollcageProvider", "image_ref"]
@@ -281,6 +288,34 @@ class RollcageProvider:
         for sandbox in list(self._open.values()):
             await sandbox.close()
         self._open.clear()
+
+    async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
+        """A descriptor :meth:`connect` rebuilds the handle from, in any process on this host (as root).
+
+        **Cancellation:** nothing to undo.
+        """
+        sandbox = self._sandbox(handle)
+        return {"provider": self.name, "sandbox_id": sandbox.sandbox_id, "workdir": sandbox.workdir}
+
+    async def connect(self, descriptor: Mapping[str, Any]) -> SandboxHandle:
+        """Attach to a sandbox another ``rollcage`` provider made on this host, from its descriptor.
+
+        Its commands run in the same cage and are journaled with the creator's; closing the handle
+        only detaches (the creator closes the sandbox).
+
+        Raises:
+            ValueError: The descriptor names no open rollcage sandbox under this provider's state_dir.
+
+        **Cancellation:** nothing to undo.
+        """
+        sandbox_id = str(descriptor.get("sandbox_id", ""))
+        if not sandbox_id.startswith("rollcage-") or "/" in sandbox_id or sandbox_id in (".", ".."):
+            raise ValueError(f"rollcage provider: {sandbox_id!r} is not a rollcage sandbox id")
+        try:
+            sandbox = await attach_sandbox(self._state_dir / sandbox_id)
+        except RollcageError as exc:
+            raise ValueError(f"rollcage provider: cannot connect to {sandbox_id}: {exc}") from exc
+        return SandboxHandle(sandbox_id=sandbox.sandbox_id, provider_name=self.name, raw=sandbox)
 
     def describe(self) -> Mapping[str, Any]:
         """Where this provider keeps its sandboxes (for logs)."""
