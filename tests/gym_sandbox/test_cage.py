@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from rollcage.errors import SandboxError
-from rollcage.gym_sandbox._cage import CagedSandbox, SandboxBudgets, open_sandbox
+from rollcage.gym_sandbox._cage import CagedSandbox, SandboxBudgets, open_sandbox, release_abandoned
 from rollcage.images import ImageStore
+from rollcage.procs import PidHandle, read_proc, wait_readable
+from rollcage.supervisor.imageroot import release_image_root
 from tests.helpers.task_images import TaskImage, make_task_image
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the rollcage sandbox needs root")
@@ -34,6 +36,9 @@ def state() -> Iterator[Path]:
     try:
         yield directory
     finally:
+        # Whatever a failed test left mounted is released before the directory goes.
+        for sandbox in directory.iterdir():
+            release_image_root(sandbox)
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -201,3 +206,56 @@ async def test_rollcage_show_reads_a_sandboxs_journal(sandbox: CagedSandbox) -> 
     assert sandbox.sandbox_id in done.stdout and sandbox.image.ref in done.stdout
     assert "echo shown-command" in done.stdout and "timed_out" in done.stdout
     assert "cut short" in done.stdout
+
+
+_CREATOR = """
+import asyncio, sys
+from pathlib import Path
+from rollcage.gym_sandbox._cage import open_sandbox
+from rollcage.images import ImageStore
+
+async def main():
+    box = await open_sandbox(sys.argv[1], state_dir=Path(sys.argv[2]), store=ImageStore(Path(sys.argv[3])))
+    await box.run("setsid sleep 4343 </dev/null >/dev/null 2>&1 &", timeout_s=60)
+    print(box.directory, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_dead_creators_sandbox_is_released_and_a_live_one_kept(
+    sandbox: CagedSandbox, image: TaskImage, state: Path, tmp_path: Path
+) -> None:
+    creator = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _CREATOR,
+        image.ref,
+        str(state),
+        str(tmp_path / "store"),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert creator.stdout is not None
+        line = await asyncio.wait_for(creator.stdout.readline(), 120)
+        directory = Path(line.decode().strip())
+        assert await asyncio.to_thread(os.path.ismount, directory / ".image" / "root")
+        holder = json.loads((directory / "attach.json").read_text())["holder"]
+        info = read_proc(holder["pid"])
+        assert info is not None and info.starttime == holder["starttime"]
+        handle = PidHandle.open(info)
+        assert handle is not None
+    finally:
+        creator.kill()  # no close: as a crash leaves it
+        await creator.wait()
+    # The cage dies with its creator (bubblewrap's --die-with-parent): await that, bounded.
+    await asyncio.wait_for(wait_readable(handle.fd), 60)
+    handle.close()
+    released = await asyncio.to_thread(release_abandoned, state)
+    assert released == [directory.name]  # the fixture's sandbox (alive) is not
+    assert not await asyncio.to_thread(os.path.ismount, directory / ".image" / "root")
+    record = json.loads((directory / "sandbox.json").read_text())
+    assert record["abandoned"] and record["closed_at"]
+    assert not _processes_with("4343")
+    assert sandbox.is_running() and (await sandbox.run("echo ok", timeout_s=60)).stdout == b"ok\n"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from rollcage.supervisor.imageroot import release_image_root
 from tests.helpers.task_images import make_task_image
 from tests.helpers.upstream import run_upstream
 
@@ -32,7 +33,7 @@ from pathlib import Path
 from nemo_gym.sandbox import AsyncSandbox, SandboxSpec, SandboxStatus, get_provider_class, list_providers
 from nemo_gym.sandbox.providers.base import SandboxCreateError
 
-image, state, scratch = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+image, state, scratch, store = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
 ATTACH = '''
 import asyncio, json, sys
 from nemo_gym.sandbox import AsyncSandbox, create_provider
@@ -106,7 +107,7 @@ async def refusals():
         "hosts": SandboxSpec(image=image, provider_options={"allow_hosts": ["pypi.org"]}),
         "bad_image": SandboxSpec(image="oci:/nonexistent/layout:1"),
     }.items():
-        provider = cls(state_dir=state)
+        provider = cls(state_dir=state, image_store=store)
         try:
             await provider.create(spec)
             out[label] = "created"
@@ -121,7 +122,7 @@ async def main():
         "providers": list_providers(),
         "class": get_provider_class("rollcage").__module__,
         "local": await scenario("local", {}, local_dir),
-        "rollcage": await scenario("rollcage", {"state_dir": state}, "/work/task"),
+        "rollcage": await scenario("rollcage", {"state_dir": state, "image_store": store}, "/work/task"),
         "refusals": await refusals(),
     }
     print(json.dumps(result))
@@ -138,6 +139,9 @@ def state() -> Iterator[Path]:
     try:
         yield directory
     finally:
+        # Whatever a failed test left mounted is released before the directory goes.
+        for sandbox in directory.iterdir():
+            release_image_root(sandbox)
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -145,12 +149,15 @@ def test_nemo_gym_drives_rollcage_like_local(tmp_path: Path, state: Path) -> Non
     image = make_task_image(tmp_path / "image", python=False)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    env_store = {"ROLLCAGE_IMAGE_STORE": str(tmp_path / "store")}
-    os.environ.update(env_store)  # the side process inherits it: the image store of this test
-    try:
-        out = run_upstream("nemo-gym-rollcage", SCENARIO, image.ref, str(state), str(scratch), timeout=600)
-    finally:
-        os.environ.pop("ROLLCAGE_IMAGE_STORE")
+    out = run_upstream(
+        "nemo-gym-rollcage",
+        SCENARIO,
+        image.ref,
+        str(state),
+        str(scratch),
+        str(tmp_path / "store"),
+        timeout=600,
+    )
     assert "rollcage" in out["providers"] and "local" in out["providers"]
     assert out["class"] == "rollcage.gym_sandbox.provider"
     local, caged = out["local"], out["rollcage"]

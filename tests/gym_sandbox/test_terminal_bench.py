@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from rollcage.supervisor.imageroot import release_image_root
 from tests.helpers.oci import Image, Registry, push
 from tests.helpers.task_images import ENV, _layer
 from tests.helpers.upstream import run_upstream
@@ -97,10 +98,15 @@ def state() -> Iterator[Path]:
     try:
         yield directory
     finally:
+        # Whatever a failed test left mounted is released before the directory goes.
+        for sandbox in directory.iterdir():
+            release_image_root(sandbox)
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_terminal_bench_grades_in_rollcage_sandboxes(tmp_path: Path, registry: Registry, state: Path) -> None:
+def test_terminal_bench_grades_in_rollcage_sandboxes(
+    tmp_path: Path, registry: Registry, state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # busybox's applets and the host's bash (the server runs its set-up and tests with bash).
     image = Image([_layer(False, ["/bin/bash"])], env=list(ENV), working_dir="/work", user="", compress=True)
     push(registry.base, "tasks/terminal", "1", image)
@@ -109,13 +115,10 @@ def test_terminal_bench_grades_in_rollcage_sandboxes(tmp_path: Path, registry: R
         "rollcage/wrong": _task(tmp_path / "wrong", SOLVE_WRONG),
     }
     config = {"sandbox": {"rollcage": {"state_dir": str(state), "image_store": str(tmp_path / "store")}}}
-    os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps(config)
-    try:
-        out = run_upstream(
-            "nemo-gym-rollcage", GRADE, f"{registry.host}/tasks/terminal:1", json.dumps(tasks), timeout=600
-        )
-    finally:
-        os.environ.pop("NEMO_GYM_CONFIG_DICT")
+    monkeypatch.setenv("NEMO_GYM_CONFIG_DICT", json.dumps(config))  # NeMo Gym's global config, inherited
+    out = run_upstream(
+        "nemo-gym-rollcage", GRADE, f"{registry.host}/tasks/terminal:1", json.dumps(tasks), timeout=600
+    )
     right, wrong = out["rollcage/right"], out["rollcage/wrong"]
     assert right["completed"] and right["reward"] == 1.0, right
     assert "PASS" in right["test_output"]

@@ -52,13 +52,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from rollcage.cage import BwrapTools, CgroupSet, find_tools
+from rollcage.cage import BwrapTools, CgroupSet, find_tools, kill_cgroup, remove_cgroup
 from rollcage.durable import fsync_directory, publish_json
 from rollcage.errors import SandboxError
 from rollcage.images import ImageStore, image_sandbox
 from rollcage.procs import PidHandle, ProcInfo, read_proc, shielded, signal_group, within
 from rollcage.protocol import ImageSandbox
-from rollcage.supervisor.imageroot import ImageRoot, mount_image_root
+from rollcage.supervisor.imageroot import ImageRoot, mount_image_root, release_image_root
 
 __all__ = [
     "DEFAULT_OWNER",
@@ -67,6 +67,7 @@ __all__ = [
     "SandboxBudgets",
     "attach_sandbox",
     "open_sandbox",
+    "release_abandoned",
 ]
 
 DEFAULT_OWNER: Final = (65534, 65534)
@@ -565,6 +566,7 @@ def _write_attach(sandbox: CagedSandbox, holder: ProcInfo) -> None:
     record = {
         "holder": {"pid": holder.pid, "starttime": holder.starttime},
         "enter": sandbox.enter,
+        "cgroups": [] if sandbox.cgroups is None else [str(p.parent) for p in sandbox.cgroups.procs_files()],
         "image": sandbox.image.model_dump(mode="json"),
         "owner": list(sandbox.owner),
         "env": sandbox.env,
@@ -613,6 +615,38 @@ async def attach_sandbox(directory: Path) -> CagedSandbox:
         holder_fd=handle,
         _lease=contextlib.ExitStack(),
     )
+
+
+def release_abandoned(state_dir: Path) -> list[str]:
+    """Release the sandboxes under ``state_dir`` whose creator died without closing them (blocking).
+
+    A sandbox is abandoned when its record says it is open but its cage's holder is gone (the holder
+    dies with the process that made it). Its cgroups are killed and removed, its root unmounted (the
+    writes kept in ``changes/``), and its record marked closed. A sandbox whose holder lives (another
+    provider's, on this host) is left alone. Returns the ids released.
+    """
+    released: list[str] = []
+    if not state_dir.is_dir():
+        return released
+    for directory in sorted(state_dir.iterdir()):
+        try:
+            record = json.loads((directory / "sandbox.json").read_bytes())
+            attach = json.loads((directory / _ATTACH).read_bytes())
+        except (OSError, ValueError):
+            continue
+        if record.get("closed_at") or not isinstance(attach.get("holder"), dict):
+            continue
+        info = read_proc(int(attach["holder"]["pid"]))
+        if info is not None and info.starttime == attach["holder"]["starttime"] and info.alive:
+            continue
+        for cgroup in attach.get("cgroups", []):
+            kill_cgroup(Path(cgroup))
+            remove_cgroup(Path(cgroup))
+        release_image_root(directory)
+        record.update(closed_at=time.time(), abandoned=True)
+        publish_json(directory / "sandbox.json", record, mode=0o644)
+        released.append(str(record.get("sandbox_id", directory.name)))
+    return released
 
 
 def _holder_argv(

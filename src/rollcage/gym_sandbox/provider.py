@@ -54,6 +54,7 @@ from rollcage.gym_sandbox._cage import (
     SandboxBudgets,
     attach_sandbox,
     open_sandbox,
+    release_abandoned,
 )
 from rollcage.images import ImageStore
 
@@ -108,6 +109,7 @@ class RollcageProvider:
         self._owner = (run_as_uid, run_as_gid)
         self._bwrap_path = bwrap_path
         self._open: dict[str, CagedSandbox] = {}
+        self._swept = False
 
     @staticmethod
     def _budgets(spec: SandboxSpec) -> SandboxBudgets:
@@ -158,6 +160,15 @@ class RollcageProvider:
                 "rollcage provider: SandboxSpec.image is required (a rollcage sandbox is an image)"
             )
         budgets = self._budgets(spec)
+        if not self._swept and os.geteuid() == 0:
+            # Sandboxes of a provider process that died (killed, crashed) hold mounts and cgroups
+            # until someone releases them: the first create of each provider does.
+            self._swept = True
+            released = await asyncio.to_thread(release_abandoned, self._state_dir)
+            if released:
+                LOGGER.warning(
+                    "rollcage provider: released %d abandoned sandbox(es): %s", len(released), released
+                )
         resources = spec.resources
         if isinstance(resources, SandboxResources) and resources.cpu:
             LOGGER.warning("rollcage provider: resources.cpu=%s is recorded, not enforced", resources.cpu)
