@@ -35,15 +35,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nemo_gym.sandbox.providers.base import (
-    SandboxCreateError,
-    SandboxCreateVerificationError,
-    SandboxExecResult,
-    SandboxHandle,
-    SandboxResources,
-    SandboxSpec,
-    SandboxStatus,
-)
+try:
+    from nemo_gym.sandbox.providers.base import (
+        SandboxCreateError,
+        SandboxCreateVerificationError,
+        SandboxExecResult,
+        SandboxHandle,
+        SandboxResources,
+        SandboxSpec,
+        SandboxStatus,
+    )
+except ImportError as exc:  # pragma: no cover - only without the extra
+    raise ImportError(
+        f"rollcage's NeMo Gym sandbox provider needs NeMo Gym ({exc}): pip install 'rollcage[nemo-gym]'"
+    ) from exc
 
 from rollcage.durable import publish_bytes
 from rollcage.errors import RollcageError
