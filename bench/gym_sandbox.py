@@ -124,7 +124,12 @@ class PodmanService:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
-        ctypes.CDLL(None, use_errno=True).umount2(os.fsencode(self.storage / "overlay"), _MNT_DETACH)
+        # podman's overlay driver bind-mounts its directory on itself (same file system: os.path.ismount
+        # cannot see it), maybe once per podman process: unmount until the kernel says none is left.
+        libc = ctypes.CDLL(None, use_errno=True)
+        for _ in range(16):
+            if libc.umount2(os.fsencode(self.storage / "overlay"), _MNT_DETACH) != 0:
+                break
 
 
 def _ulimits() -> list[str]:
