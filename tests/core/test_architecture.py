@@ -60,6 +60,7 @@ LAYERS: tuple[str, ...] = (
     "policy",  # the scripted model server
     "environments",  # bundled resource servers and graders
     "controller",  # a dataset through supervisors
+    "gym_sandbox",  # NeMo Gym's sandbox provider on the cage, the image store and image roots
     "export",  # a run's records in other tools' formats
     "viewer",  # show and report
     "commands",  # the CLI verbs

@@ -27,7 +27,8 @@ from tests.helpers.oci import Image
 
 __all__ = ["MARKER", "OS_RELEASE", "TaskImage", "make_task_image", "task_image"]
 
-OS_RELEASE = "ID=rollcage-task-image\nNAME=Rollcage Task Image\n"
+# Quoted as a real os-release is: it is a shell fragment (NeMo Gym's terminal-bench set-up sources it).
+OS_RELEASE = 'ID=rollcage-task-image\nNAME="Rollcage Task Image"\n'
 MARKER = "in-the-image\n"
 ENV = ["PATH=/usr/local/bin:/usr/bin:/bin", "TASK_IMAGE_MARK=from-the-image-env"]
 WORKING_DIR = "/work"

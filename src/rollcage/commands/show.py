@@ -14,7 +14,8 @@ def command(
     path: Annotated[
         Path,
         typer.Argument(
-            help="A rollout directory, its result.json or checkpoint.jsonl, or a run directory.",
+            help="A rollout directory, its result.json or checkpoint.jsonl, a run directory, or a NeMo Gym "
+            "sandbox's directory (rollcage's provider).",
             show_default=False,
         ),
     ],
@@ -35,9 +36,15 @@ def command(
 
     from rollcage.commands import fail
     from rollcage.errors import ViewerError
+    from rollcage.gym_sandbox import render_sandbox, sandbox_directory
     from rollcage.viewer import load_rollout, render_rollout, render_run, resolve_target
 
     try:
+        # A NeMo Gym sandbox's directory (rollcage's provider): its record and exec journal.
+        sandbox = sandbox_directory(path)
+        if sandbox is not None:
+            Console().print(render_sandbox(sandbox))
+            return
         target = resolve_target(path)
         if target.kind == "run":
             renderable = render_run(target.path, outcome=outcome, limit=limit)

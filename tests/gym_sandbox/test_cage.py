@@ -1,0 +1,261 @@
+"""The sandbox under the NeMo Gym provider, on rollcage's own pieces: budgets, reaping, refusals, evidence.
+
+These run in rollcage's own environment (no NeMo Gym): real images in a real store, real bubblewrap,
+real cgroups and mounts. Root is the supported case; a user who is not root is refused at create.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from rollcage.errors import SandboxError
+from rollcage.gym_sandbox._cage import CagedSandbox, SandboxBudgets, open_sandbox, release_abandoned
+from rollcage.images import ImageStore
+from rollcage.procs import PidHandle, read_proc, wait_readable
+from rollcage.supervisor.imageroot import release_image_root
+from tests.helpers.task_images import TaskImage, make_task_image
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the rollcage sandbox needs root")
+
+
+@pytest.fixture
+def state() -> Iterator[Path]:
+    """A state directory the sandbox's uid can pass through (pytest's own are 0700)."""
+    directory = Path(tempfile.mkdtemp(prefix="rollcage-gym-test-", dir="/tmp"))
+    os.chmod(directory, 0o711)
+    try:
+        yield directory
+    finally:
+        # Whatever a failed test left mounted is released before the directory goes.
+        for sandbox in directory.iterdir():
+            release_image_root(sandbox)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> TaskImage:
+    return make_task_image(tmp_path / "image", python=False)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ImageStore:
+    return ImageStore(tmp_path / "store")
+
+
+@pytest.fixture
+async def sandbox(image: TaskImage, state: Path, store: ImageStore) -> AsyncIterator[CagedSandbox]:
+    box = await open_sandbox(
+        image.ref, state_dir=state, store=store, budgets=SandboxBudgets(output_bytes=4096)
+    )
+    try:
+        yield box
+    finally:
+        await box.close()
+
+
+def _processes_with(word: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if word.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+async def test_a_background_service_lives_until_close(sandbox: CagedSandbox) -> None:
+    started = await sandbox.run("setsid sleep 4141 </dev/null >/dev/null 2>&1 & echo started", timeout_s=60)
+    assert started.exit_code == 0 and started.stdout == b"started\n"
+    # A later command sees it: the same cage, not a fresh one per command.
+    seen = await sandbox.run("cat /proc/[0-9]*/cmdline | tr '\\0' ' '", timeout_s=60)
+    assert b"sleep 4141" in seen.stdout
+    assert _processes_with("4141")
+    await sandbox.close()
+    assert not _processes_with("4141")
+
+
+async def test_the_time_bound_kills_the_command_and_its_children(sandbox: CagedSandbox) -> None:
+    result = await sandbox.run("sleep 4242 & sleep 4242; echo never", timeout_s=1)
+    assert result.timed_out and result.exit_code == 125 and b"never" not in result.stdout
+    assert not _processes_with("4242")
+    # The sandbox goes on.
+    after = await sandbox.run("echo alive", timeout_s=60)
+    assert after.stdout == b"alive\n"
+
+
+async def test_output_is_kept_up_to_the_bound(sandbox: CagedSandbox) -> None:
+    result = await sandbox.run("head -c 1000000 /dev/zero | tr '\\0' x; echo done >&2", timeout_s=60)
+    assert result.exit_code == 0 and result.truncated
+    assert result.stdout == b"x" * 4096 and result.stderr == b"done\n"
+
+
+async def test_the_disk_budget_bounds_what_the_sandbox_writes(
+    image: TaskImage, state: Path, store: ImageStore
+) -> None:
+    box = await open_sandbox(
+        image.ref, state_dir=state, store=store, budgets=SandboxBudgets(disk_bytes=1 << 20)
+    )
+    try:
+        result = await box.run("head -c 4000000 /dev/zero > /work/big", timeout_s=60)
+        assert result.exit_code != 0 and b"error" in result.stderr
+        size = await box.run("wc -c < /work/big", timeout_s=60)
+        assert int(size.stdout) <= 1 << 20
+    finally:
+        await box.close()
+
+
+async def test_the_memory_budget_holds(tmp_path: Path, state: Path, store: ImageStore) -> None:
+    image = make_task_image(tmp_path / "python-image", python=True)
+    box = await open_sandbox(
+        image.ref, state_dir=state, store=store, budgets=SandboxBudgets(memory_bytes=96 << 20)
+    )
+    try:
+        if box.cgroups is None or box.cgroups.memory is None:
+            pytest.skip("no memory cgroup on this machine")
+        result = await box.run("python3 -c 'b = bytearray(400 << 20); print(len(b))'", timeout_s=120)
+        assert result.exit_code != 0 and b"419430400" not in result.stdout
+        assert box.cgroups.oom_kills() > 0
+    finally:
+        await box.close()
+
+
+async def test_close_reaps_and_releases_and_keeps_the_evidence(sandbox: CagedSandbox) -> None:
+    await sandbox.upload(b"kept\n", "notes.txt")
+    await sandbox.run("exit 3", timeout_s=60)
+    cgroups = list(sandbox.cgroups.procs_files()) if sandbox.cgroups is not None else []
+    await sandbox.close()
+    await sandbox.close()  # idempotent
+    assert sandbox.holder.returncode is not None
+    assert not await asyncio.to_thread(os.path.ismount, sandbox.root.merged)
+    assert not any(path.parent.exists() for path in cgroups)
+    assert (sandbox.directory / "changes" / "work" / "notes.txt").read_bytes() == b"kept\n"
+    record = json.loads((sandbox.directory / "sandbox.json").read_text())
+    assert record["closed_at"] >= record["created_at"] and record["network"] == "none"
+    lines = [json.loads(line) for line in sandbox.journal_path.read_text().splitlines()]
+    assert [(line["seq"], line["exit_code"]) for line in lines] == [(1, 0), (2, 3)]
+    with pytest.raises(SandboxError, match="is closed"):
+        await sandbox.run("true", timeout_s=60)
+
+
+async def test_files_are_confined_to_the_sandbox_root(sandbox: CagedSandbox) -> None:
+    await sandbox.upload(b"x", "../../../../../../etc/escaped-from-test")
+    assert not await asyncio.to_thread(os.path.exists, "/etc/escaped-from-test")
+    assert await sandbox.download("/etc/escaped-from-test") == b"x"
+    with pytest.raises(FileNotFoundError):
+        await sandbox.download("/proc/1/root/etc/shadow-not-there")
+
+
+async def test_a_cage_that_cannot_be_entered_is_not_the_command_failing(sandbox: CagedSandbox) -> None:
+    result = await sandbox.run("echo ran", cwd="/no/such/dir", timeout_s=60)
+    assert result.cage_failed and result.exit_code == 125 and b"/no/such/dir" in result.stderr
+    assert result.stdout == b""
+
+
+async def test_a_user_other_than_the_images_is_refused(sandbox: CagedSandbox) -> None:
+    assert (await sandbox.run("id -u", timeout_s=60, user="root")).stdout == b"0\n"
+    with pytest.raises(ValueError, match="image's user"):
+        await sandbox.run("id -u", timeout_s=60, user=1234)
+
+
+async def test_a_state_directory_the_sandbox_cannot_reach_is_refused(
+    tmp_path: Path, image: TaskImage, store: ImageStore
+) -> None:
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    with pytest.raises(SandboxError, match=f"under {private}.*cannot pass through"):
+        await open_sandbox(image.ref, state_dir=private / "state", store=store)
+
+
+async def test_a_user_who_is_not_root_is_refused(
+    monkeypatch: pytest.MonkeyPatch, image: TaskImage, state: Path, store: ImageStore
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SandboxError, match="must run as root"):
+        await open_sandbox(image.ref, state_dir=state, store=store)
+
+
+async def test_rollcage_show_reads_a_sandboxs_journal(sandbox: CagedSandbox) -> None:
+    await sandbox.run("echo shown-command", timeout_s=60)
+    await sandbox.run("sleep 30", timeout_s=1)
+    await sandbox.close()
+    # A crash mid-write leaves a last line cut short: shown as such, the rest still read.
+    with sandbox.journal_path.open("ab") as journal:
+        journal.write(b'{"seq": 3, "comm')
+    rollcage = Path(sys.executable).with_name("rollcage")
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [str(rollcage), "show", str(sandbox.directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "250"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert sandbox.sandbox_id in done.stdout and sandbox.image.ref in done.stdout
+    assert "echo shown-command" in done.stdout and "timed_out" in done.stdout
+    assert "cut short" in done.stdout
+
+
+_CREATOR = """
+import asyncio, sys
+from pathlib import Path
+from rollcage.gym_sandbox._cage import open_sandbox
+from rollcage.images import ImageStore
+
+async def main():
+    box = await open_sandbox(sys.argv[1], state_dir=Path(sys.argv[2]), store=ImageStore(Path(sys.argv[3])))
+    await box.run("setsid sleep 4343 </dev/null >/dev/null 2>&1 &", timeout_s=60)
+    print(box.directory, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_dead_creators_sandbox_is_released_and_a_live_one_kept(
+    sandbox: CagedSandbox, image: TaskImage, state: Path, tmp_path: Path
+) -> None:
+    creator = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _CREATOR,
+        image.ref,
+        str(state),
+        str(tmp_path / "store"),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert creator.stdout is not None
+        line = await asyncio.wait_for(creator.stdout.readline(), 120)
+        directory = Path(line.decode().strip())
+        assert await asyncio.to_thread(os.path.ismount, directory / ".image" / "root")
+        holder = json.loads((directory / "attach.json").read_text())["holder"]
+        info = read_proc(holder["pid"])
+        assert info is not None and info.starttime == holder["starttime"]
+        handle = PidHandle.open(info)
+        assert handle is not None
+    finally:
+        creator.kill()  # no close: as a crash leaves it
+        await creator.wait()
+    # The cage dies with its creator (bubblewrap's --die-with-parent): await that, bounded.
+    await asyncio.wait_for(wait_readable(handle.fd), 60)
+    handle.close()
+    released = await asyncio.to_thread(release_abandoned, state)
+    assert released == [directory.name]  # the fixture's sandbox (alive) is not
+    assert not await asyncio.to_thread(os.path.ismount, directory / ".image" / "root")
+    record = json.loads((directory / "sandbox.json").read_text())
+    assert record["abandoned"] and record["closed_at"]
+    assert not _processes_with("4343")
+    assert sandbox.is_running() and (await sandbox.run("echo ok", timeout_s=60)).stdout == b"ok\n"
