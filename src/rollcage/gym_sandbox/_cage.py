@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from rollcage.cage import BwrapTools, CgroupSet, find_tools, kill_cgroup, remove_cgroup
+from rollcage.budgets import CgroupSet, kill_cgroup, remove_cgroup
+from rollcage.cage import BwrapTools, find_tools
 from rollcage.durable import fsync_directory, publish_json
 from rollcage.errors import SandboxError
 from rollcage.images import ImageStore, image_sandbox
