@@ -503,6 +503,7 @@ CANARY = "CANARY-7f3e"
     line=st.integers(1, 10**6),
 )
 @example(value={"input": "x", "\n": 1}, fmt="inspect", line=1)  # an unknown key named by a newline
+@example(value={"responses_create_params": {"\n": None}}, fmt="nemo-gym", line=1)  # a request field named so
 def test_any_row_is_a_clear_error_on_its_line_or_a_task_that_runs(value: Any, fmt: Any, line: int) -> None:
     if isinstance(value, dict):
         value = {**value, "expected_count": CANARY}

@@ -276,6 +276,18 @@ class InvalidRow:
     reason: str
     task_id: str | None = None
 
+    def __post_init__(self) -> None:
+        # Reasons quote what the row holds (a key, a value): one line, whatever the row put in them,
+        # so a key like "\n" can neither split the report nor forge another line of it.
+        object.__setattr__(self, "reason", printable_line(self.reason))
+
+
+def printable_line(text: str) -> str:
+    """``text`` on one line: every character that is not printable written as its escape (``\\n``)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
 
 @dataclass(frozen=True, slots=True)
 class Task:
