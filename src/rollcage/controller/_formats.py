@@ -43,7 +43,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from rollcage.controller._inspect_scoring import choice_positions, choice_prompt
-from rollcage.controller._nemo_gym import CREATE_PARAMS_KEYS
+from rollcage.controller._nemo_gym import CREATE_PARAMS_KEYS, CREATE_PARAMS_SAMPLING
 from rollcage.errors import ConfigError
 from rollcage.protocol import SamplingParams
 
@@ -56,16 +56,6 @@ FORMATS: tuple[DatasetFormat, ...] = ("rollcage", "nemo-gym", "inspect")
 
 _INSPECT_KEYS = frozenset({"input", "target", "id", "metadata", "choices", "sandbox", "files", "setup"})
 _NEMO_ID_KEYS = ("id", "task_id", "instance_id", "problem_id", "_ng_task_index")
-_SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "max_output_tokens",
-    "top_logprobs",
-    "parallel_tool_calls",
-    "tool_choice",
-    "reasoning",
-    "text",
-)
 _NUMBER_KEYS = frozenset({"temperature", "top_p", "max_output_tokens", "top_logprobs"})
 # Request fields with no meaning rollcage can give them: a row that sets one is refused, named.
 _UNSENDABLE: dict[str, str] = {
@@ -167,7 +157,7 @@ def from_nemo_gym(
 
 def _nemo_sampling(params: dict[str, Any]) -> dict[str, Any]:
     """The row's sampling fields, checked as rollcage's ``SamplingParams`` checks them, named as written."""
-    sampling = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
+    sampling = {k: params[k] for k in CREATE_PARAMS_SAMPLING if params.get(k) is not None}
     for key, value in sampling.items():
         # JSON's true is no temperature: pydantic would read it as 1.
         if key in _NUMBER_KEYS and (isinstance(value, bool) or not isinstance(value, int | float)):

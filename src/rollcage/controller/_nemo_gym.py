@@ -88,7 +88,7 @@ CREATE_PARAMS_KEYS = frozenset(
 )
 """The fields NeMo Gym's ``NeMoGymResponseCreateParamsNonStreaming`` accepts (it forbids others)."""
 
-_CREATE_PARAMS_SAMPLING = (
+CREATE_PARAMS_SAMPLING = (
     "temperature",
     "top_p",
     "max_output_tokens",
@@ -98,6 +98,7 @@ _CREATE_PARAMS_SAMPLING = (
     "reasoning",
     "text",
 )
+"""The request fields of a NeMo Gym row that are sampling settings: read from a row, written back to one."""
 _NOT_OFFERED = frozenset({404, 405})
 _AGENT_CODE_CALLS = ("cell-", "bridge-")
 """Call ids of a codeact cell and of a tool its code called (``ToolCall.call_id``)."""
@@ -130,7 +131,7 @@ def create_params_for(
     if instructions is not None:
         params["instructions"] = instructions
     # What the model was asked, as the Responses API says it (SamplingParams dumps it in those terms).
-    for key in _CREATE_PARAMS_SAMPLING:
+    for key in CREATE_PARAMS_SAMPLING:
         value = _without_none(sampling.get(key))
         if value is not None:
             params[key] = value
