@@ -35,6 +35,10 @@ def test_param(value):
 def test_skipped():
     pass
 
+@pytest.mark.xfail(reason="a known bug")
+def test_known_bug():
+    assert False
+
 @pytest.fixture
 def broken():
     raise RuntimeError("setup")
@@ -57,7 +61,7 @@ def test_every_id_pytest_collects_is_found_in_the_junit_it_writes(tmp_path: Path
         timeout=120,
     )
     ids = [line for line in collected.stdout.splitlines() if "::" in line]
-    assert len(ids) == 10, collected.stdout
+    assert len(ids) == 11, collected.stdout
     subprocess.run(
         [sys.executable, "-m", "pytest", *common, "--junitxml", str(tmp_path / "junit.xml")],
         cwd=tmp_path,
@@ -70,6 +74,8 @@ def test_every_id_pytest_collects_is_found_in_the_junit_it_writes(tmp_path: Path
     assert statuses["tests/unit/test_suite.py::test_fails"] == "failed"
     assert statuses["tests/unit/test_suite.py::test_error"] == "failed"
     assert statuses["tests/unit/test_suite.py::test_skipped"] == "skipped"
+    # An expected failure passes a listed test, as SWE-bench's grading counts XFAIL.
+    assert statuses["tests/unit/test_suite.py::test_known_bug"] == "xfailed"
     assert statuses["tests/unit/test_suite.py::TestGroup::TestNested::test_deep"] == "passed"
     assert statuses["tests/unit/test_suite.py::test_param[a::b]"] == "passed"
     assert statuses["test_top.py::test_top"] == "passed"
@@ -109,3 +115,27 @@ def test_a_case_reported_twice_keeps_its_worst_status() -> None:
         b'<testcase classname="t" name="b"><system-out>failure</system-out></testcase></testsuite>'
     )
     assert report.status("t.py::a") == "failed" and report.status("t.py::b") == "passed"
+
+
+def test_a_listed_expected_failure_passes_the_grade_and_a_skip_does_not() -> None:
+    from rollcage.controller._graders import TestsGrader
+    from rollcage.controller._image_grade import _junit_grade
+
+    junit = b"""<testsuites><testsuite name="pytest">
+      <testcase classname="tests.test_x" name="test_fixed"/>
+      <testcase classname="tests.test_x" name="test_known_bug">
+        <skipped type="pytest.xfail" message="bug"/></testcase>
+      <testcase classname="tests.test_x" name="test_later">
+        <skipped type="pytest.skip" message="no"/></testcase>
+    </testsuite></testsuites>"""
+    spec = TestsGrader(
+        type="tests",
+        command="true",
+        junit_xml="/tmp/junit.xml",
+        fail_to_pass=["tests/test_x.py::test_fixed"],
+        pass_to_pass=["tests/test_x.py::test_known_bug"],
+    )
+    assert _junit_grade(spec, 1, junit, {}).reward == 1.0
+    skipped = spec.model_copy(update={"pass_to_pass": ["tests/test_x.py::test_later"]})
+    graded = _junit_grade(skipped, 1, junit, {})
+    assert graded.reward == 0.0 and graded.detail["failed"] == ["tests/test_x.py::test_later"]

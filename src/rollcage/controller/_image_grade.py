@@ -37,7 +37,7 @@ from typing import Any, Final
 from rollcage.cage import RunLimits
 from rollcage.controller._fresh_root import FRESH_UID
 from rollcage.controller._graders import GradeResult, TestsGrader
-from rollcage.controller._junit import JUNIT_LIMIT, JunitError, parse_junit
+from rollcage.controller._junit import JUNIT_LIMIT, PASSING, JunitError, parse_junit
 from rollcage.errors import RollcageError
 from rollcage.procs import shielded
 
@@ -273,7 +273,7 @@ def _junit_grade(
         status = report.status(test)
         if status is None:
             missing.append(test)
-        elif status != "passed":
+        elif status not in PASSING:
             failed.append(test)
     detail.update(
         fail_to_pass=len(spec.fail_to_pass),

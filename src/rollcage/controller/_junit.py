@@ -20,14 +20,18 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 from xml.parsers import expat
 
-__all__ = ["JUNIT_LIMIT", "JunitError", "JunitReport", "TestStatus", "junit_key", "parse_junit"]
+__all__ = ["JUNIT_LIMIT", "PASSING", "JunitError", "JunitReport", "TestStatus", "junit_key", "parse_junit"]
 
 JUNIT_LIMIT: Final = 32 * 1024 * 1024
 """The largest JUnit file read (bytes)."""
 _MAX_ELEMENTS: Final = 2_000_000
 _MAX_DEPTH: Final = 64
 
-TestStatus = Literal["passed", "failed", "skipped"]
+TestStatus = Literal["passed", "xfailed", "failed", "skipped"]
+
+PASSING: Final[frozenset[TestStatus]] = frozenset({"passed", "xfailed"})
+"""What counts as passing a listed test: pytest's expected failures too, as SWE-bench's grading counts
+them (``XFAIL`` among its passing statuses)."""
 
 
 class JunitError(ValueError):
@@ -55,14 +59,15 @@ def junit_key(test_id: str) -> tuple[str, str]:
     return ".".join(names[:-1]), names[-1]
 
 
-_RANK: Final[dict[TestStatus, int]] = {"passed": 0, "skipped": 1, "failed": 2}
+_RANK: Final[dict[TestStatus, int]] = {"passed": 0, "xfailed": 1, "skipped": 2, "failed": 3}
 
 
 def parse_junit(data: bytes) -> JunitReport:
     """Parse JUnit XML (a ``<testsuites>`` or ``<testsuite>`` root) into a :class:`JunitReport`.
 
     A test case holding ``<failure>`` or ``<error>`` failed; one holding ``<skipped>`` was
-    skipped; any other passed. A case reported more than once keeps its worst status.
+    skipped, unless pytest marked it an expected failure (``type="pytest.xfail"``: ``xfailed``);
+    any other passed. A case reported more than once keeps its worst status.
 
     Raises:
         JunitError: Over :data:`JUNIT_LIMIT` bytes, not well-formed, a ``<!DOCTYPE``, an
@@ -93,7 +98,7 @@ def parse_junit(data: bytes) -> JunitReport:
             if tag in ("failure", "error"):
                 state.status = "failed"
             elif tag == "skipped" and state.status == "passed":
-                state.status = "skipped"
+                state.status = "xfailed" if attrs.get("type") == "pytest.xfail" else "skipped"
 
     def end(tag: str) -> None:
         if tag == "testcase" and state.case is not None and state.depth == state.case_depth:
