@@ -166,3 +166,14 @@ async def test_a_killed_provider_leaves_no_joiner_and_its_sandbox_is_released(
             handle.close()
     assert await asyncio.to_thread(release_abandoned, state) == [directory.name]
     assert not _processes(b"4646")
+
+
+async def test_without_a_joiner_commands_take_the_slow_path_with_the_same_promises(
+    sandbox: CagedSandbox,
+) -> None:
+    assert sandbox.joiner is not None
+    await sandbox.joiner.close()  # as a joiner that cannot be reached
+    result = await sandbox.run("id -u; echo ok", timeout_s=60)
+    assert result.stdout == f"{sandbox.image.uid}\nok\n".encode() and sandbox.joiner.pid is None
+    failed = await sandbox.run("echo ran", cwd="/no/such/dir", timeout_s=60)
+    assert failed.cage_failed and failed.exit_code == 125 and b"/no/such/dir" in failed.stderr

@@ -12,8 +12,10 @@ This module knows nothing of NeMo Gym (:mod:`rollcage.gym_sandbox.provider` adap
 * **exec**: the sandbox is one cage, made by bubblewrap at create around a holder process: root
   drops to an unprivileged host uid before the user namespace is made, the image's user inside (its
   files are that uid's), no capabilities, no network, its own PID, IPC and UTS namespaces. Each
-  command joins that cage (:mod:`rollcage.gym_sandbox._join`: all its namespaces at once, then every
-  capability and the uid given up, as a warm worker does) with the image's ``Env``, so what one
+  command joins that cage (all its namespaces at once, then every capability and the uid given up, as
+  a warm worker does) with the image's ``Env``: forked there by a joiner (a small fork server
+  outside every cage, one per provider: :mod:`rollcage.gym_sandbox._joinserver`), or, where none can
+  be reached, by a fresh helper interpreter (:mod:`rollcage.gym_sandbox._join`). So what one
   command starts in the background (a server a later command talks to) lives on until close, as in
   a container. A bound on wall-clock time kills the command's process group; output is kept up to
   a bound. A handshake printed from inside the cage before the command starts tells a cage that
@@ -231,7 +233,9 @@ class CagedSandbox:
             SandboxError: The sandbox is closed.
             ValueError: ``user`` cannot be honoured (:meth:`resolve_uid`).
 
-        **Cancellation:** the command's group is killed and reaped; it is not journaled.
+        **Cancellation:** the command's group is killed and reaped; it is not journaled. (Cancelled
+        while the joiner is still forking it, a command may start all the same: it runs until the
+        sandbox closes, which kills everything in its cgroups.)
         """
         if self.closed:
             raise SandboxError(f"sandbox {self.sandbox_id} is closed; create a new one")

@@ -149,7 +149,8 @@ class Joiner:
             JoinerUnavailable: The joiner could not be started, or did not answer; nothing was started.
             SandboxError: The joiner could not fork the command there (its words).
 
-        **Cancellation:** a command already forked is killed and reaped.
+        **Cancellation:** nothing is waited for; a command the joiner forks all the same runs until its
+        sandbox closes (which kills everything in the sandbox's cgroups).
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
