@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -19,7 +20,7 @@ import pytest
 
 from rollcage.gym_sandbox._cage import CagedSandbox, SandboxBudgets, open_sandbox, release_abandoned
 from rollcage.images import ImageStore
-from rollcage.procs import PidHandle, read_proc, wait_readable
+from rollcage.procs import PidHandle, read_proc, signal_group, wait_readable
 from rollcage.supervisor.imageroot import release_image_root
 from tests.helpers.task_images import TaskImage, make_task_image
 
@@ -177,3 +178,20 @@ async def test_without_a_joiner_commands_take_the_slow_path_with_the_same_promis
     assert result.stdout == f"{sandbox.image.uid}\nok\n".encode() and sandbox.joiner.pid is None
     failed = await sandbox.run("echo ran", cwd="/no/such/dir", timeout_s=60)
     assert failed.cage_failed and failed.exit_code == 125 and b"/no/such/dir" in failed.stderr
+
+
+async def test_a_joiner_that_died_is_started_again_on_the_next_command(sandbox: CagedSandbox) -> None:
+    assert (await sandbox.run("true", timeout_s=60)).exit_code == 0
+    assert sandbox.joiner is not None and sandbox.joiner.pid is not None
+    first = sandbox.joiner.pid
+    info = read_proc(first)
+    assert info is not None
+    handle = PidHandle.open(info)
+    assert handle is not None
+    try:
+        assert signal_group(first, signal.SIGKILL)  # it leads its own session and group
+        await asyncio.wait_for(wait_readable(handle.fd), 60)
+    finally:
+        handle.close()
+    result = await sandbox.run("echo again", timeout_s=60)
+    assert result.stdout == b"again\n" and sandbox.joiner.pid not in (None, first)
