@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from rollcage.forkserver import (
     MESSAGES,
+    CommandStart,
     Entered,
     EnterFailed,
     ExecutorClient,
@@ -101,11 +102,21 @@ executor_starts = st.builds(
     argv=st.lists(_TEXT, max_size=5),
 )
 
+command_starts = st.builds(
+    CommandStart,
+    argv=st.lists(_TEXT, max_size=5),
+    env=st.dictionaries(_TEXT, _TEXT, max_size=5),
+    cwd=_TEXT,
+    uid=_INTS,
+    gid=_INTS,
+    cgroups=st.lists(_TEXT, max_size=3),
+)
+
 
 @settings(max_examples=40, deadline=None)
-@given(message=worker_starts | executor_starts)
+@given(message=worker_starts | executor_starts | command_starts)
 def test_a_start_comes_back_as_it_was_sent(message: Message) -> None:
-    fds = 3 if isinstance(message, WorkerStart) else 4
+    fds = {WorkerStart: 3, ExecutorStart: 4, CommandStart: 5}[type(message)]
     assert decode(encode(message), list(range(fds)), expect=[type(message)]) == message
 
 

@@ -26,6 +26,7 @@ from rollcage.forkserver._client import receive, receive_now
 from rollcage.forkserver._server import ForkServer
 from rollcage.forkserver._wire import (
     MESSAGES,
+    CommandStart,
     Entered,
     EnterFailed,
     ExecutorClient,
@@ -45,6 +46,7 @@ from rollcage.forkserver._wire import (
 
 __all__ = [
     "MESSAGES",
+    "CommandStart",
     "EnterFailed",
     "Entered",
     "ExecutorClient",

@@ -90,6 +90,7 @@ __all__ = [
     "HEADER",
     "MAX_FDS",
     "MESSAGES",
+    "CommandStart",
     "EnterFailed",
     "Entered",
     "ExecutorClient",
@@ -370,6 +371,45 @@ class Exited(Message):
     code: int
 
 
+@dataclass(frozen=True)
+class CommandStart(Message):
+    """Sandbox provider -> its joiner (:mod:`rollcage.gym_sandbox._joinserver`): fork one command into
+    a sandbox's cage.
+
+    Descriptors: a pidfd of the cage's holder, the start's reply socket (the joiner answers there
+    with :class:`Forked` or :class:`Unforked`, the command with :class:`EnterFailed` if it cannot take
+    its place; its end of file, once the command executes, says it did), the command's stdin, stdout
+    and stderr.
+
+    Attributes:
+        argv: The command line (``argv[0]`` found on the environment's ``PATH``).
+        env: Its entire environment.
+        cwd: Its working directory in the cage.
+        uid: The uid it runs as, in the cage's user namespace.
+        gid: Likewise, the gid.
+        cgroups: The sandbox's ``cgroup.procs`` files it is moved into before it joins the cage.
+    """
+
+    KIND: ClassVar[int] = 11
+    FDS: ClassVar[tuple[int, int]] = (5, 5)
+    MAX_BODY: ClassVar[int] = _LARGE
+    CHECKS: ClassVar[dict[str, Callable[[object], bool]]] = {
+        "argv": _is_strs,
+        "env": _is_env,
+        "cwd": _is_str,
+        "uid": _is_int,
+        "gid": _is_int,
+        "cgroups": _is_strs,
+    }
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    uid: int
+    gid: int
+    cgroups: list[str] = field(default_factory=list)
+
+
 MESSAGES: dict[int, type[Message]] = {
     kind.KIND: kind
     for kind in (
@@ -383,6 +423,7 @@ MESSAGES: dict[int, type[Message]] = {
         ExecutorStarted,
         Refused,
         Exited,
+        CommandStart,
     )
 }
 """Every message, by its kind."""

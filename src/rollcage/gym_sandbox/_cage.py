@@ -12,8 +12,10 @@ This module knows nothing of NeMo Gym (:mod:`rollcage.gym_sandbox.provider` adap
 * **exec**: the sandbox is one cage, made by bubblewrap at create around a holder process: root
   drops to an unprivileged host uid before the user namespace is made, the image's user inside (its
   files are that uid's), no capabilities, no network, its own PID, IPC and UTS namespaces. Each
-  command joins that cage (:mod:`rollcage.gym_sandbox._join`: all its namespaces at once, then every
-  capability and the uid given up, as a warm worker does) with the image's ``Env``, so what one
+  command joins that cage (all its namespaces at once, then every capability and the uid given up, as
+  a warm worker does) with the image's ``Env``: forked there by a joiner (a small fork server
+  outside every cage, one per provider: :mod:`rollcage.gym_sandbox._joinserver`), or, where none can
+  be reached, by a fresh helper interpreter (:mod:`rollcage.gym_sandbox._join`). So what one
   command starts in the background (a server a later command talks to) lives on until close, as in
   a container. A bound on wall-clock time kills the command's process group; output is kept up to
   a bound. A handshake printed from inside the cage before the command starts tells a cage that
@@ -56,8 +58,9 @@ from rollcage.budgets import CgroupSet, kill_cgroup, remove_cgroup
 from rollcage.cage import BwrapTools, find_tools
 from rollcage.durable import fsync_directory, publish_json
 from rollcage.errors import SandboxError
+from rollcage.gym_sandbox._joiner import Joiner, JoinerUnavailable, Started
 from rollcage.images import ImageStore, image_sandbox
-from rollcage.procs import PidHandle, ProcInfo, read_proc, shielded, signal_group, within
+from rollcage.procs import PidHandle, ProcInfo, read_proc, read_ready, shielded, signal_group, within
 from rollcage.protocol import ImageSandbox
 from rollcage.supervisor.imageroot import ImageRoot, mount_image_root, release_image_root
 
@@ -159,6 +162,12 @@ class CagedSandbox:
     created_at: float = field(default_factory=time.time)
     _running: set[int] = field(default_factory=set)
     closed: bool = False
+    procs_files: list[str] = field(default_factory=list)
+    """The sandbox's ``cgroup.procs`` files (what :attr:`enter` writes each command into)."""
+    joiner: Joiner | None = None
+    """The fork server that starts its commands; ``None``: a fresh helper interpreter per command."""
+    owns_joiner: bool = False
+    """Whether :meth:`close` stops :attr:`joiner` (it is the sandbox's own, not its provider's)."""
 
     @property
     def journal_path(self) -> Path:
@@ -224,7 +233,9 @@ class CagedSandbox:
             SandboxError: The sandbox is closed.
             ValueError: ``user`` cannot be honoured (:meth:`resolve_uid`).
 
-        **Cancellation:** the command's group is killed and reaped; it is not journaled.
+        **Cancellation:** the command's group is killed and reaped; it is not journaled. (Cancelled
+        while the joiner is still forking it, a command may start all the same: it runs until the
+        sandbox closes, which kills everything in its cgroups.)
         """
         if self.closed:
             raise SandboxError(f"sandbox {self.sandbox_id} is closed; create a new one")
@@ -241,7 +252,19 @@ class CagedSandbox:
         limit = output_bytes if output_bytes is not None else self.budgets.output_bytes
         started_at = time.time()
         clock = time.monotonic()
-        result = await self._communicate(argv, marker.encode() + b"\n", stdin, timeout_s, limit)
+        result: CommandResult | None = None
+        if self.joiner is not None:
+            with contextlib.suppress(JoinerUnavailable):  # the slow path below, as without a joiner
+                result = await self._run_joined(
+                    self.joiner,
+                    ["/bin/sh", "-c", command, "sh", *args],
+                    (workdir, merged_env, uid),
+                    stdin,
+                    timeout_s,
+                    limit,
+                )
+        if result is None:
+            result = await self._communicate(argv, marker.encode() + b"\n", stdin, timeout_s, limit)
         if journal:
             await asyncio.to_thread(
                 self._append,
@@ -264,6 +287,86 @@ class CagedSandbox:
                 },
             )
         return result
+
+    async def _run_joined(
+        self,
+        joiner: Joiner,
+        argv: list[str],
+        where: tuple[str, Mapping[str, str], tuple[int, int]],
+        stdin: bytes,
+        timeout_s: float | None,
+        limit: int,
+    ) -> CommandResult:
+        """Run ``argv`` in the cage through the joiner: a fork, not an interpreter, per command.
+
+        The same promises as :meth:`_communicate`: its own session (the time bound kills that
+        group), output kept up to ``limit``, and a cage that could not be entered told apart (the
+        joiner's fork says why on the start's reply socket; the command's execution closes it).
+
+        Raises:
+            JoinerUnavailable: The joiner could not take the command (nothing started: take the slow path).
+        """
+        cwd, env, uid = where
+        pipes = _Pipes()
+        try:
+            try:
+                started = await joiner.start(
+                    self.holder_fd.fd,
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    uid=uid,
+                    cgroups=self.procs_files,
+                    stdio=pipes.theirs,
+                )
+            except JoinerUnavailable:
+                raise
+            except SandboxError as exc:
+                return _cage_failed(str(exc))
+            finally:
+                pipes.close_theirs()
+            return await self._await_joined(started, pipes, stdin, timeout_s, limit)
+        finally:
+            pipes.close()
+
+    async def _await_joined(
+        self, started: Started, pipes: _Pipes, stdin: bytes, timeout_s: float | None, limit: int
+    ) -> CommandResult:
+        child = started.child
+        self._running.add(child.pid)
+        out, err = _Sink(limit), _Sink(limit)
+        timed_out, failed = False, None
+        try:
+            async with asyncio.timeout(timeout_s):
+                failed = await started.entered()
+                if failed is None:
+                    await asyncio.gather(
+                        _feed_fd(pipes.take(0), stdin),
+                        out.drain_fd(pipes.ours[1]),
+                        err.drain_fd(pipes.ours[2]),
+                        child.wait(),
+                    )
+        except TimeoutError:
+            timed_out = True
+        finally:
+            if child.exited() is None:
+                # It leads its own session (the command's group); unreaped, its PID is still it.
+                signal_group(child.pid, signal.SIGKILL)
+                child.kill()
+            await shielded(within(child.wait(), _REAP_S))
+            code = child.reap()
+            self._running.discard(child.pid)
+            started.status.close()
+        if failed is not None and not timed_out:
+            return _cage_failed(f"cannot enter the sandbox's cage: {failed}")
+        return CommandResult(
+            exit_code=CAGE_FAILED if timed_out or code is None else code,
+            stdout=bytes(out.kept),
+            stderr=bytes(err.kept),
+            truncated=out.dropped or err.dropped,
+            timed_out=timed_out,
+            cage_failed=False,
+        )
 
     async def _communicate(
         self, argv: list[str], marker: bytes, stdin: bytes, timeout_s: float | None, limit: int
@@ -305,15 +408,7 @@ class CagedSandbox:
         if code < 0:
             code = 128 - code
         if not started and not timed_out:
-            why = err.kept.decode("utf-8", "replace").strip()[-500:] or f"exit status {code}"
-            return CommandResult(
-                CAGE_FAILED,
-                b"",
-                f"rollcage sandbox: the cage could not be made: {why}".encode(),
-                False,
-                False,
-                True,
-            )
+            return _cage_failed(err.kept.decode("utf-8", "replace").strip()[-500:] or f"exit status {code}")
         stdout = bytes(out.kept[len(marker) :]) if started else b""
         return CommandResult(
             exit_code=CAGE_FAILED if timed_out else code,
@@ -392,14 +487,18 @@ class CagedSandbox:
         if self.closed:
             return
         self.closed = True
-        if self.holder is None:  # attached: detach, the sandbox is its creator's to close
+        try:
+            if self.holder is None:  # attached: detach, the sandbox is its creator's to close
+                self.holder_fd.close()
+                return
+            for pid in list(self._running):
+                signal_group(pid, signal.SIGKILL)  # still running: its leader is our unreaped child
+            await asyncio.to_thread(self._release)
+            await _end_holder(self.holder)
             self.holder_fd.close()
-            return
-        for pid in list(self._running):
-            signal_group(pid, signal.SIGKILL)  # still running: its leader is our unreaped child
-        await asyncio.to_thread(self._release)
-        await _end_holder(self.holder)
-        self.holder_fd.close()
+        finally:
+            if self.joiner is not None and self.owns_joiner:
+                await self.joiner.close()
 
     def _release(self) -> None:
         try:
@@ -426,6 +525,83 @@ class _Sink:
             if room > 0:
                 self.kept += chunk[:room]
             self.dropped = self.dropped or len(chunk) > room
+
+    async def drain_fd(self, fd: int) -> None:
+        """As :meth:`drain`, from a pipe's read end (made non-blocking here)."""
+        os.set_blocking(fd, False)
+        while chunk := await read_ready(fd):
+            room = self.limit - len(self.kept)
+            if room > 0:
+                self.kept += chunk[:room]
+            self.dropped = self.dropped or len(chunk) > room
+
+
+class _Pipes:
+    """A command's three pipes: its ends (``theirs``: stdin's read end, stdout's and stderr's write
+    ends) and ours; every one closed once, whatever happens."""
+
+    def __init__(self) -> None:
+        stdin, stdout, stderr = (os.pipe2(os.O_CLOEXEC) for _ in range(3))
+        self.theirs: tuple[int, int, int] = (stdin[0], stdout[1], stderr[1])
+        self.ours: list[int] = [stdin[1], stdout[0], stderr[0]]
+        self._theirs_open = True
+
+    def take(self, which: int) -> int:
+        """Our end ``which``, now the taker's to close."""
+        fd, self.ours[which] = self.ours[which], -1
+        return fd
+
+    def close_theirs(self) -> None:
+        if self._theirs_open:
+            self._theirs_open = False
+            for fd in self.theirs:
+                os.close(fd)
+
+    def close(self) -> None:
+        self.close_theirs()
+        for which in range(3):
+            fd = self.take(which)
+            if fd >= 0:
+                os.close(fd)
+
+
+def _cage_failed(why: str) -> CommandResult:
+    return CommandResult(
+        CAGE_FAILED, b"", f"rollcage sandbox: the cage could not be made: {why}".encode(), False, False, True
+    )
+
+
+async def _feed_fd(fd: int, data: bytes) -> None:
+    """Write ``data`` to the pipe ``fd`` as its reader takes it, then close it (a reader gone: stop)."""
+    try:
+        os.set_blocking(fd, False)
+        view = memoryview(data)
+        loop = asyncio.get_running_loop()
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+                continue
+            except BlockingIOError:
+                pass
+            except (BrokenPipeError, ConnectionError):
+                return
+            await _writable(loop, fd)
+    finally:
+        os.close(fd)
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def on_ready() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(fd, on_ready)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(fd)
 
 
 async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -470,8 +646,12 @@ async def open_sandbox(
     budgets: SandboxBudgets = SandboxBudgets(),
     owner: tuple[int, int] = DEFAULT_OWNER,
     bwrap_path: str | None = None,
+    joiner: Joiner | None = None,
 ) -> CagedSandbox:
     """Make a sandbox of ``image_ref`` with its state under ``state_dir`` (see the module docstring).
+
+    Its commands are forked into its cage by ``joiner`` (its provider's, shared by its sandboxes);
+    without one, by a joiner of its own, stopped when it closes.
 
     Raises:
         SandboxError: Not root, or the cage cannot be made here (the message says why).
@@ -546,6 +726,9 @@ async def open_sandbox(
             holder=holder,
             holder_fd=holder_fd,
             _lease=lease,
+            procs_files=[str(path) for path in cgroups.procs_files()],
+            joiner=joiner or Joiner(),
+            owns_joiner=joiner is None,
         )
         await asyncio.to_thread(_write_record, sandbox)
         await asyncio.to_thread(_write_attach, sandbox, holder_fd.info)
@@ -577,11 +760,12 @@ def _write_attach(sandbox: CagedSandbox, holder: ProcInfo) -> None:
     publish_json(sandbox.directory / _ATTACH, record, mode=0o600)
 
 
-async def attach_sandbox(directory: Path) -> CagedSandbox:
+async def attach_sandbox(directory: Path, *, joiner: Joiner | None = None) -> CagedSandbox:
     """The open sandbox in ``directory``, made by another process on this host, to run commands in.
 
     Its commands join the same cage and cgroups and are journaled in the same journal; closing the
-    attached sandbox only detaches (its creator closes it).
+    attached sandbox only detaches (its creator closes it). They are forked by ``joiner`` (this
+    process's provider's), or by one of the attached sandbox's own, stopped when it detaches.
 
     Raises:
         SandboxError: It is closed, its cage is gone, or the directory holds no sandbox.
@@ -615,6 +799,9 @@ async def attach_sandbox(directory: Path) -> CagedSandbox:
         holder=None,
         holder_fd=handle,
         _lease=contextlib.ExitStack(),
+        procs_files=[str(Path(group) / "cgroup.procs") for group in record.get("cgroups", [])],
+        joiner=joiner or Joiner(),
+        owns_joiner=joiner is None,
     )
 
 

@@ -1,5 +1,9 @@
 """Run one command in a sandbox's cage by joining its holder (run by path: ``python -I -S _join.py SPEC``).
 
+The slow path: a sandbox's commands are forked by its provider's joiner
+(:mod:`rollcage.gym_sandbox._joinserver`), and this helper starts one only where no joiner can be
+reached.
+
 ``SPEC`` is JSON: ``holder`` (an inherited pidfd on the cage's init, opened and checked by the
 provider), ``uid``/``gid`` (ids in the cage), ``cwd``, ``env`` and ``argv``. This process joins all
 the holder's namespaces at once (as root: it holds every capability over the cage's user namespace

@@ -61,6 +61,7 @@ from rollcage.gym_sandbox._cage import (
     open_sandbox,
     release_abandoned,
 )
+from rollcage.gym_sandbox._joiner import Joiner
 from rollcage.images import ImageStore
 
 __all__ = ["DEFAULT_STATE_DIR", "STATE_ENV", "RollcageProvider", "image_ref"]
@@ -115,6 +116,8 @@ class RollcageProvider:
         self._bwrap_path = bwrap_path
         self._open: dict[str, CagedSandbox] = {}
         self._swept = False
+        # One fork server for all this provider's sandboxes: a command costs a fork, not an interpreter.
+        self._joiner = Joiner()
 
     @staticmethod
     def _budgets(spec: SandboxSpec) -> SandboxBudgets:
@@ -188,6 +191,7 @@ class RollcageProvider:
                     budgets=budgets,
                     owner=self._owner,
                     bwrap_path=self._bwrap_path,
+                    joiner=self._joiner,
                 )
         except TimeoutError as exc:
             raise SandboxCreateVerificationError(
@@ -304,6 +308,7 @@ class RollcageProvider:
         for sandbox in list(self._open.values()):
             await sandbox.close()
         self._open.clear()
+        await self._joiner.close()
 
     async def serialize_handle(self, handle: SandboxHandle, *, scope: str | None = None) -> dict[str, Any]:
         """A descriptor :meth:`connect` rebuilds the handle from, in any process on this host (as root).
@@ -328,7 +333,7 @@ class RollcageProvider:
         if not sandbox_id.startswith("rollcage-") or "/" in sandbox_id or sandbox_id in (".", ".."):
             raise ValueError(f"rollcage provider: {sandbox_id!r} is not a rollcage sandbox id")
         try:
-            sandbox = await attach_sandbox(self._state_dir / sandbox_id)
+            sandbox = await attach_sandbox(self._state_dir / sandbox_id, joiner=self._joiner)
         except RollcageError as exc:
             raise ValueError(f"rollcage provider: cannot connect to {sandbox_id}: {exc}") from exc
         return SandboxHandle(sandbox_id=sandbox.sandbox_id, provider_name=self.name, raw=sandbox)
