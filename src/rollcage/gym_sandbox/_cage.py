@@ -59,6 +59,7 @@ from rollcage.cage import BwrapTools, find_tools
 from rollcage.durable import fsync_directory, publish_json
 from rollcage.errors import SandboxError
 from rollcage.gym_sandbox._joiner import Joiner, JoinerUnavailable, Started
+from rollcage.gym_sandbox._session import CageSession, SessionEnded, open_terminal, set_size
 from rollcage.images import ImageStore, image_sandbox
 from rollcage.procs import PidHandle, ProcInfo, read_proc, read_ready, shielded, signal_group, within
 from rollcage.protocol import ImageSandbox
@@ -168,6 +169,8 @@ class CagedSandbox:
     """The fork server that starts its commands; ``None``: a fresh helper interpreter per command."""
     owns_joiner: bool = False
     """Whether :meth:`close` stops :attr:`joiner` (it is the sandbox's own, not its provider's)."""
+    sessions: set[CageSession] = field(default_factory=set)
+    """Its open sessions (:meth:`open_session`): its close ends them."""
 
     @property
     def journal_path(self) -> Path:
@@ -443,6 +446,118 @@ class CagedSandbox:
         finally:
             os.close(fd)
 
+    async def open_session(
+        self,
+        command: str | None,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | int | None = None,
+        rows: int = 24,
+        cols: int = 80,
+        pty: bool = True,
+        error: type[Exception] = SessionEnded,
+    ) -> CageSession:
+        """Start ``/bin/sh -c command`` (``None``: the image's shell, ``/bin/sh -i``) as a live session.
+
+        On a terminal sized ``rows`` x ``cols`` (its controlling terminal), or with ``pty=False`` on
+        three pipes; see :mod:`rollcage.gym_sandbox._session`. A closed session raises ``error``.
+
+        Raises:
+            SandboxError: The sandbox is closed, its joiner cannot be reached, or the cage could not
+                be entered (the message says why).
+            ValueError: ``user``, ``rows`` or ``cols`` cannot be honoured.
+
+        **Cancellation:** a command already started is killed and reaped.
+        """
+        if self.closed:
+            raise SandboxError(f"sandbox {self.sandbox_id} is closed; create a new one")
+        if self.joiner is None:
+            raise SandboxError(f"sandbox {self.sandbox_id} has no joiner to start a session with")
+        uid = self.resolve_uid(user)
+        workdir = cwd or self.workdir
+        merged_env = {**self.env, **(env or {})}
+        if pty:
+            merged_env.setdefault("TERM", "xterm")
+        argv = ["/bin/sh", "-i"] if command is None else ["/bin/sh", "-c", command]
+        ours: list[int] = []
+        theirs: list[int] = []
+        try:
+            if pty:
+                master, slave = open_terminal(self.holder_fd.info.pid)
+                ours, theirs = [master], [slave]
+                set_size(master, rows, cols)
+                stdio = (slave, slave, slave)
+            else:
+                pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(3)]
+                ours = [pipes[0][1], pipes[1][0], pipes[2][0]]
+                theirs = [pipes[0][0], pipes[1][1], pipes[2][1]]
+                stdio = (theirs[0], theirs[1], theirs[2])
+            started_at = time.time()
+            try:
+                started = await self.joiner.start(
+                    self.holder_fd.fd,
+                    argv,
+                    env=merged_env,
+                    cwd=workdir,
+                    uid=uid,
+                    cgroups=self.procs_files,
+                    stdio=stdio,
+                    tty=pty,
+                )
+            finally:
+                for fd in theirs:
+                    os.close(fd)
+                theirs = []
+            failed: str | None = "cancelled"
+            try:
+                async with asyncio.timeout(_READY_S):
+                    failed = await started.entered()
+            except TimeoutError:
+                failed = f"no word from the command within {_READY_S:g}s"
+            finally:
+                if failed is not None:
+                    signal_group(started.child.pid, signal.SIGKILL)
+                    started.child.kill()
+                    await shielded(within(started.child.wait(), _REAP_S))
+                    started.child.reap()
+                    started.status.close()
+            if failed is not None:
+                raise SandboxError(f"cannot start a session in the sandbox's cage: {failed}")
+            if pty:
+                stdin, stdout, stderr = os.dup(ours[0]), ours[0], None
+            else:
+                stdin, stdout, stderr = ours[0], ours[1], ours[2]
+            ours = []
+        finally:
+            for fd in [*ours, *theirs]:
+                os.close(fd)
+        session = CageSession(
+            started=started,
+            mode="pty" if pty else "pipe",
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            limit=self.budgets.output_bytes,
+            error=error,
+            on_close=self._session_closed,
+            record={
+                "command": "/bin/sh -i" if command is None else command,
+                "args": [],
+                "cwd": workdir,
+                "uid": uid[0],
+                "started_at": started_at,
+            },
+        )
+        self.sessions.add(session)
+        self._running.add(session.pid)
+        return session
+
+    async def _session_closed(self, session: CageSession, record: dict[str, Any]) -> None:
+        self.sessions.discard(session)
+        self._running.discard(session.pid)
+        await asyncio.to_thread(self._append, record)
+
     async def upload(self, data: bytes, target: str) -> None:
         """Write ``data`` to ``target`` in the sandbox (relative: to its working directory), as its user.
 
@@ -493,6 +608,8 @@ class CagedSandbox:
                 return
             for pid in list(self._running):
                 signal_group(pid, signal.SIGKILL)  # still running: its leader is our unreaped child
+            for session in list(self.sessions):
+                await session.close()  # reaped and journaled; its reads now raise
             await asyncio.to_thread(self._release)
             await _end_holder(self.holder)
             self.holder_fd.close()
