@@ -603,13 +603,13 @@ class CagedSandbox:
             return
         self.closed = True
         try:
+            for session in list(self.sessions):
+                await session.close()  # killed, reaped and journaled; its reads now raise
             if self.holder is None:  # attached: detach, the sandbox is its creator's to close
                 self.holder_fd.close()
                 return
             for pid in list(self._running):
                 signal_group(pid, signal.SIGKILL)  # still running: its leader is our unreaped child
-            for session in list(self.sessions):
-                await session.close()  # reaped and journaled; its reads now raise
             await asyncio.to_thread(self._release)
             await _end_holder(self.holder)
             self.holder_fd.close()
