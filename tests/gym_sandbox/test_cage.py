@@ -95,6 +95,35 @@ async def test_the_time_bound_kills_the_command_and_its_children(sandbox: CagedS
     assert after.stdout == b"alive\n"
 
 
+async def test_a_commands_kill_of_every_process_leaves_the_sandbox_working(sandbox: CagedSandbox) -> None:
+    service = await sandbox.run("setsid sleep 4343 </dev/null >/dev/null 2>&1 & echo started", timeout_s=60)
+    assert service.stdout == b"started\n"
+    # kill -KILL -1 reaches every process of the cage it may signal but its init: the holder is it.
+    killed = await sandbox.run("kill -KILL -1; echo survived", timeout_s=60)
+    assert killed.stdout == b"survived\n" and not _processes_with("4343")
+    assert sandbox.is_running()
+    after = await sandbox.run("setsid sleep 4344 </dev/null >/dev/null 2>&1 & echo alive", timeout_s=60)
+    assert after.exit_code == 0 and after.stdout == b"alive\n"
+    assert _processes_with("4344")
+    holder = sandbox.holder
+    await sandbox.close()
+    assert holder is not None and holder.returncode is not None
+    assert not _processes_with("4344")
+
+
+async def test_what_a_command_leaves_orphaned_is_reaped_in_the_cage(sandbox: CagedSandbox) -> None:
+    # A child that outlives its parent is the cage init's; once it ends it is a zombie until reaped.
+    left = await sandbox.run(
+        "sh -c 'sleep 0.05 & echo $!' >orphan.pid; p=$(cat orphan.pid); "
+        "until [ ! -e /proc/$p ] || grep -q '^State:.*Z' /proc/$p/status; do :; done; echo $p",
+        timeout_s=60,
+    )
+    pid = int(left.stdout)
+    # The init reaps it (the command's end told it to): no zombie is left to count against the budget.
+    gone = await sandbox.run(f"while [ -e /proc/{pid} ]; do :; done; echo reaped", timeout_s=30)
+    assert gone.stdout == b"reaped\n", gone
+
+
 async def test_output_is_kept_up_to_the_bound(sandbox: CagedSandbox) -> None:
     result = await sandbox.run("head -c 1000000 /dev/zero | tr '\\0' x; echo done >&2", timeout_s=60)
     assert result.exit_code == 0 and result.truncated

@@ -88,13 +88,17 @@ _REAP_S: Final = 10.0
 _ATTACH: Final = "attach.json"
 _TAIL: Final = 1 << 20  # read back to find the last line's number (a line is far smaller)
 _JOIN: Final = str(Path(__file__).with_name("_join.py"))
-# The cage's init's only child. It makes the working directory (as docker makes WorkingDir), says it
-# is ready (one byte: the cage was built and runs the image's shell), then waits for the end of its
-# stdin (the provider closing the sandbox, or dying), ignoring polite signals; its death takes the
-# cage's PID namespace along.
+# The cage's PID 1 (bwrap --as-pid-1): a command's ``kill -KILL -1`` reaches every process of the
+# cage but its init, so the sandbox outlives it. It makes the working directory (as docker makes
+# WorkingDir), says it is ready (one byte: the cage was built and runs the image's shell), then
+# reads its stdin until its end (the provider closing the sandbox, or dying), ignoring polite
+# signals. Each line the provider sends (after every command: :meth:`CagedSandbox._reap_orphans`)
+# makes it run ``jobs``, whose wait for any child reaps what was orphaned to it (a background
+# service's children, once they end), as bubblewrap's own init did. Its death takes the cage's
+# PID namespace along.
 _HOLDER: Final = (
     "trap '' HUP INT QUIT TERM USR1 USR2; mkdir -p -- \"$1\" || exit 125; printf r; exec >/dev/null; "
-    "while IFS= read -r _; do :; done"
+    'while :; do IFS= read -r _; s=$?; jobs >/dev/null; [ "$s" = 1 ] && exit 0; done'
 )
 _READY_S: Final = 120.0
 
@@ -268,6 +272,7 @@ class CagedSandbox:
                 )
         if result is None:
             result = await self._communicate(argv, marker.encode() + b"\n", stdin, timeout_s, limit)
+        self._reap_orphans()
         if journal:
             await asyncio.to_thread(
                 self._append,
@@ -556,7 +561,18 @@ class CagedSandbox:
     async def _session_closed(self, session: CageSession, record: dict[str, Any]) -> None:
         self.sessions.discard(session)
         self._running.discard(session.pid)
+        self._reap_orphans()
         await asyncio.to_thread(self._append, record)
+
+    def _reap_orphans(self) -> None:
+        """Have the cage's init reap what a command left orphaned (one line on its stdin; see ``_HOLDER``).
+
+        An attached sandbox's creator does it for its own commands.
+        """
+        holder = self.holder
+        if holder is not None and holder.stdin is not None and not holder.stdin.is_closing():
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                holder.stdin.write(b"\n")
 
     async def upload(self, data: bytes, target: str) -> None:
         """Write ``data`` to ``target`` in the sandbox (relative: to its working directory), as its user.
@@ -982,6 +998,7 @@ def _holder_argv(
         "--unshare-user",
         *(["--disable-userns"] if tools.disable_userns else []),
         "--unshare-pid",
+        "--as-pid-1",
         "--unshare-ipc",
         "--unshare-uts",
         "--unshare-cgroup-try",
