@@ -124,6 +124,26 @@ async def test_what_a_command_leaves_orphaned_is_reaped_in_the_cage(sandbox: Cag
     assert gone.stdout == b"reaped\n", gone
 
 
+async def test_a_sessions_unread_output_stays_bounded_and_nothing_is_lost(sandbox: CagedSandbox) -> None:
+    session = await sandbox.open_session("head -c 1000000 /dev/zero; echo done >&2", pty=False)
+    stream = session._out
+    async with asyncio.timeout(60):
+        while stream.held < stream.limit:  # nobody reads: it fills up to the bound (4096), then stops
+            stream._changed.clear()
+            await stream._changed.wait()
+    # No longer read: the command waits on its full pipe rather than the provider holding its output.
+    assert not stream._reading and stream.held < stream.limit + 65536
+    got = 0
+    while chunk := await session.read(timeout_s=60):
+        got += len(chunk)
+        assert stream.held < stream.limit + 65536
+    assert got == 1000000 and await session.read_stderr(timeout_s=60) == b"done\n"
+    assert await session.wait_exit(timeout_s=60) == 0
+    await session.close()
+    line = json.loads(sandbox.journal_path.read_text().splitlines()[-1])
+    assert line["mode"] == "pipe" and line["stdout_bytes"] == 1000000 and line["exit_code"] == 0
+
+
 async def test_output_is_kept_up_to_the_bound(sandbox: CagedSandbox) -> None:
     result = await sandbox.run("head -c 1000000 /dev/zero | tr '\\0' x; echo done >&2", timeout_s=60)
     assert result.exit_code == 0 and result.truncated
@@ -218,6 +238,7 @@ async def test_a_user_who_is_not_root_is_refused(
 async def test_rollcage_show_reads_a_sandboxs_journal(sandbox: CagedSandbox) -> None:
     await sandbox.run("echo shown-command", timeout_s=60)
     await sandbox.run("sleep 30", timeout_s=1)
+    await sandbox.open_session("echo shown-session; exec sleep 4545")  # ended by the close
     await sandbox.close()
     # A crash mid-write leaves a last line cut short: shown as such, the rest still read.
     with sandbox.journal_path.open("ab") as journal:
@@ -235,6 +256,7 @@ async def test_rollcage_show_reads_a_sandboxs_journal(sandbox: CagedSandbox) -> 
     assert sandbox.sandbox_id in done.stdout and sandbox.image.ref in done.stdout
     assert "echo shown-command" in done.stdout and "timed_out" in done.stdout
     assert "cut short" in done.stdout
+    assert "pty-session,ended_by_close" in done.stdout and "exec sleep 4545" in done.stdout
 
 
 _CREATOR = """
