@@ -20,6 +20,10 @@ This module knows nothing of NeMo Gym (:mod:`rollcage.gym_sandbox.provider` adap
   a container. A bound on wall-clock time kills the command's process group; output is kept up to
   a bound. A handshake printed from inside the cage before the command starts tells a cage that
   could not be entered from a command that failed.
+* **sessions**: :meth:`CagedSandbox.open_session` starts a live command or shell on a terminal or
+  pipes (:mod:`rollcage.gym_sandbox._session`), forked by the joiner as a command is.
+* **its init**: the holder is the cage's PID 1 (``bwrap --as-pid-1``), so a command's
+  ``kill -KILL -1`` cannot end the sandbox; it reaps what is orphaned to it after each command.
 * **files**: uploads and downloads run as commands in the cage (``cat``), so every path is resolved
   inside the sandbox's root as its user sees it: nothing outside it can be named.
 * **close**: everything in the cgroups is killed, the cgroups removed, the root unmounted (its

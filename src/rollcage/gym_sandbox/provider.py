@@ -20,6 +20,13 @@ What a ``SandboxSpec`` means here:
 * ``provider_options``: ``max_processes``, ``output_bytes`` (kept of each stream of each command),
   ``file_bytes`` (largest download).
 
+Sessions (NeMo Gym's ``SupportsSandboxPty``): :meth:`RollcageProvider.create_pty` starts
+``spec.command`` (or the image's ``/bin/sh -i``) on a terminal made in the cage's own ``devpts``,
+its controlling terminal, sized ``rows`` x ``cols`` before it executes; ``pty=False`` gives pipes,
+stderr apart. Each session is journaled in ``execs.jsonl`` when it closes; closing the sandbox
+ends its sessions (their reads then raise ``SandboxPtyError``). See
+:mod:`rollcage.gym_sandbox._session`.
+
 Errors: a sandbox that cannot be made raises ``SandboxCreateError`` (its cause in the message:
 not root, the image, bubblewrap); one made but not ready ``SandboxCreateVerificationError``. A command
 past its time bound returns exit status 125 with ``error_type="timeout"``, a cage that could not be
