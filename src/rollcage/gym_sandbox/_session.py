@@ -249,6 +249,8 @@ class CageSession:
         Raises:
             TimeoutError: Nothing came within ``timeout_s``.
             SandboxPtyError (the provider's error class): The session is closed.
+
+        **Cancellation:** nothing is lost: a chunk not yet taken stays for the next read.
         """
         self._check_open()
         return await self._out.read(timeout_s)
@@ -258,6 +260,8 @@ class CageSession:
 
         Raises:
             TimeoutError, SandboxPtyError: As :meth:`read`.
+
+        **Cancellation:** as :meth:`read`.
         """
         self._check_open()
         if self._err is not None:
@@ -266,7 +270,10 @@ class CageSession:
         return b""
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        """Output chunks until the end of the stream."""
+        """Output chunks until the end of the stream.
+
+        **Cancellation:** as :meth:`read`.
+        """
         while chunk := await self.read():
             yield chunk
 
@@ -275,6 +282,8 @@ class CageSession:
 
         Raises:
             SandboxPtyError: The session is closed, or nothing reads its input any more.
+
+        **Cancellation:** part of ``data`` may have been written; the session stays usable.
         """
         self._check_open()
         view = memoryview(bytes(data))
@@ -299,6 +308,8 @@ class CageSession:
         Raises:
             ValueError: ``rows`` or ``cols`` out of range.
             SandboxPtyError: The session is closed.
+
+        **Cancellation:** nothing to undo.
         """
         self._check_open()
         if self.mode == "pty":
@@ -310,6 +321,8 @@ class CageSession:
         Raises:
             ValueError: No such signal.
             SandboxPtyError: The session is closed.
+
+        **Cancellation:** nothing to undo.
         """
         self._check_open()
         name = str(signal_name).upper()
@@ -326,6 +339,8 @@ class CageSession:
         Raises:
             TimeoutError: It still runs after ``timeout_s``.
             SandboxPtyError: The session was closed before it exited.
+
+        **Cancellation:** the command runs on; wait again or close.
         """
         if self._code is not None:
             return self._code
@@ -346,6 +361,8 @@ class CageSession:
 
         Raises:
             SandboxPtyError: The session ended before the command finished, or its output passed the bound.
+
+        **Cancellation:** the command runs on in the shell; close the session rather than reuse it.
         """
         del poll_interval_s
         token = f"RCPTY{uuid.uuid4().hex[:12]}"
@@ -422,7 +439,15 @@ class CageSession:
         await self._on_close(self, record)
 
     async def __aenter__(self) -> CageSession:
+        """The session itself.
+
+        **Cancellation:** nothing to undo.
+        """
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Close the session (:meth:`close`).
+
+        **Cancellation:** as :meth:`close`.
+        """
         await self.close()
