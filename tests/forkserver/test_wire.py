@@ -110,6 +110,7 @@ command_starts = st.builds(
     uid=_INTS,
     gid=_INTS,
     cgroups=st.lists(_TEXT, max_size=3),
+    tty=st.booleans(),
 )
 
 

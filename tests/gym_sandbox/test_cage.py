@@ -95,6 +95,55 @@ async def test_the_time_bound_kills_the_command_and_its_children(sandbox: CagedS
     assert after.stdout == b"alive\n"
 
 
+async def test_a_commands_kill_of_every_process_leaves_the_sandbox_working(sandbox: CagedSandbox) -> None:
+    service = await sandbox.run("setsid sleep 4343 </dev/null >/dev/null 2>&1 & echo started", timeout_s=60)
+    assert service.stdout == b"started\n"
+    # kill -KILL -1 reaches every process of the cage it may signal but its init: the holder is it.
+    killed = await sandbox.run("kill -KILL -1; echo survived", timeout_s=60)
+    assert killed.stdout == b"survived\n" and not _processes_with("4343")
+    assert sandbox.is_running()
+    after = await sandbox.run("setsid sleep 4344 </dev/null >/dev/null 2>&1 & echo alive", timeout_s=60)
+    assert after.exit_code == 0 and after.stdout == b"alive\n"
+    assert _processes_with("4344")
+    holder = sandbox.holder
+    await sandbox.close()
+    assert holder is not None and holder.returncode is not None
+    assert not _processes_with("4344")
+
+
+async def test_what_a_command_leaves_orphaned_is_reaped_in_the_cage(sandbox: CagedSandbox) -> None:
+    # A child that outlives its parent is the cage init's; once it ends it is a zombie until reaped.
+    left = await sandbox.run(
+        "sh -c 'sleep 0.05 & echo $!' >orphan.pid; p=$(cat orphan.pid); "
+        "until [ ! -e /proc/$p ] || grep -q '^State:.*Z' /proc/$p/status; do :; done; echo $p",
+        timeout_s=60,
+    )
+    pid = int(left.stdout)
+    # The init reaps it (the command's end told it to): no zombie is left to count against the budget.
+    gone = await sandbox.run(f"while [ -e /proc/{pid} ]; do :; done; echo reaped", timeout_s=30)
+    assert gone.stdout == b"reaped\n", gone
+
+
+async def test_a_sessions_unread_output_stays_bounded_and_nothing_is_lost(sandbox: CagedSandbox) -> None:
+    session = await sandbox.open_session("head -c 1000000 /dev/zero; echo done >&2", pty=False)
+    stream = session._out
+    async with asyncio.timeout(60):
+        while stream.held < stream.limit:  # nobody reads: it fills up to the bound (4096), then stops
+            stream._changed.clear()
+            await stream._changed.wait()
+    # No longer read: the command waits on its full pipe rather than the provider holding its output.
+    assert not stream._reading and stream.held < stream.limit + 65536
+    got = 0
+    while chunk := await session.read(timeout_s=60):
+        got += len(chunk)
+        assert stream.held < stream.limit + 65536
+    assert got == 1000000 and await session.read_stderr(timeout_s=60) == b"done\n"
+    assert await session.wait_exit(timeout_s=60) == 0
+    await session.close()
+    line = json.loads(sandbox.journal_path.read_text().splitlines()[-1])
+    assert line["mode"] == "pipe" and line["stdout_bytes"] == 1000000 and line["exit_code"] == 0
+
+
 async def test_output_is_kept_up_to_the_bound(sandbox: CagedSandbox) -> None:
     result = await sandbox.run("head -c 1000000 /dev/zero | tr '\\0' x; echo done >&2", timeout_s=60)
     assert result.exit_code == 0 and result.truncated
@@ -189,6 +238,7 @@ async def test_a_user_who_is_not_root_is_refused(
 async def test_rollcage_show_reads_a_sandboxs_journal(sandbox: CagedSandbox) -> None:
     await sandbox.run("echo shown-command", timeout_s=60)
     await sandbox.run("sleep 30", timeout_s=1)
+    await sandbox.open_session("echo shown-session; exec sleep 4545")  # ended by the close
     await sandbox.close()
     # A crash mid-write leaves a last line cut short: shown as such, the rest still read.
     with sandbox.journal_path.open("ab") as journal:
@@ -206,6 +256,7 @@ async def test_rollcage_show_reads_a_sandboxs_journal(sandbox: CagedSandbox) -> 
     assert sandbox.sandbox_id in done.stdout and sandbox.image.ref in done.stdout
     assert "echo shown-command" in done.stdout and "timed_out" in done.stdout
     assert "cut short" in done.stdout
+    assert "pty-session,ended_by_close" in done.stdout and "exec sleep 4545" in done.stdout
 
 
 _CREATOR = """

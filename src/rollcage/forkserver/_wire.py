@@ -388,6 +388,8 @@ class CommandStart(Message):
         uid: The uid it runs as, in the cage's user namespace.
         gid: Likewise, the gid.
         cgroups: The sandbox's ``cgroup.procs`` files it is moved into before it joins the cage.
+        tty: Its stdin is a terminal's slave, made its controlling terminal (``TIOCSCTTY``) once it
+            leads its session: a PTY session's command.
     """
 
     KIND: ClassVar[int] = 11
@@ -400,6 +402,7 @@ class CommandStart(Message):
         "uid": _is_int,
         "gid": _is_int,
         "cgroups": _is_strs,
+        "tty": _is_bool,
     }
 
     argv: list[str]
@@ -408,6 +411,7 @@ class CommandStart(Message):
     uid: int
     gid: int
     cgroups: list[str] = field(default_factory=list)
+    tty: bool = False
 
 
 MESSAGES: dict[int, type[Message]] = {

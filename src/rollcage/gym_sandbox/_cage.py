@@ -20,6 +20,10 @@ This module knows nothing of NeMo Gym (:mod:`rollcage.gym_sandbox.provider` adap
   a container. A bound on wall-clock time kills the command's process group; output is kept up to
   a bound. A handshake printed from inside the cage before the command starts tells a cage that
   could not be entered from a command that failed.
+* **sessions**: :meth:`CagedSandbox.open_session` starts a live command or shell on a terminal or
+  pipes (:mod:`rollcage.gym_sandbox._session`), forked by the joiner as a command is.
+* **its init**: the holder is the cage's PID 1 (``bwrap --as-pid-1``), so a command's
+  ``kill -KILL -1`` cannot end the sandbox; it reaps what is orphaned to it after each command.
 * **files**: uploads and downloads run as commands in the cage (``cat``), so every path is resolved
   inside the sandbox's root as its user sees it: nothing outside it can be named.
 * **close**: everything in the cgroups is killed, the cgroups removed, the root unmounted (its
@@ -59,6 +63,7 @@ from rollcage.cage import BwrapTools, find_tools
 from rollcage.durable import fsync_directory, publish_json
 from rollcage.errors import SandboxError
 from rollcage.gym_sandbox._joiner import Joiner, JoinerUnavailable, Started
+from rollcage.gym_sandbox._session import CageSession, SessionEnded, open_terminal, set_size
 from rollcage.images import ImageStore, image_sandbox
 from rollcage.procs import PidHandle, ProcInfo, read_proc, read_ready, shielded, signal_group, within
 from rollcage.protocol import ImageSandbox
@@ -87,13 +92,17 @@ _REAP_S: Final = 10.0
 _ATTACH: Final = "attach.json"
 _TAIL: Final = 1 << 20  # read back to find the last line's number (a line is far smaller)
 _JOIN: Final = str(Path(__file__).with_name("_join.py"))
-# The cage's init's only child. It makes the working directory (as docker makes WorkingDir), says it
-# is ready (one byte: the cage was built and runs the image's shell), then waits for the end of its
-# stdin (the provider closing the sandbox, or dying), ignoring polite signals; its death takes the
-# cage's PID namespace along.
+# The cage's PID 1 (bwrap --as-pid-1): a command's ``kill -KILL -1`` reaches every process of the
+# cage but its init, so the sandbox outlives it. It makes the working directory (as docker makes
+# WorkingDir), says it is ready (one byte: the cage was built and runs the image's shell), then
+# reads its stdin until its end (the provider closing the sandbox, or dying), ignoring polite
+# signals. Each line the provider sends (after every command: :meth:`CagedSandbox._reap_orphans`)
+# makes it run ``jobs``, whose wait for any child reaps what was orphaned to it (a background
+# service's children, once they end), as bubblewrap's own init did. Its death takes the cage's
+# PID namespace along.
 _HOLDER: Final = (
     "trap '' HUP INT QUIT TERM USR1 USR2; mkdir -p -- \"$1\" || exit 125; printf r; exec >/dev/null; "
-    "while IFS= read -r _; do :; done"
+    'while :; do IFS= read -r _; s=$?; jobs >/dev/null; [ "$s" = 1 ] && exit 0; done'
 )
 _READY_S: Final = 120.0
 
@@ -168,6 +177,8 @@ class CagedSandbox:
     """The fork server that starts its commands; ``None``: a fresh helper interpreter per command."""
     owns_joiner: bool = False
     """Whether :meth:`close` stops :attr:`joiner` (it is the sandbox's own, not its provider's)."""
+    sessions: set[CageSession] = field(default_factory=set)
+    """Its open sessions (:meth:`open_session`): its close ends them."""
 
     @property
     def journal_path(self) -> Path:
@@ -265,6 +276,7 @@ class CagedSandbox:
                 )
         if result is None:
             result = await self._communicate(argv, marker.encode() + b"\n", stdin, timeout_s, limit)
+        self._reap_orphans()
         if journal:
             await asyncio.to_thread(
                 self._append,
@@ -443,6 +455,129 @@ class CagedSandbox:
         finally:
             os.close(fd)
 
+    async def open_session(
+        self,
+        command: str | None,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | int | None = None,
+        rows: int = 24,
+        cols: int = 80,
+        pty: bool = True,
+        error: type[Exception] = SessionEnded,
+    ) -> CageSession:
+        """Start ``/bin/sh -c command`` (``None``: the image's shell, ``/bin/sh -i``) as a live session.
+
+        On a terminal sized ``rows`` x ``cols`` (its controlling terminal), or with ``pty=False`` on
+        three pipes; see :mod:`rollcage.gym_sandbox._session`. A closed session raises ``error``.
+
+        Raises:
+            SandboxError: The sandbox is closed, its joiner cannot be reached, or the cage could not
+                be entered (the message says why).
+            ValueError: ``user``, ``rows`` or ``cols`` cannot be honoured.
+
+        **Cancellation:** a command already started is killed and reaped.
+        """
+        if self.closed:
+            raise SandboxError(f"sandbox {self.sandbox_id} is closed; create a new one")
+        if self.joiner is None:
+            raise SandboxError(f"sandbox {self.sandbox_id} has no joiner to start a session with")
+        uid = self.resolve_uid(user)
+        workdir = cwd or self.workdir
+        merged_env = {**self.env, **(env or {})}
+        if pty:
+            merged_env.setdefault("TERM", "xterm")
+        argv = ["/bin/sh", "-i"] if command is None else ["/bin/sh", "-c", command]
+        ours: list[int] = []
+        theirs: list[int] = []
+        try:
+            if pty:
+                master, slave = open_terminal(self.holder_fd.info.pid)
+                ours, theirs = [master], [slave]
+                set_size(master, rows, cols)
+                stdio = (slave, slave, slave)
+            else:
+                pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(3)]
+                ours = [pipes[0][1], pipes[1][0], pipes[2][0]]
+                theirs = [pipes[0][0], pipes[1][1], pipes[2][1]]
+                stdio = (theirs[0], theirs[1], theirs[2])
+            started_at = time.time()
+            try:
+                started = await self.joiner.start(
+                    self.holder_fd.fd,
+                    argv,
+                    env=merged_env,
+                    cwd=workdir,
+                    uid=uid,
+                    cgroups=self.procs_files,
+                    stdio=stdio,
+                    tty=pty,
+                )
+            finally:
+                for fd in theirs:
+                    os.close(fd)
+                theirs = []
+            failed: str | None = "cancelled"
+            try:
+                async with asyncio.timeout(_READY_S):
+                    failed = await started.entered()
+            except TimeoutError:
+                failed = f"no word from the command within {_READY_S:g}s"
+            finally:
+                if failed is not None:
+                    signal_group(started.child.pid, signal.SIGKILL)
+                    started.child.kill()
+                    await shielded(within(started.child.wait(), _REAP_S))
+                    started.child.reap()
+                    started.status.close()
+            if failed is not None:
+                raise SandboxError(f"cannot start a session in the sandbox's cage: {failed}")
+            if pty:
+                stdin, stdout, stderr = os.dup(ours[0]), ours[0], None
+            else:
+                stdin, stdout, stderr = ours[0], ours[1], ours[2]
+            ours = []
+        finally:
+            for fd in [*ours, *theirs]:
+                os.close(fd)
+        session = CageSession(
+            started=started,
+            mode="pty" if pty else "pipe",
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            limit=self.budgets.output_bytes,
+            error=error,
+            on_close=self._session_closed,
+            record={
+                "command": "/bin/sh -i" if command is None else command,
+                "args": [],
+                "cwd": workdir,
+                "uid": uid[0],
+                "started_at": started_at,
+            },
+        )
+        self.sessions.add(session)
+        self._running.add(session.pid)
+        return session
+
+    async def _session_closed(self, session: CageSession, record: dict[str, Any]) -> None:
+        self.sessions.discard(session)
+        self._running.discard(session.pid)
+        self._reap_orphans()
+        await asyncio.to_thread(self._append, record)
+
+    def _reap_orphans(self) -> None:
+        """Have the cage's init reap what a command left orphaned (one line on its stdin; see ``_HOLDER``).
+
+        An attached sandbox's creator does it for its own commands.
+        """
+        holder = self.holder
+        if holder is not None and holder.stdin is not None and not holder.stdin.is_closing():
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                holder.stdin.write(b"\n")
+
     async def upload(self, data: bytes, target: str) -> None:
         """Write ``data`` to ``target`` in the sandbox (relative: to its working directory), as its user.
 
@@ -488,6 +623,8 @@ class CagedSandbox:
             return
         self.closed = True
         try:
+            for session in list(self.sessions):
+                await session.close()  # killed, reaped and journaled; its reads now raise
             if self.holder is None:  # attached: detach, the sandbox is its creator's to close
                 self.holder_fd.close()
                 return
@@ -865,6 +1002,7 @@ def _holder_argv(
         "--unshare-user",
         *(["--disable-userns"] if tools.disable_userns else []),
         "--unshare-pid",
+        "--as-pid-1",
         "--unshare-ipc",
         "--unshare-uts",
         "--unshare-cgroup-try",

@@ -140,8 +140,11 @@ class Joiner:
         uid: tuple[int, int],
         cgroups: Sequence[str],
         stdio: tuple[int, int, int],
+        tty: bool = False,
     ) -> Started:
         """Fork ``argv`` into the cage of the holder whose pidfd is ``holder``, with ``stdio`` as its 0, 1, 2.
+
+        With ``tty``, ``stdio[0]`` is a terminal's slave, made the command's controlling terminal.
 
         The descriptors stay the caller's (the joiner has copies, closed once it forked).
 
@@ -156,7 +159,13 @@ class Joiner:
         ours.setblocking(False)
         try:
             message = CommandStart(
-                argv=list(argv), env=dict(env), cwd=cwd, uid=uid[0], gid=uid[1], cgroups=list(cgroups)
+                argv=list(argv),
+                env=dict(env),
+                cwd=cwd,
+                uid=uid[0],
+                gid=uid[1],
+                cgroups=list(cgroups),
+                tty=tty,
             )
             try:
                 self._request(message, [holder, theirs.fileno(), *stdio])

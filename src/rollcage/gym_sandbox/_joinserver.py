@@ -31,9 +31,11 @@ The joiner stays outside every cage: a command cannot see it (another PID namesp
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import sys
+import termios
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -96,6 +98,10 @@ def _become(request: Any, fds: list[int]) -> None:
         os.dup2(stdin, 0)
         os.dup2(stdout, 1)
         os.dup2(stderr, 2)
+        if request.tty:
+            # A PTY session: its terminal becomes the new session's controlling terminal, so the
+            # shell has job control and the terminal's signals (^C) reach its foreground group.
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         os.closerange(4, 1 << 20)
         os.chdir(request.cwd)
         # Python ignores these at start; an executed command must find them as any shell leaves them.

@@ -82,6 +82,10 @@ def render_sandbox(directory: Path) -> RenderableType:
                 break
             raise ViewerError(f"{journal}: line {index + 1} is not JSON ({exc})") from exc
         flags = [name for name in ("timed_out", "cage_failed", "truncated") if entry.get(name)]
+        if entry.get("session"):  # a PTY or pipe session (create_pty), journaled when it closed
+            flags.insert(0, f"{entry.get('mode')}-session")
+            if entry.get("ended_by_close"):
+                flags.append("ended_by_close")
         command = str(entry.get("command", ""))
         if entry.get("args"):
             command += " -- " + " ".join(str(a) for a in entry["args"])

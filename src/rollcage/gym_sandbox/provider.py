@@ -20,6 +20,13 @@ What a ``SandboxSpec`` means here:
 * ``provider_options``: ``max_processes``, ``output_bytes`` (kept of each stream of each command),
   ``file_bytes`` (largest download).
 
+Sessions (NeMo Gym's ``SupportsSandboxPty``): :meth:`RollcageProvider.create_pty` starts
+``spec.command`` (or the image's ``/bin/sh -i``) on a terminal made in the cage's own ``devpts``,
+its controlling terminal, sized ``rows`` x ``cols`` before it executes; ``pty=False`` gives pipes,
+stderr apart. Each session is journaled in ``execs.jsonl`` when it closes; closing the sandbox
+ends its sessions (their reads then raise ``SandboxPtyError``). See
+:mod:`rollcage.gym_sandbox._session`.
+
 Errors: a sandbox that cannot be made raises ``SandboxCreateError`` (its cause in the message:
 not root, the image, bubblewrap); one made but not ready ``SandboxCreateVerificationError``. A command
 past its time bound returns exit status 125 with ``error_type="timeout"``, a cage that could not be
@@ -41,6 +48,8 @@ try:
         SandboxCreateVerificationError,
         SandboxExecResult,
         SandboxHandle,
+        SandboxPtyError,
+        SandboxPtySpec,
         SandboxResources,
         SandboxSpec,
         SandboxStatus,
@@ -62,6 +71,7 @@ from rollcage.gym_sandbox._cage import (
     release_abandoned,
 )
 from rollcage.gym_sandbox._joiner import Joiner
+from rollcage.gym_sandbox._session import CageSession
 from rollcage.images import ImageStore
 
 __all__ = ["DEFAULT_STATE_DIR", "STATE_ENV", "RollcageProvider", "image_ref"]
@@ -262,6 +272,33 @@ class RollcageProvider:
         **Cancellation:** as :meth:`exec`.
         """
         return await self.exec(handle, command, cwd=cwd, timeout_s=timeout_s)
+
+    async def create_pty(self, handle: SandboxHandle, spec: SandboxPtySpec) -> CageSession:
+        """Start a live session in the sandbox: ``spec.command`` (or ``/bin/sh -i``) on a terminal of
+        ``spec.rows`` x ``spec.cols``, or with ``spec.pty=False`` on pipes, stderr apart.
+
+        The session is journaled like an exec when it closes; closing the sandbox ends it.
+
+        Raises:
+            ValueError: ``spec.user`` is not the image's user, or a size out of range.
+            SandboxPtyError: The session could not be started (the message says why).
+
+        **Cancellation:** a command already started is killed and reaped.
+        """
+        sandbox = self._sandbox(handle)
+        try:
+            return await sandbox.open_session(
+                spec.command,
+                cwd=spec.cwd,
+                env=spec.env,
+                user=spec.user,
+                rows=spec.rows,
+                cols=spec.cols,
+                pty=spec.pty,
+                error=SandboxPtyError,
+            )
+        except RollcageError as exc:
+            raise SandboxPtyError(f"rollcage provider: cannot start a session: {exc}") from exc
 
     async def upload_file(self, handle: SandboxHandle, source_path: Path, target_path: str) -> None:
         """Copy a host file to ``target_path`` in the sandbox (relative: to its working directory).
