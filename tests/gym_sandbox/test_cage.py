@@ -310,3 +310,57 @@ async def test_a_dead_creators_sandbox_is_released_and_a_live_one_kept(
     assert record["abandoned"] and record["closed_at"]
     assert not _processes_with("4343")
     assert sandbox.is_running() and (await sandbox.run("echo ok", timeout_s=60)).stdout == b"ok\n"
+
+
+def test_a_real_unprivileged_user_is_refused_and_leaves_nothing(image: TaskImage) -> None:
+    # Not a patched geteuid: the test user, with no capability, asks for a sandbox.
+    from tests.helpers.unprivileged import chown_tree, make_test_user, run_as, user_dir
+
+    user = make_test_user()
+    with user_dir(user) as home:
+        state, ref = home / "state", image.ref
+        chown_tree(home, user)
+        script = (
+            "import asyncio, sys\n"
+            "from pathlib import Path\n"
+            "from rollcage.errors import SandboxError\n"
+            "from rollcage.gym_sandbox._cage import open_sandbox\n"
+            "from rollcage.images import ImageStore\n"
+            "try:\n"
+            f"    asyncio.run(open_sandbox({ref!r}, state_dir=Path({str(state)!r}),"
+            f" store=ImageStore(Path({str(home / 'store')!r}))))\n"
+            "except SandboxError as exc:\n"
+            "    print('refused:', exc); sys.exit(0)\n"
+            "sys.exit(3)\n"
+        )
+        done = run_as(user, [sys.executable, "-c", script], home=home, timeout_s=120)
+        assert done.returncode == 0, done.stdout
+        assert "refused:" in done.stdout and "must run as root" in done.stdout
+        assert not state.exists() or not any(state.iterdir())
+
+
+async def test_neighbour_sandboxes_cannot_see_signal_or_starve_each_other(
+    image: TaskImage, state: Path, store: ImageStore
+) -> None:
+    budgets = SandboxBudgets(output_bytes=4096, max_processes=64)
+    a = await open_sandbox(image.ref, state_dir=state, store=store, budgets=budgets)
+    b = await open_sandbox(image.ref, state_dir=state, store=store, budgets=budgets)
+    try:
+        service = await b.run("sleep 600 >/dev/null 2>&1 & echo $!", timeout_s=60)
+        assert service.exit_code == 0, service.stderr
+        wrote = await b.run("echo mine > b-secret && pwd", timeout_s=60)
+        assert wrote.exit_code == 0, wrote.stderr
+        secret = wrote.stdout.decode().strip() + "/b-secret"
+        # A looks for B and tries to end everything it can reach, then forks until its budget stops it.
+        seen = await a.run(f"cat {secret}; ls /proc | grep -c '^[0-9]'", timeout_s=60)
+        assert b"mine" not in seen.stdout
+        await a.run("kill -KILL -1", timeout_s=60)
+        bomb = await a.run("i=0; while [ $i -lt 500 ]; do sleep 30 & i=$((i+1)); done; wait", timeout_s=5)
+        assert bomb.timed_out or bomb.exit_code != 0
+        # B is untouched: its service lives and it still runs commands.
+        alive = await b.run(f"kill -0 {int(service.stdout)} && echo alive", timeout_s=60)
+        assert alive.exit_code == 0 and alive.stdout.strip() == b"alive", alive
+        assert (await b.run(f"cat {secret}", timeout_s=60)).stdout.strip() == b"mine"
+    finally:
+        await a.close()
+        await b.close()
