@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -22,29 +20,9 @@ from rollcage.errors import SandboxError
 from rollcage.gym_sandbox._cage import CagedSandbox, SandboxBudgets, open_sandbox, release_abandoned
 from rollcage.images import ImageStore
 from rollcage.procs import PidHandle, read_proc, wait_readable
-from rollcage.supervisor.imageroot import release_image_root
 from tests.helpers.task_images import TaskImage, make_task_image
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the rollcage sandbox needs root")
-
-
-@pytest.fixture
-def state() -> Iterator[Path]:
-    """A state directory the sandbox's uid can pass through (pytest's own are 0700)."""
-    directory = Path(tempfile.mkdtemp(prefix="rollcage-gym-test-", dir="/tmp"))
-    os.chmod(directory, 0o711)
-    try:
-        yield directory
-    finally:
-        # Whatever a failed test left mounted is released before the directory goes.
-        for sandbox in directory.iterdir():
-            release_image_root(sandbox)
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture
-def image(tmp_path: Path) -> TaskImage:
-    return make_task_image(tmp_path / "image", python=False)
 
 
 @pytest.fixture

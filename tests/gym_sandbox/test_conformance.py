@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rollcage.supervisor.imageroot import release_image_root
 from tests.helpers.task_images import make_task_image
 from tests.helpers.upstream import run_upstream
 
@@ -129,20 +125,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-@pytest.fixture
-def state() -> Iterator[Path]:
-    """A state directory the sandbox's uid can pass through (pytest's own are 0700)."""
-    directory = Path(tempfile.mkdtemp(prefix="rollcage-gym-test-", dir="/tmp"))
-    os.chmod(directory, 0o711)
-    try:
-        yield directory
-    finally:
-        # Whatever a failed test left mounted is released before the directory goes.
-        for sandbox in directory.iterdir():
-            release_image_root(sandbox)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_nemo_gym_drives_rollcage_like_local(tmp_path: Path, state: Path) -> None:

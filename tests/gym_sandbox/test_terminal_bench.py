@@ -18,13 +18,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rollcage.supervisor.imageroot import release_image_root
 from tests.helpers.oci import Image, Registry, push
 from tests.helpers.task_images import ENV, _layer
 from tests.helpers.upstream import run_upstream
@@ -88,20 +86,6 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture
-def state() -> Iterator[Path]:
-    """A state directory the sandbox's uid can pass through (pytest's own are 0700)."""
-    directory = Path(tempfile.mkdtemp(prefix="rollcage-gym-test-", dir="/tmp"))
-    os.chmod(directory, 0o711)
-    try:
-        yield directory
-    finally:
-        # Whatever a failed test left mounted is released before the directory goes.
-        for sandbox in directory.iterdir():
-            release_image_root(sandbox)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_terminal_bench_grades_in_rollcage_sandboxes(
