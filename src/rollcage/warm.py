@@ -10,7 +10,8 @@ and no event loop, holds no credential, and dies with its parent.
 For each rollout the supervisor has bubblewrap build the cage as for a cold start,
 with a holder in the worker's place (:data:`~rollcage.cage.HOLDER_SCRIPT`), and
 sends the template one :class:`~rollcage.forkserver.WorkerStart` with three descriptors: a
-pidfd of the holder, a report socket, and ``worker.log``. The template (a
+pidfd of the holder, a report socket, and ``worker.log`` (and after them those a cold start's
+worker inherits: a harness rollout's relay to the supervisor). The template (a
 :class:`~rollcage.forkserver.ForkServer` that pre-imported the worker) joins the holder's
 PID namespace for its next child only, forks the worker into it as the
 *supervisor's* child (``clone3`` with ``CLONE_PARENT``: no process stands between
@@ -36,7 +37,8 @@ The worker then, before it runs anything of the rollout's:
 
 Then it drops every capability, takes the sandbox's uid and gid, sets
 ``no_new_privs``, takes the cage's resource limits, keeps only ``/dev/null`` and
-the log as its standard descriptors (every other one is closed), starts a
+the log as its standard descriptors and the start's passed descriptors at the numbers a cold
+start's worker has them (every other one is closed), starts a
 session, takes the working directory and the exact environment a cold start would
 have, and runs :func:`rollcage.worker.worker_main`; it always ends in ``os._exit``.
 It has no parent-death signal: its parent is a thread of the supervisor's, which
@@ -53,6 +55,7 @@ same effect (:mod:`rollcage.supervisor.warm`).
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import locale
 import os
@@ -77,6 +80,7 @@ from rollcage.cage import (
     show_process,
 )
 from rollcage.forkserver import (
+    MAX_PASS_FDS,
     Entered,
     EnterFailed,
     Forked,
@@ -98,7 +102,8 @@ __all__ = ["template_main"]
 _REQUEST_ROOM = 2 << 20
 """Bytes a start is received with: more than :class:`WorkerStart`'s bound, so one over it is refused."""
 _REQUEST_FDS = 3
-"""Descriptors of a start: holder pidfd, report socket (``SOCK_SEQPACKET``), worker.log."""
+"""Descriptors of a start before those it passes on: holder pidfd, report socket (``SOCK_SEQPACKET``),
+worker.log."""
 
 
 def template_main(argv: list[str]) -> int:
@@ -129,8 +134,13 @@ def template_main(argv: list[str]) -> int:
 def _serve(server: ForkServer, modules: frozenset[str]) -> bool:
     """Take one start off the control socket and fork its worker; ``False`` once the socket has ended."""
     try:
+        # Room for one descriptor more than a start carries: more is MSG_CTRUNC, refused. Close-on-exec
+        # from the first instant: the executor template this process may start meanwhile (and anything
+        # a worker runs) inherits none of them; the worker makes its passed ones inheritable itself.
         data, ancillary, flags, _ = server.control.recvmsg(
-            _REQUEST_ROOM, socket.CMSG_SPACE(4 * (_REQUEST_FDS + 1))
+            _REQUEST_ROOM,
+            socket.CMSG_SPACE(4 * (_REQUEST_FDS + MAX_PASS_FDS + 1)),
+            socket.MSG_CMSG_CLOEXEC,
         )
     except InterruptedError:
         return True
@@ -144,7 +154,7 @@ def _serve(server: ForkServer, modules: frozenset[str]) -> bool:
     try:
         if isinstance(request, WorkerStart):
             _start(server, request, fds, modules=modules)
-        elif len(fds) == _REQUEST_FDS:
+        elif len(fds) >= _REQUEST_FDS:
             # Nothing is forked: the supervisor hears why on the start's report socket.
             _report(fds[1], Unforked(reason=f"a malformed start: {request}"))
     finally:
@@ -180,7 +190,7 @@ _executors: ExecutorTemplateLink | None = None
 
 def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules: frozenset[str]) -> None:
     """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
-    holder, report, log = fds
+    holder, report, log, *passed = fds
     env = _worker_environment(request)
     channel = _link(request, env)
     try:
@@ -195,7 +205,16 @@ def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules:
             return
         if pid == 0:
             server.control.close()
-            _enter(request, env, holder=holder, report=report, log=log, modules=modules, channel=channel)
+            _enter(
+                request,
+                env,
+                holder=holder,
+                report=report,
+                log=log,
+                passed=passed,
+                modules=modules,
+                channel=channel,
+            )
     finally:
         if channel >= 0:
             # The worker's copy is its own (it gone, or never forked: the executor template sees the end).
@@ -276,10 +295,14 @@ def _enter(
     holder: int,
     report: int,
     log: int,
+    passed: list[int],
     modules: frozenset[str],
     channel: int,
 ) -> NoReturn:
-    """The worker, born in the cage's PID namespace: move into its cgroups, join the cage, report, run."""
+    """The worker, born in the cage's PID namespace: move into its cgroups, join the cage, report, run.
+
+    ``passed``: the start's descriptors for :attr:`WorkerStart.pass_fds`, in its order.
+    """
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for path in request.cgroups:
@@ -300,7 +323,7 @@ def _enter(
         os._exit(1)
     # The supervisor measures the tmpfs through these roots, whoever outlives whom.
     _report(report, Entered(), roots)
-    _become_worker(request, env, log=log, modules=modules, channel=channel)
+    _become_worker(request, env, log=log, passed=passed, modules=modules, channel=channel)
 
 
 class _MountRefused(OSError):
@@ -344,7 +367,13 @@ def _mount(mount: dict[str, Any]) -> int:
 
 
 def _become_worker(
-    request: WorkerStart, env: dict[str, str], *, log: int, modules: frozenset[str], channel: int
+    request: WorkerStart,
+    env: dict[str, str],
+    *,
+    log: int,
+    passed: list[int],
+    modules: frozenset[str],
+    channel: int,
 ) -> NoReturn:
     """The worker, in its cage: become what a cold start runs, then run it."""
     out = log
@@ -352,23 +381,24 @@ def _become_worker(
         # The supervisor knows a rollout's processes by the token in their environment, and people
         # know a worker by its command line: not the template's, which a fork would show.
         show_process([sys.executable, "-m", "rollcage", "worker", *request.argv], request.env)
-        drop_privileges(request.uid, request.gid)
-        Limits(**request.limits).apply()
-        os.umask(request.umask)
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
         out = 2
+        # Before the cage's limits: a number a cold worker inherits may lie past its RLIMIT_NOFILE,
+        # which refuses a new descriptor there, not an inherited one.
+        channel = _place(passed, request.pass_fds, channel)
+        # Kept: the passed descriptors, and the worker's socket to the executor template
+        # (see rollcage.tools._forked); every other one is closed.
+        _close_all_but({*request.pass_fds, *([channel] if channel >= 0 else [])})
+        drop_privileges(request.uid, request.gid)
+        Limits(**request.limits).apply()
+        os.umask(request.umask)
         if channel >= 0:
-            # Kept: the worker's socket to the executor template (see rollcage.tools._forked).
-            os.closerange(3, channel)
-            os.closerange(channel + 1, 1 << 20)
             from rollcage.tools import adopt_executor_template
 
             adopt_executor_template(channel)
-        else:
-            os.closerange(3, 1 << 20)
         os.chdir(request.cwd)
         os.setsid()
         os.environ.clear()
@@ -380,3 +410,32 @@ def _become_worker(
     from rollcage.worker import run_worker
 
     run_worker(request.argv, forked_from=modules)
+
+
+def _place(passed: list[int], numbers: list[int], channel: int) -> int:
+    """Put each of ``passed`` at its number of ``numbers``, inheritable as a cold start's worker holds
+    it; where the executor template's ``channel`` is then (moved if it stood at one of them).
+
+    Each descriptor is first moved above every number involved, so that putting one in place never
+    closes another still to be placed (a number may be the place of another received descriptor).
+    """
+    floor = max([2, channel, *numbers, *passed]) + 1
+    if channel in numbers:
+        inheritable = os.get_inheritable(channel)
+        channel = fcntl.fcntl(channel, fcntl.F_DUPFD_CLOEXEC, floor)
+        os.set_inheritable(channel, inheritable)
+    lifted = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in passed]
+    for fd, number in zip(lifted, numbers, strict=True):
+        os.dup2(fd, number, inheritable=True)
+    for fd in lifted:
+        os.close(fd)
+    return channel
+
+
+def _close_all_but(kept: set[int]) -> None:
+    """Close every descriptor from 3 up but ``kept``."""
+    low = 3
+    for fd in sorted(kept):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)

@@ -121,6 +121,9 @@ WARM_MODULES: tuple[str, ...] = (
     "rollcage.tools",
     "rollcage.tools._repl",
     "rollcage.cage",
+    # A harness rollout's worker: its relay to the supervisor, the forwarder and the runner.
+    "rollcage.harness",
+    "rollcage.harness.worker",
     "json",
     "pydantic.plugin._loader",
     # asyncio's thread pool. (Plain HTTP goes through rollcage.http's h11 transport: no worker

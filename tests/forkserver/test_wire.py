@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollcage.forkserver import (
+    MAX_PASS_FDS,
     MESSAGES,
     CommandStart,
     Entered,
@@ -32,6 +33,7 @@ from rollcage.forkserver import (
     WorkerStart,
     decode,
     encode,
+    pass_fds_problem,
     receive_now,
     send,
 )
@@ -93,6 +95,7 @@ worker_starts = st.builds(
         max_size=2,
     ),
     keep=st.lists(_TEXT, max_size=3),
+    pass_fds=st.lists(st.integers(min_value=3, max_value=1 << 16), max_size=MAX_PASS_FDS, unique=True),
 )
 executor_starts = st.builds(
     ExecutorStart,
@@ -118,6 +121,8 @@ command_starts = st.builds(
 @given(message=worker_starts | executor_starts | command_starts)
 def test_a_start_comes_back_as_it_was_sent(message: Message) -> None:
     fds = {WorkerStart: 3, ExecutorStart: 4, CommandStart: 5}[type(message)]
+    if isinstance(message, WorkerStart):
+        fds += len(message.pass_fds)
     assert decode(encode(message), list(range(fds)), expect=[type(message)]) == message
 
 
@@ -254,3 +259,77 @@ def test_a_peer_gone_is_an_end_of_file_not_an_error(pair: tuple[socket.socket, s
     theirs.close()
     got = receive_now(ours, ALL)
     assert got.ended and got.message is None and got.error is None
+
+
+_START = {"argv": [], "env": {}, "cwd": "/", "uid": 1, "gid": 1, "limits": {}, "umask": 18, "cgroups": []}
+_START_REST = {"clear_groups": True, "mounts": [], "keep": []}
+
+
+def _start_frame(pass_fds: object) -> bytes:
+    return _frame(WorkerStart, json.dumps({**_START, **_START_REST, "pass_fds": pass_fds}).encode())
+
+
+@pytest.mark.parametrize(
+    ("pass_fds", "fds"),
+    [
+        ([2], 4),  # a standard descriptor's place
+        ([7, 7], 5),  # two at one number
+        (list(range(3, 4 + MAX_PASS_FDS)), 3),  # more than a start passes on
+        ([True], 4),
+        ("7", 4),
+    ],
+)
+def test_a_start_that_would_pass_descriptors_where_it_may_not_is_refused_and_closes_them(
+    pair: tuple[socket.socket, socket.socket], pass_fds: object, fds: int
+) -> None:
+    ours, theirs = pair
+    before = _open_fds()
+    _sent_with(theirs, _start_frame(pass_fds), fds)
+    words = f"WorkerStart: its field 'pass_fds' is not a list of at most {MAX_PASS_FDS} distinct descriptor"
+    assert _error(ours, (WorkerStart,)).startswith(words)
+    assert _open_fds() == before
+    assert pass_fds_problem([7]) is None
+    if isinstance(pass_fds, list) and all(type(fd) is int for fd in pass_fds):
+        assert pass_fds_problem(pass_fds) is not None
+
+
+@pytest.mark.parametrize("count", [3, 5])
+def test_a_start_whose_descriptors_are_not_its_three_and_those_it_passes_is_refused(
+    pair: tuple[socket.socket, socket.socket], count: int
+) -> None:
+    ours, theirs = pair
+    start = WorkerStart(argv=[], env={}, cwd="/", uid=1, gid=1, pass_fds=[9])
+    _sent_with(theirs, encode(start), count)
+    assert _error(ours, (WorkerStart,)) == (
+        f"WorkerStart: came with {count} descriptors, which its fields do not account for"
+    )
+    with pytest.raises(WireError, match="do not account for 3"):
+        send(theirs, start, [0, 1, 2])
+
+
+def test_a_start_that_passes_descriptors_on_comes_with_them_after_its_three(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, theirs = pair
+    start = WorkerStart(argv=[], env={}, cwd="/", uid=1, gid=1, pass_fds=[40, 9])
+    _sent_with(theirs, encode(start), 5)
+    got = receive_now(ours, (WorkerStart,))
+    try:
+        assert got.message == start and len(got.fds) == 5
+    finally:
+        for fd in got.fds:
+            os.close(fd)
+
+
+def test_received_descriptors_are_close_on_exec_from_the_start(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """A process spawned while they are held (another rollout's bubblewrap) inherits none of them."""
+    ours, theirs = pair
+    _sent_with(theirs, encode(Forked(pid=1)), 1)
+    got = receive_now(ours, (Forked,))
+    try:
+        assert len(got.fds) == 1 and not os.get_inheritable(got.fds[0])
+    finally:
+        for fd in got.fds:
+            os.close(fd)

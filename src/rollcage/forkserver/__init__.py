@@ -25,6 +25,7 @@ from __future__ import annotations
 from rollcage.forkserver._client import receive, receive_now
 from rollcage.forkserver._server import ForkServer
 from rollcage.forkserver._wire import (
+    MAX_PASS_FDS,
     MESSAGES,
     CommandStart,
     Entered,
@@ -41,10 +42,12 @@ from rollcage.forkserver._wire import (
     WorkerStart,
     decode,
     encode,
+    pass_fds_problem,
     send,
 )
 
 __all__ = [
+    "MAX_PASS_FDS",
     "MESSAGES",
     "CommandStart",
     "EnterFailed",
@@ -62,6 +65,7 @@ __all__ = [
     "WorkerStart",
     "decode",
     "encode",
+    "pass_fds_problem",
     "receive",
     "receive_now",
     "send",

@@ -51,7 +51,8 @@ def receive_now(
     size, fds = room(expect)
     ancillary_room = socket.CMSG_SPACE(4 * fds) + (CREDENTIALS_SPACE if credentials else 0)
     try:
-        data, ancillary, flags, _ = sock.recvmsg(size, ancillary_room)
+        # Close-on-exec from the first instant: a process this one spawns meanwhile inherits none of them.
+        data, ancillary, flags, _ = sock.recvmsg(size, ancillary_room, socket.MSG_CMSG_CLOEXEC)
     except (ConnectionResetError, BrokenPipeError):
         return Received(None, [], 0)
     received, sender = unpack_ancillary(ancillary)

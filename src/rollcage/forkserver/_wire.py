@@ -89,6 +89,7 @@ else:
 __all__ = [
     "HEADER",
     "MAX_FDS",
+    "MAX_PASS_FDS",
     "MESSAGES",
     "CommandStart",
     "EnterFailed",
@@ -107,6 +108,7 @@ __all__ = [
     "descriptors_problem",
     "encode",
     "kind_of",
+    "pass_fds_problem",
     "room",
     "send",
 ]
@@ -117,6 +119,11 @@ HEADER = struct.Struct("!2sBBI")
 """``b"rc"``, the codec's version, the message's kind, the body's length in bytes."""
 MAX_FDS = 64
 """The most descriptors any message carries (an executor client and its rollout's cgroups)."""
+MAX_PASS_FDS = 8
+"""The most descriptors a worker start passes on to the worker (:attr:`WorkerStart.pass_fds`): a
+harness rollout's relay to the supervisor is one."""
+_HIGHEST_FD = 1 << 20
+"""Past the highest descriptor number a process may hold (``fs.nr_open``'s default)."""
 _SMALL = 4096
 """The bound of a reply's body (its words are cut to fit when it is made)."""
 _LARGE = 1 << 20
@@ -164,6 +171,24 @@ def _is_env(value: object) -> bool:
     return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
 
 
+def _is_pass_fds(value: object) -> bool:
+    # Below 3 it would take a standard descriptor's place; two at one number, one of them is lost.
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_PASS_FDS
+        and all(_is_int(fd) and 3 <= fd < _HIGHEST_FD for fd in value)
+        and len(set(value)) == len(value)
+    )
+
+
+def pass_fds_problem(numbers: Sequence[int]) -> str | None:
+    """Why a worker start cannot pass descriptors on at ``numbers`` (:attr:`WorkerStart.pass_fds`);
+    ``None``: it can."""
+    if _is_pass_fds(list(numbers)):
+        return None
+    return f"descriptors at {list(numbers)}: not {_TYPE_WORDS[_is_pass_fds]}"
+
+
 def _is_limits(value: object) -> bool:
     return isinstance(value, dict) and all(v is None or _is_int(v) for v in value.values())
 
@@ -191,6 +216,7 @@ _TYPE_WORDS: dict[Callable[[object], bool], str] = {
     _is_strs: "a list of strings",
     _is_env: "an object of strings",
     _is_limits: "an object of integers or nulls",
+    _is_pass_fds: f"a list of at most {MAX_PASS_FDS} distinct descriptor numbers, each 3 or more",
     _is_rlimits: "a list of [resource, value] pairs",
     _is_mounts: 'a list of {"path", "size", "inodes", "uid", "gid"}',
 }
@@ -201,7 +227,7 @@ class WorkerStart(Message):
     """Supervisor -> warm template: fork one worker into its cage (see :mod:`rollcage.warm`).
 
     Descriptors: a pidfd of the cage's holder, the start's report socket (the template and the
-    worker answer there), ``worker.log``.
+    worker answer there), ``worker.log``, then one for each of :attr:`pass_fds`, in its order.
 
     Attributes:
         argv: The worker's arguments (``INPUT RESULT --checkpoint PATH``, paths as the cage sees them).
@@ -218,10 +244,13 @@ class WorkerStart(Message):
             owned by the host's ``uid``); :class:`Entered` sends their roots back, in this order.
         keep: Paths the cage shows under those places (a Python environment in ``/tmp``): their
             mounts are copied before the tmpfs goes over them and put back on top of it.
+        pass_fds: The numbers the descriptors after the first three take in the worker, as a cold
+            start's worker inherits them (a harness rollout's relay to the supervisor); each 3 or
+            more, none twice, at most :data:`MAX_PASS_FDS`. The worker holds these and no other.
     """
 
     KIND: ClassVar[int] = 1
-    FDS: ClassVar[tuple[int, int]] = (3, 3)
+    FDS: ClassVar[tuple[int, int]] = (3, 3 + MAX_PASS_FDS)
     MAX_BODY: ClassVar[int] = _LARGE
     CHECKS: ClassVar[dict[str, Callable[[object], bool]]] = {
         "argv": _is_strs,
@@ -235,6 +264,7 @@ class WorkerStart(Message):
         "clear_groups": _is_bool,
         "mounts": _is_mounts,
         "keep": _is_strs,
+        "pass_fds": _is_pass_fds,
     }
 
     argv: list[str]
@@ -248,6 +278,10 @@ class WorkerStart(Message):
     clear_groups: bool = True
     mounts: list[dict[str, Any]] = field(default_factory=list)
     keep: list[str] = field(default_factory=list)
+    pass_fds: list[int] = field(default_factory=list)
+
+    def descriptors_ok(self, count: int) -> bool:
+        return count == 3 + len(self.pass_fds)
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,8 @@ async def receive_message(
     while True:
         await wait_readable(sock.fileno())
         try:
-            data, ancillary, _, _ = sock.recvmsg(size, room)
+            # Close-on-exec from the first instant: a process spawned meanwhile inherits none of them.
+            data, ancillary, _, _ = sock.recvmsg(size, room, socket.MSG_CMSG_CLOEXEC)
         except BlockingIOError:
             continue
         received, sender = unpack_ancillary(ancillary)

@@ -532,7 +532,7 @@ class _Supervision:
         relay_write = await self._open_journal()
         launch = self.launch
         launch.rollout_id = self.rollout_id
-        launch.choose(bytecode, relayed=relay_write is not None)
+        launch.choose(bytecode, pass_fds=() if relay_write is None else (relay_write,))
         if relay_write is not None:
             env[RELAY_FD_ENV] = str(relay_write)
         harness_env = self.original.harness_env

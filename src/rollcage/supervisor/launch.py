@@ -30,6 +30,7 @@ import orjson
 from rollcage.budgets import RolloutBudgets, Scratch
 from rollcage.cage import launcher
 from rollcage.errors import SandboxError, SupervisorError
+from rollcage.forkserver import pass_fds_problem
 from rollcage.procs import ChildProcess, read_ready
 from rollcage.protocol import SignalEvent
 from rollcage.runfiles import RolloutLayout
@@ -79,11 +80,14 @@ class Launch:
         self._tasks: list[asyncio.Task[None]] = []
         self._failed: Callable[[str], None] = lambda _: None
 
-    def choose(self, bytecode: str | None, *, relayed: bool) -> None:
+    def choose(self, bytecode: str | None, *, pass_fds: Sequence[int] = ()) -> None:
         """Fork this rollout's worker from a warm template (:mod:`rollcage.warm`), or start it cold.
 
         Warm only where its start is equivalent and tested: bwrap as root (two stages), rollcage's own
-        worker, no relay to the supervisor (a harness rollout).
+        worker. ``pass_fds``, the descriptors the worker inherits (a harness rollout's relay to the
+        supervisor), travel with the start; a start that cannot carry them (more than
+        :data:`~rollcage.forkserver.MAX_PASS_FDS`, a standard descriptor's number) is refused here,
+        and the worker starts cold, inheriting them through bubblewrap.
         """
         sandbox = self.config.sandbox
         warm = (
@@ -92,8 +96,11 @@ class Launch:
             and isinstance(self.launcher, BwrapLauncher)
             and self.launcher.owner is not None
             and self.config.worker_command is None
-            and not relayed
         )
+        problem = pass_fds_problem(pass_fds) if warm and pass_fds else None
+        if problem is not None:
+            logger.warning("rollout %s: started cold, not warm: %s", self.rollout_id, problem)
+            warm = False
         self.template = template_for(bytecode) if warm else None
 
     @property
@@ -163,7 +170,9 @@ class Launch:
         Raises:
             SupervisorError: It could not be spawned.
         """
-        pass_fds = (*(() if status_fd is None else (status_fd,)), *plan.pass_fds)
+        # A warm worker's descriptors go with its start to the template: bwrap and the holder hold none.
+        inherited = plan.pass_fds if plan.warm is None else ()
+        pass_fds = (*(() if status_fd is None else (status_fd,)), *inherited)
         warm = None
         try:
             if plan.warm is not None:
@@ -172,7 +181,7 @@ class Launch:
                 # thread, not a pool's: it dies with the thread that started it (PR_SET_PDEATHSIG),
                 # and the loop's thread lives as long as the rollouts it supervises.
                 self.template.start()
-                self._warm = warm = WarmStart()
+                self._warm = warm = WarmStart(plan.pass_fds)
             spawn = functools.partial(
                 ChildProcess.spawn,
                 plan.argv,

@@ -134,7 +134,10 @@ class LaunchPlan:
         owner: ``(uid, gid)`` the worker runs as on the host, when it differs from
             the supervisor's: the worker-writable paths are handed to it first.
         pass_fds: Descriptors the worker inherits besides its standard ones (the relay of a
-            harness rollout's boundaries to the supervisor).
+            harness rollout's boundaries to the supervisor), at the same numbers: through
+            bubblewrap for a cold start; for a warm one, with the start to the template
+            (:attr:`~rollcage.forkserver.WorkerStart.pass_fds`), bubblewrap and its holder
+            holding none.
         worker_journal: The worker writes ``checkpoint.jsonl``; ``False`` for a harness rollout,
             whose journal the supervisor writes (the sandbox then does not see the file).
         warm: The worker the template forks into the cage, whose payload is then a holder
@@ -416,6 +419,7 @@ class BwrapLauncher:
                 mounts=[_cage_mount(volume, self.owner) for volume in in_cage],
                 # What the cage shows under them (a Python environment in /tmp) stays shown.
                 keep=[path for path in outermost(ro) if any(_within(path, v.inside) for v in in_cage)],
+                pass_fds=list(pass_fds),
             )
         full = bwrap_argv(
             config,

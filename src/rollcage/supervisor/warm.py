@@ -380,10 +380,18 @@ class WarmStart:
     call :meth:`spawned` once it is, then :meth:`start`, then :meth:`relay` until the worker
     exits. :meth:`close` in every case: our end of the holder's socket closed without a status
     makes the holder exit (125: no worker).
+
+    Args:
+        passed: Descriptors the worker inherits, for the request's
+            :attr:`~rollcage.forkserver.WorkerStart.pass_fds` (a harness rollout's relay to the
+            supervisor). They stay the caller's: the start holds copies of its own until it has
+            sent them to the template (or :meth:`close`), so that the reader sees their end once
+            the worker's copies are gone, started or not.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, passed: Sequence[int] = ()) -> None:
         _settle_leftovers()
+        self._passed: list[int] = []
         self._holder_sock, self._holder_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._holder_sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._holder_sock.setblocking(False)
@@ -393,6 +401,12 @@ class WarmStart:
         """Why the worker was not started, in words (its holder then exits with 125)."""
         self.mount_refused = False
         """The start failed because a tmpfs could not be mounted in the cage."""
+        try:
+            for fd in passed:
+                self._passed.append(os.dup(fd))  # close-on-exec: no bwrap spawned meanwhile inherits it
+        except OSError:
+            self.close()
+            raise
 
     @property
     def holder_stdin(self) -> int:
@@ -425,7 +439,7 @@ class WarmStart:
             return None
         try:
             try:
-                pid = await template.send(request, [holder.fd, reports.end.fileno(), log_fd])
+                pid = await template.send(request, [holder.fd, reports.end.fileno(), log_fd, *self._passed])
                 self._handed_over = True  # sent whole: a worker may be forked from now on
             except SupervisorError as exc:
                 self.failure = str(exc)
@@ -433,6 +447,7 @@ class WarmStart:
             finally:
                 # The template holds its own copy now: once it and the worker are done, the report ends.
                 reports.end.close()
+                self._close_passed()
             if await self._answered(template, pid, deadline - time.monotonic()):
                 left = deadline - time.monotonic()
                 if await within(reports.until(lambda: reports.verdict is not None), left) is None:
@@ -517,9 +532,15 @@ class WarmStart:
         roots, self._reports.roots = self._reports.roots, []
         return roots
 
+    def _close_passed(self) -> None:
+        passed, self._passed = self._passed, []
+        for fd in passed:
+            os.close(fd)
+
     def close(self) -> None:
         """Close every end still ours and end a worker not reaped yet (idempotent)."""
         self._holder_sock.close()
+        self._close_passed()
         reports = self._reports
         if not self._handed_over:
             reports.ended = True  # nothing was sent to the template: nothing was forked
