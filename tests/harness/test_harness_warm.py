@@ -230,8 +230,14 @@ async def _standing_rollout(
     return seen, receipt
 
 
+def _relay_ended(caplog: pytest.LogCaptureFixture) -> None:
+    """The supervisor's journal saw the relay's end once the worker was gone: no copy was left open
+    anywhere (it waits a while for it, then gives up and says so)."""
+    assert "relay did not close" not in caplog.text, caplog.text
+
+
 async def test_a_harness_rollout_s_worker_is_forked_warm_holding_its_relay_and_nothing_else(
-    envs: HarnessEnvs, tmp_path: Path
+    envs: HarnessEnvs, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     warm, receipt = await _standing_rollout(tmp_path / "warm", envs)
     cold, cold_receipt = await _standing_rollout(tmp_path / "cold", envs, mode="cold")
@@ -269,9 +275,12 @@ async def test_a_harness_rollout_s_worker_is_forked_warm_holding_its_relay_and_n
     assert [e["tool_calls"][0]["name"] for e in _relayed(tmp_path / "warm")] == ["probe"]
     models = [e for e in read_journal(tmp_path / "warm" / "checkpoint.jsonl") if e["kind"] == "model_call"]
     assert len(models) >= 1 and {e["reported_by"] for e in models} == {"supervisor"}
+    _relay_ended(caplog)
 
 
-async def test_a_harness_rollout_completes_warm(envs: HarnessEnvs, tmp_path: Path) -> None:
+async def test_a_harness_rollout_completes_warm(
+    envs: HarnessEnvs, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     root = tmp_path / "done"
     marker = f"rollcage-warm-harness-{secrets.token_hex(6)}"
     with PolicyServer({"tasks": {"*": [{"text": "again"}, {"text": "again"}]}}, port=0) as server:
@@ -281,6 +290,7 @@ async def test_a_harness_rollout_completes_warm(envs: HarnessEnvs, tmp_path: Pat
     result = json.loads((root / "result.json").read_text())
     assert result["response"]["output_text"] == "done"
     assert [e["tool_calls"][0]["name"] for e in _relayed(root)] == ["probe"]
+    _relay_ended(caplog)
 
 
 async def test_a_warm_start_that_cannot_carry_the_relay_falls_back_to_cold(
@@ -296,7 +306,7 @@ async def test_a_warm_start_that_cannot_carry_the_relay_falls_back_to_cold(
 
 
 async def test_a_failed_warm_start_of_a_harness_rollout_is_an_infra_failure_and_ends_its_journal(
-    envs: HarnessEnvs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    envs: HarnessEnvs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from rollcage.budgets import RolloutBudgets
 
@@ -313,3 +323,4 @@ async def test_a_failed_warm_start_of_a_harness_rollout_is_an_infra_failure_and_
         r"worker was not started: the warm start failed: .*no-such-cgroup", receipt.outcome_reason
     )
     assert receipt.cleanup_confirmed
+    _relay_ended(caplog)
