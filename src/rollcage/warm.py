@@ -88,7 +88,7 @@ from rollcage.forkserver import (
     decode,
     send,
 )
-from rollcage.procs import unpack_ancillary
+from rollcage.procs import hold_cancel_signals, unpack_ancillary
 
 if TYPE_CHECKING:
     from rollcage.tools import ExecutorTemplateLink
@@ -188,14 +188,19 @@ def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules:
         if why is not None:
             _report(report, Unforked(reason=f"cannot enter the sandbox's PID namespace: {why}"))
             return
+        # The worker is born with SIGTERM and SIGINT held until its handlers are in place: one sent while
+        # it enters its cage cancels the rollout then, instead of killing it with no result.
+        mask = hold_cancel_signals()
         try:
             pid, pidfd = server.fork(sibling=True)
         except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             _report(report, Unforked(reason=f"cannot fork the worker: {exc}"))
             return
         if pid == 0:
             server.control.close()
             _enter(request, env, holder=holder, report=report, log=log, modules=modules, channel=channel)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # the template's own again
     finally:
         if channel >= 0:
             # The worker's copy is its own (it gone, or never forked: the executor template sees the end).

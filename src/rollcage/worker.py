@@ -48,6 +48,7 @@ from rollcage.durable import publish_json, read_bounded
 from rollcage.errors import BranchReplayError, ConfigError, ResumeRefusedError, RollcageError
 from rollcage.filewatch import wait_for_file
 from rollcage.procs import (
+    release_cancel_signals,
     run_blocking_inline,
     shielded,
     wait_for_children_by_pidfd,
@@ -470,6 +471,9 @@ class _Session:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._cancel, signum)
+        # Held since the process began (rollcage.cli, rollcage.warm): one sent meanwhile reaches the
+        # handler now. Before any child is started, which would inherit the blocked mask.
+        release_cancel_signals()
         stop_watch = asyncio.create_task(self._watch_stop_file())
         try:
             await self._open_evidence()
