@@ -129,8 +129,11 @@ def template_main(argv: list[str]) -> int:
 def _serve(server: ForkServer, modules: frozenset[str]) -> bool:
     """Take one start off the control socket and fork its worker; ``False`` once the socket has ended."""
     try:
+        # Close-on-exec: the executor template, spawned during a start (_link), must not inherit the
+        # start's descriptors; its copy of the report socket kept a worker that died silent from ending
+        # its start (the supervisor waited for its deadline). The worker is forked: it keeps them.
         data, ancillary, flags, _ = server.control.recvmsg(
-            _REQUEST_ROOM, socket.CMSG_SPACE(4 * (_REQUEST_FDS + 1))
+            _REQUEST_ROOM, socket.CMSG_SPACE(4 * (_REQUEST_FDS + 1)), socket.MSG_CMSG_CLOEXEC
         )
     except InterruptedError:
         return True

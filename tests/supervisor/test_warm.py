@@ -305,6 +305,39 @@ async def test_a_sigterm_while_the_warm_worker_enters_its_cage_cancels_it_with_a
     assert receipt.cleanup_confirmed
 
 
+async def test_a_warm_worker_killed_before_it_speaks_fails_its_start_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker SIGKILLed as it is forked never reports: its start fails when its report socket ends,
+    not at the deadline. So no other process may hold a copy of that socket: not the executor template,
+    started by a fresh template during its first start (it used to inherit the start's descriptors)."""
+    template = template_for(worker_bytecode())
+    if template.pid is not None:
+        os.kill(template.pid, signal.SIGKILL)  # the next start is a fresh template's first
+        await wait_for_async(lambda: template.pid is None, what="the template's death")
+    take = warm_module._Reports._take
+    killed: list[int] = []
+
+    def take_and_kill(self: Any, message: Any, *args: Any) -> None:
+        take(self, message, *args)
+        if isinstance(message, warm_module.Forked) and not killed:
+            os.kill(message.pid, signal.SIGKILL)
+            killed.append(message.pid)
+
+    monkeypatch.setattr(warm_module._Reports, "_take", take_and_kill)
+    with PolicyServer({"tasks": {"t": [{"text": "never asked"}]}}, port=0) as server:
+        root = tmp_path / "r"
+        _prepare(root, server.base_url)
+        receipt = await supervise(
+            root, SupervisorConfig(deadline_s=30, sandbox=BwrapSandbox(worker_start="warm"))
+        )
+    assert killed, "the template never said it forked the worker"
+    assert receipt.outcome == "infra_failure"
+    # The report socket ended (whether the worker's death was seen yet or not), not the time to wait.
+    assert "the warm start failed: no report (" in receipt.outcome_reason, receipt.outcome_reason
+    assert receipt.cleanup_confirmed
+
+
 def _zombie_children() -> list[int]:
     """This process's children that have exited and nobody has reaped."""
     return [info.pid for info in scan_processes().values() if info.ppid == os.getpid() and not info.alive]
