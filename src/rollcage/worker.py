@@ -9,7 +9,10 @@ Contract (what the supervisor relies on):
 * SIGTERM, SIGINT or a stop file cancel the rollout: tools and the executor are
   stopped, a result with ``error.kind == "cancelled"`` is published, and the exit
   code is non-zero; a stop file present at start means nothing is done and no
-  result is written;
+  result is written. A signal sent while the worker starts is held (blocked, from
+  ``rollcage.cli``'s first step or, warm, from the fork) until the handlers are in
+  place, and cancels the rollout then; a start that ends before the rollout does
+  (that stop file, an invalid input) exits as that path says;
 * a boundary record is appended to the checkpoint journal after every model
   response and every tool completion, and the agent waits for it to be durable;
   a failing append is logged and counted (``checkpoint_failures``), and the run
