@@ -18,7 +18,8 @@ measurements take them apart:
    next to the same with compiled bytecode (``-X pycache_prefix`` of a warm cache);
    and ``python -X importtime`` of both, the costliest imports listed.
 3. **Real rollouts** — ``--rollouts`` tasks through ``Controller.run()`` (concurrency
-   1, bwrap) in a child process in a cgroup of its own. In the controller the
+   1, bwrap, cold worker starts: the probe takes a started worker's place) in a child
+   process in a cgroup of its own. In the controller the
    supervisor, proxy, /proc scans, grading and records are metered (exclusive CPU per
    phase, ``bench/_profile_probe.py``); the worker is the real one started through a
    probe that meters its imports, compiling, pydantic model building and phases and
@@ -257,7 +258,7 @@ def _exit_cost(argv: list[str]) -> float:
 def _controller_patches(meters: Meters) -> list[str]:
     """Meter the controller's and supervisor's phases; return the patch points that were not found."""
     from rollcage import procs
-    from rollcage.controller import _graders, _ledger, _records, _run, _unit
+    from rollcage.controller import _graders, _ledger, _records, _unit
     from rollcage.supervisor import core, launch, proxy, tree
 
     supervision = core._Supervision
@@ -267,9 +268,8 @@ def _controller_patches(meters: Meters) -> list[str]:
         (procs.ChildProcess, "spawn", "supervisor: spawn bwrap (fork + exec)"),
         (proxy.EgressProxy, "__aenter__", "egress proxy"),
         (proxy.EgressProxy, "aclose", "egress proxy"),
-        (proxy.EgressProxy, "_on_connection", "egress proxy"),
+        (proxy.EgressProxy, "_forward", "egress proxy"),
         (_unit, "lay_out", "controller: prepare the rollout directory"),
-        (_unit, "_read_result", "grading (read result.json, grade)"),
         (_unit, "_grade", "grading (read result.json, grade)"),
         (_graders, "grade_builtin", "grading (read result.json, grade)"),
         (_records.RecordLog, "append", "controller: records, ledger, health"),
@@ -278,11 +278,11 @@ def _controller_patches(meters: Meters) -> list[str]:
             "add",
             "controller: records, ledger, health",
         ),
-        (_run.Controller, "_health_of", "controller: records, ledger, health"),
+        (_unit, "assess", "controller: records, ledger, health"),
     ]
-    for name in ("check", "_read_input", "_prepare_files", "_open_log", "_conclude"):
+    for name in ("check", "_read_input", "_prepare_files", "_stage", "_conclude"):
         points.append((supervision, name, "supervisor: staging, receipt (threads)"))
-    for name in ("scan_processes", "descendants", "read_proc", "environ_has", "ns_pids"):
+    for name in ("subtree", "tree_of", "read_proc", "environ_has", "ns_pids"):
         points.append((tree, name, "supervisor: /proc scans"))
     return [f"{getattr(o, '__name__', o)}.{n}" for o, n, label in points if not meters.patch(o, n, label)]
 
@@ -294,7 +294,7 @@ def controller_child(workdir: Path, base_url: str, rollouts: int, cprofile: bool
     (own time) are printed first: where the controller's unmetered time goes (slower run).
     """
     from rollcage.controller import Controller, ModelEndpointConfig, RunConfig
-    from rollcage.supervisor import core
+    from rollcage.supervisor import BwrapSandbox, core
 
     startup = cpu_s(resource.getrusage(resource.RUSAGE_SELF))
     meters = Meters()
@@ -314,6 +314,8 @@ def controller_child(workdir: Path, base_url: str, rollouts: int, cprofile: bool
         model=ModelEndpointConfig(base_url=base_url, model_name="scripted"),
         concurrency=1,
         sandbox="bwrap",
+        # Cold: the probe stands in the worker's place, and a warm worker is forked, never run from a command.
+        bwrap=BwrapSandbox(worker_start="cold"),
         max_infra_retries=0,
     )
     before = cpu_s(resource.getrusage(resource.RUSAGE_SELF))

@@ -29,6 +29,11 @@ def main() -> None:
     """Console-script entry point."""
     argv = sys.argv[1:]
     if argv[:1] == ["worker"]:
+        from rollcage.procs import hold_cancel_signals
+
+        # First: a SIGTERM before the worker's handlers are in place would kill it with no result.
+        # Held, it cancels the rollout once they are (rollcage.worker lets it go then).
+        hold_cancel_signals()
         from rollcage.worker import run_worker
 
         run_worker(argv[1:])

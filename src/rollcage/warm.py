@@ -92,7 +92,7 @@ from rollcage.forkserver import (
     decode,
     send,
 )
-from rollcage.procs import unpack_ancillary
+from rollcage.procs import hold_cancel_signals, unpack_ancillary
 
 if TYPE_CHECKING:
     from rollcage.tools import ExecutorTemplateLink
@@ -135,8 +135,9 @@ def _serve(server: ForkServer, modules: frozenset[str]) -> bool:
     """Take one start off the control socket and fork its worker; ``False`` once the socket has ended."""
     try:
         # Room for one descriptor more than a start carries: more is MSG_CTRUNC, refused. Close-on-exec
-        # from the first instant: the executor template this process may start meanwhile (and anything
-        # a worker runs) inherits none of them; the worker makes its passed ones inheritable itself.
+        # from the first instant: the executor template, spawned during a start (_link), must not inherit
+        # them (its copy of the report socket kept a worker that died silent from ending its start); the
+        # worker is forked and makes its passed ones inheritable itself.
         data, ancillary, flags, _ = server.control.recvmsg(
             _REQUEST_ROOM,
             socket.CMSG_SPACE(4 * (_REQUEST_FDS + MAX_PASS_FDS + 1)),
@@ -198,9 +199,13 @@ def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules:
         if why is not None:
             _report(report, Unforked(reason=f"cannot enter the sandbox's PID namespace: {why}"))
             return
+        # The worker is born with SIGTERM and SIGINT held until its handlers are in place: one sent while
+        # it enters its cage cancels the rollout then, instead of killing it with no result.
+        mask = hold_cancel_signals()
         try:
             pid, pidfd = server.fork(sibling=True)
         except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             _report(report, Unforked(reason=f"cannot fork the worker: {exc}"))
             return
         if pid == 0:
@@ -215,6 +220,7 @@ def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules:
                 modules=modules,
                 channel=channel,
             )
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # the template's own again
     finally:
         if channel >= 0:
             # The worker's copy is its own (it gone, or never forked: the executor template sees the end).

@@ -9,7 +9,10 @@ Contract (what the supervisor relies on):
 * SIGTERM, SIGINT or a stop file cancel the rollout: tools and the executor are
   stopped, a result with ``error.kind == "cancelled"`` is published, and the exit
   code is non-zero; a stop file present at start means nothing is done and no
-  result is written;
+  result is written. A signal sent while the worker starts is held (blocked, from
+  ``rollcage.cli``'s first step or, warm, from the fork) until the handlers are in
+  place, and cancels the rollout then; a start that ends before the rollout does
+  (that stop file, an invalid input) exits as that path says;
 * a boundary record is appended to the checkpoint journal after every model
   response and every tool completion, and the agent waits for it to be durable;
   a failing append is logged and counted (``checkpoint_failures``), and the run
@@ -48,6 +51,7 @@ from rollcage.durable import publish_json, read_bounded
 from rollcage.errors import BranchReplayError, ConfigError, ResumeRefusedError, RollcageError
 from rollcage.filewatch import wait_for_file
 from rollcage.procs import (
+    release_cancel_signals,
     run_blocking_inline,
     shielded,
     wait_for_children_by_pidfd,
@@ -473,6 +477,9 @@ class _Session:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._cancel, signum)
+        # Held since the process began (rollcage.cli, rollcage.warm): one sent meanwhile reaches the
+        # handler now. Before any child is started, which would inherit the blocked mask.
+        release_cancel_signals()
         stop_watch = asyncio.create_task(self._watch_stop_file())
         try:
             await self._open_evidence()

@@ -155,6 +155,26 @@ CANCELLED = RunnerError(kind="cancelled", type="CancelledError", message="SIGTER
             id="self-cancelled-infra",
         ),
         pytest.param(
+            # Under bwrap the worker's own exit with 128 + SIGTERM, after its result, reads as the signal.
+            OutcomeEvidence(
+                stop_cause="stop",
+                exit_signal="SIGTERM",
+                signals_sent=("SIGTERM",),
+                result_present=True,
+                result=_result(error=CANCELLED),
+            ),
+            "cancelled",
+            "stopped on request; its result (error kind 'cancelled') is kept",
+            id="stop-with-a-published-cancelled-result-cancelled",
+        ),
+        pytest.param(
+            OutcomeEvidence(exit_signal="SIGTERM", result_present=True, result=_result(error=CANCELLED)),
+            "infra_failure",
+            "SIGTERM, which the supervisor did not send (OOM killer, preemption, another process); "
+            "its result (error kind 'cancelled') is kept",
+            id="foreign-sigterm-with-a-published-cancelled-result-infra",
+        ),
+        pytest.param(
             OutcomeEvidence(stop_cause="deadline", deadline_s=5, exit_code=143, signals_sent=("SIGTERM",)),
             "timeout",
             "deadline of 5s",

@@ -54,6 +54,7 @@ STATUS_FIELDS = (
     "NoNewPrivs",
     "Seccomp",
     "Umask",
+    "SigBlk",
 )
 
 
@@ -201,6 +202,9 @@ async def test_a_warm_worker_is_what_a_cold_start_runs(tmp_path: Path) -> None:
     assert warm["pid_depth"] == 3 and not warm["root_is_host"]
     assert warm["cgroups"], "the warm worker is not in the rollout's cgroups"
     assert warm["leads_its_group"], "SIGTERM to the worker's group must reach the warm worker"
+    # Born with them held (rollcage.warm), it let them go once its handlers were in place.
+    held = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
+    assert int(warm["status"]["SigBlk"], 16) & held == 0, warm["status"]["SigBlk"]
 
     # In the cage's namespaces, every one of them: those of its holder, none of the host's.
     mine = _namespaces(os.getpid())
@@ -263,6 +267,75 @@ async def test_a_start_that_cannot_enter_the_cage_is_an_infra_failure_that_says_
     )
     assert "could not enter its cage" in (root / "worker.log").read_text()
     assert receipt.cleanup_confirmed and not (root / "result.json").exists()
+
+
+async def test_a_sigterm_while_the_warm_worker_enters_its_cage_cancels_it_with_a_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker is born with SIGTERM held (rollcage.warm): one sent the moment it is forked, long before
+    its handlers are in place, cancels the rollout with a well-formed result instead of killing it."""
+    take = warm_module._Reports._take
+    killed: list[int] = []
+
+    def take_and_kill(self: Any, message: Any, *args: Any) -> None:
+        take(self, message, *args)
+        if isinstance(message, warm_module.Forked) and not killed:
+            # The template's word that it forked the worker: the worker is still entering its cage.
+            os.kill(message.pid, signal.SIGTERM)
+            killed.append(message.pid)
+
+    monkeypatch.setattr(warm_module._Reports, "_take", take_and_kill)
+    with PolicyServer({"tasks": {"t": [{"text": "never asked"}]}}, port=0) as server:
+        root = tmp_path / "r"
+        _prepare(root, server.base_url)
+        receipt = await supervise(
+            root, SupervisorConfig(deadline_s=120, sandbox=BwrapSandbox(worker_start="warm"))
+        )
+        assert killed, "the template never said it forked the worker"
+        assert not server.requests, "a rollout cancelled before it began asked the model"
+    assert receipt.result_valid, receipt.outcome_reason
+    assert receipt.result_error is not None and receipt.result_error.kind == "cancelled"
+    assert "SIGTERM" in receipt.result_error.message
+    # A published, valid result; the worker's exit status (128 + SIGTERM) reads as the signal, which the
+    # supervisor did not send: not a stop it asked for, so the infrastructure's (preemption, a neighbour).
+    assert receipt.exit_signal == "SIGTERM" and receipt.signals_sent == []
+    assert receipt.outcome == "infra_failure"
+    assert "which the supervisor did not send" in receipt.outcome_reason
+    assert "its result (error kind 'cancelled') is kept" in receipt.outcome_reason
+    assert receipt.cleanup_confirmed
+
+
+async def test_a_warm_worker_killed_before_it_speaks_fails_its_start_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker SIGKILLed as it is forked never reports: its start fails when its report socket ends,
+    not at the deadline. So no other process may hold a copy of that socket: not the executor template,
+    started by a fresh template during its first start (it used to inherit the start's descriptors)."""
+    template = template_for(worker_bytecode())
+    if template.pid is not None:
+        os.kill(template.pid, signal.SIGKILL)  # the next start is a fresh template's first
+        await wait_for_async(lambda: template.pid is None, what="the template's death")
+    take = warm_module._Reports._take
+    killed: list[int] = []
+
+    def take_and_kill(self: Any, message: Any, *args: Any) -> None:
+        take(self, message, *args)
+        if isinstance(message, warm_module.Forked) and not killed:
+            os.kill(message.pid, signal.SIGKILL)
+            killed.append(message.pid)
+
+    monkeypatch.setattr(warm_module._Reports, "_take", take_and_kill)
+    with PolicyServer({"tasks": {"t": [{"text": "never asked"}]}}, port=0) as server:
+        root = tmp_path / "r"
+        _prepare(root, server.base_url)
+        receipt = await supervise(
+            root, SupervisorConfig(deadline_s=30, sandbox=BwrapSandbox(worker_start="warm"))
+        )
+    assert killed, "the template never said it forked the worker"
+    assert receipt.outcome == "infra_failure"
+    # The report socket ended (whether the worker's death was seen yet or not), not the time to wait.
+    assert "the warm start failed: no report (" in receipt.outcome_reason, receipt.outcome_reason
+    assert receipt.cleanup_confirmed
 
 
 def _zombie_children() -> list[int]:

@@ -11,6 +11,8 @@ not outlive them. What they share lives here, at the bottom of the import graph
 * signals that never miss: :func:`signal_group`, :class:`PidHandle` (a pidfd
   checked after opening, so a reused PID is never hit), :class:`ChildProcess` (a
   child kept unreaped, so its group id stays its own), :func:`ensure_subreaper`;
+* signals held while a process starts: :func:`hold_cancel_signals` and
+  :func:`release_cancel_signals` (SIGTERM and SIGINT pending until the handlers are in place);
 * stopping: :func:`stop_tree` with a :class:`StopStrategy` (trio's
   ``deliver_cancel``: polite signal, grace, SIGKILL to the whole tree, always wait),
   on any :class:`ProcessTree`, its progress an explicit :class:`TreeStop` state;
@@ -47,6 +49,7 @@ from rollcage.procs._handles import (
     wait_for_children_by_pidfd,
     wait_readable,
 )
+from rollcage.procs._held import hold_cancel_signals, release_cancel_signals
 from rollcage.procs._loops import LoopPoller, poller_for
 from rollcage.procs._reap import reap_children
 from rollcage.procs._stop import GroupTree, ProcessTree, StopPhase, StopStrategy, TreeStop, stop_tree
@@ -90,6 +93,7 @@ __all__ = [
     "ensure_subreaper",
     "environ_has",
     "first_of",
+    "hold_cancel_signals",
     "in_proc_thread",
     "is_running",
     "is_subreaper",
@@ -103,6 +107,7 @@ __all__ = [
     "reap_abandoned",
     "reap_children",
     "receive_message",
+    "release_cancel_signals",
     "run_blocking_inline",
     "scan_processes",
     "shielded",
