@@ -985,8 +985,10 @@ class _Supervision:
             return True, None, f"result.json is over {_MAX_RESULT_BYTES} bytes (not kept)"
         if source != self.layout.result:
             # Copied, byte for byte, from the staged view (another file system, as a rule) into R.
+            # The file is synced here; the directory is synced once, by the receipt's publication
+            # that follows in _conclude: nothing reads result.json as final before the receipt.
             try:
-                publish_bytes(self.layout.result, data, mode=0o644)
+                publish_bytes(self.layout.result, data, mode=0o644, sync_directory=False)
             except RollcageError as exc:
                 # The supervisor's own write failed (a disk full): the infrastructure's fault.
                 self.result_keep_problem = (
