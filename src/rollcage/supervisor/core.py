@@ -393,14 +393,13 @@ class _Supervision:
             self.setup_failure = f"the worker was not started: cannot read input.json: {exc}"
             return
         try:
-            data = orjson.loads(raw)
-            if isinstance(data, dict) and isinstance(data.get("rollout_id"), str) and data["rollout_id"]:
-                self.rollout_id = data["rollout_id"]
-        except orjson.JSONDecodeError:
-            pass
-        try:
             self.original = WorkerInput.model_validate_json(raw)
         except (ValidationError, RollcageError) as exc:
+            # Decoded a second time only here: the receipt of an invalid input still names its rollout.
+            with contextlib.suppress(orjson.JSONDecodeError):
+                data = orjson.loads(raw)
+                if isinstance(data, dict) and isinstance(data.get("rollout_id"), str) and data["rollout_id"]:
+                    self.rollout_id = data["rollout_id"]
             problem = describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
             self.setup_failure = f"the worker was not started: input.json is invalid: {problem}"
             return
