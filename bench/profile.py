@@ -257,7 +257,7 @@ def _exit_cost(argv: list[str]) -> float:
 def _controller_patches(meters: Meters) -> list[str]:
     """Meter the controller's and supervisor's phases; return the patch points that were not found."""
     from rollcage import procs
-    from rollcage.controller import _graders, _ledger, _records, _run, _unit
+    from rollcage.controller import _graders, _ledger, _records, _unit
     from rollcage.supervisor import core, launch, proxy, tree
 
     supervision = core._Supervision
@@ -267,9 +267,8 @@ def _controller_patches(meters: Meters) -> list[str]:
         (procs.ChildProcess, "spawn", "supervisor: spawn bwrap (fork + exec)"),
         (proxy.EgressProxy, "__aenter__", "egress proxy"),
         (proxy.EgressProxy, "aclose", "egress proxy"),
-        (proxy.EgressProxy, "_on_connection", "egress proxy"),
+        (proxy.EgressProxy, "respond", "egress proxy"),
         (_unit, "lay_out", "controller: prepare the rollout directory"),
-        (_unit, "_read_result", "grading (read result.json, grade)"),
         (_unit, "_grade", "grading (read result.json, grade)"),
         (_graders, "grade_builtin", "grading (read result.json, grade)"),
         (_records.RecordLog, "append", "controller: records, ledger, health"),
@@ -278,11 +277,11 @@ def _controller_patches(meters: Meters) -> list[str]:
             "add",
             "controller: records, ledger, health",
         ),
-        (_run.Controller, "_health_of", "controller: records, ledger, health"),
+        (_unit, "assess", "controller: records, ledger, health"),
     ]
-    for name in ("check", "_read_input", "_prepare_files", "_open_log", "_conclude"):
+    for name in ("check", "_read_input", "_prepare_files", "_stage", "_conclude"):
         points.append((supervision, name, "supervisor: staging, receipt (threads)"))
-    for name in ("scan_processes", "descendants", "read_proc", "environ_has", "ns_pids"):
+    for name in ("subtree", "tree_of", "read_proc", "environ_has", "ns_pids"):
         points.append((tree, name, "supervisor: /proc scans"))
     return [f"{getattr(o, '__name__', o)}.{n}" for o, n, label in points if not meters.patch(o, n, label)]
 
