@@ -268,7 +268,7 @@ def _controller_patches(meters: Meters) -> list[str]:
         (procs.ChildProcess, "spawn", "supervisor: spawn bwrap (fork + exec)"),
         (proxy.EgressProxy, "__aenter__", "egress proxy"),
         (proxy.EgressProxy, "aclose", "egress proxy"),
-        (proxy.EgressProxy, "_forward", "egress proxy"),
+        (proxy.EgressProxy, "respond", "egress proxy"),
         (_unit, "lay_out", "controller: prepare the rollout directory"),
         (_unit, "_grade", "grading (read result.json, grade)"),
         (_graders, "grade_builtin", "grading (read result.json, grade)"),

@@ -108,7 +108,9 @@ def sweep_temp_artifacts(directory: str | os.PathLike[str]) -> int:
     return swept
 
 
-def publish_json(path: str | os.PathLike[str], value: BaseModel | Any, *, mode: int = 0o600) -> None:
+def publish_json(
+    path: str | os.PathLike[str], value: BaseModel | Any, *, mode: int = 0o600, sync_directory: bool = True
+) -> None:
     """Atomically replace the file at ``path`` with ``value`` serialised as JSON.
 
     The value is serialised first (pydantic models with ``model_dump_json``,
@@ -125,6 +127,10 @@ def publish_json(path: str | os.PathLike[str], value: BaseModel | Any, *, mode: 
         value: A pydantic model, or anything ``orjson`` can serialise (pydantic
             models nested in lists or dicts are serialised too).
         mode: Exact permission bits of the published file, whatever the umask.
+        sync_directory: ``False`` leaves the final directory sync to the caller, who publishes
+            more files into the same directory and syncs it once after the last
+            (:func:`fsync_directory`): until then the rename may not survive a crash, so nothing
+            may treat the file as final before that sync.
 
     Raises:
         ValueError: ``mode`` is not a permission mode.
@@ -141,13 +147,15 @@ def publish_json(path: str | os.PathLike[str], value: BaseModel | Any, *, mode: 
         data = _serialise(value)
     except Exception as exc:  # orjson, pydantic and user serialisers raise TypeError, ValueError, ...
         raise _write_error(f"cannot publish {target}: the value is not serialisable as JSON", exc) from exc
-    publish_bytes(target, data, mode=mode)
+    publish_bytes(target, data, mode=mode, sync_directory=sync_directory)
 
 
-def publish_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o600) -> None:
+def publish_bytes(
+    path: str | os.PathLike[str], data: bytes, *, mode: int = 0o600, sync_directory: bool = True
+) -> None:
     """Atomically replace the file at ``path`` with ``data``: ``publish_json``'s sequence, for any bytes.
 
-    Blocking; the same guarantees and errors as ``publish_json``.
+    Blocking; the same guarantees, errors and ``sync_directory`` as ``publish_json``.
     """
     target = os.fspath(path)
     _check_mode(mode)
@@ -184,6 +192,8 @@ def publish_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o60
                 f"cannot publish {target}: {step} failed; the previous file is untouched", exc
             ) from exc
         raise
+    if not sync_directory:
+        return
     try:
         fsync_directory(directory)
     except OSError as exc:

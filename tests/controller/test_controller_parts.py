@@ -163,6 +163,70 @@ async def test_record_log_appends_whole_lines_in_order(tmp_path: Path) -> None:
     assert seen == [f"r{i}" for i in range(5)] and report.repaired_bytes == 0
 
 
+async def test_record_log_group_commits_records_that_arrive_during_a_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nine records handed in while the first one's fsync runs share the next fsync, in order,
+    and none of them is acknowledged before that fsync has returned."""
+    path = tmp_path / "rollouts.jsonl"
+    real_fsync = os.fsync
+    entered, gate = threading.Event(), threading.Event()
+    syncs: list[int] = []  # the file's size at each fsync of the log
+
+    def gated_fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            entered.set()
+            assert gate.wait(60)
+            syncs.append(os.fstat(fd).st_size)
+        real_fsync(fd)
+
+    async with RecordLog(path) as log:
+        monkeypatch.setattr(os, "fsync", gated_fsync)
+        first = asyncio.ensure_future(log.append(record("r0")))
+        assert await asyncio.to_thread(entered.wait, 60)
+        rest = [asyncio.ensure_future(log.append(record(f"r{i}"))) for i in range(1, 10)]
+        await asyncio.sleep(0)  # one turn of the loop: each new append runs until it waits for the lock
+        assert not any(task.done() for task in [first, *rest])  # nothing acknowledged before its sync
+        gate.set()
+        async with asyncio.timeout(60):
+            await asyncio.gather(first, *rest)
+    assert len(syncs) == 2 and syncs[-1] == path.stat().st_size
+    seen: list[str] = []
+    load_records(path, lambda r: seen.append(r.rollout_id))
+    assert seen == [f"r{i}" for i in range(10)]
+
+
+async def test_record_log_withdraws_a_cancelled_record_still_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "rollouts.jsonl"
+    real_fsync = os.fsync
+    entered, gate = threading.Event(), threading.Event()
+
+    def gated_fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            entered.set()
+            assert gate.wait(60)
+        real_fsync(fd)
+
+    async with RecordLog(path) as log:
+        monkeypatch.setattr(os, "fsync", gated_fsync)
+        first = asyncio.ensure_future(log.append(record("r0")))
+        assert await asyncio.to_thread(entered.wait, 60)
+        waiting = asyncio.ensure_future(log.append(record("r1")))
+        kept = asyncio.ensure_future(log.append(record("r2")))
+        await asyncio.sleep(0)  # one turn of the loop: both wait for the lock
+        waiting.cancel()
+        gate.set()
+        async with asyncio.timeout(60):
+            await asyncio.gather(first, kept)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    seen: list[str] = []
+    load_records(path, lambda r: seen.append(r.rollout_id))
+    assert seen == ["r0", "r2"]
+
+
 @pytest.mark.parametrize("tail", [b'{"schema_version": 1, "rollout', b"\x00\x00\x00\n"])
 def test_torn_tail_is_truncated_and_reported(tmp_path: Path, tail: bytes) -> None:
     path = tmp_path / "rollouts.jsonl"

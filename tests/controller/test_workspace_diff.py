@@ -114,6 +114,27 @@ def test_a_rollout_without_an_image_diffs_its_workspace_against_the_empty_one(tm
     assert "new file mode 120000" in diff and "+/etc/passwd\n" in diff and "root:" not in diff
 
 
+def test_an_empty_workspace_without_an_image_gets_the_heading_alone(tmp_path: Path) -> None:
+    rollout = tmp_path / "r"
+    (rollout / "workspace").mkdir(parents=True)
+    assert _diff(rollout) == "# the final workspace against the empty workspace the rollout started from\n"
+    assert sorted(os.listdir(rollout)) == ["workspace", "workspace.diff"]  # no temporary file left
+
+
+def test_a_rollout_directory_that_is_not_there_gets_no_diff(tmp_path: Path) -> None:
+    assert asyncio.run(write_workspace_diff(tmp_path / "never-made")) is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_unusable_image_json_leaves_a_note_in_the_diff(tmp_path: Path) -> None:
+    rollout = tmp_path / "r"
+    (rollout / "workspace").mkdir(parents=True)
+    (rollout / "image.json").write_text("[1, 2]")
+    problem = asyncio.run(write_workspace_diff(rollout))
+    assert problem is not None and problem.startswith("workspace.diff could not be made: ValueError")
+    assert (rollout / "workspace.diff").read_text() == f"# {problem}\n"
+
+
 def test_a_large_diff_is_cut_with_a_note(tmp_path: Path) -> None:
     (tmp_path / "w").mkdir()
     for index in range(50):

@@ -27,7 +27,15 @@ import orjson
 import pytest
 from pydantic import BaseModel
 
-from rollcage.durable import CheckpointJournal, JournalState, is_temp_artifact, publish_json, read_journal
+from rollcage.durable import (
+    CheckpointJournal,
+    JournalState,
+    fsync_directory,
+    is_temp_artifact,
+    publish_bytes,
+    publish_json,
+    read_journal,
+)
 from rollcage.errors import DurableWriteError, JournalCorruptError
 from tests.helpers.paths import HELPERS
 
@@ -198,6 +206,28 @@ def test_publish_syncs_file_before_rename_and_directory_after(
     assert len(events) == 3, events
     assert is_temp_artifact(events[0].removeprefix("fsync ")), events
     assert events[1:] == ["replace", "fsync dir"]
+
+
+def test_publish_without_directory_sync_leaves_that_sync_to_the_caller(
+    result_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two files published into one directory share one directory sync, after both are in place."""
+    events: list[str] = []
+    real_fsync = os.fsync
+
+    def spy_fsync(fd: int) -> None:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        events.append("fsync dir" if target == str(result_path.parent) else f"fsync {Path(target).name}")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    publish_json(result_path, {"new": 1}, sync_directory=False)
+    publish_bytes(result_path.parent / "receipt.json", b"{}\n", sync_directory=False)
+    assert len(events) == 2 and "fsync dir" not in events, events
+    fsync_directory(result_path.parent)
+    assert events[-1] == "fsync dir"
+    assert listing(result_path.parent) == ["receipt.json", "result.json"]
+    assert orjson.loads(result_path.read_bytes()) == {"new": 1}
 
 
 def test_publish_directory_sync_failure_is_reported(

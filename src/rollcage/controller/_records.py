@@ -1,7 +1,9 @@
-"""``rollouts.jsonl``: one ``RolloutRecord`` a line, appended and fsynced one at a time.
+"""``rollouts.jsonl``: one ``RolloutRecord`` a line, appended and fsynced in order.
 
-A crash (SIGKILL, power cut) can leave only one kind of damage: a torn last line,
-because every append is one ``write`` followed by ``fsync`` before the next. On
+Records of rollouts that finish together share one ``write`` and one ``fsync`` (a group
+commit): each append is acknowledged only once its line is synced, as if alone. A crash
+(SIGKILL, power cut) can leave only one kind of damage: a torn last line, because every
+batch is one ``write`` followed by ``fsync`` before the next. On
 open the log is scanned as a stream: a last line without its newline, or one that
 does not parse, is truncated away (and reported); a damaged line anywhere else is
 an error naming its line, because silently dropping a finished record would make
@@ -16,7 +18,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -112,8 +114,17 @@ def load_records(
     return LoadReport(count, repaired)
 
 
+@dataclass(eq=False)
+class _Pending:
+    """One line waiting for its batch; ``error`` and ``written`` are set by the batch's thread."""
+
+    line: bytes
+    written: bool = False
+    error: DurableWriteError | None = field(default=None)
+
+
 class RecordLog:
-    """The append side of ``rollouts.jsonl``; appends are serialised and each is fsynced.
+    """The append side of ``rollouts.jsonl``; appends are serialised and fsynced, in batches.
 
     Use as ``async with RecordLog(path) as log: await log.append(record)``.
     """
@@ -123,6 +134,9 @@ class RecordLog:
         self._path = path
         self._fd: int | None = None
         self._lock = asyncio.Lock()
+        # Lines handed in while a batch is being written: the next batch, written whole by
+        # whichever waiter gets the lock first.
+        self._pending: list[_Pending] = []
 
     @property
     def path(self) -> Path:
@@ -178,19 +192,46 @@ class RecordLog:
         """Append one record and return once it is on disk (written and fsynced).
 
         Appends are serialised, so records keep the order in which they were handed in.
+        Records handed in while an earlier batch is being synced are written and synced
+        together, in that order, by one ``write`` and one ``fsync`` (a group commit).
 
         Raises:
-            DurableWriteError: Writing or syncing failed; the partial line, if any, was
-                truncated away so the log stays well formed.
+            DurableWriteError: Writing or syncing its batch failed; the partial batch, if any,
+                was truncated away so the log stays well formed.
 
-        **Cancellation:** the write already handed to the thread completes (it cannot be
-        interrupted halfway); the caller sees ``CancelledError``.
+        **Cancellation:** a record whose batch was already handed to the thread is still
+        written (it cannot be interrupted halfway), one still waiting is withdrawn; the
+        caller sees ``CancelledError``.
         """
         if self._fd is None:
             raise RuntimeError("RecordLog is not open; use 'async with RecordLog(path)'")
-        line = record.model_dump_json().encode() + b"\n"
-        async with self._lock:
-            await asyncio.to_thread(self._write, self._fd, line)
+        entry = _Pending(record.model_dump_json().encode() + b"\n")
+        self._pending.append(entry)
+        try:
+            async with self._lock:
+                # Still pending: no earlier batch took it, so this waiter writes every line pending now.
+                if entry in self._pending and self._fd is not None:
+                    batch, self._pending = self._pending, []
+                    await shielded(asyncio.to_thread(self._write_batch, self._fd, batch))
+        except asyncio.CancelledError:
+            if entry in self._pending:
+                self._pending.remove(entry)
+            raise
+        if entry.error is not None:
+            raise entry.error
+        if not entry.written:
+            raise RuntimeError("RecordLog was closed before the record was written")
+
+    def _write_batch(self, fd: int, batch: list[_Pending]) -> None:
+        """Write and sync one batch (blocking; runs in a thread); each entry learns the outcome."""
+        try:
+            self._write(fd, b"".join(entry.line for entry in batch))
+        except DurableWriteError as exc:
+            for entry in batch:
+                entry.error = exc
+            return
+        for entry in batch:
+            entry.written = True
 
     def _write(self, fd: int, line: bytes) -> None:
         start = os.lseek(fd, 0, os.SEEK_END)

@@ -825,8 +825,7 @@ async def _run_and_grade(
         receipt = _failed_receipt(prepared, settings, exc, started, where="the controller")
     if not receipt.result_valid:
         result = None
-    if await asyncio.to_thread(rollout_dir.is_dir):
-        await _write_diff(rollout_dir)
+    await _write_diff(rollout_dir)
     link = _resume_link(link, result)
     if prepared.resume_from is not None:
         receipt = receipt.model_copy(update={"resumed_from": prepared.resume_from.rollout_id})

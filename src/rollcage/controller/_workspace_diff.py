@@ -398,10 +398,7 @@ async def make_workspace_diff(rollout_dir: Path, *, scratch_parent: Path | None 
     info = await asyncio.to_thread(read_image_info, rollout_dir)
     workspace = rollout_dir / "workspace"
     if info is None:
-        if not await asyncio.to_thread(_plain_dir, workspace):
-            return b"# no workspace directory: nothing to diff\n"
-        head = b"# the final workspace against the empty workspace the rollout started from\n"
-        return head + await asyncio.to_thread(file_level_diff, workspace, None, overlay=False)
+        return await asyncio.to_thread(_diff_without_image, workspace)
     changes = rollout_dir / "changes"
     if not await asyncio.to_thread(_plain_dir, changes):
         return f"# the rollout has no changes directory {changes}: nothing to diff\n".encode()
@@ -487,19 +484,59 @@ def _close(stack: contextlib.ExitStack, parent: Path) -> None:
 async def write_workspace_diff(rollout_dir: Path) -> str | None:
     """Make and publish ``rollout_dir/workspace.diff``; the problem, or ``None`` when all went well.
 
-    Never raises for a diff that cannot be made: the file then says why in one line.
+    Never raises for a diff that cannot be made: the file then says why in one line. A rollout
+    directory that is not there (the controller failed before making it) gets none.
 
     **Cancellation:** as :func:`make_workspace_diff`; nothing is published.
     """
-    problem: str | None = None
+    # A rollout without an image (most of them) is diffed and published in one thread hop.
+    done, problem = await asyncio.to_thread(_write_without_image, rollout_dir)
+    if done:
+        return problem
     try:
         data = await make_workspace_diff(rollout_dir)
     except (RollcageError, OSError, ValueError) as exc:
-        problem = f"workspace.diff could not be made: {type(exc).__name__}: {exc}"[:2000]
-        logger.warning("rollout %s: %s", rollout_dir.name, problem)
+        problem = _not_made(rollout_dir, exc)
         data = f"# {problem}\n".encode()
+    return await asyncio.to_thread(_publish, rollout_dir, data, problem)
+
+
+def _write_without_image(rollout_dir: Path) -> tuple[bool, str | None]:
+    """Blocking: publish the diff of a rollout without an image; (whether it was one, the problem).
+
+    ``(False, None)`` for an image rollout, left to :func:`make_workspace_diff` on the loop.
+    """
+    if not _plain_dir(rollout_dir):
+        return True, None
+    problem: str | None = None
     try:
-        await asyncio.to_thread(publish_bytes, rollout_dir / WORKSPACE_DIFF, data, mode=0o644)
+        if read_image_info(rollout_dir) is not None:
+            return False, None
+        data = _diff_without_image(rollout_dir / "workspace")
+    except (RollcageError, OSError, ValueError) as exc:
+        problem = _not_made(rollout_dir, exc)
+        data = f"# {problem}\n".encode()
+    return True, _publish(rollout_dir, data, problem)
+
+
+def _diff_without_image(workspace: Path) -> bytes:
+    """The ``workspace.diff`` of a rollout without an image (blocking)."""
+    if not _plain_dir(workspace):
+        return b"# no workspace directory: nothing to diff\n"
+    head = b"# the final workspace against the empty workspace the rollout started from\n"
+    return head + file_level_diff(workspace, None, overlay=False)
+
+
+def _not_made(rollout_dir: Path, exc: BaseException) -> str:
+    problem = f"workspace.diff could not be made: {type(exc).__name__}: {exc}"[:2000]
+    logger.warning("rollout %s: %s", rollout_dir.name, problem)
+    return problem
+
+
+def _publish(rollout_dir: Path, data: bytes, problem: str | None) -> str | None:
+    """Publish ``data`` as the rollout's ``workspace.diff`` (blocking); the problem, if any."""
+    try:
+        publish_bytes(rollout_dir / WORKSPACE_DIFF, data, mode=0o644)
     except OSError as exc:
         problem = f"workspace.diff could not be written: {exc}"
         logger.warning("rollout %s: %s", rollout_dir.name, problem)

@@ -393,14 +393,13 @@ class _Supervision:
             self.setup_failure = f"the worker was not started: cannot read input.json: {exc}"
             return
         try:
-            data = orjson.loads(raw)
-            if isinstance(data, dict) and isinstance(data.get("rollout_id"), str) and data["rollout_id"]:
-                self.rollout_id = data["rollout_id"]
-        except orjson.JSONDecodeError:
-            pass
-        try:
             self.original = WorkerInput.model_validate_json(raw)
         except (ValidationError, RollcageError) as exc:
+            # Decoded a second time only here: the receipt of an invalid input still names its rollout.
+            with contextlib.suppress(orjson.JSONDecodeError):
+                data = orjson.loads(raw)
+                if isinstance(data, dict) and isinstance(data.get("rollout_id"), str) and data["rollout_id"]:
+                    self.rollout_id = data["rollout_id"]
             problem = describe_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
             self.setup_failure = f"the worker was not started: input.json is invalid: {problem}"
             return
@@ -985,8 +984,10 @@ class _Supervision:
             return True, None, f"result.json is over {_MAX_RESULT_BYTES} bytes (not kept)"
         if source != self.layout.result:
             # Copied, byte for byte, from the staged view (another file system, as a rule) into R.
+            # The file is synced here; the directory is synced once, by the receipt's publication
+            # that follows in _conclude: nothing reads result.json as final before the receipt.
             try:
-                publish_bytes(self.layout.result, data, mode=0o644)
+                publish_bytes(self.layout.result, data, mode=0o644, sync_directory=False)
             except RollcageError as exc:
                 # The supervisor's own write failed (a disk full): the infrastructure's fault.
                 self.result_keep_problem = (
