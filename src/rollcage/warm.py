@@ -56,6 +56,7 @@ from __future__ import annotations
 import gc
 import locale
 import os
+import resource
 import signal
 import socket
 import sys
@@ -109,10 +110,12 @@ def template_main(argv: list[str]) -> int:
     if len(argv) != 2 or not all(word.isdigit() for word in argv):
         sys.stderr.write("rollcage template: started by the supervisor only (FD PARENT), not by hand\n")
         return 2
+    global _parent
     fd, parent = int(argv[0]), int(argv[1])
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         return 1
+    _parent = parent
     from rollcage.worker import warm_up
 
     warm_up()
@@ -177,6 +180,12 @@ def _say(fd: int, text: str) -> None:
 _executors: ExecutorTemplateLink | None = None
 """The executor template beside this one (started with the first worker that can use it)."""
 
+_parent = 0
+"""The supervisor's PID (this process's parent, and every worker's)."""
+
+_RLIMITS = tuple(getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_"))
+"""Every per-process limit: an uncaged worker takes the supervisor's, as a cold one inherits them."""
+
 
 def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules: frozenset[str]) -> None:
     """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
@@ -184,7 +193,8 @@ def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules:
     env = _worker_environment(request)
     channel = _link(request, env)
     try:
-        why = server.join(holder)
+        # An uncaged worker (--sandbox none) is born here, beside its holder: no namespace to join.
+        why = server.join(holder) if request.caged else None
         if why is not None:
             _report(report, Unforked(reason=f"cannot enter the sandbox's PID namespace: {why}"))
             return
@@ -279,7 +289,12 @@ def _enter(
     modules: frozenset[str],
     channel: int,
 ) -> NoReturn:
-    """The worker, born in the cage's PID namespace: move into its cgroups, join the cage, report, run."""
+    """The worker, born in the cage's PID namespace: move into its cgroups, join the cage, report, run.
+
+    Uncaged (``--sandbox none``), it only takes the cold worker's parent-death signal and reports.
+    """
+    if not request.caged:
+        _enter_uncaged(request, env, report=report, log=log, modules=modules)
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for path in request.cgroups:
@@ -301,6 +316,27 @@ def _enter(
     # The supervisor measures the tmpfs through these roots, whoever outlives whom.
     _report(report, Entered(), roots)
     _become_worker(request, env, log=log, modules=modules, channel=channel)
+
+
+def _enter_uncaged(
+    request: WorkerStart, env: dict[str, str], *, report: int, log: int, modules: frozenset[str]
+) -> NoReturn:
+    """The worker without a cage: the supervisor's child, dying with it as a cold worker does."""
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # As setpriv --pdeathsig gives a cold worker: killed when the supervisor's thread that
+        # started this template ends (the thread that spawns the cold worker; see
+        # rollcage.supervisor.launch: one template per such thread). Checked after it is set: a
+        # parent gone before would never send it.
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != _parent:
+            os._exit(1)
+    except BaseException as exc:
+        _say(log, f"rollcage: the warm worker could not start: {exc}\n")
+        _report(report, EnterFailed(reason=str(exc), mount=False))
+        os._exit(1)
+    _report(report, Entered())
+    _become_worker(request, env, log=log, modules=modules, channel=-1)
 
 
 class _MountRefused(OSError):
@@ -352,8 +388,14 @@ def _become_worker(
         # The supervisor knows a rollout's processes by the token in their environment, and people
         # know a worker by its command line: not the template's, which a fork would show.
         show_process([sys.executable, "-m", "rollcage", "worker", *request.argv], request.env)
-        drop_privileges(request.uid, request.gid)
-        Limits(**request.limits).apply()
+        if request.caged:
+            drop_privileges(request.uid, request.gid)
+            Limits(**request.limits).apply()
+        else:
+            # The supervisor's limits as they are now (a cold worker inherits them; they may have
+            # changed since this template started: the open-file limit is raised under load).
+            for which in _RLIMITS:
+                resource.setrlimit(which, resource.prlimit(_parent, which))
         os.umask(request.umask)
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)

@@ -218,6 +218,9 @@ class WorkerStart(Message):
             owned by the host's ``uid``); :class:`Entered` sends their roots back, in this order.
         keep: Paths the cage shows under those places (a Python environment in ``/tmp``): their
             mounts are copied before the tmpfs goes over them and put back on top of it.
+        caged: The worker enters the holder's cage; ``False`` (``--sandbox none``): it is forked as
+            a plain process beside the holder, with no namespace, mount or uid of its own, the
+            supervisor's limits and ``uid``/``gid``/``cgroups``/``mounts``/``keep`` unused.
     """
 
     KIND: ClassVar[int] = 1
@@ -235,6 +238,7 @@ class WorkerStart(Message):
         "clear_groups": _is_bool,
         "mounts": _is_mounts,
         "keep": _is_strs,
+        "caged": _is_bool,
     }
 
     argv: list[str]
@@ -248,6 +252,7 @@ class WorkerStart(Message):
     clear_groups: bool = True
     mounts: list[dict[str, Any]] = field(default_factory=list)
     keep: list[str] = field(default_factory=list)
+    caged: bool = True
 
 
 @dataclass(frozen=True)
