@@ -238,12 +238,17 @@ async def test_the_deadline_kills_a_warm_worker_and_the_grandchild_its_agent_lef
     assert not alive(worker)
 
 
+BUSY = 'open("busy", "w").close()\nimport time\ntime.sleep(3600)\n'
+"""A cell that keeps the worker waiting on its executor, not on the supervisor (whose proxy's end
+would end a model call, and so the worker, by itself)."""
+
+
 @pytest.mark.timeout(90)
 def test_a_sigkilled_supervisor_takes_its_warm_worker_with_it(tmp_path: Path) -> None:
     # What the killed supervisor leaves is reparented to this process (a subreaper): the token search sees it.
     ensure_subreaper()
     root = tmp_path / "r"
-    with PolicyServer(NEVER, port=0, faults=["call=1:kind=hang"]) as server:
+    with PolicyServer({"tasks": {"t": [_python(BUSY), {"text": "never"}]}}, port=0) as server:
         _prepare(root, server.base_url)
         argv = [
             sys.executable,
@@ -258,18 +263,28 @@ def test_a_sigkilled_supervisor_takes_its_warm_worker_with_it(tmp_path: Path) ->
         ]
         with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
             try:
-                wait_for(lambda: server.faults_injected, what="the worker's first model call")
+                wait_for(lambda: (root / "workspace" / "busy").exists(), what="the agent's cell to run")
                 worker = wait_for(lambda: _worker_of(root), what="the worker's process")
                 info = read_proc(worker)
                 assert info is not None and info.ppid == proc.pid, (
                     "not a warm worker (the supervisor's child)"
                 )
-                assert len(_rollout_processes(root)) == 2, "no holder beside the worker: not a warm start"
+                started = list(_rollout_processes(root))
+                assert len(started) == 2, "no holder beside the worker: not a warm start"
                 proc.kill()
                 proc.wait(timeout=10)
             finally:
                 proc.kill()
-    wait_for(lambda: not processes_with_token(), timeout=10, what="every supervised process to be gone")
+    wait_for(
+        lambda: not any(alive(pid) for pid in started),
+        timeout=10,
+        what="the worker and holder to die with it",
+    )
+    # The executor's sleeping cell is left by a cold start alike (it is the worker's child, with no
+    # parent-death signal of its own): not this start's to end. Ended here, by its PID.
+    for pid in processes_with_token():
+        os.kill(pid, 9)
+    wait_for(lambda: not processes_with_token(), timeout=10, what="the executor to be gone")
 
 
 @pytest.mark.timeout(90)
