@@ -43,6 +43,14 @@ It has no parent-death signal: its parent is a thread of the supervisor's, which
 may end before the rollout does, and a supervisor that dies closes the holder's
 stdin, whose exit ends the cage's PID namespace with the worker in it.
 
+Without a sandbox (``--sandbox none``, :attr:`~rollcage.forkserver.WorkerStart.caged` false)
+there is no cage to enter: the holder is a plain process the supervisor spawned, and the template
+forks the worker beside it as the supervisor's child without joining anything. The worker takes
+``PR_SET_PDEATHSIG`` (as ``setpriv --pdeathsig KILL`` gives a cold worker: its parent thread is the
+one that started this template, one template per such thread), reports :class:`Entered`, and
+becomes the worker as above but keeping its uid, gid and capabilities, with the supervisor's own
+resource limits of the moment (read with ``prlimit``) in place of the cage's.
+
 A template that dies takes only the starts it had not forked yet with it: their
 holders see their stdin closed and exit with 125 (no result: ``infra_failure``);
 workers already running are not its children and go on, and the supervisor starts

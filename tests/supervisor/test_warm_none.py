@@ -219,11 +219,17 @@ async def test_the_deadline_kills_a_warm_worker_and_the_grandchild_its_agent_lef
     root = tmp_path / "r"
     with PolicyServer(script, port=0, faults=["call=2:kind=hang"]) as server:
         _prepare(root, server.base_url)
-        config = SupervisorConfig(deadline_s=6, grace_s=1, sandbox=NoSandbox(worker_start="warm"))
+        # Long enough for the cell to run on a loaded machine; the model hangs on the next call.
+        config = SupervisorConfig(deadline_s=20, grace_s=1, sandbox=NoSandbox(worker_start="warm"))
         task = asyncio.ensure_future(supervise(root, config))
         try:
-            await wait_for_async(lambda: server.faults_injected, what="the worker's second model call")
-            sleeper = int((root / "workspace" / "sleeper.pid").read_text())
+            pid_file = root / "workspace" / "sleeper.pid"
+            await wait_for_async(
+                lambda: task.done() or (pid_file.exists() and pid_file.read_text()),
+                what="the agent's sleeper",
+            )
+            assert not task.done(), "the rollout ended before its cell ran"
+            sleeper = int(pid_file.read_text())
             assert alive(sleeper)
             worker = await wait_for_async(lambda: _worker_of(root), what="the worker's process")
             info = read_proc(worker)
@@ -364,3 +370,17 @@ async def test_a_warm_worker_killed_by_someone_else_reads_as_a_cold_ones_death(t
     assert receipt.outcome == "infra_failure", receipt.outcome_reason
     assert receipt.exit_signal == "SIGKILL" and receipt.exit_code is None and receipt.signals_sent == []
     assert receipt.cleanup_confirmed
+
+
+@pytest.mark.timeout(600)
+def test_this_suite_passes_as_an_unprivileged_user() -> None:
+    """The warm start needs no privilege: the same tests, in a session of their own, as a plain user
+    (whose template could not name its own PID namespace again, nor raise a hard limit)."""
+    from tests.helpers.unprivileged import make_test_user, run_as, user_dir
+
+    user = make_test_user()  # skips where the suite already runs unprivileged
+    with user_dir(user) as home:
+        argv = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider"]
+        argv += ["--basetemp", str(home / "pytest"), __file__]
+        done = run_as(user, argv, home=home, timeout_s=540)
+    assert done.returncode == 0, f"as {user.name} (uid {user.uid}):\n{done.stdout[-12000:]}"
