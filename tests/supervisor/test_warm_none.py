@@ -19,6 +19,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from rollcage.policy import PolicyServer
 from rollcage.procs import ensure_subreaper, read_proc
 from rollcage.protocol import WorkerResult
 from rollcage.supervisor import NoSandbox, SupervisorConfig, supervise
+from rollcage.supervisor.bytecode import worker_bytecode
+from rollcage.supervisor.warm import template_for
 from tests.helpers.supervisor_env import processes_with_token
 from tests.helpers.waiting import alive, wait_for, wait_for_async
 from tests.helpers.worker_env import worker_input
@@ -203,6 +206,12 @@ async def test_a_warm_rollout_completes_with_the_result_and_checkpoint_of_a_cold
     assert sorted(p.name for p in (tmp_path / "warm").iterdir()) == sorted(
         p.name for p in (tmp_path / "cold").iterdir()
     )
+    # This thread's template forked the worker and lives on for the next (it has nothing to leave).
+    template = template_for(worker_bytecode(), thread=threading.get_ident())
+    first = template.pid
+    assert first is not None
+    again, _, _ = await _complete(tmp_path / "again", "warm")
+    assert again["outcome"] == "completed" and template.pid == first
 
 
 SLEEPER = """
