@@ -8,6 +8,7 @@ then answers, with N even two; 2.5 model calls and 1.5 executions per task.
 * rollcage: ``rollcage run DATASET --sandbox bwrap --concurrency C`` (this repo's ``.venv``),
   its workers started warm (the default); ``--system rollcage-cold`` adds a run with
   ``--worker-start cold`` (a fresh interpreter per rollout) for comparison;
+  ``rollcage-none`` and ``rollcage-none-cold`` run ``--sandbox none``, warm and cold;
 * Inspect AI (``inspect-ai`` pinned below, installed once into its own venv under the
   git-ignored ``bench/.cache/``): ``eval()`` of the ``react`` agent with its ``python``
   tool in the ``local`` sandbox, ``max_samples``/``max_connections``/``max_subprocesses``
@@ -84,6 +85,8 @@ from _measure import CpuGroup, ModelServer, cpu_s, descendants, read_smaps, writ
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "bench" / ".cache"
+SYSTEMS = ["rollcage", "rollcage-cold", "rollcage-none", "rollcage-none-cold", "inspect"]
+"""What ``--system`` runs: rollcage (bwrap, warm or cold; --sandbox none, warm or cold) and Inspect AI."""
 INSPECT_VERSION = "0.3.285"
 OPENAI_VERSION = "3.57.0"
 """The ``openai`` SDK Inspect's ``openai-api`` provider uses (pinned with it)."""
@@ -417,9 +420,9 @@ def _command(
             "--concurrency",
             str(concurrency),
             "--sandbox",
-            "bwrap",
+            "none" if system.startswith("rollcage-none") else "bwrap",
             "--worker-start",
-            "cold" if system == "rollcage-cold" else "warm",
+            "cold" if system.endswith("-cold") else "warm",
             "--quiet",
         ]
         return argv, out / "rollouts.jsonl"
@@ -701,6 +704,33 @@ def print_ratios_and_targets(runs: list[Run], alone: dict[tuple[str, float], flo
         print(f"  {name:<52} {value:<40} {verdict}")
 
 
+def print_peer_ratios(runs: list[Run]) -> None:
+    """Each rollcage system against Inspect AI and against its own cold start (rounds pooled)."""
+    rounds: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        rounds.setdefault((r.system, r.scenario), []).append(r)
+    by = {key: group[0] if len(group) == 1 else pooled(group) for key, group in rounds.items()}
+    rows = []
+    for (system, scenario), run in by.items():
+        if system == "inspect":
+            continue
+        for peer in ("inspect", f"{system}-cold"):
+            other = by.get((peer, scenario))
+            if other is not None and peer != system:
+                rows.append((scenario, system, peer, run, other))
+    if not rows:
+        return
+    print("\neach rollcage system / a peer (same run, rounds pooled):")
+    print(f"{'scenario':>9}  {'system':>18}  {'peer':>18}  {'throughput':>10}  {'CPU/rollout':>11}")
+    for scenario, system, peer, run, other in rows:
+        throughput = _ratio(run.throughput, other.throughput)
+        cpu = _ratio(run.cpu_ms_per_rollout, other.cpu_ms_per_rollout)
+        print(
+            f"{scenario:>9}  {system:>18}  {peer:>18}  "
+            f"{_fmt(throughput, '.2f') + 'x':>10}  {_fmt(cpu, '.2f') + 'x':>11}"
+        )
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -736,8 +766,9 @@ def main() -> None:
     parser.add_argument(
         "--system",
         action="append",
-        choices=["rollcage", "rollcage-cold", "inspect"],
-        help="default: rollcage and inspect; rollcage-cold: rollcage with --worker-start cold (to compare)",
+        choices=SYSTEMS,
+        help="default: rollcage and inspect; rollcage-cold: rollcage with --worker-start cold (to compare); "
+        "rollcage-none, rollcage-none-cold: with --sandbox none, warm and cold",
     )
     parser.add_argument(
         "--quick", action="store_true", help="instant (N=32) and c64 (N=64) only, one alone run"
@@ -773,7 +804,7 @@ def main() -> None:
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
-    print(f"rollcage: {commit.stdout.strip()} (--sandbox bwrap, euid {os.geteuid()})", end="")
+    print(f"rollcage: {commit.stdout.strip()} (sandbox as --system says, euid {os.geteuid()})", end="")
     if inspect_python is not None:
         versions = (
             _installed_version(inspect_python, "inspect-ai"),
@@ -833,6 +864,7 @@ def main() -> None:
     print()
     print_table(runs, alone)
     print_ratios_and_targets(runs, alone)
+    print_peer_ratios(runs)
     if args.json is not None:
         payload = {
             "runs": [asdict(r) | {"throughput": r.throughput} for r in runs],

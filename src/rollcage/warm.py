@@ -45,6 +45,14 @@ It has no parent-death signal: its parent is a thread of the supervisor's, which
 may end before the rollout does, and a supervisor that dies closes the holder's
 stdin, whose exit ends the cage's PID namespace with the worker in it.
 
+Without a sandbox (``--sandbox none``, :attr:`~rollcage.forkserver.WorkerStart.caged` false)
+there is no cage to enter: the holder is a plain process the supervisor spawned, and the template
+forks the worker beside it as the supervisor's child without joining anything. The worker takes
+``PR_SET_PDEATHSIG`` (as ``setpriv --pdeathsig KILL`` gives a cold worker: its parent thread is the
+one that started this template, one template per such thread), reports :class:`Entered`, and
+becomes the worker as above but keeping its uid, gid and capabilities, with the supervisor's own
+resource limits of the moment (read with ``prlimit``) in place of the cage's.
+
 A template that dies takes only the starts it had not forked yet with it: their
 holders see their stdin closed and exit with 125 (no result: ``infra_failure``);
 workers already running are not its children and go on, and the supervisor starts
@@ -59,6 +67,7 @@ import fcntl
 import gc
 import locale
 import os
+import resource
 import signal
 import socket
 import sys
@@ -114,10 +123,12 @@ def template_main(argv: list[str]) -> int:
     if len(argv) != 2 or not all(word.isdigit() for word in argv):
         sys.stderr.write("rollcage template: started by the supervisor only (FD PARENT), not by hand\n")
         return 2
+    global _parent
     fd, parent = int(argv[0]), int(argv[1])
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         return 1
+    _parent = parent
     from rollcage.worker import warm_up
 
     warm_up()
@@ -188,6 +199,12 @@ def _say(fd: int, text: str) -> None:
 _executors: ExecutorTemplateLink | None = None
 """The executor template beside this one (started with the first worker that can use it)."""
 
+_parent = 0
+"""The supervisor's PID (this process's parent, and every worker's)."""
+
+_RLIMITS = tuple(getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_"))
+"""Every per-process limit: an uncaged worker takes the supervisor's, as a cold one inherits them."""
+
 
 def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules: frozenset[str]) -> None:
     """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
@@ -195,7 +212,8 @@ def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules:
     env = _worker_environment(request)
     channel = _link(request, env)
     try:
-        why = server.join(holder)
+        # An uncaged worker (--sandbox none) is born here, beside its holder: no namespace to join.
+        why = server.join(holder) if request.caged else None
         if why is not None:
             _report(report, Unforked(reason=f"cannot enter the sandbox's PID namespace: {why}"))
             return
@@ -307,8 +325,11 @@ def _enter(
 ) -> NoReturn:
     """The worker, born in the cage's PID namespace: move into its cgroups, join the cage, report, run.
 
-    ``passed``: the start's descriptors for :attr:`WorkerStart.pass_fds`, in its order.
+    ``passed``: the start's descriptors for :attr:`WorkerStart.pass_fds`, in its order. Uncaged
+    (``--sandbox none``), it only takes the cold worker's parent-death signal and reports.
     """
+    if not request.caged:
+        _enter_uncaged(request, env, report=report, log=log, passed=passed, modules=modules)
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for path in request.cgroups:
@@ -330,6 +351,33 @@ def _enter(
     # The supervisor measures the tmpfs through these roots, whoever outlives whom.
     _report(report, Entered(), roots)
     _become_worker(request, env, log=log, passed=passed, modules=modules, channel=channel)
+
+
+def _enter_uncaged(
+    request: WorkerStart,
+    env: dict[str, str],
+    *,
+    report: int,
+    log: int,
+    passed: list[int],
+    modules: frozenset[str],
+) -> NoReturn:
+    """The worker without a cage: the supervisor's child, dying with it as a cold worker does."""
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # As setpriv --pdeathsig gives a cold worker: killed when the supervisor's thread that
+        # started this template ends (the thread that spawns the cold worker; see
+        # rollcage.supervisor.launch: one template per such thread). Checked after it is set: a
+        # parent gone before would never send it.
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != _parent:
+            os._exit(1)
+    except BaseException as exc:
+        _say(log, f"rollcage: the warm worker could not start: {exc}\n")
+        _report(report, EnterFailed(reason=str(exc), mount=False))
+        os._exit(1)
+    _report(report, Entered())
+    _become_worker(request, env, log=log, passed=passed, modules=modules, channel=-1)
 
 
 class _MountRefused(OSError):
@@ -398,8 +446,14 @@ def _become_worker(
         # Kept: the passed descriptors, and the worker's socket to the executor template
         # (see rollcage.tools._forked); every other one is closed.
         _close_all_but({*request.pass_fds, *([channel] if channel >= 0 else [])})
-        drop_privileges(request.uid, request.gid)
-        Limits(**request.limits).apply()
+        if request.caged:
+            drop_privileges(request.uid, request.gid)
+            Limits(**request.limits).apply()
+        else:
+            # The supervisor's limits as they are now (a cold worker inherits them; they may have
+            # changed since this template started: the open-file limit is raised under load).
+            for which in _RLIMITS:
+                resource.setrlimit(which, resource.prlimit(_parent, which))
         os.umask(request.umask)
         if channel >= 0:
             from rollcage.tools import adopt_executor_template

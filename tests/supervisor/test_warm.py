@@ -398,8 +398,10 @@ def test_worker_start_is_a_sandbox_flag_warm_by_default() -> None:
     assert BwrapSandbox().worker_start == "warm"
     fields = bwrap_fields({"worker_start": WorkerStartChoice.cold}, sandbox="bwrap")
     assert BwrapSandbox(**fields).worker_start == "cold"
-    with pytest.raises(typer.BadParameter, match="--worker-start needs --sandbox bwrap"):
-        bwrap_fields({"worker_start": WorkerStartChoice.cold}, sandbox="none")
+    # --sandbox none starts warm or cold too (tests/supervisor/test_warm_none.py); not so its cage.
+    assert bwrap_fields({"worker_start": WorkerStartChoice.cold}, sandbox="none") == {"worker_start": "cold"}
+    with pytest.raises(typer.BadParameter, match="--executor-cage needs --sandbox bwrap"):
+        bwrap_fields({"executor_cage": "shared"}, sandbox="none")
 
 
 # --------------------------------------------------------------------------- scratch in the cage

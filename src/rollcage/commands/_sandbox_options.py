@@ -49,6 +49,8 @@ FLAG_OF_FIELD: dict[str, str] = {
 
 _CONTAINMENT = ("executor_cage", "worker_start")
 """``BwrapSandbox`` fields beside the budgets that ``rollcage supervise`` takes (spelled below)."""
+_BWRAP_ONLY = ("executor_cage",)
+"""Of those, the ones ``--sandbox none`` refuses (``worker_start`` is ``NoSandbox``'s too)."""
 
 
 class ExecutorCageChoice(enum.StrEnum):
@@ -77,8 +79,8 @@ WorkerStart = Annotated[
     WorkerStartChoice | None,
     typer.Option(
         "--worker-start",
-        help="warm: the worker forked into its sandbox from a pre-imported template (default, as root); "
-        "cold: a fresh interpreter per rollout.",
+        help="warm: the worker forked from a pre-imported template (default; into its sandbox, with "
+        "bwrap as root); cold: a fresh interpreter per rollout.",
         rich_help_panel=_PANEL,
     ),
 ]
@@ -110,7 +112,8 @@ def bwrap_fields(
     Args:
         flags: The command's parameters; only the budget flags (:func:`sandbox_options`) and
             ``executor_cage`` and ``worker_start`` are read.
-        sandbox: The ``--sandbox`` chosen: budgets are enforced by the bubblewrap sandbox only.
+        sandbox: The ``--sandbox`` chosen: budgets are enforced by the bubblewrap sandbox only
+            (``worker_start`` is also ``--sandbox none``'s: see :class:`~rollcage.supervisor.NoSandbox`).
         options: :func:`sandbox_options`, if the caller has them already.
 
     Raises:
@@ -119,7 +122,7 @@ def bwrap_fields(
     """
     options = sandbox_options() if options is None else options
     given = {option.param: option.flag for option in options if flags.get(option.param) is not None}
-    given |= {name: FLAG_OF_FIELD[name] for name in _CONTAINMENT if flags.get(name) is not None}
+    given |= {name: FLAG_OF_FIELD[name] for name in _BWRAP_ONLY if flags.get(name) is not None}
     if sandbox != "bwrap" and given:
         flag = next(iter(given.values()))
         why = f"{flag} needs --sandbox bwrap: with --sandbox {sandbox} no budget is enforced"

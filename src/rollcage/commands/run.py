@@ -269,6 +269,7 @@ def _refuse_misplaced(fields: list[FieldOption], ray: list[FieldOption], given: 
     for option in fields:
         if (
             option.path[0] == "bwrap"
+            and option.path != ("bwrap", "worker_start")  # --sandbox none starts warm or cold too
             and given.get(option.param) is not None
             and sandbox not in (None, "bwrap")
         ):

@@ -92,7 +92,7 @@ def _supervise(
             # As the config's input, not a model: an error is then reported where its flag lands.
             sandbox={"type": "bwrap", "extra_ro_paths": [str(p.absolute()) for p in ro_path or []], **budgets}
             if sandbox is SandboxChoice.bwrap
-            else NoSandbox(),
+            else NoSandbox(**{key: budgets[key] for key in ("worker_start",) if key in budgets}),
             api_key_env=api_key_env,
             worker_command=shlex.split(worker_command) if worker_command else None,
             proxy=ProxyConfig(max_capture_bytes=max_capture_mib * 1024 * 1024),

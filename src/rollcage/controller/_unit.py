@@ -725,7 +725,10 @@ def build_supervisor_config(settings: RolloutSettings) -> Any:
     """The ``rollcage.supervisor.SupervisorConfig`` for ``settings`` (imported now, lazily)."""
     from rollcage.supervisor import NoSandbox, ProxyConfig, SupervisorConfig
 
-    sandbox = settings.bwrap if settings.sandbox == "bwrap" else NoSandbox()
+    # How the worker starts is the one bwrap setting --sandbox none has too.
+    sandbox = (
+        settings.bwrap if settings.sandbox == "bwrap" else NoSandbox(worker_start=settings.bwrap.worker_start)
+    )
     return SupervisorConfig(
         deadline_s=settings.deadline_s,
         grace_s=settings.grace_s,

@@ -64,6 +64,8 @@ class ForkServer:
         """This process's own PID namespace: its children are born there but for one fork at a time."""
         self._reap = reap
         self._on_exit = on_exit
+        self._away = False
+        """A cage's PID namespace was joined for the next child (:meth:`join`): go home after the fork."""
         self._wake = -1
         if reap is not None:
             # SIGCHLD wakes the loop (a handler must be set for the wake-up byte to be written).
@@ -102,6 +104,7 @@ class ForkServer:
             self.enter.setns(holder, self.enter.PID_NS)
         except OSError as exc:
             return f"cannot join the cage: OSError: {exc}"
+        self._away = True
         return None
 
     def fork(self, *, sibling: bool) -> tuple[int, int]:
@@ -123,8 +126,13 @@ class ForkServer:
     def go_home(self) -> None:
         """Have this process's next children born in its own PID namespace again; exit if they cannot be.
 
-        They would be born in a cage: whoever started this server starts another instead.
+        They would be born in a cage: whoever started this server starts another instead. Nothing
+        to do where no cage was joined (a worker forked beside its holder, ``--sandbox none``: a
+        server that is not root could not even name its own namespace again).
         """
+        if not self._away:
+            return
+        self._away = False
         try:
             self.enter.setns(self.home, self.enter.PID_NS)
         except OSError as exc:

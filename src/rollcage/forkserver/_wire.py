@@ -247,6 +247,9 @@ class WorkerStart(Message):
         pass_fds: The numbers the descriptors after the first three take in the worker, as a cold
             start's worker inherits them (a harness rollout's relay to the supervisor); each 3 or
             more, none twice, at most :data:`MAX_PASS_FDS`. The worker holds these and no other.
+        caged: The worker enters the holder's cage; ``False`` (``--sandbox none``): it is forked as
+            a plain process beside the holder, with no namespace, mount or uid of its own, the
+            supervisor's limits and ``uid``/``gid``/``cgroups``/``mounts``/``keep`` unused.
     """
 
     KIND: ClassVar[int] = 1
@@ -265,6 +268,7 @@ class WorkerStart(Message):
         "mounts": _is_mounts,
         "keep": _is_strs,
         "pass_fds": _is_pass_fds,
+        "caged": _is_bool,
     }
 
     argv: list[str]
@@ -278,6 +282,7 @@ class WorkerStart(Message):
     clear_groups: bool = True
     mounts: list[dict[str, Any]] = field(default_factory=list)
     keep: list[str] = field(default_factory=list)
+    caged: bool = True
     pass_fds: list[int] = field(default_factory=list)
 
     def descriptors_ok(self, count: int) -> bool:

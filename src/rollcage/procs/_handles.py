@@ -121,6 +121,13 @@ class PidfdChild:
             Its exit code as a shell reports it (the code, or 128 + N for signal N); ``None``
             while it runs (the pidfd is then kept), or if someone else reaped it.
         """
+        status = self.reap_status()
+        if status is None or (status.code is None and status.signal is None):
+            return None
+        return status.code if status.signal is None else 128 + status.signal
+
+    def reap_status(self) -> ExitStatus | None:
+        """:meth:`reap`, its status whole: an exit code apart from a signal (``None``: as :meth:`reap`)."""
         if self._fd is None:
             return None
         try:
@@ -132,7 +139,7 @@ class PidfdChild:
         os.close(self._fd)
         self._fd = None
         started_children.discard(self.pid)
-        return None if info is None else _shell_code(info)
+        return None if info is None else _status_from_siginfo(info)
 
     def exited(self) -> int | None:
         """Its exit code as :meth:`reap` reports it if it has exited, without reaping it; else ``None``."""

@@ -144,6 +144,16 @@ class NoSandbox(_Config):
     """
 
     type: Literal["none"] = "none"
+    worker_start: Literal["warm", "cold"] = Field(
+        default="warm",
+        description=(
+            "warm: the worker is forked from a pre-imported template (rollcage.warm), the supervisor's "
+            "child with the environment, working directory, limits and umask a cold start has, without "
+            "paying an interpreter and its imports per rollout; a warm start that fails runs the cold "
+            "worker instead. cold: every rollout's worker is a fresh interpreter. A custom "
+            "worker_command and a harness rollout always start cold."
+        ),
+    )
 
     def launcher(self) -> NoSandboxLauncher:
         """Build the launcher for this config (imports the sandbox machinery now)."""

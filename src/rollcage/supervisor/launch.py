@@ -4,7 +4,8 @@
 collect, receipt); this module is its launch, cold or warm:
 
 * :meth:`Launch.choose`: whether the worker is forked from a warm template
-  (:mod:`rollcage.warm`) or started cold;
+  (:mod:`rollcage.warm`) or started cold (a predicate per sandbox: bwrap as root, and
+  ``--sandbox none``, whose worker is forked uncaged beside a holder);
 * :meth:`Launch.plan`: the launcher's plan (bubblewrap's command line, or a plain child);
 * :meth:`Launch.start`: bubblewrap (or the worker) spawned from the launcher's thread, held
   as a :class:`~rollcage.supervisor.tree.WorkerTree`; for a warm start, its holder's socket
@@ -21,6 +22,7 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,7 +36,7 @@ from rollcage.forkserver import pass_fds_problem
 from rollcage.procs import ChildProcess, read_ready
 from rollcage.protocol import SignalEvent
 from rollcage.runfiles import RolloutLayout
-from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, SupervisorConfig
+from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, NoSandbox, SupervisorConfig
 from rollcage.supervisor.sandbox import BwrapLauncher, LaunchPlan, NoSandboxLauncher
 from rollcage.supervisor.tree import WorkerTree
 from rollcage.supervisor.warm import Template, WarmStart, cage_mounts, refuse_cage_mounts, template_for
@@ -83,25 +85,45 @@ class Launch:
     def choose(self, bytecode: str | None, *, pass_fds: Sequence[int] = ()) -> None:
         """Fork this rollout's worker from a warm template (:mod:`rollcage.warm`), or start it cold.
 
-        Warm only where its start is equivalent and tested: bwrap as root (two stages), rollcage's own
-        worker. ``pass_fds``, the descriptors the worker inherits (a harness rollout's relay to the
-        supervisor), travel with the start; a start that cannot carry them (more than
-        :data:`~rollcage.forkserver.MAX_PASS_FDS`, a standard descriptor's number) is refused here,
-        and the worker starts cold, inheriting them through bubblewrap.
+        Warm only where its start is equivalent and tested: rollcage's own worker, and a sandbox whose
+        warm start is (:meth:`_warm_bwrap`, :meth:`_warm_none`). ``pass_fds``, the descriptors the
+        worker inherits (a harness rollout's relay to the supervisor), travel with a bwrap start; a
+        start that cannot carry them (more than :data:`~rollcage.forkserver.MAX_PASS_FDS`, a standard
+        descriptor's number) is refused here, and the worker starts cold, inheriting them through
+        bubblewrap. ``--sandbox none``'s warm start carries none: such a rollout starts cold.
         """
-        sandbox = self.config.sandbox
-        warm = (
+        self.template = None
+        if self.config.worker_command is not None:
+            return
+        if self._warm_bwrap():
+            problem = pass_fds_problem(pass_fds) if pass_fds else None
+            if problem is not None:
+                logger.warning("rollout %s: started cold, not warm: %s", self.rollout_id, problem)
+                return
+            self.template = template_for(bytecode)
+        elif self._warm_none() and not pass_fds:
+            # The worker's parent-death signal is the thread's that started the template: one
+            # template per such thread, as a cold worker's is the thread's that spawns it.
+            self.template = template_for(bytecode, thread=threading.get_ident())
+
+    def _warm_bwrap(self) -> bool:
+        """bwrap's warm start: as root (two stages), into the cage bwrap made."""
+        sandbox, launcher = self.config.sandbox, self.launcher
+        return (
             isinstance(sandbox, BwrapSandbox)
             and sandbox.worker_start == "warm"
-            and isinstance(self.launcher, BwrapLauncher)
-            and self.launcher.owner is not None
-            and self.config.worker_command is None
+            and isinstance(launcher, BwrapLauncher)
+            and launcher.owner is not None
         )
-        problem = pass_fds_problem(pass_fds) if warm and pass_fds else None
-        if problem is not None:
-            logger.warning("rollout %s: started cold, not warm: %s", self.rollout_id, problem)
-            warm = False
-        self.template = template_for(bytecode) if warm else None
+
+    def _warm_none(self) -> bool:
+        """``--sandbox none``'s warm start: the worker forked beside a holder, uncaged, as any user."""
+        sandbox = self.config.sandbox
+        return (
+            isinstance(sandbox, NoSandbox)
+            and sandbox.worker_start == "warm"
+            and isinstance(self.launcher, NoSandboxLauncher)
+        )
 
     @property
     def scratch_in_cage(self) -> bool:
@@ -149,7 +171,12 @@ class Launch:
             if image_root is not None:
                 raise SandboxError("an image rollout needs the bwrap sandbox (--sandbox none has no cage)")
             self.plan = self.launcher.plan(
-                layout, worker_command=command, worker_env=env, token_env=token_env, pass_fds=pass_fds
+                layout,
+                worker_command=command,
+                worker_env=env,
+                token_env=token_env,
+                pass_fds=pass_fds,
+                warm=self.template is not None,
             )
         return self.plan
 
@@ -264,15 +291,19 @@ class Launch:
             else:
                 for fd in roots:
                     os.close(fd)
+            cold = not plan.warm.caged
             if worker is not None:
                 tree.adopt_worker(worker)
+            elif warm.failure is not None and cold:
+                # Nothing contains an uncaged worker that a cold start would not: its holder runs it.
+                logger.warning("rollout %s: %s; the worker starts cold", self.rollout_id, warm.failure)
             elif warm.failure is not None:
                 if warm.mount_refused:
                     refuse_cage_mounts(warm.failure)
                 # Its holder exits with 125 and no result: the receipt says why, as for any failed start.
                 logger.error("rollout %s: %s", self.rollout_id, warm.failure)
                 self._failed(warm.failure)
-            await warm.relay()
+            await warm.relay(uncaged=cold)
         finally:
             warm.close()
 

@@ -60,6 +60,13 @@ Without bubblewrap
 (result, checkpoint, stop file and workspace at their documented places), with the
 allow-listed environment and ``PR_SET_PDEATHSIG`` (via ``setpriv``) so it dies
 with the supervisor. Agent code is not contained; every launch logs a warning.
+
+Its start is warm by default (``NoSandbox.worker_start``): a holder
+(:data:`NONE_HOLDER_SCRIPT`) stands where the worker would, and the warm template
+(:mod:`rollcage.warm`) forks the worker beside it, the supervisor's child, with the
+cold start's command line, environment, working directory, limits and umask, and the
+same parent-death signal. A warm start that fails has the holder run the cold worker
+instead.
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ from rollcage.runfiles import RolloutLayout
 from rollcage.supervisor.config import BwrapSandbox, NoSandbox
 
 __all__ = [
+    "NONE_HOLDER_SCRIPT",
     "SANDBOX_PROXY_SOCKET",
     "SANDBOX_ROLLOUT_DIR",
     "BwrapLauncher",
@@ -451,6 +459,25 @@ class BwrapLauncher:
         )
 
 
+NONE_HOLDER_SCRIPT = (
+    # The bwrap holder's words (rollcage.cage.HOLDER_SCRIPT), outside any cage: it announces itself,
+    # then waits for the warm worker's exit code (it exits with it) or signal ("sN": it dies of it,
+    # so the supervisor sees what a cold worker's death shows), or for "cold": the warm start failed
+    # and no worker runs, so it becomes the cold worker (its arguments, the cold command line), with
+    # the signals, stdin and stdout a cold start has. The end of its socket without a word (the
+    # supervisor gone) ends it with 125.
+    "trap '' HUP INT QUIT TERM USR1 USR2; printf r; exec >/dev/null; "
+    "IFS= read -r code || code=125; "
+    "untrap() { trap - HUP INT QUIT TERM USR1 USR2; }; "
+    'if [ "$code" = cold ]; then untrap; exec "$@" </dev/null >&2; fi; '
+    "while IFS= read -r _; do :; done; "
+    'case $code in s[0-9]*) untrap; kill -"${code#s}" $$; code=$((128 + ${code#s}));; esac; '
+    'case $code in ""|*[!0-9]*) code=125;; esac; '
+    'exit "$code"'
+)
+"""The holder a warm ``--sandbox none`` start spawns in the worker's place (run by ``/bin/sh -c``)."""
+
+
 class NoSandboxLauncher:
     """Builds launch plans that run the worker as a plain child process (**not contained**)."""
 
@@ -475,32 +502,46 @@ class NoSandboxLauncher:
         token_env: Mapping[str, str],
         status_fd: int | None = None,
         pass_fds: Sequence[int] = (),
+        warm: bool = False,
     ) -> LaunchPlan:
         """The launch plan for one rollout: the worker in ``R`` itself, dying with the supervisor.
 
         ``status_fd`` is accepted for symmetry with bwrap and ignored; ``pass_fds`` are inherited
-        (see :attr:`LaunchPlan.pass_fds`).
+        (see :attr:`LaunchPlan.pass_fds`). ``warm``: a holder (:data:`NONE_HOLDER_SCRIPT`) is
+        started, and the template forks the worker beside it (:attr:`LaunchPlan.warm`, uncaged);
+        should that fail, the holder runs the cold worker in its place.
         """
-        argv = [
-            *worker_command,
-            str(layout.worker_input),
-            str(layout.result),
-            "--checkpoint",
-            str(layout.checkpoint),
-        ]
+        args = [str(layout.worker_input), str(layout.result), "--checkpoint", str(layout.checkpoint)]
+        argv = [*worker_command, *args]
         setpriv = which("setpriv")
         if setpriv is not None:
             # PR_SET_PDEATHSIG without a preexec_fn (unsafe with threads): the worker is killed
             # if the supervisor dies, as bwrap's --die-with-parent does for the sandbox.
             argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
+        env = {**worker_env, **token_env}
+        start: WorkerStart | None = None
+        if warm:
+            # The holder's arguments are the cold start, which it runs only if the warm one fails.
+            argv = ["/bin/sh", "-c", NONE_HOLDER_SCRIPT, "rollcage-holder", *argv]
+            start = WorkerStart(
+                argv=args,
+                env=env,
+                cwd=str(layout.workspace),
+                uid=os.getuid(),
+                gid=os.getgid(),
+                umask=_umask(),
+                clear_groups=False,
+                caged=False,
+            )
         return LaunchPlan(
             sandbox="none",
             argv=argv,
-            env={**worker_env, **token_env},
+            env=env,
             cwd=str(layout.workspace),
             result_dir=layout.root,
             proxy_socket=str(layout.proxy_socket) if layout.proxy_socket is not None else None,
             pass_fds=tuple(pass_fds),
+            warm=start,
         )
 
 

@@ -4,7 +4,8 @@ Built on :mod:`rollcage.procs` (pidfds, ``/proc``, the stop sequence): this
 module knows what belongs to *one rollout*:
 
 * the worker's direct child, kept unreaped until the supervisor is done, so its
-  process-group id stays its own;
+  process-group id stays its own (without a sandbox and warm: the holder, and the
+  worker forked beside it leads a session and group of its own, held as under bwrap);
 * under bubblewrap, the sandbox's init (named by bwrap's status pipe, checked by
   the rollout's token, held by a pidfd from then on): SIGKILL to it takes the
   whole PID namespace at once; and the worker's process group inside it, led by
@@ -59,7 +60,8 @@ class WorkerTree:
         budgets: The rollout's cgroups and bounded file systems, if any.
         signals: Where each signal sent is recorded (the receipt's ``signals_sent``).
         warm: The worker is forked into the sandbox (:meth:`adopt_worker` names it); the
-            sandbox's own process group is then only its holder's.
+            sandbox's own process group is then only its holder's. Without a sandbox, the
+            worker is forked beside the holder (``child``), a group of its own.
     """
 
     def __init__(
@@ -104,7 +106,8 @@ class WorkerTree:
 
         **Cancellation:** the signal may or may not have gone to every member.
         """
-        if self.sandbox == "none":
+        if self.sandbox == "none" and self._group_leader is None:
+            # Cold, or a warm worker not forked yet (its holder ignores the polite signals).
             return self.child.signal_group(sig)
         if self._group_leader is not None:
             # At once, from the loop: no thread, no walk of /proc (see _locate_group_leader).
@@ -128,6 +131,9 @@ class WorkerTree:
         # reaches the whole group (whose id is pinned: the child is not reaped yet).
         if self._sandbox_init is not None:
             self._sandbox_init.send(signal.SIGKILL)
+        if self.sandbox == "none" and self._group_leader is not None:
+            # No PID namespace holds a warm uncaged worker: its group (its session's) at once.
+            self._group_leader.send_group(signal.SIGKILL)
         child.signal_group(signal.SIGKILL)
         for info in tree:
             handle = self._handle(info)

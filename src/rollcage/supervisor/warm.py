@@ -210,13 +210,17 @@ def cage_mounts() -> bool:
     return not _cage_mounts_refused
 
 
-_templates: dict[tuple[int, str | None], Template] = {}
+_templates: dict[tuple[int, str | None, int | None], Template] = {}
 _templates_lock = threading.Lock()
 
 
-def template_for(bytecode: str | None) -> Template:
-    """This process's template for ``bytecode`` (one per process: a forked child gets its own)."""
-    key = (os.getpid(), bytecode)
+def template_for(bytecode: str | None, *, thread: int | None = None) -> Template:
+    """This process's template for ``bytecode`` (one per process: a forked child gets its own).
+
+    ``thread``: one of that thread's own (started by it: its forks die with it, see
+    :meth:`Template.start`), for workers that take a parent-death signal (``--sandbox none``).
+    """
+    key = (os.getpid(), bytecode, thread)
     with _templates_lock:
         template = _templates.get(key)
         if template is None:
@@ -504,10 +508,14 @@ class WarmStart:
             self.failure = f"the sandbox's holder (PID {holder_pid}) is gone or is not this rollout's"
         return holder
 
-    async def relay(self) -> None:
+    async def relay(self, *, uncaged: bool = False) -> bool:
         """Until the worker exits: reap it and pass its exit status to the holder, which exits with it.
 
         A start that failed passes none (the holder exits with 125), and its worker is killed first.
+        An ``uncaged`` holder (:data:`~rollcage.supervisor.sandbox.NONE_HOLDER_SCRIPT`) is told a
+        signal apart from a code (``sN``: it dies of it, as its worker did, where no bwrap reports
+        it as 128 + N), and, for a start that failed, to run the cold worker instead (``cold``):
+        whether it was.
 
         **Cancellation:** the worker is left to :meth:`close`.
         """
@@ -520,12 +528,23 @@ class WarmStart:
             if self.failure is not None:
                 worker.kill()
             await worker.wait()
-            code = worker.reap()
+            status = worker.reap_status()
             reports.worker = None
-            if code is not None and self.failure is None:
+            word: int | str | None = None if status is None else status.code
+            if uncaged and status is not None and status.signal is not None:
+                word = f"s{status.signal}"
+            elif status is not None and status.signal is not None:
+                word = 128 + status.signal
+            if word is not None and self.failure is None:
                 with contextlib.suppress(OSError):  # a holder killed already: EPIPE
-                    self._holder_sock.send(f"{code}\n".encode())
+                    self._holder_sock.send(f"{word}\n".encode())
+        told = False
+        if uncaged and self.failure is not None:
+            with contextlib.suppress(OSError):
+                self._holder_sock.send(b"cold\n")
+                told = True
         self._holder_sock.close()
+        return told
 
     def take_roots(self) -> list[int]:
         """The roots of the tmpfs the start mounted in the cage (``O_PATH``; the caller's to close)."""
