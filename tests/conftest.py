@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,43 @@ def serve_policy(request: pytest.FixtureRequest) -> Iterator[Callable[..., Polic
     finally:
         for server in servers:
             server.stop()
+
+
+_CANCEL_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _fresh_cancel_signals() -> list[str]:
+    """Put SIGINT and SIGTERM back as a fresh interpreter has them; what was otherwise, in words."""
+    changed = []
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, _CANCEL_SIGNALS)
+    for signum in _CANCEL_SIGNALS:
+        if signum in blocked:
+            changed.append(f"{signum.name} blocked")
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            changed.append(f"{signum.name} ignored")
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    return changed
+
+
+@pytest.fixture(autouse=True)
+def _cancel_signals_as_fresh(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test starts with SIGINT and SIGTERM deliverable, and one that leaves them otherwise is named.
+
+    Every process a test starts inherits this one's ignored signals and blocked mask (``exec``
+    keeps both). The suite started as a background job of a non-interactive shell (``make test
+    &`` in a script) has SIGINT ignored from the start, and so would every shell a test
+    interrupts and every sandboxed process it stops by SIGINT: those tests would fail for the
+    way the suite was launched. A test, or code it runs in this process, that leaves them so
+    would do the same to every later test on its xdist worker. Put back before and after each
+    test; a warning says when, and after which test.
+    """
+    before = _fresh_cancel_signals()
+    if before:
+        warnings.warn(f"before {request.node.nodeid}: {', '.join(before)} (put back)", stacklevel=1)
+    yield
+    after = _fresh_cancel_signals()
+    if after:
+        warnings.warn(f"{request.node.nodeid} left {', '.join(after)} (put back)", stacklevel=1)
 
 
 _NO_SKIPS_ENV = "ROLLCAGE_TEST_NO_SKIPS"
