@@ -28,7 +28,7 @@ from rollcage.durable import read_journal
 from rollcage.policy import PolicyServer
 from rollcage.procs import read_proc
 from rollcage.protocol import SupervisorReceipt
-from rollcage.supervisor import BwrapSandbox, ProxyConfig, SupervisorConfig, supervise
+from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig, supervise
 from tests.helpers.harness_env import HarnessEnvs, prepare_harness_envs
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.waiting import wait_for_async
@@ -289,6 +289,21 @@ async def test_a_harness_rollout_completes_warm(
     assert receipt.outcome == "completed", receipt.outcome_reason
     result = json.loads((root / "result.json").read_text())
     assert result["response"]["output_text"] == "done"
+    assert [e["tool_calls"][0]["name"] for e in _relayed(root)] == ["probe"]
+    _relay_ended(caplog)
+
+
+async def test_a_harness_rollout_without_a_sandbox_starts_cold_and_relays(
+    envs: HarnessEnvs, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # --sandbox none's warm start carries no descriptor: the relay must reach a cold worker instead.
+    root = tmp_path / "none"
+    marker = f"rollcage-none-harness-{secrets.token_hex(6)}"
+    config = SupervisorConfig(deadline_s=120, grace_s=10, proxy=ProxyConfig(), sandbox=NoSandbox())
+    with PolicyServer({"tasks": {"*": [{"text": "again"}, {"text": "again"}]}}, port=0) as server:
+        _prepare(root, server.base_url, envs, marker)
+        receipt = await supervise(root, config)
+    assert receipt.outcome == "completed", receipt.outcome_reason
     assert [e["tool_calls"][0]["name"] for e in _relayed(root)] == ["probe"]
     _relay_ended(caplog)
 
