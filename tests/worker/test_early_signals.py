@@ -13,8 +13,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
@@ -43,15 +42,6 @@ main()
 """
 
 CANCELLED_BY = {signal.SIGTERM: EXIT_CANCELLED, signal.SIGINT: 128 + signal.SIGINT}
-
-
-@pytest.fixture
-def rollout(tmp_path: Path) -> Iterator[RolloutDir]:
-    rd = RolloutDir(tmp_path / "rollout")
-    try:
-        yield rd
-    finally:
-        rd.kill()
 
 
 @pytest.mark.parametrize(

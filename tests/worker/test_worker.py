@@ -52,15 +52,6 @@ def policy(serve_policy: Callable[..., PolicyServer]) -> PolicyFactory:
     return start
 
 
-@pytest.fixture
-def rollout(tmp_path: Path) -> Iterator[RolloutDir]:
-    rd = RolloutDir(tmp_path / "rollout")
-    try:
-        yield rd
-    finally:
-        rd.kill()
-
-
 def _no_temp_files(rd: RolloutDir) -> None:
     leftovers = [n for n in rd.listing() if n.endswith(".tmp") or n.startswith(".")]
     assert leftovers == [], leftovers
