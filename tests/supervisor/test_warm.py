@@ -333,8 +333,14 @@ async def test_a_warm_worker_killed_before_it_speaks_fails_its_start_at_once(
         )
     assert killed, "the template never said it forked the worker"
     assert receipt.outcome == "infra_failure"
-    # The report socket ended (whether the worker's death was seen yet or not), not the time to wait.
-    assert "the warm start failed: no report (" in receipt.outcome_reason, receipt.outcome_reason
+    # The report socket ended, or the worker's death was seen first (a race either may win): not the
+    # time to wait.
+    reason = receipt.outcome_reason
+    assert (
+        "the warm start failed: no report (" in reason
+        or "killed by SIGKILL, which the supervisor did not send" in reason
+    ), reason
+    assert "deadline" not in reason, reason
     assert receipt.cleanup_confirmed
 
 
