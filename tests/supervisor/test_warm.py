@@ -269,22 +269,28 @@ async def test_a_start_that_cannot_enter_the_cage_is_an_infra_failure_that_says_
     assert receipt.cleanup_confirmed and not (root / "result.json").exists()
 
 
+def _signal_the_worker_once_forked(monkeypatch: pytest.MonkeyPatch, signum: signal.Signals) -> list[int]:
+    """Send ``signum`` to the first warm worker the moment the template says it forked it (the worker
+    is still entering its cage); the list gets its pid."""
+    take = warm_module._Reports._take
+    killed: list[int] = []
+
+    def take_and_signal(self: Any, message: Any, *args: Any) -> None:
+        take(self, message, *args)
+        if isinstance(message, warm_module.Forked) and not killed:
+            os.kill(message.pid, signum)
+            killed.append(message.pid)
+
+    monkeypatch.setattr(warm_module._Reports, "_take", take_and_signal)
+    return killed
+
+
 async def test_a_sigterm_while_the_warm_worker_enters_its_cage_cancels_it_with_a_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The worker is born with SIGTERM held (rollcage.warm): one sent the moment it is forked, long before
     its handlers are in place, cancels the rollout with a well-formed result instead of killing it."""
-    take = warm_module._Reports._take
-    killed: list[int] = []
-
-    def take_and_kill(self: Any, message: Any, *args: Any) -> None:
-        take(self, message, *args)
-        if isinstance(message, warm_module.Forked) and not killed:
-            # The template's word that it forked the worker: the worker is still entering its cage.
-            os.kill(message.pid, signal.SIGTERM)
-            killed.append(message.pid)
-
-    monkeypatch.setattr(warm_module._Reports, "_take", take_and_kill)
+    killed = _signal_the_worker_once_forked(monkeypatch, signal.SIGTERM)
     with PolicyServer({"tasks": {"t": [{"text": "never asked"}]}}, port=0) as server:
         root = tmp_path / "r"
         _prepare(root, server.base_url)
@@ -315,16 +321,7 @@ async def test_a_warm_worker_killed_before_it_speaks_fails_its_start_at_once(
     if template.pid is not None:
         os.kill(template.pid, signal.SIGKILL)  # the next start is a fresh template's first
         await wait_for_async(lambda: template.pid is None, what="the template's death")
-    take = warm_module._Reports._take
-    killed: list[int] = []
-
-    def take_and_kill(self: Any, message: Any, *args: Any) -> None:
-        take(self, message, *args)
-        if isinstance(message, warm_module.Forked) and not killed:
-            os.kill(message.pid, signal.SIGKILL)
-            killed.append(message.pid)
-
-    monkeypatch.setattr(warm_module._Reports, "_take", take_and_kill)
+    killed = _signal_the_worker_once_forked(monkeypatch, signal.SIGKILL)
     with PolicyServer({"tasks": {"t": [{"text": "never asked"}]}}, port=0) as server:
         root = tmp_path / "r"
         _prepare(root, server.base_url)
