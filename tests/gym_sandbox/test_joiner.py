@@ -174,3 +174,31 @@ async def test_a_joiner_that_died_is_started_again_on_the_next_command(sandbox: 
         handle.close()
     result = await sandbox.run("echo again", timeout_s=60)
     assert result.stdout == b"again\n" and sandbox.joiner.pid not in (None, first)
+
+
+async def test_commands_find_sigint_and_sigquit_at_their_defaults_under_a_provider_that_ignores_them(
+    image: TaskImage, state: Path, tmp_path: Path
+) -> None:
+    # A provider started as a shell's background job (``cmd &``) has SIGINT and SIGQUIT ignored; a
+    # command, joined or by the slow path, must not inherit that (^C, send_signal("SIGINT")).
+    numbers = (signal.SIGINT, signal.SIGQUIT)
+    before = {number: signal.signal(number, signal.SIG_IGN) for number in numbers}
+    try:
+        box = await open_sandbox(
+            image.ref, state_dir=state, store=ImageStore(tmp_path / "store"), budgets=SandboxBudgets()
+        )
+        try:
+            joined = await box.run("grep SigIgn /proc/self/status", timeout_s=60)
+            assert box.joiner is not None and box.joiner.pid is not None
+            await box.joiner.close()
+            slow = await box.run("grep SigIgn /proc/self/status", timeout_s=60)
+            assert box.joiner.pid is None
+        finally:
+            await box.close()
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+    # SIGINT's bit only: the image's shell ignores SIGQUIT of its own accord.
+    for result in (joined, slow):
+        assert result.exit_code == 0, result
+        assert int(result.stdout.split()[1], 16) & 1 << (signal.SIGINT - 1) == 0, result.stdout

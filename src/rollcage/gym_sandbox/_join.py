@@ -20,12 +20,22 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import types
 
 __all__ = ["main"]
 
 _ENTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cage", "_enter.py")
+
+
+def _become(enter: types.ModuleType, uid: int, gid: int) -> None:
+    """In the command's fork: every signal at its default (a provider started as a background job
+    passes SIGINT and SIGQUIT on ignored), then the cage's uid and no capability."""
+    for number in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(number, signal.SIG_DFL)
+    enter.drop_privileges(uid, gid)
 
 
 def main() -> int:
@@ -48,7 +58,7 @@ def main() -> int:
             cwd=spec["cwd"],
             env=spec["env"],
             close_fds=True,
-            preexec_fn=lambda: enter.drop_privileges(uid, gid),  # this process has no threads
+            preexec_fn=lambda: _become(enter, uid, gid),  # this process has no threads
         )
     except (OSError, subprocess.SubprocessError) as exc:
         sys.stderr.write(f"rollcage sandbox: cannot start the command in the cage: {exc}\n")

@@ -66,6 +66,7 @@ _forkserver: Any = _load("forkserver/_server.py")
 _ancillary: Any = _load("procs/_ancillary.py")
 
 _ROOM = wire.room([wire.CommandStart])
+_DEFAULTED = (_signal.SIGINT, _signal.SIGQUIT, _signal.SIGPIPE, _signal.SIGXFSZ)
 
 
 def _reply(fd: int, message: Any, fds: list[int] | None = None) -> None:
@@ -104,9 +105,11 @@ def _become(request: Any, fds: list[int]) -> None:
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         os.closerange(4, 1 << 20)
         os.chdir(request.cwd)
-        # Python ignores these at start; an executed command must find them as any shell leaves them.
-        _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
-        _signal.signal(_signal.SIGXFSZ, _signal.SIG_DFL)
+        # A command finds every signal at its default, as in a container: Python ignores SIGPIPE and
+        # SIGXFSZ at start, and a provider started as a shell's background job (``cmd &``) inherits
+        # SIGINT and SIGQUIT ignored, which would make ^C and ``send_signal("SIGINT")`` do nothing.
+        for number in _DEFAULTED:
+            _signal.signal(number, _signal.SIG_DFL)
         enter.drop_privileges(request.uid, request.gid)
         os.execvpe(request.argv[0], request.argv, request.env)
     except BaseException as exc:
