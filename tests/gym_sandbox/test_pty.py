@@ -24,10 +24,14 @@ from rollcage.supervisor.imageroot import release_image_root
 from tests.helpers.task_images import make_task_image
 from tests.helpers.upstream import run_upstream
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the rollcage provider needs root")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="the rollcage provider needs root"),
+    # One worker runs the scenario once: a second copy beside it would be waste.
+    pytest.mark.xdist_group("gym-pty"),
+]
 
 SCENARIO = r"""
-import asyncio, json, os, sys
+import asyncio, json, os, random, sys
 from nemo_gym.sandbox import AsyncSandbox, SandboxSpec
 from nemo_gym.sandbox.providers.base import SandboxPtyError, SandboxPtySession, SupportsSandboxPty
 
@@ -120,19 +124,21 @@ async def main():
         except ValueError as exc:
             report["user"] = str(exc)
         # A session left open while the sandbox closes, with a child in its group and one outside it.
+        # Its sleeps are told apart from any other run's by their length (the scan is machine-wide).
+        inside, outside = (str(random.randrange(10**8, 10**9)) for _ in range(2))
         left = await box.pty.create(
-            "setsid sleep 9302 & sleep 9303 & "
+            f"setsid sleep {inside} & sleep {outside} & "
             "until [ \"$(pidof sleep | wc -w)\" -ge 2 ]; do :; done; echo EN''D; wait"
         )
         await until(left, b"END")
-        report["left_before"] = [len(sleepers("9302")), len(sleepers("9303"))]
+        report["left_before"] = [len(sleepers(inside)), len(sleepers(outside))]
     report["left_closed"] = left.closed
     try:
         await left.read(timeout_s=5)
         report["left_read"] = "read"
     except SandboxPtyError as exc:
         report["left_read"] = "SandboxPtyError"
-    report["left_after"] = [sleepers("9302"), sleepers("9303"), os.path.exists(f"/proc/{left.pid}")]
+    report["left_after"] = [sleepers(inside), sleepers(outside), os.path.exists(f"/proc/{left.pid}")]
     print(json.dumps(report))
 
 asyncio.run(main())
