@@ -24,6 +24,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -533,6 +534,82 @@ def test_rerun_after_the_driver_is_killed_runs_every_sample_exactly_once(
     assert {r.outcome for r in got} == {"completed"} and all(r.reward == 1.0 for r in got)
     # What the killed run's tasks left on the nodes is gone after the resumed run.
     assert scratch_leftovers(ray_cluster.nodes, [rollout_id(i, 0, 0) for i in ids]) == []
+
+
+def _templates_of(pid: int) -> list[int]:
+    """The warm worker templates process ``pid`` started that are alive: its children running
+    ``rollcage template`` in the host's PID namespace (a worker forked from one carries the template's
+    command line until it takes its own, but from inside its cage)."""
+    found = []
+    for entry in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in entry.read_text().split():
+            try:
+                words = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+                status = Path(f"/proc/{child}/status").read_text()
+            except OSError:
+                continue
+            nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
+            template = b"template" in words and words[words.index(b"template") - 1] == b"rollcage"
+            if template and len(nspid) == 1:
+                found.append(int(child))
+    return found
+
+
+def _started_at(pid: int) -> float:
+    """When process ``pid`` started, in Unix time (its start in /proc is in clock ticks since boot)."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    since_boot = ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + since_boot
+
+
+@real_rollouts
+@pytest.mark.skipif(SANDBOX != "bwrap" or os.geteuid() != 0, reason="the warm template of bwrap as root")
+async def test_a_ray_worker_process_forks_all_its_rollouts_from_one_template_that_outlives_them(
+    tmp_path: Path,
+) -> None:
+    """Each rollout runs on a thread of its own in a Ray worker process; the template it forks the worker
+    from is the process's, started by the first of them and alive after the last (issue 41: a template
+    was started again for every rollout)."""
+    from rollcage.controller._ray import RayBackend, RolloutPlacement
+
+    ran_on: dict[str, RolloutPlacement] = {}
+
+    class Placed(RayBackend):
+        """Keeps where each attempt ran (the backend forgets it once the attempt has landed)."""
+
+        async def _follow(self, prepared: Any, generator: Any, group: asyncio.TaskGroup) -> Any:
+            outcome = await super()._follow(prepared, generator, group)
+            where = self._ran_on.get(prepared.rollout_id)
+            if where is not None:
+                ran_on[prepared.rollout_id] = where
+            return outcome
+
+    rows = [{"id": f"warm{i}", "input": "6*7?", "tools": ["python"], "expected": "42"} for i in range(6)]
+    on_ray = RayBackendConfig()
+    config = RunConfig(
+        dataset=write_dataset(tmp_path / "data", rows, SIX_BY_SEVEN),
+        out=tmp_path / "out",
+        sandbox=SANDBOX,
+        deadline_s=60,
+        concurrency=2,
+        backend=on_ray,
+    )
+    backend = Placed(on_ray, config.rollout_settings())
+    summary = await Controller(config, backend=backend).run()
+    assert summary.exit_code == EXIT_OK
+    got = records(config.out)
+    assert {r.outcome for r in got} == {"completed"} and len(got) == len(rows)
+    by_process: dict[int, list[RolloutRecord]] = {}
+    for record in got:
+        by_process.setdefault(ran_on[record.rollout_id].pid, []).append(record)
+    assert max(len(ran) for ran in by_process.values()) >= 2, "no process ran two rollouts"
+    for pid, ran in by_process.items():
+        templates = _templates_of(pid)
+        assert len(templates) == 1, f"Ray worker {pid} holds {len(templates)} live templates"
+        first = min(ran, key=lambda r: r.receipt.started_at)
+        # Started by the first of its rollouts here (or by an earlier test's, in this same process) and
+        # alive after the last: every one of them forked its worker from it.
+        assert _started_at(templates[0]) < first.receipt.ended_at, (pid, [r.rollout_id for r in ran])
 
 
 @real_rollouts

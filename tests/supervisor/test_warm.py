@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.warm import template_for
 from tests.helpers.paths import EXAMPLES
 from tests.helpers.supervisor_env import requires_bwrap
-from tests.helpers.waiting import alive, reaped, wait_for_async
+from tests.helpers.waiting import alive, reaped, wait_for, wait_for_async
 from tests.helpers.worker_env import worker_input
 
 pytestmark = [requires_bwrap(), pytest.mark.bwrap]
@@ -244,6 +245,49 @@ async def test_a_dead_template_fails_no_running_rollout_and_the_next_start_makes
         )
     assert receipt.outcome == "completed", receipt.outcome_reason
     assert template.pid not in (None, old)
+
+
+def _complete_on_a_thread_of_its_own(root: Path, answer: str) -> str:
+    """A rollout supervised on a fresh thread and event loop, as a Ray node runs each one; its outcome,
+    once that thread has ended in the kernel too (its parent-death signals have gone out)."""
+    outcomes: list[str] = []
+
+    def rollout() -> None:
+        with PolicyServer({"tasks": {"t": [{"text": answer}]}}, port=0) as server:
+            _prepare(root, server.base_url)
+            config = SupervisorConfig(deadline_s=120, sandbox=BwrapSandbox(worker_start="warm"))
+            receipt = asyncio.run(supervise(root, config))
+        outcomes.append(f"{receipt.outcome}: {receipt.outcome_reason}")
+
+    thread = threading.Thread(target=rollout, name="test-rollout-thread")
+    thread.start()
+    thread.join(150)
+    assert not thread.is_alive(), "the rollout's thread did not end"
+    task = f"/proc/self/task/{thread.native_id}"
+    wait_for(lambda: not os.path.exists(task), timeout=30, what="the rollout's thread to be gone")
+    assert outcomes, "the rollout's thread ended without a receipt"
+    return outcomes[0]
+
+
+def test_the_template_outlives_the_thread_of_the_rollout_that_started_it(tmp_path: Path) -> None:
+    """On a Ray node each rollout runs on a thread of its own: the template is the process's (started by
+    its keeper thread), so the next rollout's worker is forked from the same one, not from a new one."""
+    warm_module.stop_templates()  # none yet: the first rollout's thread asks for it
+    template = template_for(worker_bytecode())
+    assert template.pid is None
+    started = warm_module.templates_started
+    first = _complete_on_a_thread_of_its_own(tmp_path / "first", "one")
+    assert first.startswith("completed"), first
+    pid = template.pid
+    assert pid is not None, "the template died with the thread of the rollout that started it"
+    second = _complete_on_a_thread_of_its_own(tmp_path / "second", "two")
+    assert second.startswith("completed"), second
+    assert template.pid == pid and alive(pid), "the second rollout's worker came from another template"
+    assert warm_module.templates_started == started + 1
+    keepers = [t for t in threading.enumerate() if t.name == warm_module.KEEPER_NAME]
+    assert len(keepers) == 1 and keepers[0].daemon
+    assert warm_module.stop_templates() == 1
+    assert not alive(pid) and not [t for t in threading.enumerate() if t.name == warm_module.KEEPER_NAME]
 
 
 async def test_a_start_that_cannot_enter_the_cage_is_an_infra_failure_that_says_why(

@@ -34,7 +34,7 @@ from rollcage.supervisor import NoSandbox, SupervisorConfig, supervise
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.warm import template_for
 from tests.helpers.supervisor_env import processes_with_token
-from tests.helpers.waiting import alive, wait_for, wait_for_async
+from tests.helpers.waiting import alive, reaped, wait_for, wait_for_async
 from tests.helpers.worker_env import worker_input
 
 TOKEN = "ROLLCAGE_SUPERVISION_TOKEN"
@@ -379,6 +379,32 @@ async def test_a_warm_worker_killed_by_someone_else_reads_as_a_cold_ones_death(t
     assert receipt.outcome == "infra_failure", receipt.outcome_reason
     assert receipt.exit_signal == "SIGKILL" and receipt.exit_code is None and receipt.signals_sent == []
     assert receipt.cleanup_confirmed
+
+
+def test_the_template_of_a_thread_that_ended_is_reaped_and_not_handed_to_another() -> None:
+    """A thread's own template dies with it (its parent-death signal, once it has set it); the next
+    ``template_for`` closes and reaps it and drops it, so a later thread given the same identifier gets
+    one of its own."""
+    bytecode = worker_bytecode()
+    owned: list[warm_module.Template] = []
+
+    def own() -> None:
+        template = template_for(bytecode, thread=threading.get_ident())
+        template.start()
+        owned.append(template)
+
+    thread = threading.Thread(target=own, name="test-template-owner")
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive() and owned
+    (template,) = owned
+    pid = template.pid
+    assert pid is not None
+    mine = template_for(bytecode, thread=threading.get_ident())
+    assert mine is not template
+    assert reaped(pid) and not alive(pid), "the dead thread's template was left behind"
+    assert template.pid is None
+    assert template_for(bytecode, thread=thread.ident) is not template  # its identifier may come again
 
 
 @pytest.mark.timeout(600)

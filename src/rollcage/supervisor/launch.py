@@ -204,9 +204,9 @@ class Launch:
         try:
             if plan.warm is not None:
                 assert self.template is not None
-                # Its imports overlap the making of the cage (the first time only). Started from this
-                # thread, not a pool's: it dies with the thread that started it (PR_SET_PDEATHSIG),
-                # and the loop's thread lives as long as the rollouts it supervises.
+                # Its imports overlap the making of the cage (the first time only). The process's
+                # template is started by its keeper thread, so it outlives this rollout's thread (a
+                # Ray node runs each rollout on one); --sandbox none's is this thread's own.
                 self.template.start()
                 self._warm = warm = WarmStart(plan.pass_fds)
             spawn = functools.partial(

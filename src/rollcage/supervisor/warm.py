@@ -5,6 +5,14 @@ See :mod:`rollcage.warm` for what the template does with a request. Here:
 * :class:`Template`: one per supervising process and bytecode cache, started on
   first use (its imports overlap the first cage's making), started again when it
   has died, killed and started again when it stops answering (:data:`TEMPLATE_ANSWER_S`);
+* the *keeper*: one daemon thread per process (``rollcage-template-keeper``) that starts
+  every process-wide template. A template dies with the thread that started it
+  (``PR_SET_PDEATHSIG``), and a rollout's thread may be short-lived (on a Ray node each
+  rollout runs on a thread of its own): started by the keeper, a template lives as long
+  as the process and serves every rollout in it. :func:`stop_templates` stops the keeper
+  too. ``--sandbox none``'s templates stay their thread's (the uncaged worker's
+  parent-death signal is the starting thread's, as a cold worker's is the rollout's);
+  those of threads that ended are closed by the next :func:`template_for`;
 * :class:`WarmStart`: one rollout's start, on two channels of its own: the holder's
   socket (its stdin and stdout: it announces itself there, and the worker's exit
   status goes back there), and the report socket on which the template hands over
@@ -27,12 +35,16 @@ import asyncio
 import contextlib
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TypeVar
 
 from rollcage.errors import SupervisorError
 from rollcage.forkserver import (
@@ -54,6 +66,7 @@ from rollcage.procs import (
     read_proc,
     reap_abandoned,
     receive_message,
+    release_cancel_signals,
     signal_name,
     wait_readable,
     within,
@@ -62,6 +75,8 @@ from rollcage.procs import (
 __all__ = ["Template", "WarmStart", "cage_mounts", "refuse_cage_mounts", "stop_templates", "template_for"]
 
 logger = logging.getLogger("rollcage.supervisor")
+
+T = TypeVar("T")
 
 _REPORTS = (Forked, Unforked, Entered, EnterFailed)
 """What a start's report socket carries: the template's word on it, then the worker's."""
@@ -72,6 +87,99 @@ rollout's deadline: it answers in milliseconds once its imports are done (a seco
 A template that says nothing for this long is hung (stopped, deadlocked): it is killed and started
 again, and the start fails as the infrastructure's (``infra_failure``, retried), for no worker ran."""
 
+KEEPER_NAME = "rollcage-template-keeper"
+"""The name of the thread that starts this process's templates (:class:`_Keeper`)."""
+_KEEPER_ANSWER_S = 60.0
+"""How long a caller waits for the keeper to start a template (milliseconds when all is well: a spawn)."""
+
+templates_started = 0
+"""How many template processes this process has started (a counter for benchmarks and logs)."""
+
+
+class _Keeper:
+    """This process's template keeper: a daemon thread that runs what it is handed, one at a time.
+
+    A template started from it has it as its parent thread, so the template's parent-death signal
+    fires when the keeper ends (with the process, or :meth:`stop`), not when a rollout's thread
+    does. It lets SIGTERM and SIGINT go, whatever the thread that made it held: a template, and so
+    every worker it forks, inherits its mask, and a worker must be able to be stopped politely
+    (Ray blocks SIGINT in its worker processes; a rollout's thread there lets it go, see
+    :mod:`rollcage.controller._ray`).
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._serve, name=KEEPER_NAME, daemon=True)
+        self._thread.start()
+
+    def call(
+        self, job: Callable[[], T], *, late: Callable[[T], None], timeout_s: float = _KEEPER_ANSWER_S
+    ) -> T:
+        """Run ``job`` on the keeper's thread and return what it returned (blocking, briefly).
+
+        ``late`` is given what ``job`` returns after the caller gave up on it (to close it).
+
+        Raises:
+            SupervisorError: The keeper did not run it within ``timeout_s``.
+            Exception: What ``job`` raised.
+        """
+        if threading.current_thread() is self._thread:
+            return job()
+        future: Future[object] = Future()
+        self._jobs.put((job, future))
+        try:
+            return future.result(timeout=timeout_s)  # type: ignore[return-value]
+        except TimeoutError:
+            if not future.cancel():  # running: what it starts is closed when it is done
+
+                def _late(done: Future[object]) -> None:
+                    if not done.cancelled() and done.exception() is None:
+                        late(done.result())  # type: ignore[arg-type]
+
+                future.add_done_callback(_late)
+            raise SupervisorError(f"the template keeper started nothing within {timeout_s:g} s") from None
+
+    def stop(self, timeout_s: float = _KEEPER_ANSWER_S) -> None:
+        """End the thread (its templates get their parent-death signal) and wait for it."""
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _serve(self) -> None:
+        release_cancel_signals()
+        while (item := self._jobs.get()) is not None:
+            job, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(job())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+_keeper: _Keeper | None = None
+_keeper_lock = threading.Lock()
+
+
+def _the_keeper() -> _Keeper:
+    """This process's keeper, started on first use (again in a forked child: threads do not fork)."""
+    global _keeper
+    with _keeper_lock:
+        if _keeper is None or _keeper.pid != os.getpid():
+            _keeper = _Keeper()
+        return _keeper
+
+
+def _stop_keeper() -> None:
+    global _keeper
+    with _keeper_lock:
+        keeper, _keeper = _keeper, None
+    if keeper is not None and keeper.pid == os.getpid():
+        keeper.stop()
+
 
 class Template:
     """The template process for one bytecode cache (see :mod:`rollcage.warm`).
@@ -79,13 +187,28 @@ class Template:
     Args:
         bytecode: The compiled bytecode cache the template (and so every worker) reads
             its ``.pyc`` files from; ``None``: none.
+        owner: The thread whose template this is: started from it, it dies with it (``--sandbox
+            none``: see :func:`template_for`); ``None``: the process's, started by the keeper.
     """
 
-    def __init__(self, bytecode: str | None) -> None:
+    def __init__(self, bytecode: str | None, *, owner: threading.Thread | None = None) -> None:
         self.bytecode = bytecode
+        self._owner = None if owner is None else weakref.ref(owner)
         self._lock = threading.Lock()
         self._process: ChildProcess | None = None
         self._socket: socket.socket | None = None
+
+    @property
+    def owned(self) -> bool:
+        """Whether this template is a thread's own (started from it), not the process's."""
+        return self._owner is not None
+
+    def owner_alive(self) -> bool:
+        """Whether the thread it belongs to still runs (always, for the process's)."""
+        if self._owner is None:
+            return True
+        owner = self._owner()
+        return owner is not None and owner.is_alive()
 
     def _ensure(self) -> tuple[socket.socket, int]:
         """The live template's socket and PID, starting one if there is none (blocking, but quick)."""
@@ -93,34 +216,50 @@ class Template:
             if self._process is not None and self._process.poll() is None and self._socket is not None:
                 return self._socket, self._process.pid
             self._close_locked()
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            prefix = ["-X", f"pycache_prefix={self.bytecode}"] if self.bytecode is not None else []
-            argv = [sys.executable, "-I", "-B", *prefix, "-m", "rollcage", "template"]
-            try:
-                self._process = ChildProcess.spawn(
-                    [*argv, str(theirs.fileno()), str(os.getpid())],
-                    env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"},
-                    cwd="/",
-                    stdout=subprocess.DEVNULL,
-                    # Its own failures (an import that breaks) are the supervisor's to see: its stderr.
-                    stderr=2,
-                    pass_fds=(theirs.fileno(),),
-                )
-            except OSError as exc:
-                ours.close()
-                raise SupervisorError(
-                    f"cannot start the warm worker template ({sys.executable}): {exc}"
-                ) from exc
-            finally:
-                theirs.close()
-            self._socket = ours
-            return ours, self._process.pid
+            # The process's template is the keeper's child: it outlives the thread asking for it.
+            if self._owner is not None:
+                ours, process = self._spawn()
+            else:
+                ours, process = _the_keeper().call(self._spawn, late=_close_late)
+            self._socket, self._process = ours, process
+            return ours, process.pid
+
+    def _spawn(self) -> tuple[socket.socket, ChildProcess]:
+        """Start a template process from this thread (it dies with it); our end of its socket, and it."""
+        global templates_started
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        prefix = ["-X", f"pycache_prefix={self.bytecode}"] if self.bytecode is not None else []
+        argv = [sys.executable, "-I", "-B", *prefix, "-m", "rollcage", "template"]
+        try:
+            process = ChildProcess.spawn(
+                [*argv, str(theirs.fileno()), str(os.getpid())],
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"},
+                cwd="/",
+                stdout=subprocess.DEVNULL,
+                # Its own failures (an import that breaks) are the supervisor's to see: its stderr.
+                stderr=2,
+                pass_fds=(theirs.fileno(),),
+            )
+        except OSError as exc:
+            ours.close()
+            raise SupervisorError(f"cannot start the warm worker template ({sys.executable}): {exc}") from exc
+        finally:
+            theirs.close()
+        templates_started += 1
+        logger.debug(
+            "started the warm worker template (PID %d, %s; %d in this process)",
+            process.pid,
+            "its thread's" if self._owner is not None else "the process's",
+            templates_started,
+        )
+        return ours, process
 
     def start(self) -> None:
         """Start the template now if none runs (blocking, a few ms: its imports go on by themselves).
 
-        The template dies with the *thread* that started it (``PR_SET_PDEATHSIG``): start it
-        from a thread that outlives its rollouts (the event loop's), not a pool's.
+        The template dies with the *thread* that started it (``PR_SET_PDEATHSIG``): the process's
+        is started by the keeper, whatever thread asks; a thread's own (``owner``) from that
+        thread, which must be the one calling.
         """
         self._ensure()
 
@@ -210,29 +349,53 @@ def cage_mounts() -> bool:
     return not _cage_mounts_refused
 
 
+def _close_late(started: tuple[socket.socket, ChildProcess]) -> None:
+    """Close a template the keeper started after its caller gave up waiting."""
+    ours, process = started
+    ours.close()
+    process.kill_alone()
+
+
 _templates: dict[tuple[int, str | None, int | None], Template] = {}
 _templates_lock = threading.Lock()
 
 
 def template_for(bytecode: str | None, *, thread: int | None = None) -> Template:
-    """This process's template for ``bytecode`` (one per process: a forked child gets its own).
+    """This process's template for ``bytecode`` (one per process: a forked child gets its own),
+    started by the keeper so that it outlives the thread that asks (see :class:`_Keeper`).
 
     ``thread``: one of that thread's own (started by it: its forks die with it, see
     :meth:`Template.start`), for workers that take a parent-death signal (``--sandbox none``).
+    The templates of threads that have ended (killed with them) are closed here, so that a
+    later thread given the same identifier gets a template of its own.
     """
     key = (os.getpid(), bytecode, thread)
     with _templates_lock:
+        ended = [k for k, t in _templates.items() if k[0] == key[0] and not t.owner_alive()]
+        gone = [_templates.pop(k) for k in ended]
         template = _templates.get(key)
         if template is None:
-            template = _templates[key] = Template(bytecode)
-        return template
+            owner = None if thread is None else _thread_of(thread) or threading.current_thread()
+            template = _templates[key] = Template(bytecode, owner=owner)
+    for dead in gone:
+        dead.close()  # reaps it: its parent-death signal came when its thread ended
+    return template
+
+
+def _thread_of(ident: int) -> threading.Thread | None:
+    """The running thread ``ident`` names (the caller's, as a rule)."""
+    current = threading.current_thread()
+    if current.ident == ident:
+        return current
+    return next((t for t in threading.enumerate() if t.ident == ident), None)
 
 
 def stop_templates() -> int:
-    """Stop this process's templates (blocking; a later warm start starts one again); how many ran.
+    """Stop this process's templates and its keeper (blocking; a later warm start starts them again);
+    how many templates ran.
 
     A template dies with its parent anyway; this is for a caller that goes on (a
-    controller whose run has ended) and should leave no helper process behind.
+    controller whose run has ended) and should leave no helper process or thread behind.
     """
     with _templates_lock:
         mine = [key for key in _templates if key[0] == os.getpid()]
@@ -241,6 +404,7 @@ def stop_templates() -> int:
     for template in templates:
         running += template.pid is not None
         template.close()
+    _stop_keeper()
     return running
 
 
