@@ -513,6 +513,24 @@ async def test_a_start_that_fails_for_another_reason_runs_cold_and_the_next_is_w
 
 
 @not_root
+@pytest.mark.timeout(120)
+async def test_a_worker_that_fell_back_to_cold_is_stopped_as_a_cold_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder that became the cold worker is found and signalled as a cold start's worker is (its
+    group, under the cage's init): a stop cancels it with a result, not a SIGKILL after the grace."""
+    from rollcage.budgets import RolloutBudgets
+
+    missing = tmp_path / "no-such-cgroup" / "cgroup.procs"
+    monkeypatch.setattr(RolloutBudgets, "cgroup_procs", lambda self: [str(missing)])
+    seen, receipt = await _running_worker("warm", tmp_path / "r")
+    assert not seen["parent_is_supervisor"], "not the cold fallback"
+    assert receipt["outcome"] == "cancelled", receipt["outcome_reason"]
+    assert receipt["result_valid"] and receipt["cleanup_confirmed"], receipt
+    assert [s["reason"] for s in receipt["signals_sent"]] == ["stop"]
+
+
+@not_root
 def test_a_setuid_bubblewrap_stays_cold_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
