@@ -45,6 +45,17 @@ It has no parent-death signal: its parent is a thread of the supervisor's, which
 may end before the rollout does, and a supervisor that dies closes the holder's
 stdin, whose exit ends the cage's PID namespace with the worker in it.
 
+A template that is not root (a non-root supervisor, :attr:`~rollcage.forkserver.WorkerStart.userns`)
+owns the cage's user namespaces (bubblewrap made them as its uid) but may not join the cage's
+PID namespace for one fork, nor leave the cage's user namespace once in it. It forks a
+go-between instead, the supervisor's child, and names it (:class:`~rollcage.forkserver.Forked`
+with ``go_between``); the go-between moves into the rollout's cgroups, joins every namespace of
+the holder at once (the user namespace with the rest: one ``setns`` on the pidfd), takes the
+holder's root, forks the worker there as the supervisor's child (born in the cage's PID
+namespace), names it on the report socket and exits. The worker reports :class:`Entered` and
+becomes the worker as above (no tmpfs to mount: bubblewrap's are the cage's, and no executor
+template: its executors are started).
+
 Without a sandbox (``--sandbox none``, :attr:`~rollcage.forkserver.WorkerStart.caged` false)
 there is no cage to enter: the holder is a plain process the supervisor spawned, and the template
 forks the worker beside it as the supervisor's child without joining anything. The worker takes
@@ -63,6 +74,7 @@ same effect (:mod:`rollcage.supervisor.warm`).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import locale
@@ -83,6 +95,7 @@ from rollcage.cage import (
     MOUNT_NS,
     PR_SET_PDEATHSIG,
     Limits,
+    clone_sibling,
     drop_privileges,
     prctl,
     setns,
@@ -101,7 +114,7 @@ from rollcage.forkserver import (
     decode,
     send,
 )
-from rollcage.procs import hold_cancel_signals, unpack_ancillary
+from rollcage.procs import hold_cancel_signals, pidfd_pid, unpack_ancillary
 
 if TYPE_CHECKING:
     from rollcage.tools import ExecutorTemplateLink
@@ -210,6 +223,9 @@ def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules:
     """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
     holder, report, log, *passed = fds
     env = _worker_environment(request)
+    if request.userns:
+        _start_through_go_between(server, request, env, fds, modules=modules)
+        return
     channel = _link(request, env)
     try:
         # An uncaged worker (--sandbox none) is born here, beside its holder: no namespace to join.
@@ -247,6 +263,94 @@ def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules:
     # namespace (and so bwrap) open. It reads this message before it lets go of the socket.
     _report(report, Forked(pid=pid), [pidfd])
     os.close(pidfd)
+
+
+def _start_through_go_between(
+    server: ForkServer, request: WorkerStart, env: dict[str, str], fds: list[int], *, modules: frozenset[str]
+) -> None:
+    """A non-root template's start (:attr:`WorkerStart.userns`): fork a go-between that enters the cage
+    and forks the worker there; hand over a pidfd of the go-between.
+
+    This process may not join the cage's PID namespace (that needs ``CAP_SYS_ADMIN`` in its own user
+    namespace), nor come back from the cage's user namespace once joined: a fork of it does both
+    for good, then forks the worker (:func:`_go_between`). Its executors are started, not forked
+    (:func:`_link` gives none).
+    """
+    holder, report, log, *passed = fds
+    # As for a root start: born with SIGTERM and SIGINT held, which the worker inherits in turn.
+    mask = hold_cancel_signals()
+    try:
+        pid, pidfd = server.fork(sibling=True)
+    except OSError as exc:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        _report(report, Unforked(reason=f"cannot fork the warm start's go-between: {exc}"))
+        return
+    if pid == 0:
+        server.control.close()
+        _go_between(request, env, holder=holder, report=report, log=log, passed=passed, modules=modules)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    # The supervisor reaps the go-between by this pidfd, and hears the worker's PID from it.
+    _report(report, Forked(pid=pid, go_between=True), [pidfd])
+    os.close(pidfd)
+
+
+_KERNEL_REFUSALS = frozenset({errno.EPERM, errno.EACCES, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+"""How the kernel says no to a step of the entry (not a lack of memory or processes, which passes)."""
+
+
+def _go_between(
+    request: WorkerStart,
+    env: dict[str, str],
+    *,
+    holder: int,
+    report: int,
+    log: int,
+    passed: list[int],
+    modules: frozenset[str],
+) -> NoReturn:
+    """The go-between of a non-root start, the supervisor's child: move into the rollout's cgroups, join
+    every namespace of the holder at once, take its root, fork the worker there as the supervisor's
+    child, name it, exit.
+
+    It needs no privilege: the template's uid owns the cage's (outer) user namespace, so it holds
+    every capability there, and joining the holder's user namespace with the rest at once (one
+    ``setns`` on the pidfd) is allowed to it as it is to root. The PID namespace takes effect for
+    its child, the worker, born in the cage as a cold worker is.
+    """
+    step = "move into the rollout's cgroups"
+    entering = False
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for path in request.cgroups:
+            # Here, with the host's view of the cgroup tree: the worker is born in them.
+            procs = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(procs, b"0")
+            finally:
+                os.close(procs)
+        step = "open the holder's root"
+        # The holder's root, as it sees it (bubblewrap's pivoted root): the worker's too.
+        root = os.open(f"/proc/{pidfd_pid(holder)}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        entering = True
+        step = "join the sandbox's namespaces"
+        setns(holder, JOIN)
+        step = "take the sandbox's root"
+        os.fchdir(root)
+        os.chroot(".")
+        os.close(root)
+        step = "fork the worker in the sandbox"
+        pid, pidfd = clone_sibling()
+    except BaseException as exc:
+        _say(log, f"rollcage: the warm start could not enter its cage: cannot {step}: {exc}\n")
+        refused = entering and isinstance(exc, OSError) and exc.errno in _KERNEL_REFUSALS
+        _report(report, Unforked(reason=f"cannot {step}: {exc}", refused=refused))
+        os._exit(1)
+    if pid == 0:
+        _enter(
+            request, env, holder=holder, report=report, log=log, passed=passed, modules=modules, channel=-1
+        )
+    _report(report, Forked(pid=pid), [pidfd])
+    os._exit(0)
 
 
 _COERCION_TARGETS = ("C.UTF-8", "C.utf8", "UTF-8")
@@ -290,6 +394,10 @@ def _link(request: WorkerStart, env: dict[str, str]) -> int:
     """
     if request.env.get(CAGE_ENV, "none") == "none":
         return -1  # no executor's cage to fork into
+    if request.userns:
+        # Not root: the executor template could not join an executor's PID namespace (nor clear its
+        # groups); the worker starts its executors itself, as a cold one does.
+        return -1
     global _executors
     if _executors is None:
         # Here, not at the top: the tools
@@ -330,6 +438,11 @@ def _enter(
     """
     if not request.caged:
         _enter_uncaged(request, env, report=report, log=log, passed=passed, modules=modules)
+    if request.userns:
+        # Its go-between moved it into its cgroups and joined the cage for it: it is there.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _report(report, Entered())
+        _become_worker(request, env, log=log, passed=passed, modules=modules, channel=channel)
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for path in request.cgroups:

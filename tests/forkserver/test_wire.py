@@ -29,6 +29,7 @@ from rollcage.forkserver import (
     Forked,
     Message,
     Refused,
+    Unforked,
     WireError,
     WorkerStart,
     decode,
@@ -96,6 +97,8 @@ worker_starts = st.builds(
     ),
     keep=st.lists(_TEXT, max_size=3),
     pass_fds=st.lists(st.integers(min_value=3, max_value=1 << 16), max_size=MAX_PASS_FDS, unique=True),
+    caged=st.booleans(),
+    userns=st.booleans(),
 )
 executor_starts = st.builds(
     ExecutorStart,
@@ -124,6 +127,20 @@ def test_a_start_comes_back_as_it_was_sent(message: Message) -> None:
     if isinstance(message, WorkerStart):
         fds += len(message.pass_fds)
     assert decode(encode(message), list(range(fds)), expect=[type(message)]) == message
+
+
+@pytest.mark.parametrize(
+    ("message", "fds"),
+    [
+        (Forked(pid=7), 1),
+        (Forked(pid=7, go_between=True), 1),
+        (Unforked(reason="no"), 0),
+        (Unforked(reason="cannot join the sandbox's namespaces: EPERM", refused=True), 0),
+    ],
+)
+def test_a_non_root_starts_reports_come_back_as_they_were_sent(message: Message, fds: int) -> None:
+    """A go-between is named apart from the worker, and a kernel's refusal apart from other failures."""
+    assert decode(encode(message), list(range(fds)), expect=[Forked, Unforked]) == message
 
 
 @settings(max_examples=60, deadline=None)

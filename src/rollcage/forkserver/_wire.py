@@ -250,6 +250,10 @@ class WorkerStart(Message):
         caged: The worker enters the holder's cage; ``False`` (``--sandbox none``): it is forked as
             a plain process beside the holder, with no namespace, mount or uid of its own, the
             supervisor's limits and ``uid``/``gid``/``cgroups``/``mounts``/``keep`` unused.
+        userns: The template is not root (a non-root supervisor): it owns the cage's user namespace
+            but may not join its PID namespace itself, so a go-between it forks joins all of the
+            holder's namespaces at once and forks the worker there (:class:`Forked` ``go_between``).
+            ``mounts`` must then be empty.
     """
 
     KIND: ClassVar[int] = 1
@@ -269,6 +273,7 @@ class WorkerStart(Message):
         "keep": _is_strs,
         "pass_fds": _is_pass_fds,
         "caged": _is_bool,
+        "userns": _is_bool,
     }
 
     argv: list[str]
@@ -284,6 +289,7 @@ class WorkerStart(Message):
     keep: list[str] = field(default_factory=list)
     caged: bool = True
     pass_fds: list[int] = field(default_factory=list)
+    userns: bool = False
 
     def descriptors_ok(self, count: int) -> bool:
         return count == 3 + len(self.pass_fds)
@@ -291,23 +297,39 @@ class WorkerStart(Message):
 
 @dataclass(frozen=True)
 class Forked(Message):
-    """Warm template -> supervisor: the worker is forked, its PID here; a pidfd of it beside."""
+    """Warm template -> supervisor: the worker is forked, its PID here; a pidfd of it beside.
+
+    Attributes:
+        pid: The forked process's PID (the supervisor's PID namespace).
+        go_between: The process is not the worker but a go-between (a :attr:`WorkerStart.userns`
+            start): it joins the cage, forks the worker there and says :class:`Forked` (the worker's)
+            or :class:`Unforked` itself on the same report socket, then exits. Both are the
+            supervisor's children, which reaps them.
+    """
 
     KIND: ClassVar[int] = 2
     FDS: ClassVar[tuple[int, int]] = (1, 1)
-    CHECKS: ClassVar[dict[str, Callable[[object], bool]]] = {"pid": _is_int}
+    CHECKS: ClassVar[dict[str, Callable[[object], bool]]] = {"pid": _is_int, "go_between": _is_bool}
 
     pid: int
+    go_between: bool = False
 
 
 @dataclass(frozen=True)
 class Unforked(Message):
-    """Warm template -> supervisor: no worker was forked, and why."""
+    """Warm template (or its go-between) -> supervisor: no worker was forked, and why.
+
+    Attributes:
+        reason: Why, in words.
+        refused: The kernel refused a go-between's entry into the cage (``setns``, ``chroot`` or the
+            fork there: no user namespace to join, a seccomp filter): later non-root starts are cold.
+    """
 
     KIND: ClassVar[int] = 3
-    CHECKS: ClassVar[dict[str, Callable[[object], bool]]] = {"reason": _is_str}
+    CHECKS: ClassVar[dict[str, Callable[[object], bool]]] = {"reason": _is_str, "refused": _is_bool}
 
     reason: str
+    refused: bool = False
 
 
 @dataclass(frozen=True)

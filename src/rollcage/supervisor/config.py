@@ -84,11 +84,12 @@ class BwrapSandbox(BudgetSettings):
     worker_start: Literal["warm", "cold"] = Field(
         default="warm",
         description=(
-            "warm: under bubblewrap as root, the worker is forked from a pre-imported template into the "
-            "cage bwrap made (rollcage.warm): the same namespaces, mounts, cgroups, uid, limits and "
-            "environment as a cold start, without paying an interpreter and its imports per rollout. "
-            "cold: every rollout's worker is a fresh interpreter. A custom worker_command, a harness "
-            "rollout, and a supervisor that is not root (or has no run_as_uid) always start cold."
+            "warm: under bubblewrap, the worker is forked from a pre-imported template into the cage bwrap "
+            "made (rollcage.warm; as root, or not as root through the user namespaces bwrap makes as "
+            "this uid): the same namespaces, mounts, cgroups, uid, limits and environment as a cold "
+            "start, without paying an interpreter and its imports per rollout. cold: every rollout's "
+            "worker is a fresh interpreter. A custom worker_command, root without run_as_uid, a setuid "
+            "bubblewrap, and a harness rollout of a supervisor that is not root always start cold."
         ),
     )
     run_as_uid: int | None = Field(

@@ -4,8 +4,9 @@
 collect, receipt); this module is its launch, cold or warm:
 
 * :meth:`Launch.choose`: whether the worker is forked from a warm template
-  (:mod:`rollcage.warm`) or started cold (a predicate per sandbox: bwrap as root, and
-  ``--sandbox none``, whose worker is forked uncaged beside a holder);
+  (:mod:`rollcage.warm`) or started cold (a predicate per sandbox: bwrap as root, bwrap without
+  root through the user namespaces it made as this uid, and ``--sandbox none``, whose worker is
+  forked uncaged beside a holder);
 * :meth:`Launch.plan`: the launcher's plan (bubblewrap's command line, or a plain child);
 * :meth:`Launch.start`: bubblewrap (or the worker) spawned from the launcher's thread, held
   as a :class:`~rollcage.supervisor.tree.WorkerTree`; for a warm start, its holder's socket
@@ -39,7 +40,15 @@ from rollcage.runfiles import RolloutLayout
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, NoSandbox, SupervisorConfig
 from rollcage.supervisor.sandbox import BwrapLauncher, LaunchPlan, NoSandboxLauncher
 from rollcage.supervisor.tree import WorkerTree
-from rollcage.supervisor.warm import Template, WarmStart, cage_mounts, refuse_cage_mounts, template_for
+from rollcage.supervisor.warm import (
+    Template,
+    WarmStart,
+    cage_mounts,
+    refuse_cage_mounts,
+    refuse_userns,
+    template_for,
+    userns_entry,
+)
 
 __all__ = ["Launch"]
 
@@ -101,6 +110,10 @@ class Launch:
                 logger.warning("rollout %s: started cold, not warm: %s", self.rollout_id, problem)
                 return
             self.template = template_for(bytecode)
+        elif self._warm_userns() and not pass_fds:
+            # Its holder runs the cold worker should the kernel refuse the warm one, and could not pass
+            # descriptors it never held: a start that carries some is cold, as --sandbox none's is.
+            self.template = template_for(bytecode)
         elif self._warm_none() and not pass_fds:
             # The worker's parent-death signal is the thread's that started the template: one
             # template per such thread, as a cold worker's is the thread's that spawns it.
@@ -114,6 +127,19 @@ class Launch:
             and sandbox.worker_start == "warm"
             and isinstance(launcher, BwrapLauncher)
             and launcher.owner is not None
+        )
+
+    def _warm_userns(self) -> bool:
+        """bwrap's warm start without root: into the user namespaces bwrap made as this uid, through a
+        go-between (:mod:`rollcage.warm`); not once the kernel has refused one in this process."""
+        sandbox, launcher = self.config.sandbox, self.launcher
+        return (
+            os.geteuid() != 0
+            and isinstance(sandbox, BwrapSandbox)
+            and sandbox.worker_start == "warm"
+            and isinstance(launcher, BwrapLauncher)
+            and launcher.enters_warm
+            and userns_entry()
         )
 
     def _warm_none(self) -> bool:
@@ -291,19 +317,30 @@ class Launch:
             else:
                 for fd in roots:
                     os.close(fd)
-            cold = not plan.warm.caged
+            uncaged = not plan.warm.caged
+            # The kernel refused a non-root start's entry into its cage, before any worker ran: its
+            # holder runs the cold worker in the cage bwrap made as for a cold start.
+            fallback = plan.warm.userns and warm.refused
             if worker is not None:
                 tree.adopt_worker(worker)
-            elif warm.failure is not None and cold:
+            elif warm.failure is not None and uncaged:
                 # Nothing contains an uncaged worker that a cold start would not: its holder runs it.
                 logger.warning("rollout %s: %s; the worker starts cold", self.rollout_id, warm.failure)
+            elif warm.failure is not None and fallback:
+                if warm.kernel_refused:
+                    # The next would be refused alike: this process's later starts are cold (one warning).
+                    refuse_userns(warm.failure)
+                    logger.debug("rollout %s: %s; the worker starts cold", self.rollout_id, warm.failure)
+                else:
+                    logger.warning("rollout %s: %s; the worker starts cold", self.rollout_id, warm.failure)
+                tree.went_cold()
             elif warm.failure is not None:
                 if warm.mount_refused:
                     refuse_cage_mounts(warm.failure)
                 # Its holder exits with 125 and no result: the receipt says why, as for any failed start.
                 logger.error("rollout %s: %s", self.rollout_id, warm.failure)
                 self._failed(warm.failure)
-            await warm.relay(uncaged=cold)
+            await warm.relay(uncaged=uncaged, cold=uncaged or fallback)
         finally:
             warm.close()
 

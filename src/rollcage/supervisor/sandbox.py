@@ -75,6 +75,7 @@ import dataclasses
 import logging
 import os
 import resource
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -107,6 +108,7 @@ __all__ = [
     "NONE_HOLDER_SCRIPT",
     "SANDBOX_PROXY_SOCKET",
     "SANDBOX_ROLLOUT_DIR",
+    "USERNS_HOLDER_SCRIPT",
     "BwrapLauncher",
     "BwrapTools",
     "LaunchPlan",
@@ -349,6 +351,17 @@ class BwrapLauncher:
         return tools
 
     @property
+    def enters_warm(self) -> bool:
+        """Whether a warm start can enter this launcher's cages (:mod:`rollcage.warm`; call :meth:`check`
+        first): as root, with the two-stage launch (:attr:`owner`); not as root, through the user
+        namespaces bubblewrap makes unprivileged, which the supervisor's uid owns. A bubblewrap
+        installed setuid makes them as root, where this uid may not join them: its starts stay cold.
+        """
+        if os.geteuid() == 0:
+            return self.owner is not None
+        return not _setuid(self.check().bwrap)
+
+    @property
     def owner(self) -> tuple[int, int] | None:
         """``(uid, gid)`` the sandbox runs as on the host when it differs from the supervisor's (root)."""
         uid, gid = self.config.run_as_uid, self.config.run_as_gid
@@ -394,7 +407,17 @@ class BwrapLauncher:
         root = SANDBOX_ROLLOUT_DIR
         args = [f"{root}/input.json", f"{root}/result.json", "--checkpoint", f"{root}/checkpoint.jsonl"]
         ro = [*python_paths(), *self.config.extra_ro_paths, *extra_ro]
-        if warm_cgroups is not None:
+        userns = warm_cgroups is not None and os.geteuid() != 0
+        if userns:
+            # Not root: the holder's arguments are the cold start (its limits, then the worker), which it
+            # runs only if the kernel refuses the warm one's entry; its cage is a cold start's too.
+            cold = [*worker_command, *args]
+            limits = worker_limits(_within_hard_nofile(self.config)).prlimit_args()
+            cold = [tools.prlimit, *limits, "--", *cold] if limits else cold
+            argv = ["sh", "-c", USERNS_HOLDER_SCRIPT, "rollcage-holder", *cold]
+            if os.path.isabs(worker_command[0]):
+                ro.append(os.path.dirname(worker_command[0]))
+        elif warm_cgroups is not None:
             # The holder stands where the worker would; the worker is forked in beside it.
             argv = ["sh", "-c", HOLDER_SCRIPT, "rollcage-holder"]
         else:
@@ -428,6 +451,7 @@ class BwrapLauncher:
                 # What the cage shows under them (a Python environment in /tmp) stays shown.
                 keep=[path for path in outermost(ro) if any(_within(path, v.inside) for v in in_cage)],
                 pass_fds=list(pass_fds),
+                userns=userns,
             )
         full = bwrap_argv(
             config,
@@ -457,6 +481,42 @@ class BwrapLauncher:
             worker_journal=worker_journal,
             warm=warm,
         )
+
+
+USERNS_HOLDER_SCRIPT = (
+    # The bwrap holder's words (rollcage.cage.HOLDER_SCRIPT) for a non-root supervisor's cage: it
+    # announces itself, then waits for the warm worker's exit code (it exits with it), or for "cold":
+    # the kernel refused the warm start's entry into the cage and no worker runs, so it becomes the
+    # cold worker (its arguments: prlimit and the cold command line) with the signals, stdin and
+    # stdout a cold start has. The end of its socket without a word ends it with 125.
+    "trap '' HUP INT QUIT TERM USR1 USR2; printf r; exec >/dev/null; "
+    "IFS= read -r code || code=125; "
+    'if [ "$code" = cold ]; then trap - HUP INT QUIT TERM USR1 USR2; exec "$@" </dev/null >&2; fi; '
+    "while IFS= read -r _; do :; done; "
+    'case $code in ""|*[!0-9]*) code=125;; esac; '
+    'exit "$code"'
+)
+"""The holder a non-root supervisor's warm bwrap start runs in the worker's place (by ``/bin/sh -c``)."""
+
+
+def _setuid(path: str) -> bool:
+    """Whether the program at ``path`` is installed setuid (a setuid bubblewrap: see
+    :attr:`BwrapLauncher.enters_warm`); logged once per path at debug level."""
+    try:
+        setuid = bool(os.stat(path).st_mode & stat.S_ISUID)
+    except OSError:
+        return False
+    if setuid and path not in _setuid_logged:
+        _setuid_logged.add(path)
+        logger.debug(
+            "%s is setuid: its cages' namespaces are root's, which a warm start without root cannot "
+            "join; workers start cold",
+            path,
+        )
+    return setuid
+
+
+_setuid_logged: set[str] = set()
 
 
 NONE_HOLDER_SCRIPT = (

@@ -225,6 +225,13 @@ class WorkerTree:
             if not self.warm:
                 self._locate_task = asyncio.ensure_future(self._locate_group_leader())
 
+    def went_cold(self) -> None:
+        """A warm start fell back to cold (its holder became the worker): find the worker's group as a
+        cold start's, under the sandbox's innermost init."""
+        self.warm = False
+        if self._sandbox_init is not None and self._locate_task is None:
+            self._locate_task = asyncio.ensure_future(self._locate_group_leader())
+
     def adopt_worker(self, worker: PidHandle) -> None:
         """Hold a warm worker, forked into the sandbox, as the leader of the worker's process group."""
         if self._group_leader is not None:

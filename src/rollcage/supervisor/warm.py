@@ -72,7 +72,16 @@ from rollcage.procs import (
     within,
 )
 
-__all__ = ["Template", "WarmStart", "cage_mounts", "refuse_cage_mounts", "stop_templates", "template_for"]
+__all__ = [
+    "Template",
+    "WarmStart",
+    "cage_mounts",
+    "refuse_cage_mounts",
+    "refuse_userns",
+    "stop_templates",
+    "template_for",
+    "userns_entry",
+]
 
 logger = logging.getLogger("rollcage.supervisor")
 
@@ -80,6 +89,9 @@ T = TypeVar("T")
 
 _REPORTS = (Forked, Unforked, Entered, EnterFailed)
 """What a start's report socket carries: the template's word on it, then the worker's."""
+
+_GO_BETWEEN_EXIT_S = 5.0
+"""How long a non-root start waits for its go-between to exit once it has spoken (it exits at once)."""
 
 TEMPLATE_ANSWER_S = 30.0
 """How long a start waits for the template's word on it (:class:`Forked` or :class:`Unforked`), whatever the
@@ -356,6 +368,26 @@ def _close_late(started: tuple[socket.socket, ChildProcess]) -> None:
     process.kill_alone()
 
 
+_userns_refused: list[str] = []
+
+
+def refuse_userns(reason: str) -> None:
+    """Have this process's later non-root starts be cold: the kernel refused a warm one's entry into
+    its cage (no unprivileged user namespaces to join, a seccomp filter, ...). One warning."""
+    if not _userns_refused:
+        logger.warning(
+            "a warm start could not enter its cage without root (%s); this process starts its workers cold "
+            "from now on",
+            reason,
+        )
+        _userns_refused.append(reason)
+
+
+def userns_entry() -> bool:
+    """Whether non-root warm starts may be tried here (none was refused by the kernel in this process)."""
+    return not _userns_refused
+
+
 _templates: dict[tuple[int, str | None, int | None], Template] = {}
 _templates_lock = threading.Lock()
 
@@ -428,7 +460,11 @@ class _Reports:
         """The start's outcome: :class:`Entered`, or why not (:class:`EnterFailed`, :class:`Unforked`,
         a :class:`~rollcage.forkserver.WireError`)."""
         self.roots: list[int] = []
+        self.go_between: PidfdChild | None = None
+        """A non-root start's go-between (:attr:`~rollcage.forkserver.Forked.go_between`): this
+        process's child, reaped once it has named the worker (:meth:`release_go_between`)."""
         self.template_spoke = False
+        """Whether the worker's forker spoke (the template, or its go-between for a non-root start)."""
         self.ended = False
 
     @property
@@ -479,6 +515,13 @@ class _Reports:
             self._take(got.message, got.error, list(got.fds), got.sender)
 
     def _take(self, message: Message | None, error: WireError | None, fds: list[int], sender: int) -> None:
+        if isinstance(message, Forked) and message.go_between:
+            # Not the worker: the go-between forks it and speaks for it next (or dies, and the socket ends).
+            if self.go_between is None:
+                self.go_between = PidfdChild(message.pid, fds.pop(0))
+            for fd in fds:
+                os.close(fd)
+            return
         if isinstance(message, Forked | Unforked):
             self.template_spoke = True
         if isinstance(message, Forked) and self.worker is None:
@@ -495,13 +538,38 @@ class _Reports:
         for fd in fds:
             os.close(fd)
 
+    async def release_go_between(self) -> None:
+        """Reap the go-between once it has spoken (it exits at once); kill and leave it to
+        :func:`~rollcage.procs.reap_abandoned` if it has not, or is slow to go.
+
+        **Cancellation:** the go-between is abandoned (killed, reaped later).
+        """
+        go_between, self.go_between = self.go_between, None
+        if go_between is None:
+            return
+        try:
+            if self.template_spoke and await within(_exit_of(go_between), _GO_BETWEEN_EXIT_S):
+                go_between.reap()
+        finally:
+            if not go_between.reaped:
+                go_between.abandon()
+
     def close(self) -> None:
         """Close the socket and the roots not taken (idempotent)."""
+        if self.go_between is not None:
+            self.go_between.abandon()
+            self.go_between = None
         self.sock.close()
         self.end.close()
         for fd in self.roots:
             os.close(fd)
         self.roots = []
+
+
+async def _exit_of(child: PidfdChild) -> bool:
+    """``True`` once ``child`` has exited (for :func:`~rollcage.procs.within`: ``None`` is its timeout)."""
+    await child.wait()
+    return True
 
 
 _unsettled: list[_Reports] = []
@@ -569,6 +637,11 @@ class WarmStart:
         """Why the worker was not started, in words (its holder then exits with 125)."""
         self.mount_refused = False
         """The start failed because a tmpfs could not be mounted in the cage."""
+        self.refused = False
+        """The start failed in words (the template, its go-between or the worker said why), before
+        any worker ran: a holder that can run the cold worker may."""
+        self.kernel_refused = False
+        """The kernel refused a non-root start's entry into its cage (:attr:`Unforked.refused`)."""
         try:
             for fd in passed:
                 self._passed.append(os.dup(fd))  # close-on-exec: no bwrap spawned meanwhile inherits it
@@ -622,7 +695,10 @@ class WarmStart:
                     self.failure = "the warm start did not report in time"
         finally:
             holder.close()
+            await reports.release_go_between()
         if not reports.entered or reports.worker is None:
+            self.refused = isinstance(reports.verdict, Unforked | EnterFailed)
+            self.kernel_refused = isinstance(reports.verdict, Unforked) and reports.verdict.refused
             words, self.mount_refused = reports.failure() or (
                 f"no report ({_silence(reports.worker)})",
                 False,
@@ -646,6 +722,9 @@ class WarmStart:
             return True
         if bound < TEMPLATE_ANSWER_S:
             self.failure = "the warm start did not report in time"
+        elif reports.go_between is not None:
+            # The template answered: its go-between is what hangs (killed with the start).
+            self.failure = f"the warm start's go-between did not answer in {TEMPLATE_ANSWER_S:g} s"
         else:
             replaced = template.replace(pid)
             logger.error(
@@ -672,14 +751,15 @@ class WarmStart:
             self.failure = f"the sandbox's holder (PID {holder_pid}) is gone or is not this rollout's"
         return holder
 
-    async def relay(self, *, uncaged: bool = False) -> bool:
+    async def relay(self, *, uncaged: bool = False, cold: bool | None = None) -> bool:
         """Until the worker exits: reap it and pass its exit status to the holder, which exits with it.
 
         A start that failed passes none (the holder exits with 125), and its worker is killed first.
         An ``uncaged`` holder (:data:`~rollcage.supervisor.sandbox.NONE_HOLDER_SCRIPT`) is told a
         signal apart from a code (``sN``: it dies of it, as its worker did, where no bwrap reports
-        it as 128 + N), and, for a start that failed, to run the cold worker instead (``cold``):
-        whether it was.
+        it as 128 + N). A holder told ``cold`` (for a start that failed; by default an uncaged one;
+        :data:`~rollcage.supervisor.sandbox.USERNS_HOLDER_SCRIPT` when the kernel refused a step)
+        runs the cold worker instead: whether it was told.
 
         **Cancellation:** the worker is left to :meth:`close`.
         """
@@ -703,7 +783,7 @@ class WarmStart:
                 with contextlib.suppress(OSError):  # a holder killed already: EPIPE
                     self._holder_sock.send(f"{word}\n".encode())
         told = False
-        if uncaged and self.failure is not None:
+        if (uncaged if cold is None else cold) and self.failure is not None:
             with contextlib.suppress(OSError):
                 self._holder_sock.send(b"cold\n")
                 told = True
