@@ -94,6 +94,7 @@ _KEEPER_ANSWER_S = 60.0
 
 templates_started = 0
 """How many template processes this process has started (a counter for benchmarks and logs)."""
+_counter_lock = threading.Lock()
 
 
 class _Keeper:
@@ -198,11 +199,6 @@ class Template:
         self._process: ChildProcess | None = None
         self._socket: socket.socket | None = None
 
-    @property
-    def owned(self) -> bool:
-        """Whether this template is a thread's own (started from it), not the process's."""
-        return self._owner is not None
-
     def owner_alive(self) -> bool:
         """Whether the thread it belongs to still runs (always, for the process's)."""
         if self._owner is None:
@@ -245,12 +241,14 @@ class Template:
             raise SupervisorError(f"cannot start the warm worker template ({sys.executable}): {exc}") from exc
         finally:
             theirs.close()
-        templates_started += 1
+        with _counter_lock:
+            templates_started += 1
+            count = templates_started
         logger.debug(
             "started the warm worker template (PID %d, %s; %d in this process)",
             process.pid,
             "its thread's" if self._owner is not None else "the process's",
-            templates_started,
+            count,
         )
         return ours, process
 
@@ -378,7 +376,9 @@ def template_for(bytecode: str | None, *, thread: int | None = None) -> Template
             owner = None if thread is None else _thread_of(thread) or threading.current_thread()
             template = _templates[key] = Template(bytecode, owner=owner)
     for dead in gone:
-        dead.close()  # reaps it: its parent-death signal came when its thread ended
+        # Killed with its thread, or here if it outran its parent-death signal (set once it runs);
+        # reaped either way.
+        dead.close()
     return template
 
 
