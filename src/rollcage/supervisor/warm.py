@@ -76,8 +76,6 @@ __all__ = ["Template", "WarmStart", "cage_mounts", "refuse_cage_mounts", "stop_t
 
 logger = logging.getLogger("rollcage.supervisor")
 
-T = TypeVar("T")
-
 _REPORTS = (Forked, Unforked, Entered, EnterFailed)
 """What a start's report socket carries: the template's word on it, then the worker's."""
 
@@ -95,6 +93,8 @@ _KEEPER_ANSWER_S = 60.0
 templates_started = 0
 """How many template processes this process has started (a counter for benchmarks and logs)."""
 _counter_lock = threading.Lock()
+
+T = TypeVar("T")
 
 
 class _Keeper:
@@ -180,6 +180,13 @@ def _stop_keeper() -> None:
         keeper, _keeper = _keeper, None
     if keeper is not None and keeper.pid == os.getpid():
         keeper.stop()
+
+
+def _close_late(started: tuple[socket.socket, ChildProcess]) -> None:
+    """Close a template the keeper started after its caller gave up waiting."""
+    ours, process = started
+    ours.close()
+    process.kill_alone()
 
 
 class Template:
@@ -345,13 +352,6 @@ def refuse_cage_mounts(reason: str) -> None:
 def cage_mounts() -> bool:
     """Whether warm starts mount the cage's ``/tmp`` and ``/dev/shm`` inside it (none here was refused)."""
     return not _cage_mounts_refused
-
-
-def _close_late(started: tuple[socket.socket, ChildProcess]) -> None:
-    """Close a template the keeper started after its caller gave up waiting."""
-    ours, process = started
-    ours.close()
-    process.kill_alone()
 
 
 _templates: dict[tuple[int, str | None, int | None], Template] = {}
