@@ -541,17 +541,17 @@ def _templates_of(pid: int) -> list[int]:
     ``rollcage template`` in the host's PID namespace (a worker forked from one carries the template's
     command line until it takes its own, but from inside its cage)."""
     found = []
-    for entry in Path(f"/proc/{pid}/task").glob("*/children"):
-        for child in entry.read_text().split():
-            try:
-                words = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-                status = Path(f"/proc/{child}/status").read_text()
-            except OSError:
-                continue
-            nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
-            template = b"template" in words and words[words.index(b"template") - 1] == b"rollcage"
-            if template and len(nspid) == 1:
-                found.append(int(child))
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+            status = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        template = b"template" in words and words[words.index(b"template") - 1] == b"rollcage"
+        if template and int(status["PPid"]) == pid and len(status["NSpid"].split()) == 1:
+            found.append(int(entry.name))
     return found
 
 

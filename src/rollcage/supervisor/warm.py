@@ -85,8 +85,6 @@ __all__ = [
 
 logger = logging.getLogger("rollcage.supervisor")
 
-T = TypeVar("T")
-
 _REPORTS = (Forked, Unforked, Entered, EnterFailed)
 """What a start's report socket carries: the template's word on it, then the worker's."""
 
@@ -106,6 +104,9 @@ _KEEPER_ANSWER_S = 60.0
 
 templates_started = 0
 """How many template processes this process has started (a counter for benchmarks and logs)."""
+_counter_lock = threading.Lock()
+
+T = TypeVar("T")
 
 
 class _Keeper:
@@ -193,6 +194,13 @@ def _stop_keeper() -> None:
         keeper.stop()
 
 
+def _close_late(started: tuple[socket.socket, ChildProcess]) -> None:
+    """Close a template the keeper started after its caller gave up waiting."""
+    ours, process = started
+    ours.close()
+    process.kill_alone()
+
+
 class Template:
     """The template process for one bytecode cache (see :mod:`rollcage.warm`).
 
@@ -209,11 +217,6 @@ class Template:
         self._lock = threading.Lock()
         self._process: ChildProcess | None = None
         self._socket: socket.socket | None = None
-
-    @property
-    def owned(self) -> bool:
-        """Whether this template is a thread's own (started from it), not the process's."""
-        return self._owner is not None
 
     def owner_alive(self) -> bool:
         """Whether the thread it belongs to still runs (always, for the process's)."""
@@ -257,12 +260,14 @@ class Template:
             raise SupervisorError(f"cannot start the warm worker template ({sys.executable}): {exc}") from exc
         finally:
             theirs.close()
-        templates_started += 1
+        with _counter_lock:
+            templates_started += 1
+            count = templates_started
         logger.debug(
             "started the warm worker template (PID %d, %s; %d in this process)",
             process.pid,
             "its thread's" if self._owner is not None else "the process's",
-            templates_started,
+            count,
         )
         return ours, process
 
@@ -361,13 +366,6 @@ def cage_mounts() -> bool:
     return not _cage_mounts_refused
 
 
-def _close_late(started: tuple[socket.socket, ChildProcess]) -> None:
-    """Close a template the keeper started after its caller gave up waiting."""
-    ours, process = started
-    ours.close()
-    process.kill_alone()
-
-
 _userns_refused: list[str] = []
 
 
@@ -410,7 +408,9 @@ def template_for(bytecode: str | None, *, thread: int | None = None) -> Template
             owner = None if thread is None else _thread_of(thread) or threading.current_thread()
             template = _templates[key] = Template(bytecode, owner=owner)
     for dead in gone:
-        dead.close()  # reaps it: its parent-death signal came when its thread ended
+        # Killed with its thread, or here if it outran its parent-death signal (set once it runs);
+        # reaped either way.
+        dead.close()
     return template
 
 
