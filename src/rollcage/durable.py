@@ -151,11 +151,22 @@ def publish_json(
 
 
 def publish_bytes(
-    path: str | os.PathLike[str], data: bytes, *, mode: int = 0o600, sync_directory: bool = True
+    path: str | os.PathLike[str],
+    data: bytes,
+    *,
+    mode: int = 0o600,
+    sync_directory: bool = True,
+    sync: bool = True,
 ) -> None:
     """Atomically replace the file at ``path`` with ``data``: ``publish_json``'s sequence, for any bytes.
 
     Blocking; the same guarantees, errors and ``sync_directory`` as ``publish_json``.
+
+    ``sync=False`` syncs neither the file nor its directory (``sync_directory`` is then
+    moot): the replacement is still atomic against a killed process (readers see the old
+    file or the whole new one), but not against a machine crash, after which the file may
+    be missing, empty or torn. Only for derived files whose readers check them against a
+    seal kept durably elsewhere (:class:`rollcage.protocol.FileSeal`).
     """
     target = os.fspath(path)
     _check_mode(mode)
@@ -176,8 +187,9 @@ def publish_bytes(
             _write_all(fd, data)
             step = "setting the file mode"
             os.fchmod(fd, mode)
-            step = "syncing the temporary file"
-            os.fsync(fd)
+            if sync:
+                step = "syncing the temporary file"
+                os.fsync(fd)
         finally:
             os.close(fd)
         step = "renaming the temporary file into place"
@@ -192,7 +204,7 @@ def publish_bytes(
                 f"cannot publish {target}: {step} failed; the previous file is untouched", exc
             ) from exc
         raise
-    if not sync_directory:
+    if not (sync and sync_directory):
         return
     try:
         fsync_directory(directory)

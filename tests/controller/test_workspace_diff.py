@@ -6,9 +6,13 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,12 +20,16 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from rollcage.cli import _build_app
-from rollcage.controller._workspace_diff import file_level_diff, write_workspace_diff
+from rollcage.controller import Controller, LocalBackend, ModelEndpointConfig, RunConfig
+from rollcage.controller._workspace_diff import DiffWritten, file_level_diff, write_workspace_diff
+from rollcage.controller.testing import FakeSupervisor
 from rollcage.export import export_run
+from rollcage.protocol import FileSeal, RolloutRecord
 from rollcage.viewer import load_rollout, render_rollout, render_text, write_report
 from tests.helpers.image_rollouts import agent_session, make_image, needs_root
 from tests.helpers.upstream import harbor_atif_errors
 from tests.helpers.viewer_fixtures import write_run
+from tests.helpers.waiting import wait_for
 
 FILES = {
     "src/app.py": "def answer():\n    return 41\n",
@@ -41,8 +49,10 @@ rm -r old && mkdir old && echo three > old/three.txt
 
 
 def _diff(rollout_dir: Path) -> str:
-    assert asyncio.run(write_workspace_diff(rollout_dir)) is None
-    return (rollout_dir / "workspace.diff").read_text()
+    written = asyncio.run(write_workspace_diff(rollout_dir))
+    data = (rollout_dir / "workspace.diff").read_bytes()
+    assert written.problem is None and written.seal == FileSeal.of(data)
+    return data.decode()
 
 
 @needs_root
@@ -122,7 +132,7 @@ def test_an_empty_workspace_without_an_image_gets_the_heading_alone(tmp_path: Pa
 
 
 def test_a_rollout_directory_that_is_not_there_gets_no_diff(tmp_path: Path) -> None:
-    assert asyncio.run(write_workspace_diff(tmp_path / "never-made")) is None
+    assert asyncio.run(write_workspace_diff(tmp_path / "never-made")) == DiffWritten(seal=None, problem=None)
     assert os.listdir(tmp_path) == []
 
 
@@ -130,9 +140,11 @@ def test_an_unusable_image_json_leaves_a_note_in_the_diff(tmp_path: Path) -> Non
     rollout = tmp_path / "r"
     (rollout / "workspace").mkdir(parents=True)
     (rollout / "image.json").write_text("[1, 2]")
-    problem = asyncio.run(write_workspace_diff(rollout))
+    written = asyncio.run(write_workspace_diff(rollout))
+    problem = written.problem
     assert problem is not None and problem.startswith("workspace.diff could not be made: ValueError")
     assert (rollout / "workspace.diff").read_text() == f"# {problem}\n"
+    assert written.seal == FileSeal.of(f"# {problem}\n".encode())
 
 
 def test_a_large_diff_is_cut_with_a_note(tmp_path: Path) -> None:
@@ -227,3 +239,123 @@ def test_the_file_level_diff_applies_to_the_image_and_gives_the_rollout_s_tree(
 def _put(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+# --------------------------------------------------------------------------- durability: the seal
+#
+# workspace.diff is derived, so the controller publishes it without a sync of its own: a killed
+# controller never leaves it torn (it is renamed into place whole), but a machine crash may leave
+# it missing, empty, cut or zeroed beside a record that did reach the disk. The record's seal tells.
+
+
+class _AgentWrites:
+    """The fake supervisor (``rollcage.controller.testing``), whose agent also leaves a file."""
+
+    def __init__(self, answer: str = "42") -> None:
+        self.fake = FakeSupervisor({"a": answer})
+
+    async def __call__(self, rollout_dir: Path, config: Any, *, stop: asyncio.Event | None = None) -> Any:
+        supervised = await self.fake(rollout_dir, config, stop=stop)
+        await asyncio.to_thread((rollout_dir / "workspace" / "answer.py").write_text, "x = 42\n")
+        return supervised
+
+
+def _run_config(tmp_path: Path, grader: dict[str, Any] | None = None) -> RunConfig:
+    dataset = tmp_path / "dataset.jsonl"
+    row = {"id": "a", "input": "6*7?", "expected": "42", **({"grader": grader} if grader else {})}
+    dataset.write_text(json.dumps(row) + "\n")
+    return RunConfig(
+        dataset=dataset,
+        out=tmp_path / "out",
+        model=ModelEndpointConfig(base_url="http://127.0.0.1:9/v1", model_name="fake"),
+        sandbox="none",
+        retry_backoff_s=0.0,
+    )
+
+
+def _records(out: Path) -> list[RolloutRecord]:
+    path = out / "rollouts.jsonl"
+    if not path.exists():
+        return []
+    return [RolloutRecord.model_validate_json(line) for line in path.read_bytes().splitlines()]
+
+
+def _tear_cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+TEARS: dict[str, Callable[[Path], None]] = {
+    "missing": lambda path: path.unlink(),  # the rename never reached the disk
+    "empty": lambda path: path.write_bytes(b""),  # the name did, the data did not (delayed allocation)
+    "cut": _tear_cut,
+    "zeroed": lambda path: path.write_bytes(bytes(path.stat().st_size)),  # the size did, the blocks did not
+}
+
+
+@pytest.mark.parametrize("tear", sorted(TEARS))
+def test_a_torn_workspace_diff_beside_its_durable_record_is_never_read_as_the_diff(
+    tmp_path: Path, tear: str
+) -> None:
+    cfg = _run_config(tmp_path)
+    asyncio.run(Controller(cfg, backend=LocalBackend(cfg.rollout_settings(), supervise=_AgentWrites())).run())
+    [record] = _records(cfg.out)
+    rollout = cfg.out / "rollouts" / record.rollout_id
+    diff = rollout / "workspace.diff"
+    assert record.workspace_diff == FileSeal.of(diff.read_bytes())
+    shown = load_rollout(rollout)
+    assert shown.workspace_diff is not None and "+x = 42\n" in shown.workspace_diff, shown.problems
+    TEARS[tear](diff)
+    view = load_rollout(rollout)
+    assert view.workspace_diff is None
+    assert [p for p in view.problems if p.startswith("workspace.diff: ") and p.endswith("not shown")], (
+        view.problems
+    )
+    assert "+x = 42" not in CliRunner().invoke(_build_app(), ["show", str(rollout)]).output
+    export_run(cfg.out, "atif")
+    document = json.loads((cfg.out / "export/atif" / f"{record.rollout_id}.json").read_text())
+    assert "workspace_diff" not in document["extra"]
+
+
+_KILLED_CHILD = """
+import asyncio, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from tests.controller.test_workspace_diff import _AgentWrites, _run_config
+from rollcage.controller import Controller, LocalBackend
+cfg = _run_config(Path(sys.argv[2]), {"type": "regex", "pattern": "(a|a)+$", "timeout_s": 300})
+backend = LocalBackend(cfg.rollout_settings(), supervise=_AgentWrites("a" * 60 + "b"))
+asyncio.run(Controller(cfg, backend=backend).run())
+"""
+
+
+def test_a_controller_killed_between_the_diff_and_the_record_leaves_no_diff_read_as_a_record_s(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL after workspace.diff is published and before the record (the grader is stuck in a
+    regex that backtracks for minutes): the rerun sets the attempt aside, and the record it writes
+    seals the diff that is beside it."""
+    root = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_CHILD, str(root), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    rollouts = tmp_path / "out" / "rollouts"
+    try:
+        wait_for(lambda: list(rollouts.glob("*/workspace.diff")), what="the diff published", timeout=60)
+        assert child.poll() is None and _records(tmp_path / "out") == []  # the grade holds the record back
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        output, _ = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, output.decode(errors="replace")
+    cfg = _run_config(tmp_path, {"type": "regex", "pattern": "42"})
+    asyncio.run(Controller(cfg, backend=LocalBackend(cfg.rollout_settings(), supervise=_AgentWrites())).run())
+    [record] = _records(cfg.out)
+    assert record.reward == 1.0
+    [aside] = (cfg.out / "interrupted").iterdir()
+    assert (aside / "workspace.diff").exists()  # the killed attempt's, kept as evidence, in no record
+    diff = cfg.out / "rollouts" / record.rollout_id / "workspace.diff"
+    assert record.workspace_diff == FileSeal.of(diff.read_bytes())
+    view = load_rollout(cfg.out / "rollouts" / record.rollout_id)
+    assert view.workspace_diff is not None and "+x = 42\n" in view.workspace_diff and view.problems == []

@@ -59,6 +59,7 @@ from rollcage.errors import (
 )
 from rollcage.protocol import (
     BranchLink,
+    FileSeal,
     HarnessEnvironment,
     HarnessSpec,
     ImageSandbox,
@@ -609,17 +610,22 @@ async def _grade(
     )
 
 
-async def _write_diff(rollout_dir: Path) -> None:
-    """The rollout's ``workspace.diff`` (evidence only: whatever happens, the outcome and grade stand)."""
+async def _write_diff(rollout_dir: Path) -> FileSeal | None:
+    """The rollout's ``workspace.diff`` (evidence only: whatever happens, the outcome and grade stand).
+
+    Returns its seal, for the record (see ``rollcage.controller._workspace_diff``); ``None``: none
+    was published.
+    """
     from rollcage.controller._workspace_diff import write_workspace_diff
 
     try:
         async with asyncio.timeout(_DIFF_TIMEOUT_S):
-            await write_workspace_diff(rollout_dir)
+            return (await write_workspace_diff(rollout_dir)).seal
     except TimeoutError:
         logger.warning(
             "rollout %s: workspace.diff took over %g s; left out", rollout_dir.name, _DIFF_TIMEOUT_S
         )
+        return None
 
 
 async def _seed(prepared: PreparedRollout, client: Any) -> PreparedRollout:
@@ -828,7 +834,7 @@ async def _run_and_grade(
         receipt = _failed_receipt(prepared, settings, exc, started, where="the controller")
     if not receipt.result_valid:
         result = None
-    await _write_diff(rollout_dir)
+    diff_seal = await _write_diff(rollout_dir)
     link = _resume_link(link, result)
     if prepared.resume_from is not None:
         receipt = receipt.model_copy(update={"resumed_from": prepared.resume_from.rollout_id})
@@ -879,6 +885,7 @@ async def _run_and_grade(
         grader=grader,
         termination_reason=result.termination_reason if result is not None else None,
         resume=link,
+        workspace_diff=diff_seal,
     ).with_result(result)
 
 

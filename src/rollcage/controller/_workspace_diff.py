@@ -23,6 +23,13 @@ are named (``Binary files a/x and b/x differ``), never inlined; a file over
 :data:`FILE_LIMIT` is named as too large; the whole diff stops at :data:`DIFF_LIMIT` bytes with a
 line saying so. A diff that cannot be made is logged and leaves a one-line note in the file; it
 never changes the rollout's outcome or grade.
+
+The file is derived (it can be made again from the rollout directory), so it is published without
+a sync of its own (``publish_bytes(sync=False)``): renamed into place whole, so a killed controller
+never leaves it torn, but a machine crash may. Its seal (:class:`rollcage.protocol.FileSeal`:
+size and CRC-32) goes into the rollout's record, whose append to ``rollouts.jsonl`` is synced;
+readers (``rollcage show``, the report, the ATIF export) check the file against it and never read
+one that does not match. Two syncs a rollout fewer, on the path every rollout takes.
 """
 
 from __future__ import annotations
@@ -44,11 +51,13 @@ from rollcage.controller._image_grade import ImageInfo, read_image_info
 from rollcage.durable import publish_bytes
 from rollcage.errors import RollcageError
 from rollcage.procs import shielded
+from rollcage.protocol import FileSeal
 
 __all__ = [
     "DIFF_LIMIT",
     "FILE_LIMIT",
     "WORKSPACE_DIFF",
+    "DiffWritten",
     "file_level_diff",
     "make_workspace_diff",
     "write_workspace_diff",
@@ -481,8 +490,21 @@ def _close(stack: contextlib.ExitStack, parent: Path) -> None:
         shutil.rmtree(parent, ignore_errors=True)
 
 
-async def write_workspace_diff(rollout_dir: Path) -> str | None:
-    """Make and publish ``rollout_dir/workspace.diff``; the problem, or ``None`` when all went well.
+@dataclass(frozen=True)
+class DiffWritten:
+    """What :func:`write_workspace_diff` published."""
+
+    seal: FileSeal | None
+    """The seal of the file published, for the record; ``None``: none was."""
+    problem: str | None
+    """Why the diff could not be made or written, or ``None`` when all went well."""
+
+
+_NOTHING: Final = DiffWritten(None, None)
+
+
+async def write_workspace_diff(rollout_dir: Path) -> DiffWritten:
+    """Make and publish ``rollout_dir/workspace.diff`` (unsynced: see the module docstring).
 
     Never raises for a diff that cannot be made: the file then says why in one line. A rollout
     directory that is not there (the controller failed before making it) gets none.
@@ -490,9 +512,10 @@ async def write_workspace_diff(rollout_dir: Path) -> str | None:
     **Cancellation:** as :func:`make_workspace_diff`; nothing is published.
     """
     # A rollout without an image (most of them) is diffed and published in one thread hop.
-    done, problem = await asyncio.to_thread(_write_without_image, rollout_dir)
+    done, written = await asyncio.to_thread(_write_without_image, rollout_dir)
     if done:
-        return problem
+        return written
+    problem: str | None = None
     try:
         data = await make_workspace_diff(rollout_dir)
     except (RollcageError, OSError, ValueError) as exc:
@@ -501,17 +524,17 @@ async def write_workspace_diff(rollout_dir: Path) -> str | None:
     return await asyncio.to_thread(_publish, rollout_dir, data, problem)
 
 
-def _write_without_image(rollout_dir: Path) -> tuple[bool, str | None]:
-    """Blocking: publish the diff of a rollout without an image; (whether it was one, the problem).
+def _write_without_image(rollout_dir: Path) -> tuple[bool, DiffWritten]:
+    """Blocking: publish the diff of a rollout without an image; (whether it was one, what was published).
 
-    ``(False, None)`` for an image rollout, left to :func:`make_workspace_diff` on the loop.
+    ``(False, nothing)`` for an image rollout, left to :func:`make_workspace_diff` on the loop.
     """
     if not _plain_dir(rollout_dir):
-        return True, None
+        return True, _NOTHING
     problem: str | None = None
     try:
         if read_image_info(rollout_dir) is not None:
-            return False, None
+            return False, _NOTHING
         data = _diff_without_image(rollout_dir / "workspace")
     except (RollcageError, OSError, ValueError) as exc:
         problem = _not_made(rollout_dir, exc)
@@ -533,11 +556,13 @@ def _not_made(rollout_dir: Path, exc: BaseException) -> str:
     return problem
 
 
-def _publish(rollout_dir: Path, data: bytes, problem: str | None) -> str | None:
-    """Publish ``data`` as the rollout's ``workspace.diff`` (blocking); the problem, if any."""
+def _publish(rollout_dir: Path, data: bytes, problem: str | None) -> DiffWritten:
+    """Publish ``data`` as the rollout's ``workspace.diff``, unsynced (blocking); its seal and the problem."""
     try:
-        publish_bytes(rollout_dir / WORKSPACE_DIFF, data, mode=0o644)
+        # Unsynced: the record's synced append holds the seal that tells a torn file (module docstring).
+        publish_bytes(rollout_dir / WORKSPACE_DIFF, data, mode=0o644, sync=False)
     except OSError as exc:
         problem = f"workspace.diff could not be written: {exc}"
         logger.warning("rollout %s: %s", rollout_dir.name, problem)
-    return problem
+        return DiffWritten(None, problem)
+    return DiffWritten(FileSeal.of(data), problem)

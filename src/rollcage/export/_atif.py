@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from rollcage import __version__
 from rollcage.durable import read_bounded
 from rollcage.protocol import (
+    FileSeal,
     ModelCall,
     ResponseItem,
     RolloutRecord,
@@ -45,18 +47,31 @@ __all__ = ["ATIF_VERSION", "read_workspace_diff", "to_atif"]
 
 ATIF_VERSION = "ATIF-v1.7"
 
+logger = logging.getLogger("rollcage.export")
+
 
 _DIFF_LIMIT = 8 << 20
 """The largest workspace.diff carried (the controller writes at most 4 MiB)."""
 
 
-def read_workspace_diff(directory: Path | None) -> str | None:
-    """The rollout directory's ``workspace.diff`` as text; ``None`` when it has none or it is unreadable."""
+def read_workspace_diff(directory: Path | None, seal: FileSeal | None = None) -> str | None:
+    """The rollout directory's ``workspace.diff`` as text; ``None`` when it has none or it is unreadable.
+
+    ``seal``: the record's (``RolloutRecord.workspace_diff``); a file that does not match it (torn
+    by a machine crash: the file is not synced) is ``None`` too, never carried. ``None``: unchecked.
+    """
     if directory is None:
         return None
     try:
-        data = read_bounded(directory / "workspace.diff", limit=_DIFF_LIMIT)
-    except OSError:
+        data = read_bounded(directory / "workspace.diff", limit=_DIFF_LIMIT if seal is None else seal.size)
+    except OSError as exc:
+        if seal is not None:  # sealed, so published: a machine crash lost it, or it was tampered with
+            logger.warning("%s/workspace.diff: not exported: %s", directory, exc)
+        return None
+    if seal is not None and not seal.matches(data):
+        logger.warning(
+            "%s/workspace.diff: torn (it does not match its record's seal); not exported", directory
+        )
         return None
     return data.decode("utf-8", errors="replace")
 

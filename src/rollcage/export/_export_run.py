@@ -145,7 +145,7 @@ def _documents(
         result, spec = loaded
         try:
             if format == "atif":
-                diff = read_workspace_diff(locate_rollout(run_dir, record).directory)
+                diff = read_workspace_diff(locate_rollout(run_dir, record).directory, record.workspace_diff)
                 document = to_atif(record, result, spec, workspace_diff=diff)
                 data = orjson.dumps(document, option=orjson.OPT_APPEND_NEWLINE)
             else:

@@ -82,6 +82,7 @@ from rollcage.protocol._receipt import (
 )
 from rollcage.protocol._records import (
     BranchLink,
+    FileSeal,
     HealthFinding,
     HealthVerdict,
     Percentiles,
@@ -139,6 +140,7 @@ __all__ = [
     "EditorToolSpec",
     "ErrorKind",
     "ExecutorSettings",
+    "FileSeal",
     "FunctionToolChoice",
     "HarnessEnvironment",
     "HarnessSpec",

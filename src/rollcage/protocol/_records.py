@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any, Literal
+import zlib
+from typing import Any, Literal, Self
 
 from pydantic import Field, PrivateAttr
 
@@ -23,6 +24,7 @@ from rollcage.protocol._trajectory import TokenCoverage, TokenUsage
 
 __all__ = [
     "BranchLink",
+    "FileSeal",
     "HealthFinding",
     "HealthVerdict",
     "Percentiles",
@@ -112,6 +114,30 @@ class ResumeLink(FrozenArtifact):
     reason: str | None = Field(default=None, description="Why it started fresh, if it did.")
 
 
+class FileSeal(FrozenArtifact):
+    """The size and checksum of a file published without a sync of its own, kept where it is durable.
+
+    ``workspace.diff`` is derived evidence: it is written and renamed into place, but not synced,
+    so a machine crash (not a killed process) can leave it missing, empty or torn beside a record
+    that did reach the disk. The record's seal tells a reader which: a file that does not match
+    it is never read as the diff.
+    """
+
+    size: int = Field(ge=0, description="The file's size in bytes, as published.")
+    crc32: str = Field(
+        pattern=r"^[0-9a-f]{8}$", description="zlib.crc32 of the whole file, as 8 lowercase hex digits."
+    )
+
+    @classmethod
+    def of(cls, data: bytes) -> Self:
+        """The seal of ``data``."""
+        return cls(size=len(data), crc32=f"{zlib.crc32(data):08x}")
+
+    def matches(self, data: bytes) -> bool:
+        """Whether ``data`` is the content this seal was made of."""
+        return len(data) == self.size and f"{zlib.crc32(data):08x}" == self.crc32
+
+
 class BranchLink(FrozenArtifact):
     """Where a branch (``rollcage branch``) forked from: its prefix is the source's, replayed."""
 
@@ -157,6 +183,12 @@ class RolloutRecord(FrozenArtifact, VersionGate):
     )
     branched_from: BranchLink | None = Field(
         default=None, description="Set on a branch: the source rollout and the boundary it forked at."
+    )
+    workspace_diff: FileSeal | None = Field(
+        default=None,
+        description="The seal of the rollout's workspace.diff as the controller published it (unsynced: a "
+        "reader checks the file against it and treats one that differs as torn); None: none was published, "
+        "or a record written before rollcage sealed it (the file, if any, is then read unchecked).",
     )
 
     _result: WorkerResult | None = PrivateAttr(default=None)

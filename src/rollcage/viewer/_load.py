@@ -21,6 +21,7 @@ from rollcage.durable import open_regular, read_bounded
 from rollcage.errors import ViewerError
 from rollcage.protocol import (
     Checkpoint,
+    FileSeal,
     HealthFinding,
     RolloutRecord,
     RunMetrics,
@@ -225,7 +226,8 @@ def load_rollout(
         except OSError as exc:
             view.problems.append(f"{CAPTURE_NAME}: cannot read: {exc}")
     view.log_tail = _read_tail(path / LOG_NAME, view.problems)
-    view.workspace_diff = _read_head(path / DIFF_NAME, view.problems)
+    seal = view.record.workspace_diff if view.record is not None else None
+    view.workspace_diff = _read_diff(path / DIFF_NAME, seal, view.problems)
     if metrics is not None:
         view.run_findings = {
             name: finding for name, finding in metrics.health.items() if view.rollout_id in finding.rollouts
@@ -343,6 +345,30 @@ def _read_tail(path: Path, problems: list[str]) -> str | None:
     return text
 
 
+def _read_diff(path: Path, seal: FileSeal | None, problems: list[str]) -> str | None:
+    """The start of ``workspace.diff``; checked whole against the record's seal where there is one.
+
+    The controller does not sync the file (it is derived), so after a machine crash it may be
+    missing, empty or torn beside a record that reached the disk: such a file is a problem, never
+    shown as the diff.
+    """
+    if seal is None:
+        return _read_head(path, problems)
+    try:
+        data = read_bounded(path, limit=seal.size)
+    except OSError as exc:
+        torn = " (a machine crash before it reached the disk?)"
+        problems.append(f"{path.name}: cannot read the file its record seals: {exc}{torn}; not shown")
+        return None
+    if not seal.matches(data):
+        problems.append(
+            f"{path.name}: torn: it does not match its record's seal (a machine crash before it reached "
+            "the disk?); not shown"
+        )
+        return None
+    return _shown(path, data[:DIFF_SHOWN_BYTES], len(data))
+
+
 def _read_head(path: Path, problems: list[str]) -> str | None:
     if not path.exists():
         return None
@@ -354,6 +380,11 @@ def _read_head(path: Path, problems: list[str]) -> str | None:
     except OSError as exc:
         problems.append(f"{path.name}: cannot read: {exc}")
         return None
+    return _shown(path, data, size)
+
+
+def _shown(path: Path, data: bytes, size: int) -> str:
+    """``data``, the start of the file at ``path`` (``size`` bytes), as shown: cut at a line, with a note."""
     text = data.decode("utf-8", errors="replace")
     if size > DIFF_SHOWN_BYTES:
         # End at a line boundary so the last line shown is not a fragment.
