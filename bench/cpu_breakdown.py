@@ -523,7 +523,8 @@ def main() -> None:
                     rounds.append(one_round(label, args, work, server.base_url, python, sample=sample))
             print_rounds(rounds)
             if args.symbols:
-                print_symbols([r for r in rounds if r.symbols], args.symbols)
+                sampled = [r for r in rounds if any(r.symbols.values())]
+                print_symbols(sampled, args.symbols)
             if args.py_spy:
                 spy_run(args, work, server.base_url, args.py_spy)
     finally:
