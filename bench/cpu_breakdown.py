@@ -21,11 +21,18 @@ bwraps, ``setpriv``, the holder), the warm template, the worker, the executor's
 nested bubblewrap launch (bwrap and its holder), the executor template and the
 executors. CPU per kind is divided by the tasks; for the long-lived processes the
 part spent before their first child (start-up: imports, ``gc.freeze``) is shown
-apart, since a longer run divides it further.
+apart, since a longer run divides it further. The two launches are also split by
+stage (each process's depth in its launch and what it exec'd), and the CPU one file
+creation costs in the runs' directory is measured first (next to a tmpfs): the
+controller creates a dozen files a rollout.
 
-``--py-spy`` adds a second run (not timed) sampled by ``py-spy record --format raw
---nonblocking`` on the controller, and on one worker template with ``--subprocesses``
-(its workers), and prints the top functions (own samples) of each.
+``--symbols N`` also samples the first round of each checkout (``cpu-clock``, one
+sample per ms of CPU) and prints the top N functions (native and kernel: Python 3.11
+has no perf map of its own frames) of the three costliest kinds. ``--py-spy N`` adds
+an untimed run under ``py-spy record --format raw --nonblocking --subprocesses`` and
+prints the controller's top N Python functions by own samples, and the workers'
+(forks of the template with ``CLONE_PARENT``, so the controller's children: py-spy
+catches few of them, they live too short for its look for new children).
 
 ``--baseline-python PY`` runs every round twice, ABBA: once with this checkout's
 ``.venv`` and once with ``PY`` (another checkout's venv, its editable install: the
@@ -45,6 +52,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,6 +271,23 @@ class Round:
     """With ``--symbols`` (the first round of each label): samples by function, per kind."""
     stages: dict[str, float] = field(default_factory=dict)
     """The two launches by stage (see :func:`_stage`): ms per rollout."""
+
+
+def create_cost_us(directory: Path, files: int = 500) -> float:
+    """CPU microseconds this process spends creating one empty file in ``directory`` (then all removed).
+
+    A rollout's controller creates a dozen files and directories in its rollout directory; on an
+    ext4 without a journal each new inode is checked against recently deleted ones (``recently_deleted``
+    in perf), which can cost a hundred times a tmpfs's.
+    """
+    scratch = Path(tempfile.mkdtemp(prefix="create-", dir=directory))
+    try:
+        started = time.process_time()
+        for index in range(files):
+            os.close(os.open(scratch / f"f{index}", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        return 1e6 * (time.process_time() - started) / files
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _rollcage_argv(args: argparse.Namespace, run_dir: Path, base_url: str, python: Path) -> list[str]:
@@ -508,6 +533,11 @@ def main() -> None:
     if args.baseline_python is not None:
         sources.insert(0, ("base", args.baseline_python.absolute()))
     work = Path(tempfile.mkdtemp(prefix="rollcage-breakdown-"))
+    shm = Path("/dev/shm")
+    print(
+        f"creating a file: {create_cost_us(work):.0f} us CPU in the runs' directory ({work.parent}), "
+        + (f"{create_cost_us(shm):.0f} us in {shm} (tmpfs)" if shm.is_dir() else "")
+    )
     rounds: list[Round] = []
     try:
         policy = work / "policy.json"
