@@ -104,6 +104,7 @@ class Proc:
     children: list[int] = field(default_factory=list)
     """Processes it forked (not threads), in order."""
     kind: str = "other"
+    """One of :data:`KINDS` (set by :func:`classify`)."""
     symbols: collections.Counter[str] = field(default_factory=collections.Counter)
     """With ``--symbols``: ``cpu-clock`` samples by function (library)."""
 
