@@ -267,7 +267,35 @@ def worker_main(argv: list[str]) -> int:
     # sweep through rollcage.procs) run on the loop's thread: the rollout waits for each of them, and a
     # thread hop would cost it more CPU than the call (a thread's start ~0.3 ms more).
     run_blocking_inline()
-    return asyncio.run(_amain(paths))
+    loop = _WorkerLoop()
+    # As asyncio.run does: the policy's loop, which Python 3.11's child watcher attaches to.
+    asyncio.set_event_loop(loop)
+    try:
+        with asyncio.Runner(loop_factory=lambda: loop) as runner:
+            return runner.run(_amain(paths))
+    finally:
+        asyncio.set_event_loop(None)
+
+
+_VALID_SIGNALS = frozenset(int(number) for number in signal.valid_signals())
+"""The signal numbers this platform has, as plain ints: made once (in a warm template, before every fork)."""
+
+
+class _WorkerLoop(asyncio.SelectorEventLoop):
+    """asyncio's own event loop, checking a signal number against :data:`_VALID_SIGNALS`.
+
+    Why: asyncio checks every signal it adds or removes a handler for against
+    ``signal.valid_signals()``, which makes an enum member of each of the platform's ~64
+    signals at every call, four a rollout (SIGTERM and SIGINT, added and removed): ~0.35 ms of
+    a warm worker's ~28 ms of CPU here, ~0.02 ms with the set (``bench/worker_signals.py``).
+    The check is the same; where a Python version no longer has this hook, its own check runs.
+    """
+
+    def _check_signal(self, sig: int) -> None:
+        if not isinstance(sig, int):
+            raise TypeError(f"sig must be an int, not {sig!r}")
+        if sig not in _VALID_SIGNALS:
+            raise ValueError(f"invalid signal number {sig}")
 
 
 class _Paths:
