@@ -49,10 +49,13 @@ def _no_strays() -> Any:
     assert processes_with_token() == [], "a supervised process outlived its test"
 
 
-def _prepare(root: Path, model_url: str) -> None:
+def _prepare(root: Path, model_url: str, *, model_timeout_s: float | None = None) -> None:
     root.mkdir()
     (root / "workspace").mkdir()
-    (root / "input.json").write_text(json.dumps(worker_input(model_url=model_url, task_id="t")))
+    data = worker_input(model_url=model_url, task_id="t")
+    if model_timeout_s is not None:
+        data["model"]["timeout_s"] = model_timeout_s
+    (root / "input.json").write_text(json.dumps(data))
 
 
 def _rollout_processes(root: Path) -> dict[int, list[bytes]]:
@@ -222,14 +225,17 @@ print("started", child.pid)
 """
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 async def test_the_deadline_kills_a_warm_worker_and_the_grandchild_its_agent_left(tmp_path: Path) -> None:
     script = {"tasks": {"t": [_python(SLEEPER), {"text": "never"}]}}
     root = tmp_path / "r"
     with PolicyServer(script, port=0, faults=["call=2:kind=hang"]) as server:
-        _prepare(root, server.base_url)
-        # Long enough for the cell to run on a loaded machine; the model hangs on the next call.
-        config = SupervisorConfig(deadline_s=20, grace_s=1, sandbox=NoSandbox(worker_start="warm"))
+        # The hanging call outlasts the deadline: the worker's own model timeout must not end it first.
+        _prepare(root, server.base_url, model_timeout_s=600)
+        # Long enough for a fresh template's imports and the cell on a loaded machine (two cores shared
+        # with other suites: 20 s was not, as this file ran as the test user beside another); the model
+        # hangs on the next call.
+        config = SupervisorConfig(deadline_s=45, grace_s=1, sandbox=NoSandbox(worker_start="warm"))
         task = asyncio.ensure_future(supervise(root, config))
         try:
             pid_file = root / "workspace" / "sleeper.pid"
@@ -237,7 +243,7 @@ async def test_the_deadline_kills_a_warm_worker_and_the_grandchild_its_agent_lef
                 lambda: task.done() or (pid_file.exists() and pid_file.read_text()),
                 what="the agent's sleeper",
             )
-            assert not task.done(), "the rollout ended before its cell ran"
+            assert not task.done(), f"the rollout ended before its cell ran: {task.result()!r}"
             sleeper = int(pid_file.read_text())
             assert alive(sleeper)
             worker = await wait_for_async(lambda: _worker_of(root), what="the worker's process")

@@ -78,10 +78,13 @@ def _no_strays() -> Any:
     assert processes_with_token() == [], "a supervised process outlived its test"
 
 
-def _prepare(root: Path, model_url: str) -> None:
+def _prepare(root: Path, model_url: str, *, model_timeout_s: float | None = None) -> None:
     root.mkdir()
     (root / "workspace").mkdir()
-    (root / "input.json").write_text(json.dumps(worker_input(model_url=model_url, task_id="t")))
+    data = worker_input(model_url=model_url, task_id="t")
+    if model_timeout_s is not None:
+        data["model"]["timeout_s"] = model_timeout_s
+    (root / "input.json").write_text(json.dumps(data))
 
 
 def _rollout_processes(root: Path) -> dict[int, bytes]:
@@ -285,7 +288,8 @@ async def test_the_deadline_kills_a_warm_worker_and_everything_its_agent_left(tm
     script = {"tasks": {"t": [_python(SLEEPER), {"text": "never"}]}}
     root = tmp_path / "r"
     with PolicyServer(script, port=0, faults=["call=2:kind=hang"]) as server:
-        _prepare(root, server.base_url)
+        # The hanging call outlasts the deadline: the worker's own model timeout must not end it first.
+        _prepare(root, server.base_url, model_timeout_s=600)
         # Long enough for a fresh template's imports and the cell on a loaded machine (two cores shared
         # with other suites); the model hangs on the next call.
         task = asyncio.ensure_future(supervise(root, _config("warm", deadline_s=45, grace_s=1)))

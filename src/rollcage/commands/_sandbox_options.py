@@ -79,8 +79,8 @@ WorkerStart = Annotated[
     WorkerStartChoice | None,
     typer.Option(
         "--worker-start",
-        help="warm: the worker forked from a pre-imported template (default; into its sandbox, with "
-        "bwrap as root); cold: a fresh interpreter per rollout.",
+        help="warm: the worker forked from a pre-imported template (default; into its bwrap sandbox, "
+        "as root or not, or beside a holder with --sandbox none); cold: a fresh interpreter per rollout.",
         rich_help_panel=_PANEL,
     ),
 ]
