@@ -11,6 +11,7 @@ memory (nothing), a template that dies, and a cell that must be killed.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ from rollcage.policy import PolicyServer
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
 from rollcage.supervisor.warm import stop_templates
 from tests.helpers.supervisor_env import requires_bwrap
-from tests.helpers.waiting import alive
+from tests.helpers.waiting import alive, wait_for
 from tests.helpers.worker_env import worker_input
 
 pytestmark = [requires_bwrap(), pytest.mark.bwrap]
@@ -203,6 +204,14 @@ def _template_children() -> list[int]:
 
 async def test_a_dead_executor_template_is_started_again_and_a_stuck_cell_is_killed(tmp_path: Path) -> None:
     stop_templates()
+    # The stopped templates' executor templates die of their parent-death signal, each in its
+    # own time (a busy machine may be slow to run them to their end): counted only once gone.
+    await asyncio.to_thread(
+        wait_for,
+        lambda: not any(_is_descendant(pid) for pid in _template_children()),
+        timeout=60,
+        what="the stopped templates' executor templates to die",
+    )
     assert _facts((await _rollout(tmp_path / "a", [FACTS]))[0])["ppid"] == 0
     mine = [pid for pid in _template_children() if _is_descendant(pid)]
     assert len(mine) == 1
@@ -273,6 +282,14 @@ async def test_a_hung_executor_template_costs_no_cell_and_is_replaced(tmp_path: 
     then finds its hand-overs unread, kills it (SIGKILL ends a stopped process too) and starts another,
     whose executors are forked again."""
     stop_templates()
+    # The stopped templates' executor templates die of their parent-death signal, each in its
+    # own time (a busy machine may be slow to run them to their end): counted only once gone.
+    await asyncio.to_thread(
+        wait_for,
+        lambda: not any(_is_descendant(pid) for pid in _template_children()),
+        timeout=60,
+        what="the stopped templates' executor templates to die",
+    )
     assert _facts((await _rollout(tmp_path / "a", [FACTS]))[0])["ppid"] == 0
     mine = [pid for pid in _template_children() if _is_descendant(pid)]
     assert len(mine) == 1
