@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from rollcage.procs import (
     StopPhase,
     StopStrategy,
     TreeStop,
+    cancel_and_wait,
     command_name,
     first_of,
     is_running,
@@ -209,6 +212,46 @@ async def test_first_of_ends_the_other_waits_and_says_which_finished() -> None:
     assert not finished.cancelled() and cut.cancelled()
     (timed_out,) = await first_of(never.wait(), seconds=0.01)
     assert timed_out.cancelled()
+
+
+@pytest.fixture
+def no_collector() -> Iterator[None]:
+    """The cyclic garbage collector off for the test: what is freed, is freed by reference counts."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+class _Owner:
+    """What a supervision is to its tasks: it holds the task, and the task's coroutine holds it."""
+
+    task: asyncio.Task[None] | None = None
+
+
+async def _wait_forever(owner: _Owner, started: asyncio.Event) -> None:
+    started.set()
+    await asyncio.Event().wait()
+
+
+@pytest.mark.usefixtures("no_collector")
+async def test_cancel_and_wait_ends_the_tasks_and_leaves_no_cycle_for_the_collector() -> None:
+    owner, started = _Owner(), asyncio.Event()
+    owner.task = task = asyncio.ensure_future(_wait_forever(owner, started))
+    finished = asyncio.ensure_future(asyncio.sleep(0, result="done"))
+    await asyncio.wait_for(started.wait(), 10)
+    await asyncio.wait_for(finished, 10)
+    await asyncio.wait_for(cancel_and_wait(task, None, finished), 10)
+    assert task.cancelled() and finished.result() == "done"
+    # The task's CancelledError (its traceback holds the coroutine's frame, which holds the owner,
+    # which holds the task) is gone from it: the owner goes with its last reference, not at the
+    # next full collection.
+    gone = weakref.ref(owner)
+    del owner, task
+    assert gone() is None
 
 
 async def test_command_name_names_a_live_process_and_none_once_it_is_gone(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -145,6 +147,38 @@ async def harness(
             harness = Harness(proxy, client, capture)
             harness.budget_events = events
             yield harness
+
+
+class _Owner:
+    """What a supervision is to its proxy: it holds the proxy, and the proxy holds its callback."""
+
+    proxy: EgressProxy | None = None
+
+    def budget_passed(self, budget: str, reason: str) -> None:
+        """The proxy's ``on_budget_exceeded``."""
+
+
+async def test_a_closed_proxy_lets_go_of_its_owners_callback(upstream: Upstream, short_dir: Path) -> None:
+    owner = _Owner()
+    owner.proxy = EgressProxy(
+        short_dir / "proxy.sock",
+        routes(upstream),
+        capture_path=short_dir / "model_capture.jsonl",
+        rollout_id="r1",
+        config=ProxyConfig(),
+        identity=IDENTITY,
+        on_budget_exceeded=owner.budget_passed,
+    )
+    async with owner.proxy:
+        pass
+    gone = weakref.ref(owner)
+    # The owner goes with its last reference, without the collector (off, so that it cannot help).
+    gc.disable()
+    try:
+        del owner
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 # --------------------------------------------------------------------------- routing and headers

@@ -70,7 +70,7 @@ from typing import Any, Generic, Literal, Protocol, Self, TypeVar
 
 import h11
 
-from rollcage.procs import AsyncClosing, shielded
+from rollcage.procs import AsyncClosing, cancel_and_wait, shielded
 
 __all__ = ["ABORTED", "Answer", "Exchange", "HttpServer", "Reply", "ServerLimits", "Service"]
 
@@ -364,15 +364,9 @@ class HttpServer(AsyncClosing, Generic[_E]):
         await shielded(self._shut_down())
 
     async def _shut_down(self) -> None:
-        if self._acceptor is not None:
-            self._acceptor.cancel()
-            await asyncio.gather(self._acceptor, return_exceptions=True)
+        await cancel_and_wait(self._acceptor)
         self._listener.close()
-        handlers = list(self.connections)
-        for task in handlers:
-            task.cancel()
-        if handlers:
-            await asyncio.gather(*handlers, return_exceptions=True)
+        await cancel_and_wait(*self.connections)
         # A handler cancelled before its first step never ran its own clean-up.
         for connection in self.connections.values():
             connection.close()

@@ -18,7 +18,7 @@ not outlive them. What they share lives here, at the bottom of the import graph
   on any :class:`ProcessTree`, its progress an explicit :class:`TreeStop` state;
 * the one cancellation dialect: :func:`shielded` (shield and finish: the work
   runs to its end, a cancellation is remembered and re-raised after),
-  :func:`wait_shared`, :func:`within` and :func:`first_of`;
+  :func:`wait_shared`, :func:`within`, :func:`first_of` and :func:`cancel_and_wait`;
 * one task per event loop serving many watches (:class:`LoopPoller`, :func:`poller_for`): the
   supervisor's stop files and the budgets' polls.
 
@@ -30,7 +30,7 @@ Stopping a child the way the executors do::
 """
 
 from rollcage.procs._ancillary import CREDENTIALS_SPACE, unpack_ancillary
-from rollcage.procs._cancel import AsyncClosing, first_of, shielded, wait_shared, within
+from rollcage.procs._cancel import AsyncClosing, cancel_and_wait, first_of, shielded, wait_shared, within
 from rollcage.procs._handles import (
     ChildProcess,
     ExitStatus,
@@ -87,6 +87,7 @@ __all__ = [
     "TreeStop",
     "any_exit",
     "argv_has",
+    "cancel_and_wait",
     "command_name",
     "descendants",
     "describe_exit",

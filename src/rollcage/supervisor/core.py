@@ -73,6 +73,7 @@ from rollcage.procs import (
     StopPhase,
     StopStrategy,
     TreeStop,
+    cancel_and_wait,
     ensure_subreaper,
     environ_has,
     first_of,
@@ -652,10 +653,7 @@ class _Supervision:
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
-            for task in (turn, stopped):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(turn, stopped, return_exceptions=True)
+            await cancel_and_wait(turn, stopped)
             if turn.done() and not turn.cancelled() and turn.exception() is None:
                 self.turn = gate
         was_stopped = stopped.done() and not stopped.cancelled()
@@ -824,9 +822,7 @@ class _Supervision:
             elif cancelled and self.stop_cause is None:
                 self.stop_requested = True
                 self.stop_cause = "stop"
-            if self.budget_task is not None:
-                self.budget_task.cancel()
-                await asyncio.gather(self.budget_task, return_exceptions=True)
+            await cancel_and_wait(self.budget_task)
             if self.budgets is not None:
                 if not confirmed:
                     await asyncio.to_thread(self.budgets.kill)
@@ -837,10 +833,7 @@ class _Supervision:
                     # Seen only at the end (the worker was quicker than a poll, or the kernel killed it).
                     self.budget_exceeded = (breach[0], f"{breach[0]}: {breach[1]}")
         finally:
-            for task in (self.budget_task, self.start_task):
-                if task is not None:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(self.budget_task, self.start_task)
             await self.launch.aclose()
             self._end_turn()
             if tree is not None:

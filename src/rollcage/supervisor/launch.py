@@ -34,7 +34,7 @@ from rollcage.budgets import RolloutBudgets, Scratch
 from rollcage.cage import launcher
 from rollcage.errors import SandboxError, SupervisorError
 from rollcage.forkserver import pass_fds_problem
-from rollcage.procs import ChildProcess, read_ready
+from rollcage.procs import ChildProcess, cancel_and_wait, read_ready
 from rollcage.protocol import SignalEvent
 from rollcage.runfiles import RolloutLayout
 from rollcage.supervisor.config import TOKEN_ENV, BwrapSandbox, NoSandbox, SupervisorConfig
@@ -290,9 +290,12 @@ class Launch:
 
         **Cancellation:** run shielded by the caller (``finish``); what is left is left to ``close``.
         """
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await cancel_and_wait(*self._tasks)
+        finally:
+            # ``failed`` is the supervision's (a bound method), and the supervision holds this launch:
+            # dropped once closed, the pair goes with its last reference, not at a full collection.
+            self._failed = lambda _: None
         if self._warm is not None:
             self._warm.close()
 

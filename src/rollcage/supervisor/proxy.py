@@ -752,7 +752,12 @@ class EgressProxy(AsyncClosing):
         if self._state == "closed":
             return
         self._state = "closed"
-        await shielded(self._shut_down())
+        try:
+            await shielded(self._shut_down())
+        finally:
+            # The callback is the owner's (a bound method), and the owner holds this proxy: dropped
+            # once closed, the pair goes with its last reference, not at a full collection.
+            self._on_budget_exceeded = None
 
     async def _shut_down(self) -> None:
         if self._server is not None:

@@ -33,6 +33,7 @@ from rollcage.procs import (
     PidHandle,
     ProcInfo,
     any_exit,
+    cancel_and_wait,
     environ_has,
     in_proc_thread,
     ns_pids,
@@ -244,9 +245,7 @@ class WorkerTree:
         **Cancellation:** the pidfds are closed whatever happens; the search's end may not be awaited.
         """
         try:
-            if self._locate_task is not None:
-                self._locate_task.cancel()
-                await asyncio.gather(self._locate_task, return_exceptions=True)
+            await cancel_and_wait(self._locate_task)
         finally:
             for handle in self._handles.values():
                 handle.close()
