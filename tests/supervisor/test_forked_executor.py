@@ -206,12 +206,16 @@ async def test_a_dead_executor_template_is_started_again_and_a_stuck_cell_is_kil
     stop_templates()
     # The stopped templates' executor templates die of their parent-death signal, each in its
     # own time (a busy machine may be slow to run them to their end): counted only once gone.
-    await asyncio.to_thread(
-        wait_for,
-        lambda: not any(_is_descendant(pid) for pid in _template_children()),
-        timeout=60,
-        what="the stopped templates' executor templates to die",
-    )
+    try:
+        await asyncio.to_thread(
+            wait_for,
+            lambda: not any(_is_descendant(pid) for pid in _template_children()),
+            timeout=60,
+            what="the stopped templates' executor templates to die",
+        )
+    except AssertionError as exc:
+        left = [pid for pid in _template_children() if _is_descendant(pid)]
+        raise AssertionError(f"{exc}: {[_lineage(pid) for pid in left]}") from None
     assert _facts((await _rollout(tmp_path / "a", [FACTS]))[0])["ppid"] == 0
     mine = [pid for pid in _template_children() if _is_descendant(pid)]
     assert len(mine) == 1
@@ -223,6 +227,22 @@ async def test_a_dead_executor_template_is_started_again_and_a_stuck_cell_is_kil
     assert _facts(outputs[0])["ppid"] == 0
     assert _facts(outputs[2])["ppid"] == 0
     assert "restarted" in outputs[1] or "killed" in outputs[1], outputs[1]
+
+
+def _lineage(pid: int) -> list[str]:
+    """``PID STATE COMMAND`` of ``pid`` and of each ancestor up to this process (evidence)."""
+    found = []
+    while pid > 1 and pid != os.getpid():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as file:
+                fields = file.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                command = file.read().replace(b"\0", b" ")[:120].decode(errors="replace")
+        except OSError:
+            break
+        found.append(f"{pid} {fields[0].decode()} {command}")
+        pid = int(fields[1])
+    return found
 
 
 def _is_descendant(pid: int) -> bool:
@@ -284,12 +304,16 @@ async def test_a_hung_executor_template_costs_no_cell_and_is_replaced(tmp_path: 
     stop_templates()
     # The stopped templates' executor templates die of their parent-death signal, each in its
     # own time (a busy machine may be slow to run them to their end): counted only once gone.
-    await asyncio.to_thread(
-        wait_for,
-        lambda: not any(_is_descendant(pid) for pid in _template_children()),
-        timeout=60,
-        what="the stopped templates' executor templates to die",
-    )
+    try:
+        await asyncio.to_thread(
+            wait_for,
+            lambda: not any(_is_descendant(pid) for pid in _template_children()),
+            timeout=60,
+            what="the stopped templates' executor templates to die",
+        )
+    except AssertionError as exc:
+        left = [pid for pid in _template_children() if _is_descendant(pid)]
+        raise AssertionError(f"{exc}: {[_lineage(pid) for pid in left]}") from None
     assert _facts((await _rollout(tmp_path / "a", [FACTS]))[0])["ppid"] == 0
     mine = [pid for pid in _template_children() if _is_descendant(pid)]
     assert len(mine) == 1
