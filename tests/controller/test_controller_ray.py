@@ -51,6 +51,7 @@ from tests.helpers.waiting import alive, processes_mentioning, wait_for, wait_fo
 
 try:
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     HAVE_RAY = True
 except ImportError:  # pragma: no cover - CI installs the ray extra
@@ -1095,6 +1096,26 @@ async def test_losing_a_node_mid_run_is_an_infra_failure_retried_on_the_other_no
     assert scratch_leftovers(live, [r.rollout_id for r in got]) == []
 
 
+def hold_cpu_of(node_id: str) -> Any:
+    """An actor holding one CPU of the node ``node_id`` (each test node has one), once it is placed."""
+
+    @ray.remote(num_cpus=1)
+    class CpuHold:
+        def ready(self) -> bool:
+            return True
+
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    hold = CpuHold.options(scheduling_strategy=strategy).remote()  # type: ignore[attr-defined]
+    ray.get(hold.ready.remote(), timeout=120)
+    return hold
+
+
+async def release_on(event: asyncio.Event, hold: Any) -> None:
+    """Give the CPU ``hold`` holds back once ``event`` is set."""
+    await event.wait()  # the caller cancels this when its run ends first
+    ray.kill(hold)
+
+
 @real_rollouts
 async def test_an_environment_unreachable_from_a_node_is_recorded_as_such_and_named_at_the_end(
     tmp_path: Path, ray_cluster: RayCluster, caplog: pytest.LogCaptureFixture
@@ -1137,8 +1158,17 @@ async def test_an_environment_unreachable_from_a_node_is_recorded_as_such_and_na
             )
             backend = config.backend.build(config.rollout_settings())
             assert isinstance(backend, RayBackend)
-            with caplog.at_level(logging.ERROR, logger="rollcage.controller"):
-                summary = await Controller(config, backend=backend).run()
+            # Ray would place every attempt on the driver's node while its CPU is free (all three did,
+            # once templates stayed warm): hold that CPU until an attempt has met the gate.
+            hold = await asyncio.to_thread(hold_cpu_of, driver_node)
+            try:
+                with caplog.at_level(logging.ERROR, logger="rollcage.controller"):
+                    async with asyncio.TaskGroup() as group:
+                        release = group.create_task(release_on(gate.refused, hold))
+                        summary = await Controller(config, backend=backend).run()
+                        release.cancel()
+            finally:
+                ray.kill(hold)
     finally:
         await asyncio.to_thread(server.stop)
     got = records(config.out)

@@ -281,6 +281,8 @@ class NodeGate:
         self._refused = {str(node.scratch_tmp) for node in refused}
         self._server: asyncio.Server | None = None
         self.refused_connections = 0
+        self.refused = asyncio.Event()
+        """Set at the first connection closed unanswered."""
         self.seen: list[tuple[int | None, str | None]] = []
         """Each connection's process and its ``$TMPDIR`` (for a failing test's message)."""
         self.url = ""
@@ -302,6 +304,7 @@ class NodeGate:
         self.seen.append((pid, tmpdir))
         if tmpdir in self._refused:
             self.refused_connections += 1
+            self.refused.set()
             writer.close()
             return
         try:
