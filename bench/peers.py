@@ -36,7 +36,8 @@ How each number is taken, per system and scenario:
 * **peak PSS** — ``/proc/PID/smaps_rollup`` of every process of the run (the cgroup's
   ``cgroup.procs``, else the meter's descendants), summed; sampled every
   ``--sample-interval`` s, backing off so that sampling takes at most ~20% of one core.
-  PSS per concurrent rollout = peak PSS / C.
+  PSS per concurrent rollout = peak PSS / C. **peak RSS** is the same samples' largest sum of
+  ``Rss`` (a page shared by N processes counted N times, as ``ps`` would add it up).
 * **throughput** — tasks / wall time of the whole command (start-up and shutdown included).
 * **first result** — from the command's start until the first graded result is on
   disk (rollcage: a line in ``rollouts.jsonl``; Inspect: the scorer's first line).
@@ -131,6 +132,8 @@ class Run:
     rusage_cpu_s: float = 0.0
     main_cpu_s: float | None = None
     peak_pss_mb: float = 0.0
+    peak_rss_mb: float = 0.0
+    """The largest sum of the tree's RSS at one sample (shared pages counted once per process)."""
     peak_processes: int = 0
     pss_samples: int = 0
     first_result_s: float | None = None
@@ -178,6 +181,7 @@ def pooled(runs: list[Run]) -> Run:
         rusage_cpu_s=sum(r.rusage_cpu_s for r in runs),
         main_cpu_s=None if None in mains else sum(m for m in mains if m is not None),
         peak_pss_mb=max(r.peak_pss_mb for r in runs),
+        peak_rss_mb=max(r.peak_rss_mb for r in runs),
         peak_processes=max(r.peak_processes for r in runs),
         pss_samples=sum(r.pss_samples for r in runs),
         first_result_s=None if None in firsts else max(f for f in firsts if f is not None),
@@ -316,6 +320,7 @@ class Sampler(threading.Thread):
         self.stop_event = threading.Event()
         self.main_cpu_s: float | None = None
         self.peak_pss_kib = 0
+        self.peak_rss_kib = 0
         self.peak_processes = 0
         self.samples = 0
         self.sampling_s = 0.0
@@ -328,12 +333,14 @@ class Sampler(threading.Thread):
     def _sample_pss(self) -> None:
         started = time.perf_counter()
         pids = self._pids()
-        total = 0
+        total = rss = 0
         for pid in pids:
             smaps = read_smaps(pid)
             if smaps is not None:
                 total += smaps.pss
+                rss += smaps.rss
         self.peak_pss_kib = max(self.peak_pss_kib, total)
+        self.peak_rss_kib = max(self.peak_rss_kib, rss)
         self.peak_processes = max(self.peak_processes, len(pids))
         self.samples += 1
         self.sampling_s += time.perf_counter() - started
@@ -537,6 +544,7 @@ def run_once(
         run.notes.append("no writable cgroup v1 cpuacct: CPU is RUSAGE_CHILDREN, a lower bound under bwrap")
     run.main_cpu_s = sampler.main_cpu_s
     run.peak_pss_mb = sampler.peak_pss_kib / 1024
+    run.peak_rss_mb = sampler.peak_rss_kib / 1024
     run.peak_processes = sampler.peak_processes
     run.pss_samples = sampler.samples
     if first.at is not None:
@@ -577,6 +585,7 @@ def print_table(runs: list[Run], alone: dict[tuple[str, float], float | None]) -
         ("main proc %", 11),
         ("peak PSS MB", 11),
         ("PSS/C MB", 9),
+        ("peak RSS MB", 11),
         ("peak procs", 10),
         ("infra fail", 10),
         ("correct", 7),
@@ -602,6 +611,7 @@ def print_table(runs: list[Run], alone: dict[tuple[str, float], float | None]) -
             _fmt(share, ".0f"),
             f"{r.peak_pss_mb:.0f}",
             f"{r.pss_per_rollout_mb:.1f}",
+            f"{r.peak_rss_mb:.0f}",
             r.peak_processes,
             r.infra_failures,
             f"{r.correct}/{r.tasks}",
@@ -628,7 +638,10 @@ def print_ratios_and_targets(runs: list[Run], alone: dict[tuple[str, float], flo
         print("\npooled over the rounds (sums; the worst peak and first result):")
         print_table(list(by.values()), alone)
     print(f"\nrollcage / Inspect AI (same run{', rounds pooled' if several else ''}):")
-    print(f"{'scenario':>9}  {'throughput':>10}  {'CPU/rollout':>11}  {'peak PSS':>8}  {'first result':>12}")
+    print(
+        f"{'scenario':>9}  {'throughput':>10}  {'CPU/rollout':>11}  {'peak PSS':>8}  {'peak RSS':>8}  "
+        f"{'first result':>12}"
+    )
     for s in scenarios:
         rc, ins = by[("rollcage", s)], by.get(("inspect", s))
         if ins is None:
@@ -637,12 +650,12 @@ def print_ratios_and_targets(runs: list[Run], alone: dict[tuple[str, float], flo
             _ratio(rc.throughput, ins.throughput),
             _ratio(rc.cpu_ms_per_rollout, ins.cpu_ms_per_rollout),
             _ratio(rc.peak_pss_mb, ins.peak_pss_mb),
+            _ratio(rc.peak_rss_mb, ins.peak_rss_mb),
             _ratio(rc.first_result_s, ins.first_result_s),
         ]
-        print(
-            f"{s:>9}  "
-            + "  ".join(f"{_fmt(c, '.2f') + 'x':>{w}}" for c, w in zip(cells, (10, 11, 8, 12), strict=True))
-        )
+        widths = (10, 11, 8, 8, 12)
+        shown = [f"{_fmt(c, '.2f') + 'x':>{w}}" for c, w in zip(cells, widths, strict=True)]
+        print(f"{s:>9}  " + "  ".join(shown))
     if several:
         # Each round ran both systems back to back (alternating which went first), so a round's
         # ratio compares the two under the same neighbours; their spread is the run's noise.
