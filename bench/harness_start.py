@@ -19,10 +19,16 @@ the template's start, the bytecode cache, the page cache), and reads per rollout
   below it. Without a writable cpuacct hierarchy it is this process's rusage (self and
   children), a lower bound, and the output says so.
 
-Medians, and warm / cold for each. Needs root and bubblewrap, and the harness environment the
-tests install (``tests/helpers/harness_env.py``; ``--harness-env`` to name another).
+Medians, and warm / cold for each. Needs bubblewrap (``--sandbox bwrap``, the default) and the
+harness environment the tests install (``tests/helpers/harness_env.py``; ``--harness-env`` to name
+another, ``--harness-env none`` for none: the harness is this interpreter).
 
-    .venv/bin/python bench/harness_start.py [--pairs 10]
+Three paths, each warm against cold in the same process: bubblewrap as root (the default),
+``--sandbox none`` (the worker forked beside a holder, uncaged), and ``--as-user`` (bubblewrap
+without root: this script again as the unprivileged test user, ``tests/helpers/unprivileged.py``,
+with ``--harness-env none``; CPU is then rusage, a lower bound, since no cgroup is writable there).
+
+    .venv/bin/python bench/harness_start.py [--pairs 10] [--sandbox none] [--as-user]
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ report(type="answer", text="done")
 """
 
 
-def _input(root: Path, base_url: str, harness_env: dict[str, Any]) -> None:
+def _input(root: Path, base_url: str, harness_env: dict[str, Any] | None) -> None:
     (root / "workspace").mkdir(parents=True)
     data = {
         "rollout_id": root.name,
@@ -82,11 +88,12 @@ def _input(root: Path, base_url: str, harness_env: dict[str, Any]) -> None:
             "max_policy_calls": 4,
             "harness": {
                 "type": "command",
-                "argv": ["python", "-c", textwrap.dedent(HARNESS)],
+                # Without an environment, this interpreter (its directory is on the worker's PATH too).
+                "argv": ["python" if harness_env else sys.executable, "-c", textwrap.dedent(HARNESS)],
                 "answer": "events",
             },
         },
-        "harness_env": harness_env,
+        **({"harness_env": harness_env} if harness_env else {}),
     }
     (root / "input.json").write_text(json.dumps(data))
 
@@ -100,12 +107,18 @@ def _cpu(group: CpuGroup | None) -> float:
 
 
 async def _one(
-    mode: str, root: Path, base_url: str, harness_env: dict[str, Any], group: CpuGroup | None
+    mode: str,
+    root: Path,
+    base_url: str,
+    harness_env: dict[str, Any] | None,
+    group: CpuGroup | None,
+    sandbox: str,
 ) -> dict[str, Any]:
-    from rollcage.supervisor import BwrapSandbox, ProxyConfig, SupervisorConfig, supervise
+    from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig, supervise
 
     _input(root, base_url, harness_env)
-    config = SupervisorConfig(deadline_s=120, proxy=ProxyConfig(), sandbox=BwrapSandbox(worker_start=mode))
+    chosen = NoSandbox(worker_start=mode) if sandbox == "none" else BwrapSandbox(worker_start=mode)
+    config = SupervisorConfig(deadline_s=120, proxy=ProxyConfig(), sandbox=chosen)
     before = _cpu(group)
     receipt = await supervise(root, config)
     cpu = _cpu(group) - before
@@ -115,9 +128,11 @@ async def _one(
     return {"start_s": first["started_at"] - receipt.started_at, "wall_s": receipt.duration_s, "cpu_s": cpu}
 
 
-def _harness_env(path: str | None) -> dict[str, Any]:
+def _harness_env(path: str | None) -> dict[str, Any] | None:
     from rollcage.harness import resolve_environment
 
+    if path == "none":
+        return None
     if path is None:
         from tests.helpers.harness_env import prepare_harness_envs
 
@@ -138,7 +153,7 @@ async def _run(
     order = ["cold", "warm"] * (args.pairs + 1)
     try:
         for index, mode in enumerate(order):
-            got = await _one(mode, work / f"{mode}-{index}", base_url, harness_env, group)
+            got = await _one(mode, work / f"{mode}-{index}", base_url, harness_env, group, args.sandbox)
             if index >= 2:  # the first of each warms up (the template's start, caches)
                 seen[mode].append(got)
     finally:
@@ -153,8 +168,18 @@ def main() -> None:
     parser.add_argument(
         "--pairs", type=int, default=10, help="cold/warm pairs measured (after one to warm up)"
     )
-    parser.add_argument("--harness-env", help="the harness environment (default: the tests' cached one)")
+    parser.add_argument(
+        "--harness-env",
+        help="the harness environment (default: the tests' cached one; none: this interpreter)",
+    )
+    parser.add_argument("--sandbox", choices=("bwrap", "none"), default="bwrap", help="the rollouts' sandbox")
+    parser.add_argument(
+        "--as-user", action="store_true", help="run as the unprivileged test user (bubblewrap without root)"
+    )
     args = parser.parse_args()
+    if args.as_user:
+        _rerun_as_user(args)
+        return
     import logging
 
     logging.basicConfig(level=logging.WARNING)
@@ -174,16 +199,32 @@ def main() -> None:
                     with open(CpuGroup.ROOT / "cgroup.procs", "w") as handle:
                         handle.write(str(os.getpid()))
                     group.remove()
-    _print(seen, args.pairs, group is not None)
+    _print(seen, args.pairs, group is not None, args.sandbox)
 
 
-def _print(seen: dict[str, list[dict[str, Any]]], pairs: int, exact: bool) -> None:
+def _rerun_as_user(args: argparse.Namespace) -> None:
+    """This script again, as the unprivileged test user, its table printed here."""
+    from tests.helpers.unprivileged import make_test_user, run_as, user_dir
+
+    user = make_test_user()
+    with user_dir(user) as home:
+        argv = [sys.executable, __file__, "--pairs", str(args.pairs), "--sandbox", args.sandbox]
+        done = run_as(user, [*argv, "--harness-env", "none"], home=home, timeout_s=3000)
+    print(f"(as {user.name}, uid {user.uid})")
+    print(done.stdout, end="")
+    if done.returncode != 0:
+        raise SystemExit(done.returncode)
+
+
+def _print(seen: dict[str, list[dict[str, Any]]], pairs: int, exact: bool, sandbox: str) -> None:
     def median(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in seen[mode]) * 1000
 
     load = os.getloadavg()
+    who = "root" if os.geteuid() == 0 else f"uid {os.geteuid()}"
     print(
-        f"harness rollout start, cold vs warm worker: {pairs} pairs (ABAB, after one each to warm up), "
+        f"harness rollout start, cold vs warm worker, --sandbox {sandbox}, {who}: {pairs} pairs "
+        "(ABAB, after one each to warm up), "
         f"one rollout at a time; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
     )
     print()

@@ -293,10 +293,11 @@ async def test_a_harness_rollout_completes_warm(
     _relay_ended(caplog)
 
 
-async def test_a_harness_rollout_without_a_sandbox_starts_cold_and_relays(
+async def test_a_harness_rollout_without_a_sandbox_relays(
     envs: HarnessEnvs, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # --sandbox none's warm start carries no descriptor: the relay must reach a cold worker instead.
+    # --sandbox none's warm start carries the relay too (tests/harness/test_harness_warm_everywhere.py
+    # holds it to a cold start's): here with the harness's own environment.
     root = tmp_path / "none"
     marker = f"rollcage-none-harness-{secrets.token_hex(6)}"
     config = SupervisorConfig(deadline_s=120, grace_s=10, proxy=ProxyConfig(), sandbox=NoSandbox())

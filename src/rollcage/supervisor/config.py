@@ -88,8 +88,8 @@ class BwrapSandbox(BudgetSettings):
             "made (rollcage.warm; as root, or not as root through the user namespaces bwrap makes as "
             "this uid): the same namespaces, mounts, cgroups, uid, limits and environment as a cold "
             "start, without paying an interpreter and its imports per rollout. cold: every rollout's "
-            "worker is a fresh interpreter. A custom worker_command, root without run_as_uid, a setuid "
-            "bubblewrap, and a harness rollout of a supervisor that is not root always start cold."
+            "worker is a fresh interpreter. A custom worker_command, root without run_as_uid and a "
+            "setuid bubblewrap always start cold."
         ),
     )
     run_as_uid: int | None = Field(
@@ -152,7 +152,7 @@ class NoSandbox(_Config):
             "child with the environment, working directory, limits and umask a cold start has, without "
             "paying an interpreter and its imports per rollout; a warm start that fails runs the cold "
             "worker instead. cold: every rollout's worker is a fresh interpreter. A custom "
-            "worker_command and a harness rollout always start cold."
+            "worker_command always starts cold."
         ),
     )
 

@@ -95,29 +95,29 @@ class Launch:
         """Fork this rollout's worker from a warm template (:mod:`rollcage.warm`), or start it cold.
 
         Warm only where its start is equivalent and tested: rollcage's own worker, and a sandbox whose
-        warm start is (:meth:`_warm_bwrap`, :meth:`_warm_none`). ``pass_fds``, the descriptors the
-        worker inherits (a harness rollout's relay to the supervisor), travel with a bwrap start; a
-        start that cannot carry them (more than :data:`~rollcage.forkserver.MAX_PASS_FDS`, a standard
-        descriptor's number) is refused here, and the worker starts cold, inheriting them through
-        bubblewrap. ``--sandbox none``'s warm start carries none: such a rollout starts cold.
+        warm start is (:meth:`_warm_bwrap`, :meth:`_warm_userns`, :meth:`_warm_none`). ``pass_fds``,
+        the descriptors the worker inherits (a harness rollout's relay to the supervisor), travel
+        with every warm start (:attr:`~rollcage.forkserver.WorkerStart.pass_fds`); a start that
+        cannot carry them (more than :data:`~rollcage.forkserver.MAX_PASS_FDS`, a standard
+        descriptor's number) is refused here, and the worker starts cold, inheriting them as a cold
+        worker does.
         """
         self.template = None
         if self.config.worker_command is not None:
             return
-        if self._warm_bwrap():
-            problem = pass_fds_problem(pass_fds) if pass_fds else None
-            if problem is not None:
-                logger.warning("rollout %s: started cold, not warm: %s", self.rollout_id, problem)
-                return
-            self.template = template_for(bytecode)
-        elif self._warm_userns() and not pass_fds:
-            # Its holder runs the cold worker should the kernel refuse the warm one, and could not pass
-            # descriptors it never held: a start that carries some is cold, as --sandbox none's is.
-            self.template = template_for(bytecode)
-        elif self._warm_none() and not pass_fds:
+        if self._warm_bwrap() or self._warm_userns():
+            thread = None
+        elif self._warm_none():
             # The worker's parent-death signal is the thread's that started the template: one
             # template per such thread, as a cold worker's is the thread's that spawns it.
-            self.template = template_for(bytecode, thread=threading.get_ident())
+            thread = threading.get_ident()
+        else:
+            return
+        problem = pass_fds_problem(pass_fds) if pass_fds else None
+        if problem is not None:
+            logger.warning("rollout %s: started cold, not warm: %s", self.rollout_id, problem)
+            return
+        self.template = template_for(bytecode, thread=thread)
 
     def _warm_bwrap(self) -> bool:
         """bwrap's warm start: as root (two stages), into the cage bwrap made."""
@@ -223,8 +223,11 @@ class Launch:
         Raises:
             SupervisorError: It could not be spawned.
         """
-        # A warm worker's descriptors go with its start to the template: bwrap and the holder hold none.
-        inherited = plan.pass_fds if plan.warm is None else ()
+        # A warm worker's descriptors go with its start to the template. Where the holder runs the cold
+        # worker should the warm start fail (without root, --sandbox none), it holds them too, at their
+        # numbers, for that worker (a shell cannot close a number past 9 when the warm one is running).
+        fallback = plan.warm is not None and (plan.warm.userns or not plan.warm.caged)
+        inherited = plan.pass_fds if plan.warm is None or fallback else ()
         pass_fds = (*(() if status_fd is None else (status_fd,)), *inherited)
         warm = None
         try:

@@ -147,7 +147,8 @@ class LaunchPlan:
             harness rollout's boundaries to the supervisor), at the same numbers: through
             bubblewrap for a cold start; for a warm one, with the start to the template
             (:attr:`~rollcage.forkserver.WorkerStart.pass_fds`), bubblewrap and its holder
-            holding none.
+            holding none as root; a holder that runs the cold worker should the warm start fail
+            (a non-root supervisor's, ``--sandbox none``'s) holds them too, for that worker.
         worker_journal: The worker writes ``checkpoint.jsonl``; ``False`` for a harness rollout,
             whose journal the supervisor writes (the sandbox then does not see the file).
         warm: The worker the template forks into the cage, whose payload is then a holder
@@ -592,6 +593,7 @@ class NoSandboxLauncher:
                 umask=_umask(),
                 clear_groups=False,
                 caged=False,
+                pass_fds=list(pass_fds),
             )
         return LaunchPlan(
             sandbox="none",
