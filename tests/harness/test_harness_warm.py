@@ -16,7 +16,6 @@ import json
 import os
 import re
 import secrets
-import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from rollcage.procs import read_proc
 from rollcage.protocol import SupervisorReceipt
 from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig, supervise
 from tests.helpers.harness_env import HarnessEnvs, prepare_harness_envs
+from tests.helpers.relay_harness import relay_harness_code
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.waiting import wait_for_async
 
@@ -44,36 +44,6 @@ pytestmark = [
 TOKEN = "ROLLCAGE_SUPERVISION_TOKEN"
 RELAY_FD_ENV = "ROLLCAGE_JOURNAL_FD"
 
-# A black box that asks the model once, reports one tool call on its events descriptor (which the
-# worker relays to the supervisor as a boundary), then asks again: the policy hangs that call, so
-# the rollout stands still until it is stopped.
-_HARNESS = """
-import json, os, sys, urllib.request
-# MARKER
-OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-def ask():
-    body = {"model": os.environ["ROLLCAGE_MODEL"], "messages": [{"role": "user", "content": "hi"}]}
-    request = urllib.request.Request(
-        os.environ["OPENAI_BASE_URL"] + "/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
-        },
-        method="POST",
-    )
-    with OPENER.open(request, timeout=300) as response:
-        response.read()
-events = int(os.environ["ROLLCAGE_EVENTS_FD"])
-def report(**event):
-    os.write(events, (json.dumps(event) + "\\n").encode())
-ask()
-report(type="tool_start", id="probe-1", name="probe", arguments="{}")
-report(type="tool_end", id="probe-1", status="completed", output="probed")
-ask()
-report(type="answer", text="done")
-"""
-
 
 @pytest.fixture(scope="module")
 def envs() -> HarnessEnvs:
@@ -87,7 +57,7 @@ def _prepare(root: Path, policy_url: str, envs: HarnessEnvs, marker: str) -> Non
     (root / "workspace").mkdir(parents=True)
     env = resolve_environment("command", envs.env)
     assert env is not None
-    code = textwrap.dedent(_HARNESS).replace("MARKER", marker)
+    code = relay_harness_code(marker)
     data = {
         "rollout_id": root.name,
         "task_id": root.name,

@@ -31,7 +31,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import textwrap
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +45,7 @@ from rollcage.policy import PolicyServer
 from rollcage.procs import ensure_subreaper, read_proc, scan_processes
 from rollcage.protocol import SupervisorReceipt
 from rollcage.supervisor import BwrapSandbox, NoSandbox, ProxyConfig, SupervisorConfig, supervise
+from tests.helpers.relay_harness import relay_harness_code
 from tests.helpers.supervisor_env import processes_with_token, requires_bwrap
 from tests.helpers.waiting import alive, wait_for, wait_for_async
 
@@ -64,35 +64,6 @@ def not_root(test: _F) -> _F:
     return test
 
 
-# A black box that asks the model once, reports one tool call on its events descriptor (which the
-# worker relays to the supervisor as a boundary), then asks again and answers. With the second call
-# hanging, the rollout stands still until it is stopped.
-_HARNESS = """
-import json, os, urllib.request
-# MARKER
-OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-def ask():
-    body = {"model": os.environ["ROLLCAGE_MODEL"], "messages": [{"role": "user", "content": "hi"}]}
-    request = urllib.request.Request(
-        os.environ["OPENAI_BASE_URL"] + "/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
-        },
-        method="POST",
-    )
-    with OPENER.open(request, timeout=300) as response:
-        response.read()
-events = int(os.environ["ROLLCAGE_EVENTS_FD"])
-def report(**event):
-    os.write(events, (json.dumps(event) + "\\n").encode())
-ask()
-report(type="tool_start", id="probe-1", name="probe", arguments="{}")
-report(type="tool_end", id="probe-1", status="completed", output="probed")
-ask()
-report(type="answer", text="done")
-"""
 SCRIPT = {"tasks": {"*": [{"text": "again"}, {"text": "again"}]}}
 
 
@@ -105,7 +76,7 @@ def _no_strays() -> Any:
 
 def _prepare(root: Path, policy_url: str, marker: str) -> None:
     (root / "workspace").mkdir(parents=True)
-    code = textwrap.dedent(_HARNESS).replace("MARKER", marker)
+    code = relay_harness_code(marker)
     data = {
         "rollout_id": root.name,
         "task_id": root.name,
