@@ -25,6 +25,7 @@ __all__ = [
     "describe",
     "namespaces",
     "not_root",
+    "pass_as_the_test_user",
     "rollout_processes",
 ]
 
@@ -55,6 +56,23 @@ def not_root(test: _F) -> _F:
     last test runs it again as rollcage-test). Not a skip: a skip under ``make test`` is a failure."""
     test.__test__ = not ROOT  # type: ignore[attr-defined]
     return test
+
+
+def pass_as_the_test_user(*files: str) -> None:
+    """Run these test files again as the unprivileged test user, in a session of their own; all must
+    pass but the one test that does this (which skips where it is not root). Skips where the suite
+    already runs unprivileged."""
+    import sys
+
+    from tests.helpers.unprivileged import make_test_user, run_as, user_dir
+
+    user = make_test_user()
+    with user_dir(user) as home:
+        argv = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider"]
+        argv += ["--basetemp", str(home / "pytest"), *files]
+        done = run_as(user, argv, home=home, timeout_s=540)
+    assert done.returncode == 0, f"as {user.name} (uid {user.uid}):\n{done.stdout[-12000:]}"
+    assert " passed, 1 skipped" in done.stdout, done.stdout[-3000:]
 
 
 def rollout_processes(root: Path) -> dict[int, list[bytes]]:

@@ -44,6 +44,7 @@ from tests.helpers.host_view import (
     describe,
     namespaces,
     not_root,
+    pass_as_the_test_user,
     rollout_processes,
 )
 from tests.helpers.supervisor_env import processes_with_token, requires_bwrap
@@ -368,15 +369,8 @@ def test_an_entry_the_kernel_refuses_says_so_for_good(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_this_suite_passes_as_an_unprivileged_user() -> None:
-    """The non-root forked executors, for real: this file again, in a session of its own, as a plain user."""
-    from tests.helpers.unprivileged import make_test_user, run_as, user_dir
-
-    user = make_test_user()  # skips where the suite already runs unprivileged
-    with user_dir(user) as home:
-        argv = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider"]
-        argv += ["--basetemp", str(home / "pytest"), __file__]
-        done = run_as(user, argv, home=home, timeout_s=540)
-    assert done.returncode == 0, f"as {user.name} (uid {user.uid}):\n{done.stdout[-12000:]}"
-    # Every test ran there but this one (which skips where it is not root).
-    assert " passed, 1 skipped" in done.stdout, done.stdout[-3000:]
+def test_this_suite_and_the_forked_executor_suite_pass_as_an_unprivileged_user() -> None:
+    """Non-root forked executors, for real: this file again as a plain user, and the root path's suite
+    (tests/supervisor/test_forked_executor.py, unmodified: a forked executor from inside against a
+    started one, refusals, a dead or hung executor template, interrupts, orphans) on the non-root path."""
+    pass_as_the_test_user(__file__, str(Path(__file__).with_name("test_forked_executor.py")))
