@@ -30,6 +30,11 @@ one codec: :mod:`rollcage.forkserver._wire`, loaded by path as the loop is):
 A worker's request is read by the executor itself, never by this process: the template takes
 its header and its descriptors (``MSG_PEEK``), joins the holder's PID namespace for one fork,
 and the fork, born there, reads the request, joins the rest of the cage and becomes the executor.
+Not root (a non-root supervisor's worker: :attr:`~rollcage.forkserver.ExecutorClient.userns`),
+the template may not join that PID namespace: its fork, born beside it, is a go-between that
+reads the request, joins every namespace of the holder at once (its user namespace included:
+the supervisor's uid owns the nested cage's) and forks the executor there as the template's
+child (:func:`rollcage.cage.fork_into`), hands the template its PID and a pidfd of it, and exits.
 So the heap every executor inherits holds no rollout's environment, paths or words (only
 descriptors and PIDs), and agent code reading its own memory finds nothing of another rollout.
 One fork per executor: a fork that read the request and forked the executor in turn cost
