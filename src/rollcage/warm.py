@@ -53,8 +53,9 @@ with ``go_between``); the go-between moves into the rollout's cgroups, joins eve
 the holder at once (the user namespace with the rest: one ``setns`` on the pidfd), takes the
 holder's root, forks the worker there as the supervisor's child (born in the cage's PID
 namespace), names it on the report socket and exits. The worker reports :class:`Entered` and
-becomes the worker as above (no tmpfs to mount: bubblewrap's are the cage's, and no executor
-template: its executors are started).
+becomes the worker as above (no tmpfs to mount: bubblewrap's are the cage's). Its executors are
+forked as a root worker's are, each through a go-between of the executor template's
+(:mod:`rollcage.tools._executor_template`, :func:`rollcage.cage.fork_into`).
 
 Without a sandbox (``--sandbox none``, :attr:`~rollcage.forkserver.WorkerStart.caged` false)
 there is no cage to enter: the holder is a plain process the supervisor spawned, and the template
@@ -74,7 +75,6 @@ same effect (:mod:`rollcage.supervisor.warm`).
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import gc
 import locale
@@ -94,9 +94,10 @@ from rollcage.cage import (
     JOIN,
     MOUNT_NS,
     PR_SET_PDEATHSIG,
+    EntryFailed,
     Limits,
-    clone_sibling,
     drop_privileges,
+    fork_into,
     prctl,
     setns,
     show_process,
@@ -114,7 +115,7 @@ from rollcage.forkserver import (
     decode,
     send,
 )
-from rollcage.procs import hold_cancel_signals, pidfd_pid, unpack_ancillary
+from rollcage.procs import hold_cancel_signals, unpack_ancillary
 
 if TYPE_CHECKING:
     from rollcage.tools import ExecutorTemplateLink
@@ -220,31 +221,39 @@ _RLIMITS = tuple(getattr(resource, name) for name in dir(resource) if name.start
 
 
 def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules: frozenset[str]) -> None:
-    """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it."""
+    """Fork the worker into the holder's PID namespace as the supervisor's child; hand over a pidfd of it.
+
+    Not root (:attr:`WorkerStart.userns`), this process may not join the cage's PID namespace (that
+    needs ``CAP_SYS_ADMIN`` in its own user namespace), nor come back from the cage's user namespace
+    once joined: it forks a go-between instead, which does both for good and forks the worker
+    (:func:`_go_between`), and hands over a pidfd of the go-between. Either way the worker's
+    executors are forked by the executor template (:func:`_link`).
+    """
     holder, report, log, *passed = fds
     env = _worker_environment(request)
-    if request.userns:
-        _start_through_go_between(server, request, env, fds, modules=modules)
-        return
+    through = request.userns
     channel = _link(request, env)
     try:
-        # An uncaged worker (--sandbox none) is born here, beside its holder: no namespace to join.
-        why = server.join(holder) if request.caged else None
+        # An uncaged worker (--sandbox none) is born here, beside its holder: no namespace to join; nor is
+        # a go-between, which joins them all itself.
+        why = server.join(holder) if request.caged and not through else None
         if why is not None:
             _report(report, Unforked(reason=f"cannot enter the sandbox's PID namespace: {why}"))
             return
         # The worker is born with SIGTERM and SIGINT held until its handlers are in place: one sent while
-        # it enters its cage cancels the rollout then, instead of killing it with no result.
+        # it enters its cage cancels the rollout then, instead of killing it with no result (a go-between
+        # passes them on held).
         mask = hold_cancel_signals()
         try:
             pid, pidfd = server.fork(sibling=True)
         except OSError as exc:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            _report(report, Unforked(reason=f"cannot fork the worker: {exc}"))
+            what = "the warm start's go-between" if through else "the worker"
+            _report(report, Unforked(reason=f"cannot fork {what}: {exc}"))
             return
         if pid == 0:
             server.control.close()
-            _enter(
+            (_go_between if through else _enter)(
                 request,
                 env,
                 holder=holder,
@@ -259,43 +268,11 @@ def _start(server: ForkServer, request: WorkerStart, fds: list[int], *, modules:
         if channel >= 0:
             # The worker's copy is its own (it gone, or never forked: the executor template sees the end).
             os.close(channel)
-    # The supervisor reaps the worker by this pidfd: until it does, the zombie holds the sandbox's PID
-    # namespace (and so bwrap) open. It reads this message before it lets go of the socket.
-    _report(report, Forked(pid=pid), [pidfd])
+    # The supervisor reaps the worker (or the go-between, which names the worker) by this pidfd: until
+    # it does, the zombie holds the sandbox's PID namespace (and so bwrap) open. It reads this message
+    # before it lets go of the socket.
+    _report(report, Forked(pid=pid, go_between=through), [pidfd])
     os.close(pidfd)
-
-
-def _start_through_go_between(
-    server: ForkServer, request: WorkerStart, env: dict[str, str], fds: list[int], *, modules: frozenset[str]
-) -> None:
-    """A non-root template's start (:attr:`WorkerStart.userns`): fork a go-between that enters the cage
-    and forks the worker there; hand over a pidfd of the go-between.
-
-    This process may not join the cage's PID namespace (that needs ``CAP_SYS_ADMIN`` in its own user
-    namespace), nor come back from the cage's user namespace once joined: a fork of it does both
-    for good, then forks the worker (:func:`_go_between`). Its executors are started, not forked
-    (:func:`_link` gives none).
-    """
-    holder, report, log, *passed = fds
-    # As for a root start: born with SIGTERM and SIGINT held, which the worker inherits in turn.
-    mask = hold_cancel_signals()
-    try:
-        pid, pidfd = server.fork(sibling=True)
-    except OSError as exc:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        _report(report, Unforked(reason=f"cannot fork the warm start's go-between: {exc}"))
-        return
-    if pid == 0:
-        server.control.close()
-        _go_between(request, env, holder=holder, report=report, log=log, passed=passed, modules=modules)
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    # The supervisor reaps the go-between by this pidfd, and hears the worker's PID from it.
-    _report(report, Forked(pid=pid, go_between=True), [pidfd])
-    os.close(pidfd)
-
-
-_KERNEL_REFUSALS = frozenset({errno.EPERM, errno.EACCES, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
-"""How the kernel says no to a step of the entry (not a lack of memory or processes, which passes)."""
 
 
 def _go_between(
@@ -307,6 +284,7 @@ def _go_between(
     log: int,
     passed: list[int],
     modules: frozenset[str],
+    channel: int,
 ) -> NoReturn:
     """The go-between of a non-root start, the supervisor's child: move into the rollout's cgroups, join
     every namespace of the holder at once, take its root, fork the worker there as the supervisor's
@@ -314,40 +292,38 @@ def _go_between(
 
     It needs no privilege: the template's uid owns the cage's (outer) user namespace, so it holds
     every capability there, and joining the holder's user namespace with the rest at once (one
-    ``setns`` on the pidfd) is allowed to it as it is to root. The PID namespace takes effect for
-    its child, the worker, born in the cage as a cold worker is.
+    ``setns`` on the pidfd) is allowed to it as it is to root (:func:`rollcage.cage.fork_into`, the
+    executor template's go-between's entry too). The PID namespace takes effect for its child, the
+    worker, born in the cage as a cold worker is.
     """
-    step = "move into the rollout's cgroups"
-    entering = False
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for path in request.cgroups:
-            # Here, with the host's view of the cgroup tree: the worker is born in them.
-            procs = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                os.write(procs, b"0")
-            finally:
-                os.close(procs)
-        step = "open the holder's root"
-        # The holder's root, as it sees it (bubblewrap's pivoted root): the worker's too.
-        root = os.open(f"/proc/{pidfd_pid(holder)}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        entering = True
-        step = "join the sandbox's namespaces"
-        setns(holder, JOIN)
-        step = "take the sandbox's root"
-        os.fchdir(root)
-        os.chroot(".")
-        os.close(root)
-        step = "fork the worker in the sandbox"
-        pid, pidfd = clone_sibling()
+        try:
+            for path in request.cgroups:
+                # Here, with the host's view of the cgroup tree: the worker is born in them.
+                procs = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.write(procs, b"0")
+                finally:
+                    os.close(procs)
+        except OSError as exc:
+            raise EntryFailed("move into the rollout's cgroups", exc, refused=False) from exc
+        pid, pidfd = fork_into(holder, cage="sandbox", child="the worker")
     except BaseException as exc:
-        _say(log, f"rollcage: the warm start could not enter its cage: cannot {step}: {exc}\n")
-        refused = entering and isinstance(exc, OSError) and exc.errno in _KERNEL_REFUSALS
-        _report(report, Unforked(reason=f"cannot {step}: {exc}", refused=refused))
+        _say(log, f"rollcage: the warm start could not enter its cage: {exc}\n")
+        refused = isinstance(exc, EntryFailed) and exc.refused
+        _report(report, Unforked(reason=str(exc), refused=refused))
         os._exit(1)
     if pid == 0:
         _enter(
-            request, env, holder=holder, report=report, log=log, passed=passed, modules=modules, channel=-1
+            request,
+            env,
+            holder=holder,
+            report=report,
+            log=log,
+            passed=passed,
+            modules=modules,
+            channel=channel,
         )
     _report(report, Forked(pid=pid), [pidfd])
     os._exit(0)
@@ -394,10 +370,6 @@ def _link(request: WorkerStart, env: dict[str, str]) -> int:
     """
     if request.env.get(CAGE_ENV, "none") == "none":
         return -1  # no executor's cage to fork into
-    if request.userns:
-        # Not root: the executor template could not join an executor's PID namespace (nor clear its
-        # groups); the worker starts its executors itself, as a cold one does.
-        return -1
     global _executors
     if _executors is None:
         # Here, not at the top: the tools
@@ -412,6 +384,7 @@ def _link(request: WorkerStart, env: dict[str, str]) -> int:
         umask=request.umask,
         cgroups=request.cgroups,
         env=env,
+        userns=request.userns,
     )
 
 

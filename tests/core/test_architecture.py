@@ -391,6 +391,7 @@ PUBLIC_API: dict[str, dict[str, str]] = {
     "cage": {
         # rollcage.forkserver is handed the cage module and reads these through it (enter=...).
         "PID_NS": "the namespace a fork server joins, read through the module it is given",
+        "clone_sibling": "how a fork server forks its parent's child, read through the module likewise",
     },
     "commands": {
         "fail": "the verbs' shared exit with a message, for a verb added outside the package",

@@ -143,6 +143,21 @@ def test_a_non_root_starts_reports_come_back_as_they_were_sent(message: Message,
     assert decode(encode(message), list(range(fds)), expect=[Forked, Unforked]) == message
 
 
+@pytest.mark.parametrize(
+    ("message", "fds"),
+    [
+        (ExecutorClient(uid=1, gid=1, umask=0o22, limits=[], cgroups=2, userns=True), 3),
+        (ExecutorClient(uid=1, gid=1, umask=0o22, limits=[], cgroups=0), 1),
+        (Refused(reason="LC_CTYPE differs from the template's", final=True), 0),
+        (Refused(reason="cannot fork the executor"), 0),
+    ],
+)
+def test_a_non_root_executors_words_come_back_as_they_were_sent(message: Message, fds: int) -> None:
+    """A non-root worker's registration says so (its executors come through a go-between), and a refusal
+    that every later start would meet says so apart from one for this start alone."""
+    assert decode(encode(message), list(range(fds)), expect=[ExecutorClient, Refused]) == message
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.binary(max_size=200), fds=st.integers(min_value=0, max_value=5))
 def test_any_bytes_from_a_hostile_peer_are_a_message_or_a_wire_error_and_leak_nothing(

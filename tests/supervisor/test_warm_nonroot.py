@@ -28,9 +28,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -41,41 +40,21 @@ from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.sandbox import BwrapLauncher
 from rollcage.supervisor.warm import template_for
+from tests.helpers.host_view import (
+    NAMESPACES,
+    REFUSE_SETNS,
+    SETNS_NUMBERS,
+    describe,
+    namespaces,
+    not_root,
+    pass_as_the_test_user,
+    rollout_processes,
+)
 from tests.helpers.supervisor_env import processes_with_token, requires_bwrap
 from tests.helpers.waiting import alive, wait_for, wait_for_async
 from tests.helpers.worker_env import worker_input
 
-ROOT = os.geteuid() == 0
 pytestmark = [requires_bwrap(), pytest.mark.bwrap]
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def not_root(test: _F) -> _F:
-    """A test of a non-root supervisor's path: collected only where this session is not root (the
-    last test of this file runs the file again as rollcage-test). Not a skip: a skip under
-    ``make test`` is a failure."""
-    test.__test__ = not ROOT  # type: ignore[attr-defined]
-    return test
-
-
-TOKEN = "ROLLCAGE_SUPERVISION_TOKEN"
-NAMESPACES = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup")
-STATUS_FIELDS = (
-    "Uid",
-    "Gid",
-    "Groups",
-    "CapInh",
-    "CapPrm",
-    "CapEff",
-    "CapBnd",
-    "CapAmb",
-    "NoNewPrivs",
-    "Seccomp",
-    "Seccomp_filters",
-    "Umask",
-    "SigBlk",
-    "SigIgn",
-)
 NEVER = {"tasks": {"t": [{"text": "never"}]}}
 
 
@@ -97,24 +76,7 @@ def _prepare(root: Path, model_url: str, *, model_timeout_s: float | None = None
 
 def _rollout_processes(root: Path) -> dict[int, bytes]:
     """The rollout's live processes (by the token in their environment): PID -> command line."""
-    try:
-        token = (root / ".sandbox" / "token").read_text().splitlines()[0]
-    except (FileNotFoundError, IndexError):
-        return {}  # not written yet: nothing of the rollout runs
-    marked = f"{TOKEN}={token}".encode()
-    found = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as file:
-                if marked not in file.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{name}/cmdline", "rb") as file:
-                found[int(name)] = file.read()
-        except OSError:
-            continue
-    return found
+    return {pid: b"\0".join(words) for pid, words in rollout_processes(root).items()}
 
 
 def _worker_of(root: Path) -> int | None:
@@ -136,61 +98,15 @@ def _worker_of(root: Path) -> int | None:
     return None
 
 
-def _mounts(pid: int) -> list[tuple[str, str, str, str]]:
-    """The worker's mount table as it sees it: (mount point, options, type, super options), in order,
-    without what names the rollout (mount ids, the host paths bound)."""
-    seen = []
-    with open(f"/proc/{pid}/mountinfo") as file:
-        for line in file:
-            before, after = line.split(" - ")
-            fields, rest = before.split(), after.split()
-            options = ",".join(sorted(fields[5].split(",")))
-            seen.append((fields[4], options, rest[0], ",".join(sorted(rest[2].split(",")))))
-    return seen
-
-
 def _describe(pid: int, *, token: str) -> dict[str, Any]:
-    """What a process is, from the host, with what differs between any two rollouts left out."""
-    with open(f"/proc/{pid}/status") as file:
-        status = dict(line.split(":", 1) for line in file.read().splitlines() if ":" in line)
-    with open(f"/proc/{pid}/environ", "rb") as file:
-        env = dict(
-            entry.decode().split("=", 1) for entry in file.read().split(b"\0") if entry and b"=" in entry
-        )
-    env[TOKEN] = "<token>" if env.get(TOKEN) == token else f"wrong: {env.get(TOKEN)}"
-    with open(f"/proc/{pid}/cmdline", "rb") as file:
-        words = file.read().split(b"\0")
-    with open(f"/proc/{pid}/limits") as file:
-        limits = file.read()
-    with open(f"/proc/{pid}/cgroup") as file:
-        confined = sorted(line.split(":")[1] for line in file.read().splitlines() if "rollcage-" in line)
-    info = read_proc(pid)
-    assert info is not None
-    return {
-        "status": {name: status[name].strip() for name in STATUS_FIELDS},
-        "pid_depth": len(status["NSpid"].split()),
-        "leads_its_group": status["NSpgid"].split()[-1] == status["NSpid"].split()[-1],
-        "environ": env,
-        "args": [word.decode() for word in words[words.index(b"worker") :]],
-        "limits": limits,
-        "cgroups": confined,
-        "cwd": os.readlink(f"/proc/{pid}/cwd"),
-        "root_is_host": os.stat(f"/proc/{pid}/root/").st_ino == os.stat("/").st_ino
-        and os.stat(f"/proc/{pid}/root/").st_dev == os.stat("/").st_dev,
-        "fds": {fd: _fd_kind(pid, fd) for fd in sorted(int(fd) for fd in os.listdir(f"/proc/{pid}/fd"))},
-        "mounts": _mounts(pid),
-        "parent_is_supervisor": info.ppid == os.getpid(),
-    }
-
-
-def _fd_kind(pid: int, fd: int) -> str:
-    """What a descriptor is, without what differs between rollouts (inode numbers, the rollout's path)."""
-    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-    return target.split(":")[0] if ":[" in target else os.path.basename(target)
-
-
-def _namespaces(pid: int) -> dict[str, str]:
-    return {name: os.readlink(f"/proc/{pid}/ns/{name}") for name in NAMESPACES}
+    """What a worker is, from the host (:func:`tests.helpers.host_view.describe`): its arguments from
+    ``worker`` on, and whether its parent is this process."""
+    seen = describe(pid, token=token)
+    words = seen.pop("words")
+    seen["args"] = words[words.index("worker") :]
+    seen["parent_is_supervisor"] = seen.pop("ppid") == os.getpid()
+    del seen["leads_its_session"]
+    return seen
 
 
 def _config(mode: str, **fields: Any) -> SupervisorConfig:
@@ -208,8 +124,8 @@ async def _running_worker(mode: str, root: Path) -> tuple[dict[str, Any], dict[s
             pid = await wait_for_async(lambda: _worker_of(root), what=f"the {mode} worker's process")
             token = (root / ".sandbox" / "token").read_text().splitlines()[0]
             seen = _describe(pid, token=token)
-            seen["namespaces"] = _namespaces(pid)
-            seen["others"] = [_namespaces(other) for other in _rollout_processes(root) if other != pid]
+            seen["namespaces"] = namespaces(pid)
+            seen["others"] = [namespaces(other) for other in _rollout_processes(root) if other != pid]
         finally:
             stop.set()
             receipt = await task
@@ -232,22 +148,15 @@ async def test_a_warm_worker_without_root_is_what_a_cold_start_runs(tmp_path: Pa
     for key in ("exit_code", "exit_signal"):
         assert warm_receipt[key] == cold_receipt[key], key
 
-    # The same process, seen from the host: every key but one, its group (a cold worker is in the group of
-    # bubblewrap's init, which leads the session; a warm one leads its own, where SIGTERM reaches it).
-    keys = (
-        "status",
-        "pid_depth",
-        "environ",
-        "args",
-        "limits",
-        "cgroups",
-        "cwd",
-        "root_is_host",
-        "fds",
-        "mounts",
-    )
+    # The same process, seen from the host: every key but two, its group (a cold worker is in the group of
+    # bubblewrap's init, which leads the session; a warm one leads its own, where SIGTERM reaches it), and
+    # one descriptor more: its socket to the executor template, which forks its executors.
+    keys = ("status", "pid_depth", "environ", "args", "limits", "cgroups", "cwd", "root_is_host", "mounts")
     differ = {key: (warm[key], cold[key]) for key in keys if warm[key] != cold[key]}
     assert not differ, differ
+    extra = {fd: kind for fd, kind in warm["fds"].items() if fd not in cold["fds"]}
+    assert {fd: warm["fds"][fd] for fd in cold["fds"]} == cold["fds"], (warm["fds"], cold["fds"])
+    assert list(extra.values()) == ["socket"], (warm["fds"], cold["fds"])
     assert warm["leads_its_group"] and not cold["leads_its_group"]
     assert warm["status"]["CapEff"] == warm["status"]["CapBnd"] == "0000000000000000"
     assert warm["status"]["NoNewPrivs"] == "1"
@@ -256,7 +165,7 @@ async def test_a_warm_worker_without_root_is_what_a_cold_start_runs(tmp_path: Pa
     assert int(warm["status"]["SigBlk"], 16) & held == 0, warm["status"]["SigBlk"]
 
     # In the cage's namespaces, every one of them: its holder's, none of the host's.
-    mine = _namespaces(os.getpid())
+    mine = namespaces(os.getpid())
     assert warm["namespaces"] in warm["others"], "no process of the sandbox shares the worker's namespaces"
     for name in NAMESPACES:
         assert warm["namespaces"][name] != mine[name], name
@@ -429,22 +338,11 @@ async def test_a_stop_while_a_warm_worker_runs_cancels_it(tmp_path: Path) -> Non
     assert [s["reason"] for s in receipt["signals_sent"]] == ["stop"]
 
 
-_SYSCALL_SETNS = {"x86_64": 308, "aarch64": 268}
-
-_REFUSING = """
-import asyncio, ctypes, json, logging, os, struct, sys
+_REFUSING = (
+    REFUSE_SETNS
+    + """
+import asyncio, json, logging
 from pathlib import Path
-
-# A seccomp filter that refuses setns (EPERM), as a container runtime's default profile may: the
-# supervisor's processes inherit it, bubblewrap (which makes namespaces, never joins one) runs as ever.
-nr = int(sys.argv[1])
-code = [(0x20, 0, 0, 0), (0x15, 0, 1, nr), (0x06, 0, 0, 0x00050000 | 1), (0x06, 0, 0, 0x7FFF0000)]
-program = b"".join(struct.pack("HBBI", *insn) for insn in code)
-buffer = ctypes.create_string_buffer(program)
-fprog = struct.pack("HxxxxxxQ", len(code), ctypes.addressof(buffer))
-libc = ctypes.CDLL(None, use_errno=True)
-assert libc.prctl(38, 1, 0, 0, 0) == 0  # no_new_privs
-assert libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0, ctypes.get_errno()
 
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -454,12 +352,13 @@ for root in sys.argv[2:]:
     receipts.append(asyncio.run(supervise(Path(root), config)).model_dump(mode="json"))
 print(json.dumps(receipts))
 """
+)
 
 
 @not_root
 @pytest.mark.timeout(180)
 def test_a_start_the_kernel_refuses_runs_the_cold_worker_and_warns_once(tmp_path: Path) -> None:
-    nr = _SYSCALL_SETNS.get(platform.machine())
+    nr = SETNS_NUMBERS.get(platform.machine())
     if nr is None:
         pytest.skip(f"optional: setns's number on {platform.machine()} is not known to this test")
     roots = [tmp_path / "first", tmp_path / "second"]
@@ -560,13 +459,4 @@ def test_a_setuid_bubblewrap_stays_cold_and_says_so(tmp_path: Path, caplog: pyte
 @pytest.mark.timeout(600)
 def test_this_suite_passes_as_an_unprivileged_user() -> None:
     """The non-root warm path, for real: this file again, in a session of its own, as a plain user."""
-    from tests.helpers.unprivileged import make_test_user, run_as, user_dir
-
-    user = make_test_user()  # skips where the suite already runs unprivileged
-    with user_dir(user) as home:
-        argv = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider"]
-        argv += ["--basetemp", str(home / "pytest"), __file__]
-        done = run_as(user, argv, home=home, timeout_s=540)
-    assert done.returncode == 0, f"as {user.name} (uid {user.uid}):\n{done.stdout[-12000:]}"
-    # Every test ran there but this one (which skips where it is not root).
-    assert " passed, 1 skipped" in done.stdout, done.stdout[-3000:]
+    pass_as_the_test_user(__file__)

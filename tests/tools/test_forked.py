@@ -19,14 +19,14 @@ def test_an_executor_template_that_keeps_dying_is_started_a_bounded_number_of_ti
     dying.write_text("raise SystemExit(1)\n")
     monkeypatch.setattr(_forked, "PROGRAM", dying)
     spawned: list[int] = []
-    real_spawn = os.posix_spawn
+    real_spawn = _forked.spawn
 
     def spawn(*args: object, **kwargs: object) -> int:
         pid = real_spawn(*args, **kwargs)  # type: ignore[arg-type]
         spawned.append(pid)
         return pid
 
-    monkeypatch.setattr(os, "posix_spawn", spawn)
+    monkeypatch.setattr(_forked, "spawn", spawn)
     link = _forked.TemplateLink()
     try:
         for _ in range(_forked.MAX_STARTS + 4):

@@ -27,9 +27,11 @@ __all__ = [
     "JOIN",
     "PID_NS",
     "PR_SET_PDEATHSIG",
+    "EntryFailed",
     "clone_child",
     "clone_sibling",
     "drop_privileges",
+    "fork_into",
     "prctl",
     "setns",
     "show_process",
@@ -153,6 +155,74 @@ def clone_sibling() -> tuple[int, int]:
     """
     # exit_signal stays 0: with CLONE_PARENT the kernel takes this process's own.
     return _clone3(CLONE_PARENT | CLONE_PIDFD, 0)
+
+
+class EntryFailed(OSError):
+    """A step of :func:`fork_into` failed (an ``OSError``, with the failed call's ``errno``).
+
+    Attributes:
+        step: What could not be done, in words ("join the sandbox's namespaces").
+        refused: The kernel said no to the entry itself (``setns``, ``chroot`` or the fork there,
+            with a permission or support error: no user namespace to join, a seccomp filter), not
+            a lack of memory or processes: a later entry would be refused too.
+    """
+
+    def __init__(self, step: str, cause: BaseException, *, refused: bool) -> None:
+        code = cause.errno if isinstance(cause, OSError) else None
+        super().__init__(code, f"cannot {step}: {cause}")
+        self.step = step
+        self.refused = refused
+
+    def __str__(self) -> str:
+        return str(self.strerror)  # "cannot STEP: CAUSE", without OSError's "[Errno N]" before it
+
+
+_KERNEL_REFUSALS = frozenset({errno.EPERM, errno.EACCES, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+"""How the kernel says no to a step of :func:`fork_into` (not a lack of memory or processes, which passes)."""
+
+
+def fork_into(holder: int, *, cage: str, child: str) -> tuple[int, int]:
+    """Join every namespace of the holder the pidfd ``holder`` names at once, take its root, and fork
+    ``child`` there as this process's parent's child (:func:`clone_sibling`): the go-between's entry.
+
+    For a caller that is not root but whose uid owns the cage's user namespaces (bubblewrap made
+    them unprivileged): it holds every capability in them, so it may join the holder's user
+    namespace with the rest at once (one ``setns`` on the pidfd), as root may, but not the PID
+    namespace alone, and it can never come back. So only a throwaway fork (a go-between) calls
+    this: the PID namespace takes effect for its child, born in the cage as a process bubblewrap
+    started would be. The holder's root is taken as the holder sees it (``/proc/PID/root``:
+    bubblewrap's pivoted root), opened before the mount namespace changes.
+
+    Args:
+        holder: A pidfd of the cage's holder.
+        cage: The cage in words, for :attr:`EntryFailed.step` ("sandbox", "executor's cage").
+        child: The child in words ("the worker").
+
+    Returns:
+        ``(pid, pidfd)`` of the child, in the caller (the PID in the caller's own PID namespace,
+        not the cage's); ``(0, -1)`` in the child.
+
+    Raises:
+        EntryFailed: A step failed; the caller stands where it failed (exit).
+    """
+    step = "open the holder's root"
+    entering = False
+    try:
+        with open(f"/proc/self/fdinfo/{holder}", "rb") as info:
+            pid = next(int(line.split()[1]) for line in info if line.startswith(b"Pid:"))
+        root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        entering = True
+        step = f"join the {cage}'s namespaces"
+        setns(holder, JOIN)
+        step = f"take the {cage}'s root"
+        os.fchdir(root)
+        os.chroot(".")
+        os.close(root)
+        step = f"fork {child} in the {cage}"
+        return clone_sibling()
+    except (OSError, StopIteration, ValueError, IndexError) as exc:
+        refused = entering and isinstance(exc, OSError) and exc.errno in _KERNEL_REFUSALS
+        raise EntryFailed(step, exc, refused=refused) from exc
 
 
 def clone_child() -> tuple[int, int]:

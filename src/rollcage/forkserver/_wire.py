@@ -357,6 +357,13 @@ class ExecutorClient(Message):
 
     Descriptors: the executor template's end of a socket pair whose other end the worker keeps,
     then the rollout's ``cgroup.procs`` files opened for writing (``cgroups`` of them).
+
+    Attributes:
+        userns: The templates are not root (a :attr:`WorkerStart.userns` worker): the executor
+            template may not join an executor's PID namespace itself, so a go-between it forks joins
+            every namespace of the holder at once (user namespace included) and forks the executor
+            there, the executor template's child; no supplementary groups are cleared (not root,
+            it may not, and a started executor keeps them too).
     """
 
     KIND: ClassVar[int] = 6
@@ -367,6 +374,7 @@ class ExecutorClient(Message):
         "umask": _is_int,
         "limits": _is_rlimits,
         "cgroups": _is_int,
+        "userns": _is_bool,
     }
 
     uid: int
@@ -375,6 +383,7 @@ class ExecutorClient(Message):
     limits: list[list[int]]
     """``[[RLIMIT_*, value], ...]`` (soft = hard)."""
     cgroups: int
+    userns: bool = False
 
     def descriptors_ok(self, count: int) -> bool:
         return count == 1 + self.cgroups
@@ -413,12 +422,20 @@ class ExecutorStarted(Message):
 
 @dataclass(frozen=True)
 class Refused(Message):
-    """Executor template -> worker: no executor was forked, and why (the worker starts one itself)."""
+    """Executor template -> worker: no executor was forked, and why (the worker starts one itself).
+
+    Attributes:
+        reason: Why, in words.
+        final: Every later start of this worker would be refused too (its environment differs from
+            the template's in what an interpreter reads at start-up, or the kernel refused the entry
+            into the cage): the worker starts its executors itself from then on, and asks no more.
+    """
 
     KIND: ClassVar[int] = 9
-    CHECKS: ClassVar[dict[str, Callable[[object], bool]]] = {"reason": _is_str}
+    CHECKS: ClassVar[dict[str, Callable[[object], bool]]] = {"reason": _is_str, "final": _is_bool}
 
     reason: str
+    final: bool = False
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,11 @@ one codec: :mod:`rollcage.forkserver._wire`, loaded by path as the loop is):
 A worker's request is read by the executor itself, never by this process: the template takes
 its header and its descriptors (``MSG_PEEK``), joins the holder's PID namespace for one fork,
 and the fork, born there, reads the request, joins the rest of the cage and becomes the executor.
+Not root (a non-root supervisor's worker: :attr:`~rollcage.forkserver.ExecutorClient.userns`),
+the template may not join that PID namespace: its fork, born beside it, is a go-between that
+reads the request, joins every namespace of the holder at once (its user namespace included:
+the supervisor's uid owns the nested cage's) and forks the executor there as the template's
+child (:func:`rollcage.cage.fork_into`), hands the template its PID and a pidfd of it, and exits.
 So the heap every executor inherits holds no rollout's environment, paths or words (only
 descriptors and PIDs), and agent code reading its own memory finds nothing of another rollout.
 One fork per executor: a fork that read the request and forked the executor in turn cost
@@ -116,6 +121,8 @@ _ancillary: Any = _load("procs/_ancillary.py")
 _reap: Any = _load("procs/_reap.py")
 
 _REQUEST_FDS = wire.ExecutorStart.FDS[1]
+_PID_BYTES = 4
+"""After ``ok`` on the word socket, a go-between says its executor's PID in this many bytes."""
 _CLIENT_ROOM = wire.room([wire.ExecutorClient])
 _REQUEST_ROOM = wire.room([wire.ExecutorStart])
 
@@ -130,18 +137,40 @@ def _refusal(request: Any) -> str | None:
     return None
 
 
-def _join(cgroups: list[int], holder: int) -> None:
-    """In the executor, born in the holder's PID namespace: join the rollout's cgroups and the cage.
+def _join(client: Any, cgroups: list[int], holder: int) -> tuple[int, int]:
+    """Join the rollout's cgroups and the holder's cage: ``(0, -1)`` in the executor, born in the cage.
 
-    It takes on the rest itself (:func:`_become_executor`), as a warm worker does.
+    As root (this process's fork, born in the holder's PID namespace, is the executor): joins them
+    itself. Not root (``client.userns``: this process may not join the PID namespace, nor come back
+    from the user namespace), this fork is a go-between: it joins every namespace at once and forks
+    the executor there (:func:`rollcage.cage.fork_into`), this template's child, and returns its PID
+    (this template's PID namespace) and a pidfd of it, to hand over and exit. The executor takes on
+    the rest itself (:func:`_become_executor`), as a warm worker does.
+
+    Raises:
+        OSError: A step failed (``enter.EntryFailed`` where the go-between's entry did).
     """
     # As a started executor is born: SIGINT held until its handler is in place (rollcage.tools._repl).
     _signal.pthread_sigmask(_signal.SIG_BLOCK, [_signal.SIGINT])
-    for procs in cgroups:
-        os.write(procs, b"0")  # this process
+    try:
+        for procs in cgroups:
+            os.write(procs, b"0")  # this process (a go-between's executor is born in them)
+    except OSError as exc:
+        raise enter.EntryFailed("move into the rollout's cgroups", exc, refused=False) from exc
+    if client.userns:
+        pid, pidfd = enter.fork_into(holder, cage="executor's cage", child="the executor")
+        return int(pid), int(pidfd)
     os.setgroups([])
     # The PID namespace is already this process's own: joined again, it is the one its children are born in.
     enter.setns(holder, enter.JOIN)
+    return 0, -1
+
+
+def _control_number(argv: list[str]) -> int:
+    """The descriptor number a started executor has its control socket at: its command line's last word
+    (the worker's number for it, which it inherits), or 3 where that is not a number past stdio."""
+    last = argv[-1] if argv else ""
+    return int(last) if last.isascii() and last.isdigit() and 3 <= int(last) < 1 << 20 else 3
 
 
 def _become_executor(client: Any, request: Any, fds: list[int]) -> None:
@@ -150,9 +179,23 @@ def _become_executor(client: Any, request: Any, fds: list[int]) -> None:
     The command line and environment it shows, no privilege, the worker's limits and umask, its
     own session, its descriptors, directory, environment and modules.
     """
-    argv = [*request.argv[:-1], "3"]  # its control socket, as numbered below
+    # Its control socket at the number a started one inherits it at (the worker's, its last argument).
+    number = _control_number(request.argv)
+    argv = [*request.argv[:-1], str(number)]
     try:
         enter.show_process(argv, request.env)
+        _, control, out, err = fds
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        # Before the worker's limits: a started executor inherits a number past its RLIMIT_NOFILE,
+        # where a new descriptor is refused.
+        os.dup2(control, number)
+        # Every descriptor of the template (other workers' sockets among them) is closed here, whatever
+        # this executor's own limit on open files: a descriptor numbered above it is still open.
+        os.closerange(3, number)
+        os.closerange(number + 1, 1 << 20)
         for which, (soft, hard) in _LIMITS.items():
             resource.setrlimit(which, (soft, hard))
         enter.drop_privileges(client.uid, client.gid)
@@ -164,16 +207,7 @@ def _become_executor(client: Any, request: Any, fds: list[int]) -> None:
         # SIGCHLD as a started executor has it: the template's handler and wake-up are not its own.
         _signal.set_wakeup_fd(-1)
         _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
-        _, control, out, err = fds
         os.setsid()
-        null = os.open("/dev/null", os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        os.dup2(control, 3)
-        # Every descriptor of the template (other workers' sockets among them) is closed here, whatever
-        # this executor's own limit on open files: a descriptor numbered above it is still open.
-        os.closerange(4, 1 << 20)
         os.chdir(request.cwd)
     except BaseException as exc:
         with contextlib.suppress(OSError):
@@ -182,7 +216,7 @@ def _become_executor(client: Any, request: Any, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request.env)
     os.environ.update(_ADDED_AT_START)
-    sys.argv = ["-c", "3"]
+    sys.argv = ["-c", str(number)]
     sys.orig_argv = argv
     main = type(sys)("__main__")
     main.__dict__["__builtins__"] = __builtins__
@@ -194,14 +228,17 @@ def _become_executor(client: Any, request: Any, fds: list[int]) -> None:
 
 
 def _serve_one(
-    worker: socket.socket, rollout: tuple[Any, list[int]], word: int, unjoinable: str | None
+    worker: socket.socket, rollout: tuple[Any, list[int]], word: socket.socket, unjoinable: str | None
 ) -> None:
     """In a fork of this process, born in the holder's PID namespace: read one request, become its executor.
 
-    Says ``ok`` on ``word`` (a pipe of the template's own) once it stands in the cage (the template
+    Says ``ok`` on ``word`` (a socket of the template's own) once it stands in the cage (the template
     then hands the worker a pidfd of it, reaps it and tells the worker its exit code), or answers
     the worker itself and returns: the request's fault first, then ``unjoinable`` (why the template
-    could not join the holder's PID namespace for this fork, which was then born outside it).
+    could not join the holder's PID namespace for this fork, which was then born outside it). For
+    a client that is not root (``userns``) this fork, born beside the template, is a go-between:
+    it says ``ok`` and the PID of the executor it forked into the cage (:func:`_join`), with a pidfd
+    of it, and returns.
 
     Parsed here, not in the template: nothing of a rollout enters the heap every executor
     inherits; and by the codec, which malformed or hostile bytes cannot turn into anything
@@ -217,19 +254,28 @@ def _serve_one(
     fds, _ = _ancillary.unpack_ancillary(ancillary)
     try:
         request = wire.decode(data, fds, flags, expect=[wire.ExecutorStart])
-        why = _refusal(request) or unjoinable
+        differs = _refusal(request)
+        why = differs or unjoinable
     except wire.WireError as exc:
-        request, why = None, str(exc)
+        request, differs, why = None, None, str(exc)
     if why is not None:
-        _send(worker, wire.Refused(reason=why))
+        # An environment that differs will differ at every start of this worker: it asks no more.
+        _send(worker, wire.Refused(reason=why, final=differs is not None))
         return
     try:
-        _join(cgroups, fds[0])
+        executor, pidfd = _join(client, cgroups, fds[0])
     except BaseException as exc:
-        _send(worker, wire.Refused(reason=f"cannot join the cage: {type(exc).__name__}: {exc}"))
+        # The kernel's refusal of the entry (not root: no user namespace to join, a seccomp filter)
+        # would refuse every later one too: this worker starts its executors itself from now on.
+        final = getattr(exc, "refused", False) is True
+        _send(worker, wire.Refused(reason=f"cannot join the cage: {type(exc).__name__}: {exc}", final=final))
         return
-    os.write(word, b"ok")
-    os.close(word)
+    if executor != 0:
+        socket.send_fds(word, [b"ok" + executor.to_bytes(_PID_BYTES, "little")], [pidfd])
+        return  # the go-between: its work is done
+    if not client.userns:
+        word.send(b"ok")
+    word.close()
     _become_executor(client, request, fds)
 
 
@@ -312,39 +358,55 @@ class _Template:
                 os.close(fd)
 
     def _fork(self, worker: socket.socket, rollout: tuple[Any, list[int]], holder: int) -> None:
-        """Fork the executor into ``holder``'s PID namespace; it reads its request (:func:`_serve_one`)."""
+        """Fork the executor into ``holder``'s PID namespace; it reads its request (:func:`_serve_one`).
+
+        Not root (the client's ``userns``), the fork is born here, a go-between that forks the executor.
+        """
         # Not joinable: forked here all the same, to read the request and say what is wrong with it first.
-        unjoinable = self.server.join(holder)
-        word_r, word_w = os.pipe()
+        unjoinable = None if rollout[0].userns else self.server.join(holder)
+        word_r, word_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             child, pidfd = self.server.fork(sibling=False)
         except OSError as exc:
-            os.close(word_r)
-            os.close(word_w)
+            word_r.close()
+            word_w.close()
             self._refuse(worker, f"cannot fork the executor: {exc}")
             return
         if child == 0:
             try:
-                os.close(word_r)
+                word_r.close()
                 _serve_one(worker, rollout, word_w, unjoinable)
             finally:
                 os._exit(0)
-        os.close(word_w)
-        word = b""
+        word_w.close()
+        # Not root: the fork is a go-between, and says its executor's PID too, with a pidfd of it.
+        size = 2 + (_PID_BYTES if rollout[0].userns else 0)
         try:
             # Until it stands in the cage (not until it exits: it goes on making itself the executor).
-            while len(word) < 2 and (chunk := os.read(word_r, 2 - len(word))):
-                word += chunk
+            word, ancillary, _, _ = word_r.recvmsg(size, socket.CMSG_SPACE(4))
+        except OSError:
+            word, ancillary = b"", []
         finally:
-            os.close(word_r)
+            word_r.close()
+        handed, _ = _ancillary.unpack_ancillary(ancillary)
         try:
-            if word != b"ok":
+            if len(word) != size or not word.startswith(b"ok") or len(handed) != (size > 2):
                 self.server.reap(until=child)  # it answered the worker itself
+                if handed or len(word) == size:
+                    # A go-between's executor with no pidfd of it (this process's limit): not to run
+                    # unseen by its worker, which starts one instead (its cage's end ends this one).
+                    _send(worker, wire.Refused(reason="cannot hold the forked executor"))
                 return
+            if handed:
+                # The executor the go-between forked, this process's child: held by its own pidfd.
+                os.close(pidfd)
+                child, pidfd = int.from_bytes(word[2:], "little"), handed.pop()
             self.executors[child] = worker  # before any reaping: it may be gone already
             _send(worker, wire.ExecutorStarted(), [pidfd])
         finally:
             os.close(pidfd)
+            for fd in handed:
+                os.close(fd)
 
     def _refuse(self, worker: socket.socket, why: str) -> None:
         """Take the request off the socket unread (its header, the rest cut) and tell the worker why."""

@@ -67,7 +67,7 @@ from rollcage.procs import (
     wait_shared,
 )
 
-__all__ = ["ForkedExecutor", "TemplateLink", "adopt", "start"]
+__all__ = ["ForkedExecutor", "TemplateLink", "adopt", "spawn", "start"]
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +122,13 @@ class TemplateLink:
         umask: int,
         cgroups: Sequence[str],
         env: Mapping[str, str],
+        userns: bool = False,
     ) -> int:
         """A socket for the worker about to be forked (its descriptor, the caller's to close), or -1.
 
         -1 where the executor template cannot be started or reached: the worker starts its
-        executors itself.
+        executors itself. ``userns``: the worker's supervisor is not root
+        (:attr:`~rollcage.forkserver.ExecutorClient.userns`).
         """
         control = self._ensure(env)
         if control is None:
@@ -137,7 +139,9 @@ class TemplateLink:
             for path in cgroups:
                 opened.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
             rlimits = [[which, value] for which, value in limits.rlimits()]
-            client = ExecutorClient(uid=uid, gid=gid, umask=umask, limits=rlimits, cgroups=len(opened))
+            client = ExecutorClient(
+                uid=uid, gid=gid, umask=umask, limits=rlimits, cgroups=len(opened), userns=userns
+            )
             send(control, client, [theirs.fileno(), *opened], socket.MSG_DONTWAIT)
             if self._unread_since is None:
                 self._unread_since = time.monotonic()
@@ -174,7 +178,7 @@ class TemplateLink:
         environment.update({name: env[name] for name in STARTUP_ENV if name in env})
         try:
             theirs.set_inheritable(True)
-            pid = os.posix_spawn(sys.executable, argv, environment)
+            pid = spawn(argv, environment)
         except OSError as exc:
             log.warning("cannot start the executor template: %s", exc)
             ours.close()
@@ -212,6 +216,26 @@ class TemplateLink:
             self._process.kill()
             self._process.reap()
             self._process = None
+
+
+def spawn(argv: list[str], env: Mapping[str, str]) -> int:
+    """Start ``argv`` (its program named in full) with ``env`` as this process's child; its PID.
+
+    Fork and exec, not ``posix_spawn``: glibc leaves a ``posix_spawn``'s child with its two internal
+    signals (32 and 33) ignored until the exec, which keeps them so; the executor template would
+    pass them on to every executor it forks, which a started one has at their default. The
+    caller is single-threaded (the warm template): the fork copies one thread and execs at once.
+
+    Raises:
+        OSError: The fork failed (an exec that fails is a child that exits with 127).
+    """
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.execve(argv[0], argv, env)
+        finally:
+            os._exit(127)
+    return pid
 
 
 _channel: socket.socket | None = None
@@ -407,13 +431,16 @@ async def _ask(
     finally:
         handle.close()
     if not isinstance(got.message, ExecutorStarted):
-        refused = got.message.reason if isinstance(got.message, Refused) else None
-        if refused is None or "differs from the template's" in refused:
-            # Gone, or speaking no reply of the codec's, or this worker's environment will differ every
-            # time: a cage made for nothing before each started executor would cost more than the fork saves.
+        refused = got.message if isinstance(got.message, Refused) else None
+        why = f"refused {refused.reason}" if refused is not None else str(got.error or "it is gone")
+        if refused is None or refused.final:
+            # Gone, or speaking no reply of the codec's, or every later start would be refused too (this
+            # worker's environment will differ every time, or the kernel refuses the entry): a cage made
+            # for nothing before each started executor would cost more than the fork saves.
             _channel = None
-        why = f"refused {refused}" if refused is not None else str(got.error or "it is gone")
-        log.info("the executor template did not fork an executor (%s): one is started", why)
+            log.info("the executor template did not fork an executor (%s): this worker starts its own", why)
+        else:
+            log.info("the executor template did not fork an executor (%s): one is started", why)
         return None
     executor = got.fds[0]
     pid = pidfd_pid(executor)
