@@ -253,16 +253,19 @@ def _stopped(*receipts: SupervisorReceipt) -> None:
         assert receipt.result_present and receipt.cleanup_confirmed, receipt
 
 
-def _same_descriptors(warm: dict[str, Any], cold: dict[str, Any], tmp_path: Path) -> None:
+def _same_descriptors(
+    warm: dict[str, Any], cold: dict[str, Any], tmp_path: Path, *, extra: Counter[str] | None = None
+) -> None:
     """The running warm worker holds what the running cold one holds: the relay at the number it was
-    told, a pipe, and the same others (its standard ones, its event loop's and sockets); none of what
-    the template received (holder pidfd, report socket, log copy)."""
+    told, a pipe, and the same others (its standard ones, its event loop's and sockets), and ``extra``
+    besides (a caged worker's socket to the executor template, which forks its executors); none of
+    what the template received (holder pidfd, report socket, log copy)."""
     for seen in (warm, cold):
         relay = seen["relay_fd"]
         assert relay >= 3 and seen["fds"][relay].startswith("pipe:"), seen["fds"]
     # By what each is, not its number: the relay's number is the supervisor's, which differs per rollout.
     warm_kinds, cold_kinds = _kinds(warm["fds"], tmp_path / "warm"), _kinds(cold["fds"], tmp_path / "cold")
-    assert warm_kinds == cold_kinds, (warm["fds"], cold["fds"])
+    assert warm_kinds == cold_kinds + (extra or Counter()), (warm["fds"], cold["fds"])
 
 
 # ---- --sandbox none, as any user ----------------------------------------------------------------
@@ -410,7 +413,7 @@ async def test_a_non_root_harness_rollout_s_worker_is_forked_warm_holding_a_cold
     assert warm["parent"] == os.getpid() and cold["parent"] != os.getpid(), (warm, cold)
     assert warm["holder"] is not None and cold["holder"] is None
     assert warm["relayed"] == cold["relayed"] == ["probe"]
-    _same_descriptors(warm, cold, tmp_path)
+    _same_descriptors(warm, cold, tmp_path, extra=Counter(["socket"]))
     # The relay: besides the worker and the supervisor's reading end, bubblewrap holds it as in a cold
     # start, and the holder, which runs the cold worker with it should the kernel refuse the warm one;
     # not the template nor the go-between (python), nor a second copy in any.
