@@ -34,29 +34,13 @@ from rollcage.protocol import RolloutRecord
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.warm import template_for
+from tests.helpers.host_view import NAMESPACES, STATUS_FIELDS, TOKEN
 from tests.helpers.paths import EXAMPLES
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.waiting import alive, reaped, wait_for, wait_for_async
 from tests.helpers.worker_env import worker_input
 
 pytestmark = [requires_bwrap(), pytest.mark.bwrap]
-
-TOKEN = "ROLLCAGE_SUPERVISION_TOKEN"
-NAMESPACES = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup")
-STATUS_FIELDS = (
-    "Uid",
-    "Gid",
-    "Groups",
-    "CapInh",
-    "CapPrm",
-    "CapEff",
-    "CapBnd",
-    "CapAmb",
-    "NoNewPrivs",
-    "Seccomp",
-    "Umask",
-    "SigBlk",
-)
 
 
 def _prepare(root: Path, model_url: str) -> None:
