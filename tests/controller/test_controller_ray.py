@@ -1270,7 +1270,7 @@ def _stores_holding(nodes: list[RayNode], name: str) -> list[Path]:
 async def test_image_rows_run_and_are_graded_on_ray_pulling_each_image_once_per_node(
     tmp_path: Path, ray_cluster: RayCluster
 ) -> None:
-    from rollcage.policy import PolicyServer
+    from rollcage.controller._servers import AppServer
     from tests.helpers.oci import Registry, push
     from tests.helpers.task_images import task_image
 
@@ -1305,11 +1305,17 @@ async def test_image_rows_run_and_are_graded_on_ray_pulling_each_image_once_per_
                     {"text": "done"},
                 ]
         dataset = write_dataset(tmp_path / "data", rows)
-        with PolicyServer({"tasks": script}) as policy:
+        # Each attempt is held at its first model call until all eight are in flight: with four at once
+        # on a node (a quarter CPU each), both nodes run rows, whatever Ray's placement prefers.
+        firsts = {rollout_id(str(row["id"]), 0, 0) for row in rows}
+        gate = GatedPolicy({"tasks": script}, firsts)
+        server = AppServer(gate, name="gated-policy")
+        url = await asyncio.to_thread(server.start)
+        try:
             config = RunConfig(
                 dataset=dataset,
                 out=tmp_path / "out",
-                model=ModelEndpointConfig(base_url=policy.base_url, model_name="scripted"),
+                model=ModelEndpointConfig(base_url=f"{url}/v1", model_name="scripted"),
                 sandbox=SANDBOX,
                 deadline_s=90,
                 concurrency=8,
@@ -1317,7 +1323,15 @@ async def test_image_rows_run_and_are_graded_on_ray_pulling_each_image_once_per_
                 # Up to four attempts at once on each node, each in its own Ray worker process.
                 backend=RayBackendConfig(num_cpus_per_rollout=0.25),
             )
-            summary = await Controller(config).run()
+            async with asyncio.TaskGroup() as group:
+                job = group.create_task(Controller(config).run())
+                try:
+                    assert await asyncio.to_thread(gate.wait_arrived, firsts, 80), "not all eight in flight"
+                finally:
+                    gate.release()
+            summary = job.result()
+        finally:
+            await asyncio.to_thread(server.stop)
         got = {r.task_id: r for r in records(tmp_path / "out")}
         assert {t: (r.outcome, r.reward) for t, r in got.items()} == {
             row["id"]: ("completed", 0.0 if row["id"].endswith("0") else 1.0) for row in rows
