@@ -592,6 +592,7 @@ CLIENT = """
 import socket, sys
 s = socket.socket(socket.AF_UNIX)
 s.settimeout(30)
+sys.stdin.readline()  # connects when told: once the proxy's process is out of descriptors
 s.connect(sys.argv[1])
 s.sendall(b"GET /model/v1/models HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n")
 print(s.recv(100).split(b"\\r\\n")[0].decode())
@@ -603,8 +604,14 @@ async def test_out_of_descriptors_the_proxy_backs_off_and_then_serves(
 ) -> None:
     # The client is another process: its descriptors are its own.
     client = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CLIENT, str(harness.proxy.socket_path), stdout=asyncio.subprocess.PIPE
+        sys.executable,
+        "-c",
+        CLIENT,
+        str(harness.proxy.socket_path),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
     )
+    assert client.stdin is not None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     fillers: list[int] = []
     try:
@@ -612,6 +619,10 @@ async def test_out_of_descriptors_the_proxy_backs_off_and_then_serves(
         with contextlib.suppress(OSError):
             while True:
                 fillers.append(os.open("/dev/null", os.O_RDONLY))
+        # Only now: a connection accepted before the descriptors ran out would meet the proxy's own
+        # admission (too few descriptors left: refused), not a failing accept (seen on a loaded machine).
+        client.stdin.write(b"connect\n")
+        await client.stdin.drain()
         await wait_for_async(
             lambda: "cannot accept" in caplog.text, within_s=30, what="the proxy to run out of descriptors"
         )
