@@ -34,7 +34,7 @@ from rollcage.protocol import RolloutRecord
 from rollcage.supervisor import BwrapSandbox, SupervisorConfig, supervise
 from rollcage.supervisor.bytecode import worker_bytecode
 from rollcage.supervisor.warm import template_for
-from tests.helpers.host_view import NAMESPACES, STATUS_FIELDS, TOKEN
+from tests.helpers.host_view import NAMESPACES, STATUS_FIELDS, TOKEN, namespaces
 from tests.helpers.paths import EXAMPLES
 from tests.helpers.supervisor_env import requires_bwrap
 from tests.helpers.waiting import alive, reaped, wait_for, wait_for_async
@@ -132,10 +132,6 @@ def _same_file(one: str, other: str) -> bool:
         return False
 
 
-def _namespaces(pid: int) -> dict[str, str]:
-    return {name: os.readlink(f"/proc/{pid}/ns/{name}") for name in NAMESPACES}
-
-
 async def _running_worker(mode: str, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """A rollout in ``mode``, stopped while its worker waits on its first model call: worker, receipt."""
     with PolicyServer({"tasks": {"t": [{"text": "never"}]}}, port=0, faults=["call=1:kind=hang"]) as server:
@@ -148,9 +144,9 @@ async def _running_worker(mode: str, root: Path) -> tuple[dict[str, Any], dict[s
             pid = await wait_for_async(lambda: _worker_of(root), what=f"the {mode} worker's process")
             token = (root / ".sandbox" / "token").read_text().splitlines()[0]
             seen = _describe(pid, token=token)
-            seen["namespaces"] = _namespaces(pid)
+            seen["namespaces"] = namespaces(pid)
             seen["others"] = {
-                other: _namespaces(other)
+                other: namespaces(other)
                 for other, cmdline in _rollout_processes(root).items()
                 if other != pid
             }
@@ -192,7 +188,7 @@ async def test_a_warm_worker_is_what_a_cold_start_runs(tmp_path: Path) -> None:
     assert int(warm["status"]["SigBlk"], 16) & held == 0, warm["status"]["SigBlk"]
 
     # In the cage's namespaces, every one of them: those of its holder, none of the host's.
-    mine = _namespaces(os.getpid())
+    mine = namespaces(os.getpid())
     holders = [others for others in warm["others"].values() if others == warm["namespaces"]]
     assert holders, f"no process of the sandbox shares the warm worker's namespaces: {warm['others']}"
     for name in NAMESPACES:
