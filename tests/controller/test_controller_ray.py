@@ -1187,14 +1187,27 @@ async def test_an_environment_unreachable_from_a_node_is_recorded_as_such_and_na
     assert summary.exit_code in (EXIT_OK, EXIT_ALL_INFRA), summary
 
 
-def stop_flag_actors() -> list[int]:
-    """The processes of live stop-flag actors (Ray titles an actor's process ``ray::CLASS``)."""
-    return [pid for pid in processes_mentioning("ray::_StopFlag") if alive(pid)]
+def stop_flag_actors(cluster: RayCluster) -> list[int]:
+    """The processes of live stop-flag actors on ``cluster``'s nodes (Ray titles an actor's process
+    ``ray::CLASS``; a node's raylet starts its worker processes): not another run's on this machine."""
+    raylets = {node.raylet_pid() for node in cluster.nodes if node.running()}
+    return [
+        pid for pid in processes_mentioning("ray::_StopFlag") if alive(pid) and _parent_of(pid) in raylets
+    ]
+
+
+def _parent_of(pid: int) -> int | None:
+    """Process ``pid``'s parent, or ``None`` once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), None)
 
 
 @real_rollouts
 async def test_a_stop_whose_flag_is_gone_kills_the_tasks_and_starts_no_retry(
-    tmp_path: Path, ray_address: str
+    tmp_path: Path, ray_address: str, ray_cluster: RayCluster
 ) -> None:
     """The run's stop flag is lost with its process (as with its node) while rollouts wait on the model;
     then Ctrl-C. The driver cannot tell the tasks through the flag: it kills them and exits at once,
@@ -1207,7 +1220,7 @@ async def test_a_stop_whose_flag_is_gone_kills_the_tasks_and_starts_no_retry(
     gate = GatedPolicy(SIX_BY_SEVEN, firsts)
     server = AppServer(gate, name="gated-policy")
     url = await asyncio.to_thread(server.start)
-    assert stop_flag_actors() == []
+    assert stop_flag_actors(ray_cluster) == []
     try:
         dataset = write_dataset(
             tmp_path / "data",
@@ -1229,7 +1242,7 @@ async def test_a_stop_whose_flag_is_gone_kills_the_tasks_and_starts_no_retry(
         proc = rollcage_run(*args, cwd=tmp_path)
         try:
             assert await asyncio.to_thread(gate.wait_arrived, firsts), "the rollouts never asked the model"
-            (flag,) = stop_flag_actors()
+            (flag,) = stop_flag_actors(ray_cluster)
             os.kill(flag, signal.SIGKILL)
             await asyncio.to_thread(wait_until_dead, flag)
             proc.send_signal(signal.SIGINT)
