@@ -83,6 +83,7 @@ import ipaddress
 import json
 import logging
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -94,7 +95,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from types import MappingProxyType, TracebackType
@@ -632,8 +633,65 @@ def _supervise_with(credentials: Mapping[str, str]) -> SuperviseFn:
     return supervise_here
 
 
+class _Runner:
+    """A daemon thread of this Ray worker process that runs rollouts, one at a time (:data:`_runners`)."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, job: Callable[[], None]) -> threading.Event:
+        """Hand ``job`` to the thread; the event is set once it has returned."""
+        done = threading.Event()
+        self._jobs.put((job, done))
+        return done
+
+    def _serve(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            try:
+                job()  # never raises: a rollout's errors are kept for the task that waits
+            finally:
+                done.set()
+                _runners.put_back(self)
+
+
+class _Runners:
+    """The threads rollouts run on in this Ray worker process, kept between rollouts.
+
+    A rollout's thread starts its processes, and ``--sandbox none``'s warm template is its
+    starting thread's (the uncaged worker's parent-death signal is that thread's, see
+    :mod:`rollcage.supervisor.warm`): a thread per rollout started a template per rollout.
+    A thread is taken again once its rollout has ended, as the local backend's threads
+    are; one still running an overdue rollout is not, and a new one is started beside it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[_Runner] = []
+        self._started = 0
+
+    def take(self) -> _Runner:
+        """An idle thread, or a new one."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            self._started += 1
+            name = f"rollcage-rollouts-{self._started}"
+        return _Runner(name)
+
+    def put_back(self, runner: _Runner) -> None:
+        """Called by ``runner``'s thread when its rollout has ended."""
+        with self._lock:
+            self._idle.append(runner)
+
+
+_runners = _Runners()
+
+
 class _RolloutThread:
-    """``run_rollout`` on its own thread and event loop, inside a Ray task."""
+    """``run_rollout`` on a thread and event loop of its own, inside a Ray task (:class:`_Runners`)."""
 
     def __init__(
         self,
@@ -663,22 +721,19 @@ class _RolloutThread:
         of a non-forced cancel) stops the rollout through its supervisor, waits for it
         (bounded) and propagates.
         """
-        thread = threading.Thread(
-            target=self._main, name=f"rollcage-{self._prepared.rollout_id}", daemon=True
-        )
-        thread.start()
+        done = _runners.take().run(self._main)
         # Longer than the driver's bound on the same task, so a live driver kills this
         # process (and the rollout with it) first; this one guards a driverless task.
         bound = self._settings.deadline_s + self._settings.grace_s + 2 * _FINISH_SLACK_S
         if self._prepared.grading is not None and self._prepared.grading.grader.type == "verify":
             bound += float(self._prepared.grading.grader.timeout_s)
         try:
-            thread.join(bound)
+            done.wait(bound)
         except BaseException:
             self._request_stop()
-            thread.join(self._settings.grace_s + _FINISH_SLACK_S)
+            done.wait(self._settings.grace_s + _FINISH_SLACK_S)
             raise
-        if thread.is_alive():
+        if not done.is_set():
             self._request_stop()
             raise RayTaskOverdueError(f"the rollout did not end within {bound:.0f} s of its start")
         if self._error is not None:
