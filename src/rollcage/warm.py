@@ -3,8 +3,10 @@
 A cold start pays a fresh interpreter and the worker's imports (pydantic, the
 models, httpx, asyncio: most of a cold rollout's CPU) in every rollout. The template
 pays them once: ``python -I -B -m rollcage template FD PARENT`` imports the
-worker, freezes its heap (``gc.freeze()``, so children do not dirty the shared
-pages by collecting them) and then only waits on its socket. It runs no thread
+worker, takes its allocator's free blocks (:func:`~rollcage.forkserver.fill_free_blocks`, so a
+child's new objects fill pages of its own rather than holes all over the shared ones), freezes
+its heap (``gc.freeze()``, so children do not dirty the shared pages by collecting them) and
+then only waits on its socket. It runs no thread
 and no event loop, holds no credential, and dies with its parent.
 
 For each rollout the supervisor has bubblewrap build the cage as for a cold start,
@@ -113,6 +115,7 @@ from rollcage.forkserver import (
     WireError,
     WorkerStart,
     decode,
+    fill_free_blocks,
     send,
 )
 from rollcage.procs import hold_cancel_signals, unpack_ancillary
@@ -149,6 +152,7 @@ def template_main(argv: list[str]) -> int:
     # Taken before the freeze, so that it is shared with every fork as the rest of the heap is.
     modules = frozenset(sys.modules)
     gc.collect()
+    fill_free_blocks()  # a worker's new objects in pools of its own, not in the holes of the template's
     gc.freeze()
     # Its forks are the supervisor's children (clone_sibling): none is this process's to reap.
     server = ForkServer(socket.socket(fileno=fd), rollcage.cage)

@@ -167,8 +167,12 @@ def warm_up() -> int:
     # A response's cookies are read through urllib's request, whose regular expressions compile on first use.
     request = httpx.Request("POST", "http://warm-up/v1")
     httpx.Cookies().extract_cookies(httpx.Response(200, request=request))
-    # The command line, made and parsed once (argparse compiles its patterns as it goes).
-    _parser().parse_args(["/rollout/input.json", "/rollout/result.json", "--workspace", "/rollout/workspace"])
+    # The command line, made and parsed once (argparse compiles its patterns as it goes): the sandbox's,
+    # which every warm worker is given, is kept parsed.
+    _PARSED[_SANDBOX_ARGV] = _parser().parse_args(_SANDBOX_ARGV)
+    # Logging's levels as a worker sets them by default (_configure_logging): a fork that finds them
+    # set does not sweep every logger of the template (each one's cache, its page copied on write).
+    _set_levels(logging.INFO)
     built = 0
     pending: list[type[pydantic.BaseModel]] = [pydantic.BaseModel]
     seen: set[type[pydantic.BaseModel]] = set()
@@ -219,6 +223,64 @@ def run_worker(argv: list[str], *, forked_from: frozenset[str] | None = None) ->
         os._exit(code)
 
 
+_SANDBOX_ARGV: tuple[str, ...] = (
+    "/rollout/input.json",
+    "/rollout/result.json",
+    "--checkpoint",
+    "/rollout/checkpoint.jsonl",
+)
+"""The worker's command line in the sandbox (``rollcage.supervisor.sandbox``'s ``BwrapLauncher``)."""
+
+_PARSED: dict[tuple[str, ...], argparse.Namespace] = {}
+"""Command lines parsed before a fork (:func:`warm_up`: ``_SANDBOX_ARGV``), so a worker given one
+does not parse it again."""
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    """The worker's command line, parsed (a copy of the template's parse where :func:`warm_up` made one)."""
+    known = _PARSED.get(tuple(argv))
+    if known is not None:
+        return argparse.Namespace(**vars(known))
+    return _parser().parse_args(argv)
+
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _configure_logging(level: int) -> None:
+    """Log to stderr at ``level`` as ``logging.basicConfig`` would; httpx's requests only at DEBUG.
+
+    Why not ``basicConfig``: it sets the root's level even where it is that level already, and every
+    ``setLevel`` clears the cache of each logger the process has. In a fork of the warm template that
+    touches (and so copies) a page for each of the template's loggers; :func:`warm_up` sets the
+    default levels before the fork, and a level is set here only where it differs. As with
+    ``basicConfig``, a root that has a handler already is left at its level.
+    """
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        root.addHandler(handler)
+        if root.level != level:
+            root.setLevel(level)
+    _quiet_httpx()
+
+
+def _set_levels(level: int) -> None:
+    """The levels :func:`_configure_logging` gives a process whose root is at ``level`` (the template's)."""
+    logging.getLogger().setLevel(level)
+    _quiet_httpx()
+
+
+def _quiet_httpx() -> None:
+    """httpx logs every request at INFO, and the proxy's capture holds each one already, whole: its
+    logger is at WARNING unless the root's is at DEBUG (or below). Only a level that differs is set."""
+    noisy = logging.getLogger("httpx")
+    wanted = logging.WARNING if logging.getLogger().level > logging.DEBUG else logging.NOTSET
+    if noisy.level != wanted:
+        noisy.setLevel(wanted)
+
+
 @functools.cache
 def _parser() -> _ArgumentParser:
     """The worker's command line (made once: a warm template makes it for all its workers)."""
@@ -243,16 +305,9 @@ def _parser() -> _ArgumentParser:
 
 def worker_main(argv: list[str]) -> int:
     """Run the worker with command-line arguments; return the exit code."""
-    args = _parser().parse_args(argv)
-    level = os.environ.get("ROLLCAGE_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level if level in logging.getLevelNamesMapping() else "INFO",
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if logging.getLogger().level > logging.DEBUG:
-        # httpx logs every request at INFO; the proxy's capture already holds each one, whole.
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = _parse_args(argv)
+    name = os.environ.get("ROLLCAGE_LOG_LEVEL", "INFO").upper()
+    _configure_logging(logging.getLevelNamesMapping().get(name, logging.INFO))
     base = args.result.parent
     paths = _Paths(
         input=args.input,

@@ -23,7 +23,7 @@ The two servers themselves: :mod:`rollcage.warm` (workers) and
 from __future__ import annotations
 
 from rollcage.forkserver._client import receive, receive_now
-from rollcage.forkserver._server import ForkServer
+from rollcage.forkserver._server import ForkServer, fill_free_blocks
 from rollcage.forkserver._wire import (
     MAX_PASS_FDS,
     MESSAGES,
@@ -65,6 +65,7 @@ __all__ = [
     "WorkerStart",
     "decode",
     "encode",
+    "fill_free_blocks",
     "pass_fds_problem",
     "receive",
     "receive_now",

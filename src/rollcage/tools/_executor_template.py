@@ -444,6 +444,7 @@ def main(argv: list[str]) -> int:
     template = _Template(socket.socket(fileno=control_fd))
     # Shared with every executor as they are; a collection would write every page again.
     gc.collect()
+    _forkserver.fill_free_blocks()  # an executor's new objects in pools of its own (see there)
     gc.freeze()
     template.serve()
     return 0
