@@ -6,9 +6,11 @@ is driven with Ray's node listing and task submission replaced by fakes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -52,6 +54,78 @@ def test_the_stop_flag_travels_by_value_so_its_process_imports_no_rollcage() -> 
     # Still titled ray::_StopFlag (what operators and the stop tests look for); it still works.
     assert (name, before, after) == ("_StopFlag", False, True)
     assert imported == []
+
+
+def _node(letter: str) -> str:
+    """A Ray node id (28 bytes in hex, as NodeAffinitySchedulingStrategy insists) named by a letter."""
+    return letter * 56
+
+
+class _FakeRemote:
+    """``_sweep_remote``: records the nodes a sweep task is submitted to, each sweeping nothing."""
+
+    def __init__(self) -> None:
+        self.nodes: list[str] = []
+
+    def options(self, **options: Any) -> _FakeRemote:
+        self.nodes.append(options["scheduling_strategy"].node_id[0])
+        return self
+
+    def remote(self) -> asyncio.Future[int]:
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        future.set_result(0)
+        return future
+
+
+@pytest.mark.parametrize(
+    ("swept", "dirty", "expected"),
+    [
+        (set(), set(), ["a", "b", "c"]),  # a resumed run with nothing left to do: every node
+        ({"a", "b"}, set(), ["c"]),  # a node no task of the run swept
+        ({"a", "b", "c"}, set(), []),  # every node swept by its tasks: no sweep task, no process
+        ({"a", "b", "c"}, {"b"}, ["b"]),  # a lost task's leftovers, after its node's sweep
+    ],
+)
+async def test_a_run_ends_sweeping_the_nodes_its_tasks_did_not_sweep_or_lost_a_task_on(
+    monkeypatch: pytest.MonkeyPatch, swept: set[str], dirty: set[str], expected: list[str]
+) -> None:
+    from rollcage.controller import RayBackendConfig
+    from rollcage.controller import _ray as module
+    from rollcage.controller._unit import RolloutSettings
+
+    fake = _FakeRemote()
+    nodes = [{"NodeID": _node(n), "Alive": True} for n in "abc"] + [{"NodeID": _node("d"), "Alive": False}]
+    monkeypatch.setattr(module, "_sweep_remote", fake)
+    monkeypatch.setattr(module._ray, "nodes", lambda: json.loads(json.dumps(nodes)))
+    backend = module.RayBackend(RayBackendConfig(), RolloutSettings())
+
+    async def released() -> None:
+        pass
+
+    monkeypatch.setattr(backend, "_release", released)
+    backend._state = "opened"
+    backend._swept_nodes, backend._dirty_nodes = {_node(n) for n in swept}, {_node(n) for n in dirty}
+    await backend.__aexit__(None, None, None)
+    assert sorted(fake.nodes) == expected
+
+
+async def test_a_cancelled_run_sweeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollcage.controller import RayBackendConfig
+    from rollcage.controller import _ray as module
+    from rollcage.controller._unit import RolloutSettings
+
+    fake = _FakeRemote()
+    monkeypatch.setattr(module, "_sweep_remote", fake)
+    monkeypatch.setattr(module._ray, "nodes", lambda: [{"NodeID": _node("a"), "Alive": True}])
+    backend = module.RayBackend(RayBackendConfig(), RolloutSettings())
+
+    async def released() -> None:
+        pass
+
+    monkeypatch.setattr(backend, "_release", released)
+    backend._state = "opened"
+    await backend.__aexit__(asyncio.CancelledError, asyncio.CancelledError(), None)
+    assert fake.nodes == []
 
 
 def test_a_node_task_process_imports_no_dataset_reader() -> None:
