@@ -12,7 +12,10 @@ a reader of the tree reaped it (the children of the driver and the workers are r
 For the fresh job it also prints a timeline: ``ray.init``, each Ray worker process's start
 (``/proc`` start time) and the first rollout's placement.
 
-    .venv/bin/python bench/ray_profile.py [--tasks 50] [--concurrency 4]
+``--titles`` lists the Ray worker processes seen (title, raylet, CPU, start); ``--python PY`` profiles
+another checkout (its venv's python runs the driver, its ``ray`` the cluster).
+
+    .venv/bin/python bench/ray_profile.py [--tasks 50] [--concurrency 4] [--titles]
 """
 
 from __future__ import annotations
@@ -125,10 +128,13 @@ class Sampler:
                 self.seen[pid] = (
                     value if old is None or value[0] not in ("?", "other") else (old[0], *value[1:])
                 )
-                if pid not in self.titles or self.titles[pid].startswith("ray::"):
+                if pid not in self.titles or value[0] == "ray worker":
                     with contextlib.suppress(OSError):
                         words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                        self.titles[pid] = b" ".join(words)[:80].decode(errors="replace")
+                        title = b" ".join(words)[:60].decode(errors="replace")
+                        if title:  # an exiting process's reads empty: keep the last
+                            parent = _stat(pid)
+                            self.titles[pid] = f"{title} (parent {parent[0] if parent else '?'})"
             return dict(self.seen)
 
     def _run(self) -> None:
