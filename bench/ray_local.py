@@ -16,8 +16,16 @@ cluster included: the job's Ray worker processes start, import rollcage and star
 
 Prints a table per run, then the median wall times and the ratios to local (target: <= 1.3x).
 
+``--baseline-python PY`` also runs Ray with another checkout (``PY``: its venv's python, an editable
+install): a second two-node cluster started with that venv's ``ray`` (its nodes' worker processes
+run that checkout's code), up for the whole bench like the first, and its driver run by ``PY``.
+Each round then runs the local backend (this checkout), Ray with this checkout and Ray with the
+baseline, in turn (ABBA); the table has a ``source`` column and the ratios are per source, to the
+same local runs.
+
     .venv/bin/python bench/ray_local.py                      # 50 tasks, C=4, 2 rounds
     .venv/bin/python bench/ray_local.py --tasks 20 --rounds 1
+    .venv/bin/python bench/ray_local.py --baseline-python /work/main/.venv/bin/python
 """
 
 from __future__ import annotations
@@ -65,8 +73,8 @@ def _free_ports(count: int) -> list[int]:
 class _Cluster:
     """A head and a worker node (``ray start --block``), each in its own session and temp dir."""
 
-    def __init__(self, root: Path, cpus: int) -> None:
-        self.root, self.cpus = root, cpus
+    def __init__(self, root: Path, cpus: int, ray: str = RAY) -> None:
+        self.root, self.cpus, self.ray = root, cpus, ray
         self.procs: list[subprocess.Popen[bytes]] = []
         self.address = ""
 
@@ -77,7 +85,15 @@ class _Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "TMPDIR": str(scratch)})
         log = self.root / name / "ray-start.log"
-        command = [RAY, "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", str(self.cpus)]
+        command = [
+            self.ray,
+            "start",
+            "--block",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--num-cpus",
+            str(self.cpus),
+        ]
         command += ["--temp-dir", str(temp), "--disable-usage-stats", *args]
         with log.open("ab") as out:
             proc = subprocess.Popen(
@@ -250,12 +266,14 @@ def _child(backend: str, address: str, tasks: int, concurrency: int, workdir: Pa
         ray.shutdown()
 
 
-def _run(backend: str, address: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _run(
+    backend: str, address: str, args: argparse.Namespace, python: str = sys.executable, source: str = "this"
+) -> list[dict[str, Any]]:
     workdir = Path(tempfile.mkdtemp(prefix="rollcage-bench-ray-", dir="/tmp"))
     load = _load()
     try:
         command = [
-            sys.executable,
+            python,
             __file__,
             "--tasks",
             str(args.tasks),
@@ -272,6 +290,7 @@ def _run(backend: str, address: str, args: argparse.Namespace) -> list[dict[str,
     rows: list[dict[str, Any]] = json.loads(out.stdout.strip().splitlines()[-1])
     for row in rows:
         row["load"] = load
+        row["source"] = source if backend == "ray" else "this"
         print(json.dumps(row), file=sys.stderr)
     return rows
 
@@ -284,6 +303,9 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=50)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--baseline-python", help="another checkout's venv python: Ray with it too, on its own cluster"
+    )
     parser.add_argument("--child", nargs=3, metavar=("BACKEND", "ADDRESS", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -291,22 +313,31 @@ def main() -> None:
         print(json.dumps(_child(backend, address, args.tasks, args.concurrency, Path(workdir))))
         return
     root = Path(tempfile.mkdtemp(prefix="rc-bench-ray-", dir="/tmp"))  # Ray's socket paths must be short
-    cluster = _Cluster(root, max(args.concurrency // 2, 1))
+    cpus = max(args.concurrency // 2, 1)
+    clusters = {"this": (sys.executable, _Cluster(root / "t", cpus))}
+    if args.baseline_python:
+        base = str(Path(args.baseline_python).absolute())
+        clusters["base"] = (base, _Cluster(root / "b", cpus, ray=str(Path(base).with_name("ray"))))
+    runs = [("local", "this"), *(("ray", source) for source in clusters)]
     rows = []
     try:
-        cluster.start()
+        for _python, cluster in clusters.values():
+            cluster.start()
         for index in range(args.rounds):
-            order = ("local", "ray") if index % 2 == 0 else ("ray", "local")
-            for backend in order:
-                rows.extend(_run(backend, cluster.address if backend == "ray" else "", args))
+            for backend, source in runs if index % 2 == 0 else reversed(runs):
+                python, cluster = clusters[source]
+                address = cluster.address if backend == "ray" else ""
+                rows.extend(_run(backend, address, args, python, source))
     finally:
-        cluster.stop()
+        for _python, cluster in clusters.values():
+            cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
     print(
         f"cores: {os.cpu_count()}  tasks: {args.tasks}  concurrency: {args.concurrency}  "
-        f"Ray: 2 nodes x {cluster.cpus} CPUs  load now (1/5/15 min): {_load()}"
+        f"Ray: 2 nodes x {cpus} CPUs per cluster ({len(clusters)})  load now (1/5/15 min): {_load()}"
     )
     columns = (
+        "source",
         "backend",
         "completed",
         "wall s",
@@ -319,6 +350,7 @@ def main() -> None:
     print("  ".join(f"{c:>12}" for c in columns))
     for r in rows:
         cells = (
+            r["source"],
             r["backend"],
             r["completed"],
             f"{r['wall_s']:.1f}",
@@ -330,11 +362,15 @@ def main() -> None:
         )
         print("  ".join(f"{c:>12}" for c in cells))
     local = statistics.median(r["wall_s"] for r in rows if r["backend"] == "local")
-    for name in ("ray", "ray, same job"):
-        ray = statistics.median(r["wall_s"] for r in rows if r["backend"] == name)
-        print(
-            f"median wall: local {local:.1f} s, {name} {ray:.1f} s; ratio {ray / local:.2f}x (target <= 1.3x)"
-        )
+    for source in clusters:
+        for name in ("ray", "ray, same job"):
+            ray = statistics.median(
+                r["wall_s"] for r in rows if r["backend"] == name and r["source"] == source
+            )
+            print(
+                f"median wall: local {local:.1f} s, {name} ({source}) {ray:.1f} s; "
+                f"ratio {ray / local:.2f}x (target <= 1.3x)"
+            )
 
 
 if __name__ == "__main__":

@@ -57,9 +57,12 @@ or Ray's authentication refusal with how to give the driver the cluster's token
 under the node's ``$TMPDIR/rollcage-ray/`` named for its process, and removes it when it
 ends. A task whose process was killed (with its node's raylet, by ``ray.cancel``, with its
 driver) leaves its directory behind; the scratch of dead processes is swept by every task
-that starts on the node, by a sweep of every node when a run starts (so a resumed run
-cleans what its killed predecessor left), and at the end of a run on each node that lost
-one of its tasks.
+that starts on the node (so a resumed run cleans what its killed predecessor left wherever
+it runs a task), and at the end of a run by a sweep task on each node that lost one of its
+tasks or ran none that swept it (a resumed run with nothing left to do sweeps every node). No
+sweep task runs at the start: next to the run's first rollouts it would start a Ray worker
+process of its own on each node (it needs no CPU slot, so it takes no idle one), ~1 s of
+CPU each.
 
 **Task images.** An image row's attempt carries the image's reference (``node_image``), not a
 root: before the rollout is laid out, the node prepares the image in its own store
@@ -165,7 +168,7 @@ _SECRET_MESSAGE_LIMIT = 64 * 1024
 _SECRET_CONNECTIONS = 1024
 """Connections the secret channel serves at once; more are closed unanswered (retried as lost tasks)."""
 _SWEEP_TIMEOUT_S = 60.0
-"""Bound on sweeping the nodes' scratch at the start and at the end of a run."""
+"""Bound on sweeping the nodes' scratch at the end of a run."""
 _SCRATCH_NAME = "rollcage-ray"
 
 _ray: Any = ray
@@ -578,25 +581,38 @@ def _probe_cluster(address: str, source: str) -> None:
 # ---------------------------------------------------------------------------- node side
 
 
-class _StopFlag:
-    """A run's stop, set by the driver and long-polled by its tasks (a Ray actor)."""
+def _stop_flag_class() -> type:
+    """The class of a run's stop flag actor, made in a function so that Ray ships it by value.
 
-    def __init__(self) -> None:
-        self._stopped = asyncio.Event()
+    An actor runs in a Ray worker process of its own, started for each run, which loads its
+    class as Ray pickled it. A class of this module would be pickled by reference, and that
+    process would import this module: rollcage's controller, supervisor and protocol models,
+    ~0.5 s of CPU, for an object that holds one event. One made here is pickled whole (by
+    cloudpickle, with the standard modules it names), so the process imports only those. Its
+    process is still titled ``ray::_StopFlag``.
+    """
 
-    async def set(self) -> None:
-        """Stop every rollout of the run."""
-        self._stopped.set()
+    class _StopFlag:
+        """A run's stop, set by the driver and long-polled by its tasks (a Ray actor)."""
 
-    async def wait(self, timeout_s: float) -> bool:
-        """Whether the run is stopped, waiting up to ``timeout_s`` for it to be."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._stopped.wait()
-        return self._stopped.is_set()
+        def __init__(self) -> None:
+            self._stopped = asyncio.Event()
+
+        async def set(self) -> None:
+            """Stop every rollout of the run."""
+            self._stopped.set()
+
+        async def wait(self, timeout_s: float) -> bool:
+            """Whether the run is stopped, waiting up to ``timeout_s`` for it to be."""
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._stopped.wait()
+            return self._stopped.is_set()
+
+    return _StopFlag
 
 
-_StopFlagActor: Any = ray.remote(_StopFlag)
+_StopFlagActor: Any = ray.remote(_stop_flag_class())
 
 
 async def _watch_stop(flag: Any, stop: asyncio.Event) -> None:
@@ -1077,9 +1093,9 @@ class RayBackend:
     """Runs each rollout as a Ray task on whichever node has room (see the module docstring).
 
     Lifecycle: ``async with backend:`` connects to the cluster (or starts a private
-    local instance), creates the run's stop flag, opens its secret channel and starts
-    sweeping the nodes' scratch; leaving finishes the sweeps, closes the channel and
-    disconnects (stopping an instance it started). At most one Ray task per ``run`` call is in flight, so the
+    local instance), creates the run's stop flag and opens its secret channel; leaving
+    sweeps the scratch of the nodes that need it, closes the channel and disconnects
+    (stopping an instance it started). At most one Ray task per ``run`` call is in flight, so the
     controller's ``concurrency`` bounds the tasks in flight.
     """
 
@@ -1102,8 +1118,9 @@ class RayBackend:
         self._driver_node = ""
         self._driver_ip = ""
         self._secrets = _SecretServer()
-        self._sweeping: asyncio.Task[None] | None = None
         self._dirty_nodes: set[str] = set()
+        self._swept_nodes: set[str] = set()
+        """Nodes where a task of this run made its scratch directory, sweeping the node's scratch."""
         self._placements: dict[str, RolloutPlacement] = {}
         self._placed = asyncio.Event()  # replaced, after being set, at every new placement
         self._last_progress = time.monotonic()
@@ -1134,7 +1151,7 @@ class RayBackend:
 
     async def __aenter__(self) -> Self:
         """Connect to the cluster, check the settings, create the run's stop flag, open its
-        secret channel, start sweeping every node's scratch.
+        secret channel.
 
         Raises:
             ConfigError: The cluster cannot be reached or refuses this driver (the message
@@ -1165,8 +1182,8 @@ class RayBackend:
         except asyncio.CancelledError:
             await shielded(self._release())
             raise
-        # What a killed predecessor (a resumed run) left on the nodes, swept while this run goes.
-        self._sweeping = asyncio.ensure_future(self._sweep(None))
+        # What a killed predecessor (a resumed run) left on a node is swept by this run's first
+        # task there, or at the end (see the module docstring): not by a task now.
         self._state = "opened"
         self._last_progress = time.monotonic()
         return self
@@ -1174,25 +1191,18 @@ class RayBackend:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Sweep the scratch of lost tasks' nodes, stop serving secrets, remove the stop flag, and
-        stop the local instance if this backend started it.
+        """Sweep the scratch of the nodes that lost a task or that no task of this run swept,
+        stop serving secrets, remove the stop flag, and stop the local instance if this
+        backend started it.
 
-        **Cancellation:** the sweeps are abandoned (the next run sweeps); the rest is shielded
-        and runs to its end, then the cancellation propagates.
+        **Cancellation:** no sweep (the next run sweeps); the rest is shielded and runs to its
+        end, then the cancellation propagates.
         """
         self._state = "closed"
         self._report_unreached()
-        sweeping, self._sweeping = self._sweeping, None
         try:
-            if isinstance(exc, asyncio.CancelledError):
-                if sweeping is not None:
-                    sweeping.cancel()
-                    await asyncio.gather(sweeping, return_exceptions=True)
-            else:
-                if sweeping is not None:
-                    await sweeping
-                if self._dirty_nodes:
-                    await self._sweep(self._dirty_nodes)
+            if not isinstance(exc, asyncio.CancelledError):
+                await self._sweep(skip=self._swept_nodes - self._dirty_nodes)
         finally:
             await shielded(self._release())
 
@@ -1200,8 +1210,8 @@ class RayBackend:
         await self._secrets.close()
         await asyncio.to_thread(self._disconnect)
 
-    async def _sweep(self, node_ids: set[str] | None) -> None:
-        """Sweep the scratch of dead processes on the live nodes of ``node_ids`` (None: all).
+    async def _sweep(self, *, skip: set[str]) -> None:
+        """Sweep the scratch of dead processes on every live node but those of ``skip``.
 
         Bounded by ``_SWEEP_TIMEOUT_S``; a node that cannot be swept is logged, never raised.
 
@@ -1212,9 +1222,7 @@ class RayBackend:
         except Exception as exc:  # Ray's errors for a cluster going away vary
             logger.warning("cannot list the Ray nodes to sweep their scratch: %s", exc)
             return
-        alive = sorted(
-            n["NodeID"] for n in nodes if n.get("Alive") and (node_ids is None or n["NodeID"] in node_ids)
-        )
+        alive = sorted(n["NodeID"] for n in nodes if n.get("Alive") and n["NodeID"] not in skip)
         refs = [
             _sweep_remote.options(
                 num_cpus=0,
@@ -1503,6 +1511,9 @@ class RayBackend:
                     self._dirty_nodes.add(where.node_id)
                     return _lost_reason(outcome, where)
                 assert isinstance(outcome, dict)
+                if self._config.shared_dir is None:
+                    # Its task made its scratch directory first thing, sweeping the node's scratch.
+                    self._swept_nodes.add(where.node_id)
                 return outcome
             finally:
                 self._placements.pop(rid, None)

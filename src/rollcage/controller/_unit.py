@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollcage.controller._dataset import Task
 from rollcage.controller._graders import (
     GradeResult,
     GraderSpec,
@@ -78,6 +77,7 @@ from rollcage.protocol import (
 from rollcage.supervisor.config import BwrapSandbox
 
 if TYPE_CHECKING:
+    from rollcage.controller._dataset import Task
     from rollcage.supervisor import Supervised
 
 __all__ = [
