@@ -3,7 +3,8 @@
 Issue 41 measured 50 tasks at 18.8 s on Ray against 3.9 s locally: every rollout on a Ray
 node started a warm worker template of its own (the template died with the rollout's
 thread). This runs the same dataset (``--tasks`` tasks: one python call, then the answer,
-on the embedded scripted policy) with ``--sandbox bwrap``, concurrency ``--concurrency``,
+on the embedded scripted policy) with ``--sandbox`` (``bwrap``, the default, or ``none``: a
+``--sandbox none`` worker's template is its starting thread's), concurrency ``--concurrency``,
 on the local backend and on a two-node Ray cluster started here (``ray start``, each node
 ``--concurrency / 2`` CPUs, one rollout per CPU), in ``--rounds`` rounds, the two backends
 in turn (ABBA). While a run goes, a sampler counts the template processes that appear
@@ -25,6 +26,7 @@ same local runs.
 
     .venv/bin/python bench/ray_local.py                      # 50 tasks, C=4, 2 rounds
     .venv/bin/python bench/ray_local.py --tasks 20 --rounds 1
+    .venv/bin/python bench/ray_local.py --sandbox none
     .venv/bin/python bench/ray_local.py --baseline-python /work/main/.venv/bin/python
 """
 
@@ -238,7 +240,9 @@ def _once(name: str, config: Any, extra_s: float = 0.0) -> dict[str, Any]:
     }
 
 
-def _child(backend: str, address: str, tasks: int, concurrency: int, workdir: Path) -> list[dict[str, Any]]:
+def _child(
+    backend: str, address: str, tasks: int, concurrency: int, workdir: Path, sandbox: str
+) -> list[dict[str, Any]]:
     """The local run; or on Ray, the run as a user starts it (connecting included) and a second one
     by the same driver, whose Ray worker processes are started already (a job's workers are its own)."""
     from rollcage.controller import LocalBackendConfig, RayBackendConfig, RunConfig
@@ -247,7 +251,7 @@ def _child(backend: str, address: str, tasks: int, concurrency: int, workdir: Pa
         return RunConfig(
             dataset=_dataset(workdir, tasks),
             out=workdir / out,
-            sandbox="bwrap",
+            sandbox=sandbox,
             concurrency=concurrency,
             deadline_s=120,
             backend=RayBackendConfig() if backend == "ray" else LocalBackendConfig(),
@@ -279,6 +283,8 @@ def _run(
             str(args.tasks),
             "--concurrency",
             str(args.concurrency),
+            "--sandbox",
+            args.sandbox,
         ]
         command += ["--child", backend, address or "-", str(workdir)]
         out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=1200)
@@ -303,6 +309,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=50)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--sandbox", choices=("bwrap", "none"), default="bwrap")
     parser.add_argument(
         "--baseline-python", help="another checkout's venv python: Ray with it too, on its own cluster"
     )
@@ -310,7 +317,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         backend, address, workdir = args.child
-        print(json.dumps(_child(backend, address, args.tasks, args.concurrency, Path(workdir))))
+        rows = _child(backend, address, args.tasks, args.concurrency, Path(workdir), args.sandbox)
+        print(json.dumps(rows))
         return
     root = Path(tempfile.mkdtemp(prefix="rc-bench-ray-", dir="/tmp"))  # Ray's socket paths must be short
     cpus = max(args.concurrency // 2, 1)
@@ -334,6 +342,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(
         f"cores: {os.cpu_count()}  tasks: {args.tasks}  concurrency: {args.concurrency}  "
+        f"sandbox: {args.sandbox}  "
         f"Ray: 2 nodes x {cpus} CPUs per cluster ({len(clusters)})  load now (1/5/15 min): {_load()}"
     )
     columns = (
