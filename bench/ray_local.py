@@ -270,30 +270,35 @@ def _child(
         ray.shutdown()
 
 
-def _run(
-    backend: str, address: str, args: argparse.Namespace, python: str = sys.executable, source: str = "this"
-) -> list[dict[str, Any]]:
-    workdir = Path(tempfile.mkdtemp(prefix="rollcage-bench-ray-", dir="/tmp"))
-    load = _load()
+def child_json(command: list[str], workdir: Path) -> Any:
+    """Run a bench's ``--child`` command line; the JSON of its last line. ``workdir`` is removed after."""
     try:
-        command = [
-            python,
-            __file__,
-            "--tasks",
-            str(args.tasks),
-            "--concurrency",
-            str(args.concurrency),
-            "--sandbox",
-            args.sandbox,
-        ]
-        command += ["--child", backend, address or "-", str(workdir)]
         out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=1200)
     except subprocess.CalledProcessError as exc:
         sys.stderr.write(exc.stderr[-4000:])
         raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    rows: list[dict[str, Any]] = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _run(
+    backend: str, address: str, args: argparse.Namespace, python: str = sys.executable, source: str = "this"
+) -> list[dict[str, Any]]:
+    workdir = Path(tempfile.mkdtemp(prefix="rollcage-bench-ray-", dir="/tmp"))
+    load = _load()
+    command = [
+        python,
+        __file__,
+        "--tasks",
+        str(args.tasks),
+        "--concurrency",
+        str(args.concurrency),
+        "--sandbox",
+        args.sandbox,
+    ]
+    command += ["--child", backend, address or "-", str(workdir)]
+    rows: list[dict[str, Any]] = child_json(command, workdir)
     for row in rows:
         row["load"] = load
         row["source"] = source if backend == "ray" else "this"

@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ray_local import _Cluster, _dataset, _load
+from ray_local import _Cluster, _dataset, _load, child_json
 
 TICK = os.sysconf("SC_CLK_TCK")
 BOOT = time.time() - float(Path("/proc/uptime").read_text().split()[0])
@@ -253,24 +252,17 @@ def main() -> None:
         cluster.start()
         for backend in ("local", "ray"):
             workdir = Path(tempfile.mkdtemp(prefix="rollcage-prof-", dir="/tmp"))
-            try:
-                command = [
-                    args.python,
-                    __file__,
-                    "--tasks",
-                    str(args.tasks),
-                    "--concurrency",
-                    str(args.concurrency),
-                ]
-                command += ["--child", backend, cluster.address or "-", str(os.getpid()), str(workdir)]
-                print(f"{backend}: load {_load()}", file=sys.stderr)
-                out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=1200)
-            except subprocess.CalledProcessError as exc:
-                sys.stderr.write(exc.stderr[-4000:])
-                raise
-            finally:
-                shutil.rmtree(workdir, ignore_errors=True)
-            results.update(json.loads(out.stdout.strip().splitlines()[-1]))
+            command = [
+                args.python,
+                __file__,
+                "--tasks",
+                str(args.tasks),
+                "--concurrency",
+                str(args.concurrency),
+            ]
+            command += ["--child", backend, cluster.address or "-", str(os.getpid()), str(workdir)]
+            print(f"{backend}: load {_load()}", file=sys.stderr)
+            results.update(child_json(command, workdir))
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)

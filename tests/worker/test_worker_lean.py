@@ -44,21 +44,25 @@ def _run(script: str, *, warm: bool, env: dict[str, str] | None = None) -> str:
     ).stdout
 
 
+_COUNT_SWEEPS = (
+    "sweeps = 0\n"
+    "clear = logging.Manager._clear_cache\n"
+    "def counted(self):\n"
+    "    global sweeps\n"
+    "    sweeps += 1\n"
+    "    clear(self)\n"
+    "logging.Manager._clear_cache = counted\n"
+)
+"""Script lines that count logging's sweeps of every logger's cache (each ``setLevel`` makes one)."""
+
+
 def _configured(level: str, *, warm: bool) -> dict[str, object]:
     """The logging a worker sets up at ``ROLLCAGE_LOG_LEVEL=level`` (and how many logger sweeps it made)."""
-    script = (
-        "import logging, os\n"
-        "from rollcage import worker\n"
-        "sweeps = 0\n"
-        "clear = logging.Manager._clear_cache\n"
-        "def counted(self):\n"
-        "    global sweeps\n"
-        "    sweeps += 1\n"
-        "    clear(self)\n"
-        "logging.Manager._clear_cache = counted\n"
+    configure = (
         "name = os.environ['ROLLCAGE_LOG_LEVEL'].upper()\n"
         "worker._configure_logging(logging.getLevelNamesMapping().get(name, logging.INFO))\n"
     )
+    script = "import logging, os\nfrom rollcage import worker\n" + _COUNT_SWEEPS + configure
     out = _run(script + _LOGGING_STATE, warm=warm, env={"ROLLCAGE_LOG_LEVEL": level})
     result: dict[str, object] = json.loads(out)
     return result
@@ -142,21 +146,15 @@ def test_a_warm_worker_starts_without_parsing_or_sweeping_loggers() -> None:
     # The whole worker_main, in a fork's place: given the sandbox's command line (no /rollout here:
     # its input cannot be read, which ends it as an invalid input), it neither parses the command
     # line again nor sets a logging level the template set already.
-    out = _run(
-        "import argparse, logging\n"
-        "from rollcage import worker\n"
-        "sweeps = 0\n"
-        "clear = logging.Manager._clear_cache\n"
-        "def counted(self):\n"
-        "    global sweeps\n"
-        "    sweeps += 1\n"
-        "    clear(self)\n"
-        "logging.Manager._clear_cache = counted\n"
+    start = (
         "def refuse(*args, **kwargs):\n"
         "    raise AssertionError('parsed again')\n"
         "argparse.ArgumentParser.parse_args = refuse\n"
         "code = worker.worker_main(list(worker._SANDBOX_ARGV))\n"
-        "print(code, sweeps, logging.getLogger().level, logging.getLogger('httpx').level)\n",
+        "print(code, sweeps, logging.getLogger().level, logging.getLogger('httpx').level)\n"
+    )
+    out = _run(
+        "import argparse, logging\nfrom rollcage import worker\n" + _COUNT_SWEEPS + start,
         warm=True,
         env={"ROLLCAGE_LOG_LEVEL": "INFO"},
     )
