@@ -301,11 +301,9 @@ def test_a_sigkilled_supervisor_takes_its_warm_worker_with_it(tmp_path: Path) ->
         timeout=10,
         what="the worker and holder to die with it",
     )
-    # The executor's sleeping cell is left by a cold start alike (it is the worker's child, with no
-    # parent-death signal of its own): not this start's to end. Ended here, by its PID.
-    for pid in processes_with_token():
-        os.kill(pid, 9)
-    wait_for(lambda: not processes_with_token(), timeout=10, what="the executor to be gone")
+    # The executor, in its sleeping cell, is the worker's child: it dies with the worker (its
+    # parent-death signal, tools' uncaged_leash), not at the cell's end an hour later.
+    wait_for(lambda: not processes_with_token(), timeout=10, what="the executor to die with the worker")
 
 
 @pytest.mark.timeout(90)

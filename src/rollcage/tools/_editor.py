@@ -23,7 +23,7 @@ from typing import Any
 
 from rollcage.errors import ExecutorError
 from rollcage.procs import GroupTree, StopStrategy, shielded, signal_group, stop_tree
-from rollcage.tools._executor import bound_middle
+from rollcage.tools._executor import bound_middle, uncaged_leash
 
 __all__ = ["EDITOR_COMMANDS", "FileEditor"]
 
@@ -114,7 +114,7 @@ class FileEditor:
         return bound_middle(text, self._limit)
 
     async def _run(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        argv = [*self._prefix, self._python, "-I", "-c", _child_source()]
+        argv = [*(self._prefix or uncaged_leash()), self._python, "-I", "-c", _child_source()]
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,

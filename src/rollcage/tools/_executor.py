@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import keyword
 import os
 import time
@@ -43,6 +44,7 @@ __all__ = [
     "ToolBridge",
     "bound_middle",
     "make_executor",
+    "uncaged_leash",
 ]
 
 BRIDGE_CANCEL_TIMEOUT_S = 5.0
@@ -150,6 +152,23 @@ class CellResult:
     def with_note(self, status: CellStatus, note: str) -> CellResult:
         """A copy with another status and note (used when a timeout or a restart is reported)."""
         return dataclasses.replace(self, status=status, note=note)
+
+
+@functools.cache
+def uncaged_leash() -> tuple[str, ...]:
+    """The prefix a tool's child starts under where it has no cage: ``setpriv --pdeathsig KILL --``.
+
+    Why: with ``--sandbox none`` nothing contains the agent's processes. The worker dies with
+    its supervisor's thread (``PR_SET_PDEATHSIG``), but the executor, the bash session and the
+    editor's steps are the worker's children: killed with it (the supervisor SIGKILLed, say),
+    they went on running the agent's code. Under this prefix each dies with the worker's thread
+    that started it, as the worker does with its supervisor's; in a cage, the cage's PID
+    namespace ends them instead. Empty where ``setpriv`` (util-linux) is missing.
+    """
+    from rollcage.cage import which
+
+    setpriv = which("setpriv")
+    return () if setpriv is None else (setpriv, "--pdeathsig", "KILL", "--")
 
 
 def truncation_marker(count: int) -> str:

@@ -60,6 +60,7 @@ from rollcage.tools._executor import (
     ProcessDied,
     fail_future,
     mark_dropped,
+    uncaged_leash,
 )
 from rollcage.tools._forked import ANSWER_S as FORKED_ANSWER_S
 from rollcage.tools._forked import ForkedExecutor
@@ -406,7 +407,7 @@ class ReplExecutor(Executor):
                     if forked is not None:
                         return forked
                 return await asyncio.create_subprocess_exec(
-                    *self._prefix,
+                    *(self._prefix or uncaged_leash()),
                     *argv,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out_w,

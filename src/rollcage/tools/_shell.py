@@ -62,7 +62,7 @@ from rollcage.procs import (
     wait_shared,
     within,
 )
-from rollcage.tools._executor import bound_middle, mark_dropped
+from rollcage.tools._executor import bound_middle, mark_dropped, uncaged_leash
 from rollcage.tools._repl import StreamSink
 
 __all__ = ["SHELL_ENV", "ShellResult", "ShellSession", "ShellStatus", "bash_quote"]
@@ -303,7 +303,8 @@ class ShellSession(AsyncClosing):
                 lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(st_r, "rb", buffering=0)
             )
             self._status_reader = reader
-            argv = [*self._prefix, self._shell, "--noprofile", "--norc", f"/dev/fd/{cmd_r}"]
+            prefix = self._prefix or uncaged_leash()
+            argv = [*prefix, self._shell, "--noprofile", "--norc", f"/dev/fd/{cmd_r}"]
             try:
                 self._proc = await asyncio.create_subprocess_exec(
                     *argv,
