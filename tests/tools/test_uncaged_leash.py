@@ -1,14 +1,17 @@
 """A tool's child with no cage around it (``--sandbox none``) dies with the process that started it.
 
 Without a sandbox no PID namespace ends the agent's processes when the worker dies: the Python
-executor (running the agent's cell) and the bash session are the worker's children. They start
-under ``setpriv --pdeathsig KILL`` (:func:`rollcage.tools._executor.uncaged_leash`), so a worker
-killed outright (its supervisor SIGKILLed, say) takes them with it instead of leaving the agent's
-code running; in a cage the cage's PID namespace does it.
+executor (running the agent's cell) and the bash session are the worker's children. ``repl``'s
+child and bash start under ``setpriv --pdeathsig KILL``
+(:func:`rollcage.tools._executor.uncaged_leash`), so a worker killed outright (its supervisor
+SIGKILLed, say) takes them with it instead of leaving the agent's code running; in a cage the
+cage's PID namespace does it. ``jupyter``'s kernel needs no leash: ipykernel's parent poller ends
+it when its parent is gone (the test holds it to that too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -30,7 +33,7 @@ from rollcage.tools import ShellSession, make_executor
 
 async def main() -> None:
     workspace = Path(sys.argv[1])
-    executor = make_executor(ExecutorSettings(), cwd=workspace)
+    executor = make_executor(ExecutorSettings(backend=sys.argv[2]), cwd=workspace)
     shell = ShellSession(cwd=workspace)
     await executor.start()
     await shell.run("true", 30)
@@ -47,9 +50,10 @@ def test_the_leash_is_setpriv_with_a_parent_death_signal() -> None:
     assert leash and Path(leash[0]).name == "setpriv" and leash[1:] == ("--pdeathsig", "KILL", "--")
 
 
-def test_an_uncaged_executor_and_bash_session_die_with_their_owner(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["repl", "jupyter"])
+def test_an_uncaged_executor_and_bash_session_die_with_their_owner(tmp_path: Path, backend: str) -> None:
     with subprocess.Popen(
-        [sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", OWNER, str(tmp_path), backend], stdout=subprocess.PIPE, text=True
     ) as owner:
         try:
             assert owner.stdout is not None
@@ -69,3 +73,7 @@ def test_an_uncaged_executor_and_bash_session_die_with_their_owner(tmp_path: Pat
         for pid in (executor, shell):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        # What the agent's code starts is not leashed (a parent-death signal is not inherited): the
+        # session's `sleep`, left in its process group, is this test's to end.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell, signal.SIGKILL)
