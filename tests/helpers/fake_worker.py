@@ -262,6 +262,14 @@ def probe(args: list[str], workspace: str) -> dict[str, Any]:
     return findings
 
 
+def mark(path: str, text: str) -> None:
+    """Write a marker file a test waits for, whole or not at all: a test that sees it reads all of it."""
+    temp = f"{path}.{secrets.token_hex(8)}.tmp"
+    with open(temp, "w") as file:
+        file.write(text)
+    os.replace(temp, path)
+
+
 def publish_inventory(workspace: str) -> None:
     """Write ``inventory.json`` into the workspace: each entry found there (links as links), in order."""
     found: dict[str, str] = {}
@@ -397,8 +405,7 @@ def main(argv: list[str]) -> int:
         return 1
     if mode == "hang":
         on_sigterm_publish_cancelled(spec, result_path)
-        with open(os.path.join(workspace, "started"), "w") as file:
-            file.write(str(os.getpid()))
+        mark(os.path.join(workspace, "started"), str(os.getpid()))
         time.sleep(600)
         return 0
     if mode == "hang-model":

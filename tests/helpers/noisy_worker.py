@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from fake_worker import http_post, journal_append, on_sigterm_publish_cancelled
+from fake_worker import http_post, journal_append, mark, on_sigterm_publish_cancelled
 
 if __name__ == "__main__":
     count, size, input_path, result_path, checkpoint = sys.argv[1], sys.argv[2], *sys.argv[3:5], sys.argv[-1]
@@ -33,6 +33,5 @@ if __name__ == "__main__":
             http_post(model["base_url"], model.get("uds"), "/chat/completions", payload, timeout=10)
         except OSError:
             pass  # refused once the budget is spent: keep talking, as a runaway agent would
-    with open(os.path.join(os.path.dirname(os.path.abspath(result_path)), "workspace", "started"), "w") as f:
-        f.write("talked")
+    mark(os.path.join(os.path.dirname(os.path.abspath(result_path)), "workspace", "started"), "talked")
     time.sleep(600)
